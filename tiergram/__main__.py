@@ -1,0 +1,3 @@
+from tiergram.cli import main
+
+raise SystemExit(main())
