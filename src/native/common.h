@@ -1,0 +1,66 @@
+// Shared pieces of the native core: the worker pool, CRC-32C and page geometry.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tiergram {
+
+// CRC-32C (Castagnoli), reflected, init/final xor 0xFFFFFFFF. `crc` continues a previous value.
+uint32_t crc32c(const uint8_t *data, size_t len, uint32_t crc = 0);
+
+// Trailer at the end of every page: u32 page index, u32 CRC-32C of bytes [0, page_size - 4).
+constexpr size_t kPageTrailerBytes = 8;
+
+// Writes the trailer of one page (index + checksum) in place.
+void seal_page(uint8_t *page, size_t page_size, uint32_t page_index);
+
+// True when the page's trailer matches its contents and its expected index.
+bool page_ok(const uint8_t *page, size_t page_size, uint32_t page_index);
+
+// Where global row `row` lives: byte offset from the start of the data region.
+struct PageGeometry {
+  uint64_t page_size = 4096;
+  uint64_t rows_per_page = 1;
+  uint64_t row_bytes = 1;
+  uint64_t row_offset(uint64_t row) const {
+    return (row / rows_per_page) * page_size + (row % rows_per_page) * row_bytes;
+  }
+};
+
+// A small persistent pool; parallel_for splits [0, n) into chunks run by the workers and the caller.
+class WorkerPool {
+ public:
+  explicit WorkerPool(unsigned n_threads);
+  ~WorkerPool();
+  unsigned size() const { return static_cast<unsigned>(workers_.size()) + 1; }
+  // Runs fn(begin, end) over chunks of at least `grain` items; returns when all are done.
+  void parallel_for(size_t n, size_t grain, const std::function<void(size_t, size_t)> &fn);
+
+ private:
+  void worker_loop();
+  void run_chunks();
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  const std::function<void(size_t, size_t)> *job_ = nullptr;
+  size_t job_n_ = 0, job_grain_ = 1;
+  std::atomic<size_t> next_{0};
+  unsigned active_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  std::mutex call_mu_;  // one parallel_for at a time
+};
+
+// The process-wide pool used by gathers (sized by set_num_threads, default: hardware threads).
+WorkerPool &global_pool();
+void set_num_threads(unsigned n);
+
+}  // namespace tiergram

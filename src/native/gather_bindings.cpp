@@ -1,0 +1,119 @@
+// Python bindings of checksums and gathers; all heavy work runs with the GIL released.
+#include <vector>
+
+#include <nanobind/stl/vector.h>
+
+#include "bindings.h"
+#include "decode.h"
+#include "gather.h"
+
+namespace tiergram {
+
+namespace {
+
+OutKind out_kind(const AnyOut &out) {
+  const nb::dlpack::dtype dt = out.dtype();
+  if (dt == nb::dtype<float>()) return OutKind::kF32;
+  if (dt == nb::dtype<uint16_t>() || (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16))
+    return OutKind::kBf16;
+  if (dt == nb::dtype<uint8_t>()) return OutKind::kRaw;
+  throw std::invalid_argument("out must be float32, bfloat16 (or uint16 bf16 bits) or uint8 (raw rows)");
+}
+
+void check_out_size(const AnyOut &out, OutKind kind, uint64_t n, uint64_t dim, uint64_t row_bytes) {
+  const uint64_t want = n * (kind == OutKind::kRaw ? row_bytes : dim);
+  require(out.size() == want, "out has " + std::to_string(out.size()) + " elements, expected " +
+                                  std::to_string(want) + " (" + std::to_string(n) + " rows)");
+}
+
+void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64_t page_size,
+            uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out) {
+  const uint64_t row_bytes = codec_row_bytes(codec, dim);
+  require(row_bytes > 0, "invalid codec " + std::to_string(codec) + " for dim " + std::to_string(dim));
+  require(page_size >= 512 && rows_per_page >= 1 && rows_per_page * row_bytes + kPageTrailerBytes <= page_size,
+          "page geometry does not fit: " + std::to_string(rows_per_page) + " rows of " +
+              std::to_string(row_bytes) + " bytes in a " + std::to_string(page_size) + "-byte page");
+  require(head_offsets.size() == head_rows.size(), "head_offsets and head_rows differ in length");
+  TableView t;
+  t.data = data.data();
+  t.data_bytes = data.size();
+  t.geo = PageGeometry{page_size, rows_per_page, row_bytes};
+  t.head_offsets = head_offsets.data();
+  t.head_rows = head_rows.data();
+  t.n_heads = head_offsets.size();
+  t.codec = codec;
+  t.dim = dim;
+  const OutKind kind = out_kind(out);
+  check_out_size(out, kind, ids.size(), dim, row_bytes);
+  nb::gil_scoped_release release;
+  check_ids(t, ids.data(), ids.size());
+  gather_rows(t, ids.data(), ids.size(), kind, out.data());
+}
+
+void decode_at_py(BytesIn src, IdsIn offsets, int codec, uint64_t dim, AnyOut out) {
+  const uint64_t row_bytes = codec_row_bytes(codec, dim);
+  require(row_bytes > 0, "invalid codec " + std::to_string(codec) + " for dim " + std::to_string(dim));
+  const OutKind kind = out_kind(out);
+  check_out_size(out, kind, offsets.size(), dim, row_bytes);
+  nb::gil_scoped_release release;
+  decode_at(src.data(), src.size(), offsets.data(), offsets.size(), codec, dim, kind, out.data());
+}
+
+void check_pages_arg(uint64_t n_bytes, uint64_t page_size) {
+  require(page_size >= 512 && (page_size & (page_size - 1)) == 0, "page_size must be a power of two >= 512");
+  require(n_bytes % page_size == 0, "buffer of " + std::to_string(n_bytes) + " bytes is not whole pages of " +
+                                        std::to_string(page_size));
+}
+
+void seal_pages(BytesOut pages, uint64_t page_size, uint64_t first_index) {
+  check_pages_arg(pages.size(), page_size);
+  uint8_t *p = pages.data();
+  const uint64_t n = pages.size() / page_size;
+  nb::gil_scoped_release release;
+  global_pool().parallel_for(n, 64, [&](size_t b, size_t e) {
+    for (size_t i = b; i < e; ++i) seal_page(p + i * page_size, page_size, static_cast<uint32_t>(first_index + i));
+  });
+}
+
+std::vector<int64_t> verify_pages(BytesIn pages, uint64_t page_size, uint64_t first_index) {
+  check_pages_arg(pages.size(), page_size);
+  const uint8_t *p = pages.data();
+  const uint64_t n = pages.size() / page_size;
+  std::vector<uint8_t> bad(n, 0);
+  {
+    nb::gil_scoped_release release;
+    global_pool().parallel_for(n, 64, [&](size_t b, size_t e) {
+      for (size_t i = b; i < e; ++i)
+        bad[i] = !page_ok(p + i * page_size, page_size, static_cast<uint32_t>(first_index + i));
+    });
+  }
+  std::vector<int64_t> out;
+  for (uint64_t i = 0; i < n; ++i)
+    if (bad[i]) out.push_back(static_cast<int64_t>(first_index + i));
+  return out;
+}
+
+}  // namespace
+
+void register_gather(nb::module_ &m) {
+  m.def(
+      "crc32c", [](BytesIn data, uint32_t crc) { return crc32c(data.data(), data.size(), crc); }, nb::arg("data"),
+      nb::arg("crc") = 0, "CRC-32C of a uint8 buffer, continuing `crc`.");
+  m.def("codec_row_bytes", &codec_row_bytes, nb::arg("codec"), nb::arg("dim"),
+        "Encoded bytes per row (0 if the codec/dim pair is invalid).");
+  m.def("seal_pages", &seal_pages, nb::arg("pages"), nb::arg("page_size"), nb::arg("first_index"),
+        "Write each page's trailer (index, CRC-32C) in place; pages is uint8 [P * page_size].");
+  m.def("verify_pages", &verify_pages, nb::arg("pages"), nb::arg("page_size"), nb::arg("first_index"),
+        "Indices of the pages whose trailer does not match.");
+  m.def("gather", &gather, nb::arg("data"), nb::arg("ids"), nb::arg("head_offsets"), nb::arg("head_rows"),
+        nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"), nb::arg("out"),
+        "Bounds-check ids int64 [N, H] per head, then decode each row into out [N, H, D] (f32/bf16) or copy raw "
+        "rows into uint8 out [N, H, row_bytes].");
+  m.def("decode_at", &decode_at_py, nb::arg("src"), nb::arg("offsets"), nb::arg("codec"), nb::arg("dim"),
+        nb::arg("out"), "Decode rows found at byte offsets int64 [N] of src into out [N, D] (or raw bytes).");
+  m.def("set_num_threads", [](unsigned n) { set_num_threads(n); }, nb::arg("n"),
+        "Size of the native worker pool used by gathers.");
+  m.def("num_threads", []() { return global_pool().size(); }, "Threads in the native worker pool.");
+}
+
+}  // namespace tiergram

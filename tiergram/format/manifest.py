@@ -1,0 +1,161 @@
+"""The table manifest: geometry, codec and provenance of one table file, with its derived fields checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tiergram import _native
+
+FORMAT_NAME = "tiergram-table"
+FORMAT_VERSION = 1
+MAGIC = b"TIERGRAM"
+HEADER_BYTES = 32
+PAGE_TRAILER_BYTES = 8
+CODEC_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "fp8_e4m3": 3}
+
+
+class TableFormatError(ValueError):
+    """A table file or manifest that breaks the format; the message names the file and the problem."""
+
+
+def codec_row_bytes(codec: str, dim: int) -> int:
+    """Encoded bytes of one row; TableFormatError for an unknown codec or a dim it cannot encode."""
+    if codec not in CODEC_IDS:
+        raise TableFormatError(f"unknown codec {codec!r} (valid: {', '.join(CODEC_IDS)})")
+    n = _native.codec_row_bytes(CODEC_IDS[codec], int(dim)) if dim > 0 else 0
+    if n == 0:
+        raise TableFormatError(f"codec {codec} cannot encode rows of dim {dim}")
+    return n
+
+
+@dataclass(frozen=True)
+class TableManifest:
+    """Everything a reader needs to find and decode any row; see docs/table-format.md."""
+
+    codec: str
+    dim: int
+    head_rows: tuple[int, ...]
+    page_size: int = 4096
+    layer_id: int | None = None
+    hashing: dict[str, Any] | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        if ps < 512 or ps & (ps - 1):
+            raise TableFormatError(f"page_size {ps} is not a power of two >= 512")
+        if not self.head_rows or any(int(n) <= 0 for n in self.head_rows):
+            raise TableFormatError(f"heads must each have at least one row, got {list(self.head_rows)}")
+        if self.row_bytes + PAGE_TRAILER_BYTES > ps:
+            raise TableFormatError(f"a {self.row_bytes}-byte row does not fit a {ps}-byte page")
+
+    @property
+    def row_bytes(self) -> int:
+        return codec_row_bytes(self.codec, self.dim)
+
+    @property
+    def codec_id(self) -> int:
+        return CODEC_IDS[self.codec]
+
+    @property
+    def rows_per_page(self) -> int:
+        return (self.page_size - PAGE_TRAILER_BYTES) // self.row_bytes
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.head_rows)
+
+    @property
+    def head_offsets(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.head_rows)[:-1]]))
+
+    @property
+    def total_rows(self) -> int:
+        return int(sum(self.head_rows))
+
+    @property
+    def n_pages(self) -> int:
+        return -(-self.total_rows // self.rows_per_page)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.n_pages * self.page_size
+
+    def to_json(self, data_offset: int) -> dict[str, Any]:
+        """The manifest object written to the file (docs/table-format.md, 'Manifest')."""
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "codec": self.codec,
+            "dim": self.dim,
+            "row_bytes": self.row_bytes,
+            "page_size": self.page_size,
+            "rows_per_page": self.rows_per_page,
+            "heads": [{"rows": int(n), "row_offset": o} for n, o in zip(self.head_rows, self.head_offsets)],
+            "total_rows": self.total_rows,
+            "n_pages": self.n_pages,
+            "data_offset": data_offset,
+            "layer_id": self.layer_id,
+            "hashing": self.hashing,
+            "provenance": self.provenance,
+        }
+
+    def encode(self) -> tuple[bytes, int]:
+        """(manifest JSON bytes, data_offset): data starts at the first page boundary after the manifest."""
+        body = b""
+        data_offset = self.page_size
+        for _ in range(3):  # data_offset is inside the JSON; its digits can move the boundary once at most
+            body = json.dumps(self.to_json(data_offset), sort_keys=True).encode()
+            need = -(-(HEADER_BYTES + len(body)) // self.page_size) * self.page_size
+            if need == data_offset:
+                break
+            data_offset = need
+        return body, data_offset
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> tuple[TableManifest, int]:
+        """Parse and cross-check a manifest object; returns (manifest, data_offset)."""
+
+        def bad(msg: str) -> TableFormatError:
+            return TableFormatError(f"{where}: manifest {msg}")
+
+        if not isinstance(obj, dict):
+            raise bad("is not a JSON object")
+        if obj.get("format") != FORMAT_NAME:
+            raise bad(f"field 'format' is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
+        if obj.get("version") != FORMAT_VERSION:
+            raise bad(f"field 'version' is {obj.get('version')!r}; this reader knows version {FORMAT_VERSION}")
+        for key in ("codec", "dim", "row_bytes", "page_size", "rows_per_page", "heads", "total_rows", "n_pages",
+                    "data_offset"):
+            if key not in obj:
+                raise bad(f"lacks field {key!r}")
+        heads = obj["heads"]
+        if not isinstance(heads, list) or not all(isinstance(h, dict) and "rows" in h for h in heads):
+            raise bad("field 'heads' must be a list of {'rows': N, 'row_offset': O}")
+        try:
+            m = cls(codec=obj["codec"], dim=int(obj["dim"]), head_rows=tuple(int(h["rows"]) for h in heads),
+                    page_size=int(obj["page_size"]), layer_id=obj.get("layer_id"), hashing=obj.get("hashing"),
+                    provenance=obj.get("provenance") or {})
+        except TableFormatError as e:
+            raise bad(str(e)) from None
+        derived = {"row_bytes": m.row_bytes, "rows_per_page": m.rows_per_page, "total_rows": m.total_rows,
+                   "n_pages": m.n_pages}
+        for key, want in derived.items():
+            if obj[key] != want:
+                raise bad(f"field {key!r} is {obj[key]!r} but the geometry gives {want}")
+        for i, (h, off) in enumerate(zip(heads, m.head_offsets)):
+            if h.get("row_offset") != off:
+                raise bad(f"head {i} row_offset is {h.get('row_offset')!r}, expected {off}")
+        data_offset = obj["data_offset"]
+        if not isinstance(data_offset, int) or data_offset <= 0 or data_offset % m.page_size:
+            raise bad(f"field 'data_offset' {data_offset!r} is not a positive multiple of the page size")
+        return m, data_offset
+
+    def replace(self, **changes: Any) -> TableManifest:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
