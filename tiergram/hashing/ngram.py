@@ -1,0 +1,291 @@
+"""Multi-head n-gram hashing of compressed token ids into per-head table rows (DeepSeek Engram demo)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .compression import as_lookup, build_compression, check_ids, lookup_digest, to_numpy
+from .primes import engram_head_table_sizes, isprime
+
+if TYPE_CHECKING:
+    from .streaming import HashState
+
+SCHEME = "engram-v1"
+_LAYER_SEED_STRIDE = 10007  # seed + 10007 * layer_id, as in the demo
+
+
+def engram_multipliers(
+    seed: int, layer_id: int, max_ngram_size: int, compressed_vocab_size: int
+) -> np.ndarray:
+    """Odd per-position multipliers int64 [max_ngram_size] for one layer."""
+    # Bounded by int64 max // C so no product id * m overflows int64 and every XOR stays non-negative.
+    m_max = int(np.iinfo(np.int64).max // compressed_vocab_size)
+    half_bound = max(1, m_max // 2)
+    g = np.random.default_rng(seed + _LAYER_SEED_STRIDE * layer_id)
+    r = g.integers(low=0, high=half_bound, size=(max_ngram_size,), dtype=np.int64)
+    return r * 2 + 1
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r}") from None
+
+
+class NgramHasher:
+    """Token ids -> Engram row ids for each layer: int64 [B, T, H], H = (max_ngram_size - 1) * heads."""
+
+    def __init__(
+        self,
+        engram_vocab_size: Sequence[int],
+        max_ngram_size: int,
+        n_head_per_ngram: int,
+        layer_ids: Sequence[int],
+        pad_id: int,
+        seed: int = 0,
+        *,
+        compression: Any = None,
+        tokenizer: Any = None,
+        compressed_vocab_size: int | None = None,
+        head_table_sizes: Mapping[Any, Sequence[Sequence[int]]] | None = None,
+    ) -> None:
+        """Exactly one of compression (lookup [V]), tokenizer, compressed_vocab_size (identity)."""
+        self.max_ngram_size = _int(max_ngram_size, "max_ngram_size")
+        if self.max_ngram_size < 2:
+            raise ValueError(f"max_ngram_size must be >= 2, got {self.max_ngram_size}")
+        self.engram_vocab_size = [_int(v, "engram_vocab_size entry") for v in engram_vocab_size]
+        if not self.engram_vocab_size:
+            raise ValueError("engram_vocab_size is empty; need one table size per n-gram order")
+        if len(self.engram_vocab_size) != self.max_ngram_size - 1:
+            raise ValueError(
+                f"engram_vocab_size has {len(self.engram_vocab_size)} entries but max_ngram_size="
+                f"{self.max_ngram_size} needs {self.max_ngram_size - 1} (orders 2..{self.max_ngram_size})"
+            )
+        if min(self.engram_vocab_size) < 1:
+            raise ValueError(f"engram_vocab_size entries must be >= 1, got {self.engram_vocab_size}")
+        self.n_head_per_ngram = _int(n_head_per_ngram, "n_head_per_ngram")
+        if self.n_head_per_ngram < 1:
+            raise ValueError(f"n_head_per_ngram must be >= 1, got {self.n_head_per_ngram}")
+        self.layer_ids = [_int(layer, "layer id") for layer in layer_ids]
+        if not self.layer_ids:
+            raise ValueError("layer_ids is empty")
+        if len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
+            raise ValueError(f"layer_ids must be distinct and non-negative, got {self.layer_ids}")
+        self.seed = _int(seed, "seed")
+        if self.seed < 0:
+            raise ValueError(f"seed must be non-negative, got {self.seed}")
+        self.num_heads = (self.max_ngram_size - 1) * self.n_head_per_ngram
+
+        given = [name for name, v in (("compression", compression), ("tokenizer", tokenizer),
+                                      ("compressed_vocab_size", compressed_vocab_size)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of compression, tokenizer, compressed_vocab_size; "
+                f"got {given or 'none'}"
+            )
+        if tokenizer is not None:
+            lookup, c = build_compression(tokenizer)
+        elif compression is not None:
+            lookup, c = as_lookup(compression)
+        else:
+            c = _int(compressed_vocab_size, "compressed_vocab_size")
+            if c < 1:
+                raise ValueError(f"compressed_vocab_size must be >= 1, got {c}")
+            lookup = np.arange(c, dtype=np.int64)
+        self.lookup: np.ndarray = lookup
+        self.vocab_size = len(lookup)
+        self.compressed_vocab_size = c
+
+        self.pad_id = _int(pad_id, "pad_id")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+        self.compressed_pad_id = int(lookup[self.pad_id])
+
+        self.multipliers: dict[int, np.ndarray] = {
+            layer: engram_multipliers(self.seed, layer, self.max_ngram_size, c) for layer in self.layer_ids
+        }
+        if head_table_sizes is None:
+            self.head_table_sizes = engram_head_table_sizes(
+                self.engram_vocab_size, self.max_ngram_size, self.n_head_per_ngram, self.layer_ids
+            )
+        else:
+            self.head_table_sizes = self._check_sizes(head_table_sizes)
+        # Flattened per-order size arrays, precomputed once for the hot path.
+        self._sizes = {
+            layer: [np.asarray(s, dtype=np.int64) for s in self.head_table_sizes[layer]]
+            for layer in self.layer_ids
+        }
+        # Plain-int copies for HashState.push, which hashes one position at a time.
+        self._push_params = {layer: [int(v) for v in m] for layer, m in self.multipliers.items()}
+        self._push_sizes = {layer: [list(o) for o in self.head_table_sizes[layer]] for layer in self.layer_ids}
+
+    def _check_sizes(self, sizes: Mapping[Any, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
+        """Validate a head_table_sizes override: shape, every size prime, all distinct."""
+        by_layer = {_int(int(k) if isinstance(k, str) else k, "head_table_sizes key"): v
+                    for k, v in sizes.items()}
+        if set(by_layer) != set(self.layer_ids):
+            raise ValueError(
+                f"head_table_sizes has layers {sorted(by_layer)} but layer_ids are {self.layer_ids}"
+            )
+        out: dict[int, list[list[int]]] = {}
+        seen: dict[int, tuple[int, int, int]] = {}
+        for layer in self.layer_ids:
+            orders = by_layer[layer]
+            if len(orders) != self.max_ngram_size - 1:
+                raise ValueError(
+                    f"head_table_sizes[{layer}] has {len(orders)} orders, expected {self.max_ngram_size - 1}"
+                )
+            out[layer] = []
+            for oi, heads in enumerate(orders):
+                if len(heads) != self.n_head_per_ngram:
+                    raise ValueError(
+                        f"head_table_sizes[{layer}][{oi}] has {len(heads)} heads, "
+                        f"expected {self.n_head_per_ngram}"
+                    )
+                row = []
+                for hi, size in enumerate(heads):
+                    size = _int(size, f"head_table_sizes[{layer}][{oi}][{hi}]")
+                    if not isprime(size):
+                        raise ValueError(f"head_table_sizes[{layer}][{oi}][{hi}] = {size} is not prime")
+                    if size in seen:
+                        raise ValueError(
+                            f"head_table_sizes[{layer}][{oi}][{hi}] = {size} clashes with "
+                            f"head_table_sizes{list(seen[size])}; every head needs a distinct prime"
+                        )
+                    seen[size] = (layer, oi, hi)
+                    row.append(size)
+                out[layer].append(row)
+        return out
+
+    def _check_layer(self, layer_id: int) -> int:
+        if layer_id not in self.multipliers:
+            raise ValueError(f"layer {layer_id} is not an Engram layer of this hasher ({self.layer_ids})")
+        return layer_id
+
+    def head_sizes(self, layer_id: int) -> list[int]:
+        """Table size (rows) of each head of a layer, length H, order-2 heads first."""
+        return [s for order in self.head_table_sizes[self._check_layer(layer_id)] for s in order]
+
+    def compress(self, input_ids: Any) -> np.ndarray:
+        """Original token ids (any shape) -> compressed ids int64, same shape."""
+        ids = check_ids(to_numpy(input_ids), self.vocab_size)
+        return self.lookup[ids]
+
+    def _pad_history(self, compressed_history: np.ndarray, batch: int) -> np.ndarray:
+        """Last max_ngram_size-1 compressed ids per row [B, K], left-padded with the compressed pad id."""
+        k = self.max_ngram_size - 1
+        if compressed_history.shape[1] >= k:
+            return compressed_history[:, compressed_history.shape[1] - k:]
+        ctx = np.full((batch, k), self.compressed_pad_id, dtype=np.int64)
+        ctx[:, k - compressed_history.shape[1]:] = compressed_history
+        return ctx
+
+    def _hash_compressed(self, full: np.ndarray) -> dict[int, np.ndarray]:
+        """full: compressed int64 [B, K + T], K = max_ngram_size-1 context ids -> {layer: int64 [B, T, H]}."""
+        k = self.max_ngram_size - 1
+        batch, t = full.shape[0], full.shape[1] - k
+        # shift_j(x)[:, i] is the id j positions before position i: a slice of the context-prefixed row.
+        shifts = [full[:, k - j: k - j + t] for j in range(self.max_ngram_size)]
+        out: dict[int, np.ndarray] = {}
+        for layer in self.layer_ids:
+            m = self.multipliers[layer]
+            rows = np.empty((batch, t, self.num_heads), dtype=np.int64)
+            mix = shifts[0] * m[0]
+            h = 0
+            for oi, sizes in enumerate(self._sizes[layer]):
+                n = oi + 2
+                # Order n mixes ids 0..n-1 back, so it extends order n-1's mix by one term.
+                mix = np.bitwise_xor(mix, shifts[n - 1] * m[n - 1])  # int64 arithmetic, as in the demo
+                np.remainder(mix[..., None], sizes, out=rows[..., h: h + len(sizes)])
+                h += len(sizes)
+            out[layer] = rows
+        return out
+
+    def row_ids(self, input_ids: Any) -> dict[int, np.ndarray]:
+        """Whole sequences [B, T] (numpy or torch ints) -> {layer_id: row ids int64 [B, T, H]}."""
+        return self.row_ids_with_history(input_ids, None)
+
+    def row_ids_with_history(self, input_ids: Any, history: Any) -> dict[int, np.ndarray]:
+        """Chunk [B, T] continuing sequences with previous ids history [B, K] -> {layer: int64 [B, T, H]}.
+
+        history holds original token ids, oldest first; only the last max_ngram_size-1 matter. A row
+        with a shorter history is left-padded with pad_id (equivalent to the sequence starting there);
+        None or K = 0 means the chunk starts its sequences.
+        """
+        x = self.compress(input_ids)
+        if x.ndim != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, seq_len], got shape {x.shape}")
+        if history is None:
+            hist = np.empty((x.shape[0], 0), dtype=np.int64)
+        else:
+            hist = self.compress(history)
+            if hist.ndim != 2 or hist.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"history must be 2-D [batch={x.shape[0]}, K], got shape {hist.shape}"
+                )
+        full = np.concatenate([self._pad_history(hist, x.shape[0]), x], axis=1)
+        return self._hash_compressed(full)
+
+    def new_state(self, history: Any = None) -> HashState:
+        """Streaming decode state for one sequence, optionally resumed after history (original ids [K])."""
+        from .streaming import HashState
+
+        return HashState(self, history)
+
+    def config(self) -> dict[str, Any]:
+        """JSON-serialisable hashing parameters for table manifests (layer keys as strings)."""
+        identity = bool(np.array_equal(self.lookup, np.arange(self.vocab_size)))
+        return {
+            "scheme": SCHEME,
+            "engram_vocab_size": list(self.engram_vocab_size),
+            "max_ngram_size": self.max_ngram_size,
+            "n_head_per_ngram": self.n_head_per_ngram,
+            "layer_ids": list(self.layer_ids),
+            "pad_id": self.pad_id,
+            "seed": self.seed,
+            "vocab_size": self.vocab_size,
+            "compressed_vocab_size": self.compressed_vocab_size,
+            "compressed_pad_id": self.compressed_pad_id,
+            "compression": "identity" if identity else "lookup",
+            "compression_sha256": lookup_digest(self.lookup),
+            "multipliers": {str(k): [int(v) for v in m] for k, m in self.multipliers.items()},
+            "head_table_sizes": {str(k): [list(o) for o in v] for k, v in self.head_table_sizes.items()},
+        }
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], *, compression: Any = None, tokenizer: Any = None
+    ) -> NgramHasher:
+        """Rebuild from config(); verifies compression digest, vocab sizes and multipliers match."""
+        if config.get("scheme", SCHEME) != SCHEME:
+            raise ValueError(f"unknown hashing scheme {config.get('scheme')!r}, expected {SCHEME!r}")
+        kwargs: dict[str, Any] = {"compression": compression, "tokenizer": tokenizer}
+        if compression is None and tokenizer is None:
+            if config.get("compression") != "identity":
+                raise ValueError("config uses a compression lookup; pass compression= or tokenizer=")
+            kwargs = {"compressed_vocab_size": config["compressed_vocab_size"]}
+        hasher = cls(
+            config["engram_vocab_size"], config["max_ngram_size"], config["n_head_per_ngram"],
+            config["layer_ids"], config["pad_id"], config.get("seed", 0),
+            head_table_sizes=config.get("head_table_sizes"), **kwargs,
+        )
+        mine = hasher.config()
+        # The multipliers check catches a numpy whose default_rng stream differs: rows would silently move.
+        for key in ("vocab_size", "compressed_vocab_size", "compressed_pad_id", "compression_sha256",
+                    "multipliers"):
+            if key in config and config[key] != mine[key]:
+                raise ValueError(f"config {key} does not match: stored {config[key]!r}, got {mine[key]!r}")
+        return hasher
+
+    def __repr__(self) -> str:
+        return (
+            f"NgramHasher(orders=2..{self.max_ngram_size}, heads/order={self.n_head_per_ngram}, "
+            f"layers={self.layer_ids}, vocab={self.vocab_size}->{self.compressed_vocab_size})"
+        )
