@@ -1,0 +1,47 @@
+"""Shared benchmark helpers: timing, id distributions, the benchmark cache folder."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def cache_dir(sub: str = "") -> Path:
+    """tiergram's cache folder ($TIERGRAM_CACHE or ~/.cache/tiergram), created on demand."""
+    root = Path(os.environ.get("TIERGRAM_CACHE", Path.home() / ".cache" / "tiergram"))
+    path = root / sub if sub else root
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def rate(fn: Callable[[], object], items: int, *, min_time: float = 0.5, warmup: int = 1) -> float:
+    """Items per second of fn(), best of repeated timed rounds of about min_time/3 each."""
+    for _ in range(warmup):
+        fn()
+    best = 0.0
+    deadline = time.perf_counter() + min_time
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best = max(best, items / dt)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random.Generator,
+             zipf_a: float = 1.1) -> np.ndarray:
+    """int64 ids of `shape` [..., H] for heads of `rows` [H] rows: 'uniform', or 'zipf' (rank-permuted)."""
+    u = rng.random(shape)
+    if dist == "uniform":
+        return (u * rows).astype(np.int64)
+    if dist == "zipf":
+        ranks = rng.zipf(zipf_a, size=shape) - 1
+        ranks = np.minimum(ranks, rows - 1)
+        # scatter ranks over the table so hot rows are not adjacent (n-gram hashes are spread out)
+        return ((ranks * 2654435761 + 12345) % rows).astype(np.int64)
+    raise ValueError(f"unknown id distribution {dist!r} (valid: uniform, zipf)")

@@ -1,0 +1,87 @@
+"""Importing table values from a safetensors checkpoint: one [N_total, D] tensor or one tensor per head."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors import safe_open
+
+from tiergram.format.create import ValueSource
+
+
+@dataclass
+class SafetensorsSource:
+    """Rows of one or more tensors of a safetensors file, read a chunk at a time (never whole into memory)."""
+
+    path: str
+    names: list[str]
+    head_rows: tuple[int, ...]
+    dim: int
+
+    def values(self) -> ValueSource:
+        """A ValueSource over the global row space (heads end to end)."""
+        starts = np.concatenate([[0], np.cumsum([self._rows(n) for n in self.names])])
+
+        def read(start: int, n: int) -> np.ndarray:
+            out = np.empty((n, self.dim), dtype=np.float32)
+            with safe_open(self.path, framework="pt") as f:
+                done = 0
+                while done < n:
+                    g = start + done
+                    t = int(np.searchsorted(starts, g, side="right") - 1)
+                    take = min(n - done, int(starts[t + 1]) - g)
+                    local = g - int(starts[t])
+                    out[done:done + take] = f.get_slice(self.names[t])[local:local + take].float().numpy()
+                    done += take
+            return out
+
+        return read
+
+    def _rows(self, name: str) -> int:
+        with safe_open(self.path, framework="pt") as f:
+            return int(f.get_slice(name).get_shape()[0])
+
+
+def open_safetensors(path: str | os.PathLike, tensor: str, head_rows: tuple[int, ...] | None,
+                     heads: int | None) -> SafetensorsSource:
+    """Locate the tensor(s): `tensor` names one [N_total, D] tensor, or has `{head}` for per-head tensors."""
+    path = str(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such safetensors file")
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        if "{head}" in tensor:
+            names = []
+            while tensor.format(head=len(names)) in keys:
+                names.append(tensor.format(head=len(names)))
+            if not names:
+                raise ValueError(f"{path}: no tensor matches {tensor!r} (for head 0: {tensor.format(head=0)!r})")
+        elif tensor in keys:
+            names = [tensor]
+        else:
+            raise ValueError(f"{path}: no tensor named {tensor!r} (has: {', '.join(sorted(keys)[:10])})")
+        shapes = [f.get_slice(n).get_shape() for n in names]
+    for name, shape in zip(names, shapes, strict=True):
+        if len(shape) != 2:
+            raise ValueError(f"{path}: tensor {name!r} has shape {list(shape)}, expected [rows, D]")
+    dims = {s[1] for s in shapes}
+    if len(dims) != 1:
+        raise ValueError(f"{path}: per-head tensors disagree on D: {sorted(dims)}")
+    if len(names) > 1:
+        rows = tuple(int(s[0]) for s in shapes)
+        if head_rows and tuple(head_rows) != rows:
+            raise ValueError(f"{path}: --rows-per-head {list(head_rows)} disagrees with the tensors' rows {list(rows)}")
+        head_rows = rows
+    else:
+        total = int(shapes[0][0])
+        if head_rows is None:
+            if not heads or total % heads:
+                raise ValueError(f"{path}: tensor {names[0]!r} has {total} rows; give --rows-per-head, or --heads "
+                                 f"that divides {total}")
+            head_rows = (total // heads,) * heads
+        if sum(head_rows) != total:
+            raise ValueError(f"{path}: heads of {list(head_rows)} rows sum to {sum(head_rows)}, tensor {names[0]!r} "
+                             f"has {total}")
+    return SafetensorsSource(path, names, tuple(head_rows), int(shapes[0][1]))
