@@ -27,10 +27,18 @@ inline void emit(OutKind kind, int codec, const uint8_t *row, uint64_t dim, uint
 template <typename RowAt>
 void run_gather(uint64_t n, OutKind kind, int codec, uint64_t dim, uint64_t row_bytes, void *out, RowAt row_at) {
   global_pool().parallel_for(n, 256, [&](size_t begin, size_t end) {
-    for (size_t i = begin; i < std::min<size_t>(end, begin + kPrefetchAhead); ++i) prefetch_row(row_at(i), row_bytes);
+    const uint8_t *ahead[kPrefetchAhead];  // addresses computed once, when prefetched
+    for (size_t i = begin; i < std::min<size_t>(end, begin + kPrefetchAhead); ++i) {
+      ahead[i % kPrefetchAhead] = row_at(i);
+      prefetch_row(ahead[i % kPrefetchAhead], row_bytes);
+    }
     for (size_t i = begin; i < end; ++i) {
-      if (i + kPrefetchAhead < end) prefetch_row(row_at(i + kPrefetchAhead), row_bytes);
-      emit(kind, codec, row_at(i), dim, row_bytes, out, i);
+      const uint8_t *row = ahead[i % kPrefetchAhead];
+      if (i + kPrefetchAhead < end) {
+        ahead[i % kPrefetchAhead] = row_at(i + kPrefetchAhead);
+        prefetch_row(ahead[i % kPrefetchAhead], row_bytes);
+      }
+      emit(kind, codec, row, dim, row_bytes, out, i);
     }
   });
 }
@@ -63,9 +71,10 @@ void check_ids(const TableView &t, const int64_t *ids, uint64_t n_ids) {
 }
 
 void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind kind, void *out) {
-  const uint64_t H = t.n_heads;
+  const FastDiv32 heads(t.n_heads);
   run_gather(n_ids, kind, t.codec, t.dim, t.geo.row_bytes, out, [&](size_t i) {
-    const uint64_t global = static_cast<uint64_t>(t.head_offsets[i % H] + ids[i]);
+    const uint64_t h = (i >> 32) ? i % t.n_heads : heads.mod(i);
+    const uint64_t global = static_cast<uint64_t>(t.head_offsets[h] + ids[i]);
     return t.data + t.geo.row_offset(global);
   });
 }

@@ -37,7 +37,7 @@ void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64
   TableView t;
   t.data = data.data();
   t.data_bytes = data.size();
-  t.geo = PageGeometry{page_size, rows_per_page, row_bytes};
+  t.geo = PageGeometry(page_size, rows_per_page, row_bytes);
   t.head_offsets = head_offsets.data();
   t.head_rows = head_rows.data();
   t.n_heads = head_offsets.size();

@@ -96,7 +96,8 @@ class TableManifest:
             "row_bytes": self.row_bytes,
             "page_size": self.page_size,
             "rows_per_page": self.rows_per_page,
-            "heads": [{"rows": int(n), "row_offset": o} for n, o in zip(self.head_rows, self.head_offsets, strict=False)],
+            "heads": [{"rows": int(n), "row_offset": o}
+                      for n, o in zip(self.head_rows, self.head_offsets, strict=True)],
             "total_rows": self.total_rows,
             "n_pages": self.n_pages,
             "data_offset": data_offset,
@@ -148,7 +149,7 @@ class TableManifest:
         for key, want in derived.items():
             if obj[key] != want:
                 raise bad(f"field {key!r} is {obj[key]!r} but the geometry gives {want}")
-        for i, (h, off) in enumerate(zip(heads, m.head_offsets, strict=False)):
+        for i, (h, off) in enumerate(zip(heads, m.head_offsets, strict=True)):
             if h.get("row_offset") != off:
                 raise bad(f"head {i} row_offset is {h.get('row_offset')!r}, expected {off}")
         data_offset = obj["data_offset"]
