@@ -1,0 +1,84 @@
+"""Where an Engram layer's rows come from: a trainable in-memory table, or any row source (the store)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class RowSource(Protocol):
+    """Anything that serves rows: `lookup(row_ids int64 [B, L, H]) -> [B, L, H, D]` (e.g. TieredTable)."""
+
+    def lookup(self, row_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def check_row_ids(row_ids: torch.Tensor, head_sizes: Sequence[int]) -> None:
+    """Raise if row_ids is not integer [..., H] with head h's ids in [0, head_sizes[h])."""
+    if row_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"row ids must be int64 (or int32), got {row_ids.dtype}")
+    if row_ids.ndim < 1 or row_ids.shape[-1] != len(head_sizes):
+        raise ValueError(f"row ids must have shape [..., {len(head_sizes)}] (one id per head), "
+                         f"got {tuple(row_ids.shape)}")
+    if row_ids.numel() == 0:
+        return
+    sizes = torch.as_tensor(head_sizes, dtype=torch.int64, device=row_ids.device)
+    bad = (row_ids < 0) | (row_ids >= sizes)
+    if bool(bad.any()):  # one host sync; a device-side assert would be far less readable
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        head = pos[-1]
+        raise IndexError(f"row id {int(row_ids[pos])} at position {pos[:-1]} is out of range for head "
+                         f"{head}, which has {head_sizes[head]} rows")
+
+
+class TrainableTable(nn.Module):
+    """Every head's rows in one sparse nn.Embedding [sum(head_sizes), D]; head h starts at offsets[h]."""
+
+    checks_row_ids = True  # Engram skips its own check for tables that do it themselves
+
+    def __init__(self, head_sizes: Sequence[int], dim: int):
+        super().__init__()
+        if not head_sizes or any(int(n) < 1 for n in head_sizes):
+            raise ValueError(f"head_sizes must be a non-empty list of positive ints, got {head_sizes}")
+        self.head_sizes = [int(n) for n in head_sizes]
+        self.dim = int(dim)
+        # sparse: a step touches a few dozen rows per token out of millions; a dense gradient would be
+        # the size of the table (train it with torch.optim.SparseAdam or SGD)
+        self.embedding = nn.Embedding(sum(self.head_sizes), self.dim, sparse=True)
+        offsets = torch.tensor([0, *self.head_sizes[:-1]], dtype=torch.int64).cumsum(0)
+        self.register_buffer("offsets", offsets, persistent=False)  # derived from head_sizes
+
+    def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [B, L, H] per-head ids -> rows [B, L, H, D] in the table's dtype."""
+        check_row_ids(row_ids, self.head_sizes)
+        return self.embedding(row_ids.long() + self.offsets)
+
+    @torch.no_grad()
+    def weight_for_export(self) -> tuple[torch.Tensor, list[int]]:
+        """(float32 CPU [total_rows, D] copy of every row, head row offsets [H]) for a table writer."""
+        return self.embedding.weight.detach().float().cpu().clone(), self.offsets.tolist()
+
+
+class RowSourceTable(nn.Module):
+    """Adapts a RowSource (e.g. the tiered store) into an Engram table; rows come back in this module's
+    dtype and device, which follow `.to()` of the enclosing model."""
+
+    checks_row_ids = False
+
+    def __init__(self, source: RowSource, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if not callable(getattr(source, "lookup", None)):
+            raise TypeError(f"row source {type(source).__name__} has no lookup(row_ids) method")
+        self.source = source
+        # an empty buffer is moved and cast by Module.to(), so it carries the dtype/device rows must have
+        self.register_buffer("_like", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [B, L, H] per-head ids -> rows [B, L, H, D] from the source, cast to this module's dtype."""
+        rows = self.source.lookup(row_ids)
+        if rows.shape[:-1] != row_ids.shape:
+            raise ValueError(f"row source returned shape {tuple(rows.shape)} for row ids of shape "
+                             f"{tuple(row_ids.shape)}; expected {tuple(row_ids.shape)} + (D,)")
+        return rows.to(device=self._like.device, dtype=self._like.dtype)
