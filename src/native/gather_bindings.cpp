@@ -50,6 +50,18 @@ void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64
   gather_rows(t, ids.data(), ids.size(), kind, out.data());
 }
 
+void check_ids_py(IdsIn ids, IdsIn head_rows) {
+  std::vector<int64_t> offsets(head_rows.size(), 0);
+  TableView t;  // only the head row counts matter here; the data bound is checked by the reading tier
+  t.head_offsets = offsets.data();
+  t.head_rows = head_rows.data();
+  t.n_heads = head_rows.size();
+  t.geo = PageGeometry(4096, 1, 1);
+  t.data_bytes = UINT64_MAX;
+  nb::gil_scoped_release release;
+  check_ids(t, ids.data(), ids.size());
+}
+
 void decode_at_py(BytesIn src, IdsIn offsets, int codec, uint64_t dim, AnyOut out) {
   const uint64_t row_bytes = codec_row_bytes(codec, dim);
   require(row_bytes > 0, "invalid codec " + std::to_string(codec) + " for dim " + std::to_string(dim));
@@ -109,6 +121,8 @@ void register_gather(nb::module_ &m) {
         nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"), nb::arg("out"),
         "Bounds-check ids int64 [N, H] per head, then decode each row into out [N, H, D] (f32/bf16) or copy raw "
         "rows into uint8 out [N, H, row_bytes].");
+  m.def("check_ids", &check_ids_py, nb::arg("ids"), nb::arg("head_rows"),
+        "Bounds-check per-head ids int64 [N, H] against head_rows int64 [H]; IndexError names head and id.");
   m.def("decode_at", &decode_at_py, nb::arg("src"), nb::arg("offsets"), nb::arg("codec"), nb::arg("dim"),
         nb::arg("out"), "Decode rows found at byte offsets int64 [N] of src into out [N, D] (or raw bytes).");
   m.def("set_num_threads", [](unsigned n) { set_num_threads(n); }, nb::arg("n"),

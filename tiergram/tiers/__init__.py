@@ -1,5 +1,6 @@
-"""Tiers: where rows live (host memory, file on SSD); each gathers rows of per-head ids into an output."""
+"""Tiers: where rows live (host memory, the file on SSD); each gathers rows of per-head ids into an output."""
 
+from tiergram.tiers.file import FILE_MODES, FileTier
 from tiergram.tiers.host import HostTier
 
-__all__ = ["HostTier"]
+__all__ = ["FILE_MODES", "FileTier", "HostTier"]

@@ -41,6 +41,10 @@ class HostTier:
         """Bytes of host memory the table occupies."""
         return int(self.data.nbytes)
 
+    def check_ids(self, ids: np.ndarray) -> None:
+        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
+        _native.check_ids(ids, self.head_rows)
+
     def gather(self, ids: np.ndarray | torch.Tensor, out: np.ndarray | torch.Tensor) -> None:
         """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16, or uint8 [N, H, row_bytes] raw."""
         m = self.manifest

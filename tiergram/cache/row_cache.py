@@ -1,0 +1,139 @@
+"""RowCache: encoded rows of one table held in a faster tier — a slot array, a key -> slot index, pins."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiergram.cache.policies import make_policy
+
+
+@dataclass
+class CacheCounters:
+    """Running totals of one cache."""
+
+    probes: int = 0
+    hits: int = 0
+    admitted: int = 0
+    rejected: int = 0  # misses the policy kept out (admission) or that found every slot pinned
+    evicted: int = 0
+
+
+class RowCache:
+    """Holds up to `capacity` encoded rows; thread-safe. Rows pinned by an in-flight lookup are never evicted.
+
+    Usage per lookup: `slots = probe(keys)` (hits come back pinned), read the misses from the slower tier,
+    `admit(miss_keys, miss_rows)`, decode hits from `rows[slots]`, then `unpin(slots)`.
+    """
+
+    def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be at least one row, got {capacity}")
+        self.capacity = int(capacity)
+        self.row_bytes = int(row_bytes)
+        self.rows = np.zeros((self.capacity, self.row_bytes), dtype=np.uint8)
+        self.policy = make_policy(policy)
+        self.index: dict[int, int] = {}
+        self.slot_key = np.full(self.capacity, -1, dtype=np.int64)
+        self.pins = np.zeros(self.capacity, dtype=np.int32)
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self.counters = CacheCounters()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru") -> RowCache:
+        """A cache sized in bytes of row storage."""
+        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, policy)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _pinned(self, key: int) -> bool:
+        return self.pins[self.index[key]] > 0
+
+    def announce(self, keys: np.ndarray) -> int | None:
+        """Tell a lookahead policy a batch of keys that a later probe will ask for; returns the batch id."""
+        extend = getattr(self.policy, "extend_future", None)
+        if extend is None:
+            return None
+        with self._lock:
+            return extend(np.asarray(keys).reshape(-1).tolist())
+
+    def retire(self, batch: int | None) -> None:
+        """Forget an announced batch that will not be probed (a cancelled prefetch)."""
+        if batch is not None:
+            with self._lock:
+                self.policy.finish(batch)
+
+    def probe(self, keys: np.ndarray, batch: int | None = None) -> np.ndarray:
+        """int64 slots [n] for unique keys [n] (-1 for a miss); every hit comes back pinned.
+
+        `batch` is the id `announce` gave for these keys; probing retires it.
+        """
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        slots = np.full(keys.size, -1, dtype=np.int64)
+        policy, index = self.policy, self.index
+        with self._lock:
+            for i, key in enumerate(keys.tolist()):
+                policy.observe(key)
+                slot = index.get(key)
+                if slot is not None:
+                    policy.touch(key)
+                    slots[i] = slot
+            if batch is not None:
+                policy.finish(batch)
+            hit = slots >= 0
+            np.add.at(self.pins, slots[hit], 1)
+            self.counters.probes += keys.size
+            self.counters.hits += int(hit.sum())
+        return slots
+
+    def admit(self, keys: np.ndarray, rows: np.ndarray) -> int:
+        """Offer missed keys [n] with their encoded rows uint8 [n, row_bytes]; returns how many entered."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        if rows.shape != (keys.size, self.row_bytes):
+            raise ValueError(f"rows must be uint8 [{keys.size}, {self.row_bytes}], got {rows.dtype} {rows.shape}")
+        policy, index = self.policy, self.index
+        entered = 0
+        with self._lock:
+            for i, key in enumerate(keys.tolist()):
+                if key in index:
+                    continue  # another lookup admitted it meanwhile
+                if self._free:
+                    slot = self._free.pop()
+                else:
+                    victim = policy.victim(self._pinned)
+                    if victim is None or not policy.admit(key, victim):
+                        self.counters.rejected += 1
+                        continue
+                    slot = index.pop(victim)
+                    policy.remove(victim)
+                    self.counters.evicted += 1
+                self.rows[slot] = rows[i]
+                self.slot_key[slot] = key
+                index[key] = slot
+                policy.insert(key)
+                entered += 1
+            self.counters.admitted += entered
+        return entered
+
+    def unpin(self, slots: np.ndarray) -> None:
+        """Release the pins a probe took (pass the probe's slots; misses (-1) are ignored)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        with self._lock:
+            np.subtract.at(self.pins, slots[slots >= 0], 1)
+
+    def check_invariants(self) -> None:
+        """Assert the index, slot keys, free list and pins agree (used by tests)."""
+        with self._lock:
+            assert len(self.index) + len(self._free) == self.capacity
+            for key, slot in self.index.items():
+                assert self.slot_key[slot] == key
+            assert not set(self._free) & set(self.index.values())
+            assert (self.pins >= 0).all()

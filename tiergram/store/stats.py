@@ -1,0 +1,66 @@
+"""Lookup statistics of one table: per head and per tier."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class StoreStats:
+    """Counters of a TieredTable; `snapshot()` gives a JSON-ready dict with derived rates."""
+
+    n_heads: int
+    row_bytes: int
+    lookups: int = 0  # lookup calls
+    ids: np.ndarray = field(init=False)  # ids requested, per head
+    unique: np.ndarray = field(init=False)  # distinct ids per call, summed, per head
+    hits: np.ndarray = field(init=False)  # unique ids served from the cache, per head
+    misses: np.ndarray = field(init=False)  # unique ids read from the tier below, per head
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    pages_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("ids", "unique", "hits", "misses"):
+            setattr(self, name, np.zeros(self.n_heads, dtype=np.int64))
+
+    def record(self, *, ids: np.ndarray, unique: np.ndarray | None = None, hits: np.ndarray | None = None,
+               misses: np.ndarray | None = None, tier_bytes: dict[str, int] | None = None, pages: int = 0) -> None:
+        """Add one lookup: per-head int64 [H] counts, bytes per tier, pages read."""
+        with self._lock:
+            self.lookups += 1
+            self.ids += ids
+            for name, value in (("unique", unique), ("hits", hits), ("misses", misses)):
+                if value is not None:
+                    getattr(self, name).__iadd__(value)
+            for tier, n in (tier_bytes or {}).items():
+                self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + int(n)
+            self.pages_read += pages
+
+    def snapshot(self) -> dict:
+        """Totals, per-head lists and derived ratios (hit rate, read amplification)."""
+        with self._lock:
+            probed = int(self.hits.sum() + self.misses.sum())
+            needed = int(self.misses.sum()) * self.row_bytes
+            file_bytes = self.bytes_by_tier.get("file", 0)
+            return {
+                "lookups": self.lookups,
+                "ids": int(self.ids.sum()),
+                "unique_ids": int(self.unique.sum()),
+                "hits": int(self.hits.sum()),
+                "misses": int(self.misses.sum()),
+                "hit_rate": int(self.hits.sum()) / probed if probed else None,
+                "pages_read": self.pages_read,
+                "bytes_read": dict(self.bytes_by_tier),
+                "read_amplification": file_bytes / needed if needed else None,
+                "per_head": {name: getattr(self, name).tolist() for name in ("ids", "unique", "hits", "misses")},
+            }
+
+
+def per_head_counts(global_rows: np.ndarray, head_offsets: np.ndarray) -> np.ndarray:
+    """int64 [H]: how many of the global rows [n] fall in each head."""
+    heads = np.searchsorted(head_offsets, global_rows, side="right") - 1
+    return np.bincount(heads, minlength=head_offsets.size).astype(np.int64)

@@ -1,0 +1,44 @@
+"""Ticket: the handle of an asynchronous prefetch; `wait()` gives the rows, `cancel()` abandons them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+
+import torch
+
+
+class Ticket:
+    """Rows being fetched in the background. Several may be in flight; they run in submission order."""
+
+    def __init__(self, future: Future, cancelled: threading.Event, on_cancel: Callable[[], None]) -> None:
+        self._future = future
+        self._cancelled = cancelled
+        self._on_cancel = on_cancel
+
+    def done(self) -> bool:
+        """True once the rows are ready (or the fetch failed or was cancelled)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The rows [..., H, D]; raises the fetch's error, CancelledError, or TimeoutError after `timeout` s."""
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        """Abandon the fetch: pending ones never run, running ones stop at the next phase. True if stopped."""
+        self._cancelled.set()
+        if self._future.cancel():
+            self._on_cancel()
+            return True
+        try:
+            self._future.result()
+        except CancelledError:
+            return True
+        except Exception:  # the fetch failed before it saw the flag; the error is the caller's to read
+            return False
+        return False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
