@@ -27,7 +27,8 @@ def codec_row_bytes(codec: str, dim: int) -> int:
     """Encoded bytes of one row; TableFormatError for an unknown codec or a dim it cannot encode."""
     if codec not in CODEC_IDS:
         raise TableFormatError(f"unknown codec {codec!r} (valid: {', '.join(CODEC_IDS)})")
-    n = _native.codec_row_bytes(CODEC_IDS[codec], int(dim)) if dim > 0 else 0
+    # a row must fit a page (page_size is a u32), so larger dims are refused before the native u64 product
+    n = _native.codec_row_bytes(CODEC_IDS[codec], int(dim)) if 0 < dim < 2**32 else 0
     if n == 0:
         raise TableFormatError(f"codec {codec} cannot encode rows of dim {dim}")
     return n
@@ -47,8 +48,8 @@ class TableManifest:
 
     def __post_init__(self) -> None:
         ps = self.page_size
-        if ps < 512 or ps & (ps - 1):
-            raise TableFormatError(f"page_size {ps} is not a power of two >= 512")
+        if ps < 512 or ps > 2**31 or ps & (ps - 1):  # the header holds page_size as a u32
+            raise TableFormatError(f"page_size {ps} is not a power of two in 512..2^31")
         if not self.head_rows or any(int(n) <= 0 for n in self.head_rows):
             raise TableFormatError(f"heads must each have at least one row, got {list(self.head_rows)}")
         if self.row_bytes + PAGE_TRAILER_BYTES > ps:
@@ -135,12 +136,27 @@ class TableManifest:
                     "data_offset"):
             if key not in obj:
                 raise bad(f"lacks field {key!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for key in ("dim", "row_bytes", "page_size", "rows_per_page", "total_rows", "n_pages", "data_offset"):
+            if not is_int(obj[key]):
+                raise bad(f"field {key!r} is {obj[key]!r}, expected an integer")
+        if not isinstance(obj["codec"], str):
+            raise bad(f"field 'codec' is {obj['codec']!r}, expected a string")
+        if obj.get("layer_id") is not None and not is_int(obj["layer_id"]):
+            raise bad(f"field 'layer_id' is {obj['layer_id']!r}, expected an integer or null")
+        if obj.get("hashing") is not None and not isinstance(obj["hashing"], dict):
+            raise bad(f"field 'hashing' is {obj['hashing']!r}, expected an object or null")
+        if obj.get("provenance") is not None and not isinstance(obj["provenance"], dict):
+            raise bad(f"field 'provenance' is {obj['provenance']!r}, expected an object")
         heads = obj["heads"]
-        if not isinstance(heads, list) or not all(isinstance(h, dict) and "rows" in h for h in heads):
+        if not isinstance(heads, list) or not all(isinstance(h, dict) and is_int(h.get("rows")) for h in heads):
             raise bad("field 'heads' must be a list of {'rows': N, 'row_offset': O}")
         try:
-            m = cls(codec=obj["codec"], dim=int(obj["dim"]), head_rows=tuple(int(h["rows"]) for h in heads),
-                    page_size=int(obj["page_size"]), layer_id=obj.get("layer_id"), hashing=obj.get("hashing"),
+            m = cls(codec=obj["codec"], dim=obj["dim"], head_rows=tuple(h["rows"] for h in heads),
+                    page_size=obj["page_size"], layer_id=obj.get("layer_id"), hashing=obj.get("hashing"),
                     provenance=obj.get("provenance") or {})
         except TableFormatError as e:
             raise bad(str(e)) from None

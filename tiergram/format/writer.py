@@ -41,8 +41,13 @@ def write_table(path: str | os.PathLike, manifest: TableManifest, rows: RowSourc
                 raise ValueError(f"row source returned {encoded.dtype} {encoded.shape} for rows "
                                  f"{g0}..{g0 + n_rows - 1}, expected uint8 ({n_rows}, {rb})")
             pages = np.zeros((n_pages, ps), dtype=np.uint8)
-            slots = pages[:, : rpp * rb].reshape(n_pages * rpp, rb)
-            slots[:n_rows] = encoded
+            # [n_pages, rpp, rb] only splits the last axis, so it stays a view of `pages`; flattening the
+            # page and row axes together would silently copy (pages are ps bytes apart, not rpp * rb)
+            slots = pages[:, : rpp * rb].reshape(n_pages, rpp, rb)
+            full, rest = divmod(n_rows, rpp)
+            slots[:full] = encoded[: full * rpp].reshape(full, rpp, rb)
+            if rest:
+                slots[full, :rest] = encoded[full * rpp:]
             _native.seal_pages(pages.reshape(-1), ps, p0)
             _write_all(fd, pages.data)
             bar.update(n_rows)
@@ -53,7 +58,11 @@ def write_table(path: str | os.PathLike, manifest: TableManifest, rows: RowSourc
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)  # fails e.g. when `path` is a directory: the temp file must not stay behind
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
