@@ -1,8 +1,429 @@
-// Batched O_DIRECT page reads (io_uring with a thread-pool pread fallback). Filled in by the file tier.
+// Batched O_DIRECT page reads: io_uring (raw syscalls, see uring.h) with a thread-pool pread fallback.
+//
+// Concurrency: several Python threads may call read_pages on one reader. The io_uring backend gives each
+// call a ring of its own, taken from a pool of idle rings (created on demand), so calls never share a ring
+// and never wait on each other; the thread backend runs every call's reads on one shared pool of workers.
+// close() waits for running calls before it releases the fd and the rings.
+#include <fcntl.h>
+#include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/string.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
 #include "bindings.h"
+#include "common.h"
+#include "uring.h"
 
 namespace tiergram {
 
-void register_file_reader(nb::module_ &) {}
+namespace {
+
+constexpr uint64_t kDirectAlign = 4096;  // buffer alignment we demand for O_DIRECT (covers 512e and 4Kn disks)
+constexpr unsigned kMaxQueueDepth = 4096;
+constexpr unsigned kMaxThreads = 64;  // more pread threads than this only add scheduling cost
+
+// A page that could not be read correctly twice; becomes tiergram._native.PageReadError (an OSError).
+struct PageReadFailure : std::runtime_error {
+  int err;
+  PageReadFailure(int e, const std::string &msg) : std::runtime_error(msg), err(e) {}
+};
+
+// An OS error outside page reads (open, ring setup); becomes OSError(errno, message), so ENOENT
+// arrives as FileNotFoundError.
+struct OsFailure : std::runtime_error {
+  int err;
+  OsFailure(int e, const std::string &msg) : std::runtime_error(msg), err(e) {}
+};
+
+PyObject *g_page_read_error = nullptr;
+
+// Says once per process, on stderr, which slower path we fell back to and why.
+void say_once(std::atomic<bool> &said, const std::string &msg) {
+  if (!said.exchange(true)) std::fprintf(stderr, "tiergram: %s\n", msg.c_str());
+}
+std::atomic<bool> g_said_uring{false}, g_said_direct{false};
+
+class ReadBackend {
+ public:
+  virtual ~ReadBackend() = default;
+  virtual const char *name() const = 0;
+  // Reads every op once, setting op.res; never throws for a failed read (that is op.res < 0).
+  virtual void read(int fd, ReadOp *ops, size_t n) = 0;
+};
+
+class UringBackend : public ReadBackend {
+ public:
+  explicit UringBackend(unsigned depth) : depth_(depth) { idle_.push_back(std::make_unique<Ring>(depth)); }
+  const char *name() const override { return "io_uring"; }
+
+  void read(int fd, ReadOp *ops, size_t n) override {
+    std::unique_ptr<Ring> ring = acquire();
+    ring->run(fd, ops, n, depth_);
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(std::move(ring));
+    cv_.notify_one();
+  }
+
+ private:
+  std::unique_ptr<Ring> acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        auto r = std::move(idle_.back());
+        idle_.pop_back();
+        return r;
+      }
+    }
+    try {
+      return std::make_unique<Ring>(depth_);  // another call holds every ring: make one more
+    } catch (const UringUnavailable &) {
+      // Out of ring memory (RLIMIT_MEMLOCK on old kernels): share the rings we have.
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !idle_.empty(); });
+      auto r = std::move(idle_.back());
+      idle_.pop_back();
+      return r;
+    }
+  }
+
+  unsigned depth_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<Ring>> idle_;
+};
+
+class ThreadBackend : public ReadBackend {
+ public:
+  explicit ThreadBackend(unsigned n_threads) {
+    for (unsigned i = 0; i < n_threads; ++i) workers_.emplace_back([this] { work(); });
+  }
+  ~ThreadBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_work_.notify_all();
+    for (auto &t : workers_) t.join();
+  }
+  const char *name() const override { return "threads"; }
+
+  void read(int fd, ReadOp *ops, size_t n) override {
+    if (n == 0) return;
+    Job job;
+    job.fd = fd, job.ops = ops, job.n = n;
+    std::unique_lock<std::mutex> lock(mu_);
+    jobs_.push_back(&job);
+    cv_work_.notify_all();
+    job.cv_done.wait(lock, [&] { return job.done == job.n; });
+  }
+
+ private:
+  struct Job {
+    int fd = -1;
+    ReadOp *ops = nullptr;
+    size_t n = 0;
+    size_t next = 0, done = 0;
+    std::condition_variable cv_done;
+  };
+
+  void work() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_work_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      Job *job = jobs_.front();
+      ReadOp &op = job->ops[job->next++];
+      if (job->next == job->n) jobs_.pop_front();  // every op handed out; the caller still waits for `done`
+      lock.unlock();
+      ssize_t r;
+      do r = pread(job->fd, op.dst, op.len, static_cast<off_t>(op.offset));
+      while (r < 0 && errno == EINTR);
+      op.res = r < 0 ? -errno : static_cast<int32_t>(r);
+      lock.lock();
+      if (++job->done == job->n) job->cv_done.notify_all();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_work_;
+  std::deque<Job *> jobs_;
+  bool stop_ = false;
+};
+
+enum class Fault { kEio, kShort, kFlip };
+
+class PageReader {
+ public:
+  PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
+             unsigned queue_depth, const std::string &backend, bool direct)
+      : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
+        queue_depth_(queue_depth), want_direct_(direct) {
+    require(page_size >= 512 && page_size <= (1u << 30) && (page_size & (page_size - 1)) == 0,
+            "page_size must be a power of two between 512 and 2^30, got " + std::to_string(page_size));
+    require(n_pages <= (uint64_t{1} << 32), "n_pages " + std::to_string(n_pages) + " exceeds the u32 page index");
+    require(data_offset <= (uint64_t{1} << 62) && n_pages * page_size <= (uint64_t{1} << 62) - data_offset,
+            "data_offset + n_pages * page_size overflows a file offset");
+    require(queue_depth >= 1 && queue_depth <= kMaxQueueDepth,
+            "queue_depth must be in [1, " + std::to_string(kMaxQueueDepth) + "], got " + std::to_string(queue_depth));
+    require(backend == "auto" || backend == "io_uring" || backend == "threads",
+            "backend must be 'auto', 'io_uring' or 'threads', got '" + backend + "'");
+    require(!direct || data_offset % 512 == 0,
+            "data_offset " + std::to_string(data_offset) + " is not a multiple of 512, as O_DIRECT needs");
+
+    fd_ = open(path_.c_str(), O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    if (fd_ < 0 && direct && errno == EINVAL) {
+      // The filesystem refuses O_DIRECT (e.g. tmpfs before Linux 6.6): read through the page cache.
+      say_once(g_said_direct, "O_DIRECT not supported for " + path_ + ", using buffered reads");
+      fd_ = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+      direct_ = false;
+    } else {
+      direct_ = direct;
+    }
+    if (fd_ < 0) {
+      const int err = errno;
+      throw OsFailure(err, "cannot open " + path_ + ": " + std::strerror(err));
+    }
+
+    try {
+      if (backend != "threads") {
+        try {
+          backend_ = std::make_unique<UringBackend>(queue_depth);
+        } catch (const UringUnavailable &e) {
+          const std::string why =
+              "io_uring unavailable (errno " + std::to_string(e.err) + ": " + std::strerror(e.err) + ")";
+          if (backend == "io_uring") throw OsFailure(e.err, why);
+          say_once(g_said_uring, why + ", using thread-pool pread");
+        }
+      }
+      if (!backend_) backend_ = std::make_unique<ThreadBackend>(std::min(queue_depth, kMaxThreads));
+      backend_name_ = backend_->name();
+    } catch (...) {
+      ::close(fd_);
+      throw;
+    }
+  }
+
+  ~PageReader() { close(); }
+
+  void close() {
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    cv_idle_.wait(lock, [&] { return active_ == 0; });
+    backend_.reset();
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+  void read_pages(IdsIn pages, BytesOut out, bool verify) {
+    const size_t m = pages.size();
+    require(pages.ndim() == 1, "pages must be a 1-D int64 array");
+    require(out.size() / page_size_ == m && out.size() % page_size_ == 0,
+            "out has " + std::to_string(out.size()) + " bytes, expected " + std::to_string(m) + " pages of " +
+                std::to_string(page_size_) + " = " + std::to_string(m * page_size_));
+    if (m == 0) return;
+    require(!want_direct_ || reinterpret_cast<uintptr_t>(out.data()) % kDirectAlign == 0,
+            "out must be aligned to " + std::to_string(kDirectAlign) +
+                " bytes for O_DIRECT reads (use tiergram.tiers.aligned.aligned_empty)");
+    const int64_t *ids = pages.data();
+    for (size_t i = 0; i < m; ++i)
+      if (ids[i] < 0 || static_cast<uint64_t>(ids[i]) >= n_pages_)
+        throw nb::index_error(("page id " + std::to_string(ids[i]) + " (position " + std::to_string(i) +
+                               ") is out of range: " + path_ + " has " + std::to_string(n_pages_) + " pages")
+                                  .c_str());
+
+    nb::gil_scoped_release release;
+    CallGuard guard(*this);  // after the release: it is let go before the GIL is taken back
+    std::vector<ReadOp> ops(m);
+    for (size_t i = 0; i < m; ++i)
+      ops[i] = ReadOp{data_offset_ + static_cast<uint64_t>(ids[i]) * page_size_, out.data() + i * page_size_,
+                      static_cast<uint32_t>(page_size_), 0};
+    std::vector<size_t> bad = read_once(ops, ids, nullptr, verify);
+    if (bad.empty()) return;
+
+    // Re-read each failed page once: a transient error or a torn read should not fail the request.
+    std::vector<ReadOp> again(bad.size());
+    for (size_t k = 0; k < bad.size(); ++k) again[k] = ops[bad[k]];
+    std::vector<size_t> still = read_once(again, ids, bad.data(), verify);
+    if (still.empty()) return;
+    const ReadOp &op = again[still[0]];
+    const int64_t page = ids[bad[still[0]]];
+    std::string msg = "cannot read page " + std::to_string(page) + " of " + path_ + " (file offset " +
+                      std::to_string(op.offset) + ", tried twice): " + cause(op, verify);
+    if (still.size() > 1) msg += " (" + std::to_string(still.size()) + " pages of this request failed)";
+    throw PageReadFailure(op.res < 0 ? -op.res : EIO, msg);
+  }
+
+  void inject_fault(const std::string &kind, int64_t page, int times) {
+    Fault f;
+    if (kind == "eio") f = Fault::kEio;
+    else if (kind == "short") f = Fault::kShort;
+    else if (kind == "flip") f = Fault::kFlip;
+    else throw std::invalid_argument("fault kind must be 'eio', 'short' or 'flip', got '" + kind + "'");
+    if (page < 0 || static_cast<uint64_t>(page) >= n_pages_)
+      throw nb::index_error(("page id " + std::to_string(page) + " is out of range").c_str());
+    require(times >= 0, "times must be >= 0");
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    if (times == 0) faults_.erase(page);
+    else faults_[page] = {f, times};
+    any_faults_ = !faults_.empty();
+  }
+
+  void clear_faults() {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    faults_.clear();
+    any_faults_ = false;
+  }
+
+  const std::string &path() const { return path_; }
+  const std::string &backend() const { return backend_name_; }
+  unsigned queue_depth() const { return queue_depth_; }
+  uint64_t page_size() const { return page_size_; }
+  uint64_t n_pages() const { return n_pages_; }
+  uint64_t data_offset() const { return data_offset_; }
+  bool direct() const { return direct_; }
+
+ private:
+  // Counts running calls so that close() can wait for them.
+  struct CallGuard {
+    PageReader &r;
+    explicit CallGuard(PageReader &reader) : r(reader) {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      if (r.closed_) throw std::invalid_argument("PageReader for " + r.path_ + " is closed");
+      ++r.active_;
+    }
+    ~CallGuard() {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      if (--r.active_ == 0) r.cv_idle_.notify_all();
+    }
+  };
+
+  // Reads ops once; returns the positions (in ops) that failed. ops[k] reads page ids[pos ? pos[k] : k].
+  std::vector<size_t> read_once(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos, bool verify) {
+    backend_->read(fd_, ops.data(), ops.size());
+    std::vector<size_t> bad;
+    for (size_t k = 0; k < ops.size(); ++k) {
+      ReadOp &op = ops[k];
+      const int64_t page = ids[pos ? pos[k] : k];
+      if (any_faults_) apply_fault(op, page);
+      bool ok = op.res == static_cast<int32_t>(op.len);
+      if (ok && verify) ok = page_ok(op.dst, page_size_, static_cast<uint32_t>(page));
+      if (!ok) bad.push_back(k);
+    }
+    return bad;
+  }
+
+  // Test hook: corrupts the outcome of a read of a page that has a pending injected fault.
+  void apply_fault(ReadOp &op, int64_t page) {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    auto it = faults_.find(page);
+    if (it == faults_.end()) return;
+    switch (it->second.first) {
+      case Fault::kEio: op.res = -EIO; break;
+      case Fault::kShort: op.res = op.res > 0 ? std::min<int32_t>(op.res, op.len / 2) : op.res; break;
+      case Fault::kFlip: op.dst[op.len / 3] ^= 0x10; break;
+    }
+    if (--it->second.second == 0) faults_.erase(it);
+    any_faults_ = !faults_.empty();
+  }
+
+  std::string cause(const ReadOp &op, bool verify) const {
+    if (op.res < 0) return std::strerror(-op.res);
+    if (op.res != static_cast<int32_t>(op.len))
+      return "short read: got " + std::to_string(op.res) + " of " + std::to_string(op.len) + " bytes";
+    return verify ? "checksum mismatch" : "unknown error";
+  }
+
+  std::string path_;
+  uint64_t data_offset_, page_size_, n_pages_;
+  unsigned queue_depth_;
+  bool want_direct_, direct_ = false;
+  int fd_ = -1;
+  std::unique_ptr<ReadBackend> backend_;
+  std::string backend_name_;
+
+  std::mutex mu_;
+  std::condition_variable cv_idle_;
+  unsigned active_ = 0;
+  bool closed_ = false;
+
+  std::mutex fault_mu_;
+  std::unordered_map<int64_t, std::pair<Fault, int>> faults_;
+  std::atomic<bool> any_faults_{false};
+};
+
+}  // namespace
+
+void register_file_reader(nb::module_ &m) {
+  g_page_read_error = PyErr_NewExceptionWithDoc(
+      "tiergram._native.PageReadError",
+      "A page could not be read correctly (I/O error, short read or checksum mismatch), even after a retry.",
+      PyExc_OSError, nullptr);
+  m.attr("PageReadError") = nb::handle(g_page_read_error);
+  nb::register_exception_translator([](const std::exception_ptr &p, void *) {
+    // OSError(errno, message): .errno is set, and plain OSError maps ENOENT etc. to its subclasses.
+    auto raise = [](PyObject *type, int err, const char *msg) {
+      PyObject *exc = PyObject_CallFunction(type, "is", err, msg);
+      if (exc) {
+        PyErr_SetObject(type, exc);
+        Py_DECREF(exc);
+      }
+    };
+    try {
+      std::rethrow_exception(p);
+    } catch (const PageReadFailure &e) {
+      raise(g_page_read_error, e.err, e.what());
+    } catch (const OsFailure &e) {
+      raise(PyExc_OSError, e.err, e.what());
+    }
+  });
+
+  nb::class_<PageReader>(m, "PageReader",
+                         "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
+                         "pread thread pool), verifying each page's trailer.")
+      .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,
+                    bool>(),
+           nb::arg("path"), nb::arg("data_offset"), nb::arg("page_size"), nb::arg("n_pages"),
+           nb::arg("queue_depth") = 128, nb::arg("backend") = "auto", nb::arg("direct") = true)
+      // noconvert: a converted copy of out would take the pages and leave the caller's buffer untouched,
+      // and float page ids would be truncated silently.
+      .def("read_pages", &PageReader::read_pages, nb::arg("pages").noconvert(), nb::arg("out").noconvert(),
+           nb::arg("verify") = true,
+           "Read page pages[i] (int64 [M]) into out[i*page_size:(i+1)*page_size] (uint8 [M*page_size], 4096-aligned "
+           "when direct), up to queue_depth reads in flight. A page that fails (I/O error, short read, checksum) is "
+           "re-read once; a second failure raises PageReadError.")
+      .def(
+          "close", [](PageReader &r) {
+            nb::gil_scoped_release release;
+            r.close();
+          },
+          "Wait for running reads, then release the file and the rings.")
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def(
+          "__exit__",
+          [](PageReader &r, nb::args) {
+            nb::gil_scoped_release release;
+            r.close();
+          })
+      .def("inject_fault", &PageReader::inject_fault, nb::arg("kind"), nb::arg("page"), nb::arg("times") = 1,
+           "Test hook: make the next `times` reads of `page` fail: 'eio', 'short' (half the bytes) or 'flip' (a bit "
+           "of the delivered page flipped).")
+      .def("clear_faults", &PageReader::clear_faults)
+      .def_prop_ro("backend", &PageReader::backend)
+      .def_prop_ro("queue_depth", &PageReader::queue_depth)
+      .def_prop_ro("page_size", &PageReader::page_size)
+      .def_prop_ro("n_pages", &PageReader::n_pages)
+      .def_prop_ro("data_offset", &PageReader::data_offset)
+      .def_prop_ro("direct", &PageReader::direct, "Whether the file is open with O_DIRECT.")
+      .def_prop_ro("path", &PageReader::path);
+}
 
 }  // namespace tiergram

@@ -1,0 +1,181 @@
+// io_uring through raw syscalls (no liburing): ring setup, batched READ submission, completion reaping.
+#include "uring.h"
+
+#include <linux/io_uring.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <ctime>
+#include <vector>
+
+namespace tiergram {
+
+namespace {
+
+constexpr int32_t kPending = INT32_MIN;  // op not completed yet (no real result is this negative)
+
+void *map_ring(int fd, size_t bytes, off_t what) {
+  void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, what);
+  if (p == MAP_FAILED) throw UringUnavailable{errno};
+  return p;
+}
+
+template <typename T>
+T *at(void *base, uint32_t offset) {
+  return reinterpret_cast<T *>(static_cast<uint8_t *>(base) + offset);
+}
+
+}  // namespace
+
+Ring::Ring(unsigned entries) {
+  io_uring_params p;
+  std::memset(&p, 0, sizeof p);
+  p.flags = IORING_SETUP_CLAMP;  // a too-large depth is clamped to the kernel's limit instead of failing
+  const long fd = syscall(__NR_io_uring_setup, entries, &p);
+  if (fd < 0) throw UringUnavailable{errno};
+  fd_ = static_cast<int>(fd);
+  try {
+    sq_entries_ = p.sq_entries;
+    sq_map_bytes_ = p.sq_off.array + p.sq_entries * sizeof(uint32_t);
+    cq_map_bytes_ = p.cq_off.cqes + p.cq_entries * sizeof(io_uring_cqe);
+    if (p.features & IORING_FEAT_SINGLE_MMAP) {
+      // SQ and CQ rings share one mapping (5.4+).
+      sq_map_bytes_ = cq_map_bytes_ = std::max(sq_map_bytes_, cq_map_bytes_);
+      sq_map_ = map_ring(fd_, sq_map_bytes_, IORING_OFF_SQ_RING);
+    } else {
+      sq_map_ = map_ring(fd_, sq_map_bytes_, IORING_OFF_SQ_RING);
+      cq_map_ = map_ring(fd_, cq_map_bytes_, IORING_OFF_CQ_RING);
+    }
+    void *cq_base = cq_map_ ? cq_map_ : sq_map_;
+    sqe_map_bytes_ = p.sq_entries * sizeof(io_uring_sqe);
+    sqe_map_ = map_ring(fd_, sqe_map_bytes_, IORING_OFF_SQES);
+    sq_tail_ = at<uint32_t>(sq_map_, p.sq_off.tail);
+    sq_mask_ = *at<uint32_t>(sq_map_, p.sq_off.ring_mask);
+    sq_array_ = at<uint32_t>(sq_map_, p.sq_off.array);
+    cq_head_ = at<uint32_t>(cq_base, p.cq_off.head);
+    cq_tail_ = at<uint32_t>(cq_base, p.cq_off.tail);
+    cq_mask_ = *at<uint32_t>(cq_base, p.cq_off.ring_mask);
+    sqes_ = static_cast<io_uring_sqe *>(sqe_map_);
+    cqes_ = at<io_uring_cqe>(cq_base, p.cq_off.cqes);
+
+    // IORING_OP_READ arrived in 5.6; ask the kernel rather than guess from its version.
+    const unsigned n_ops = 256;
+    std::vector<uint64_t> buf((sizeof(io_uring_probe) + n_ops * sizeof(io_uring_probe_op)) / 8 + 1);
+    auto *probe = reinterpret_cast<io_uring_probe *>(buf.data());
+    if (syscall(__NR_io_uring_register, fd_, IORING_REGISTER_PROBE, probe, n_ops) < 0) throw UringUnavailable{errno};
+    if (probe->last_op < IORING_OP_READ || !(probe->ops[IORING_OP_READ].flags & IO_URING_OP_SUPPORTED))
+      throw UringUnavailable{EOPNOTSUPP};
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+Ring::~Ring() { release(); }
+
+void Ring::release() {
+  if (sqe_map_) munmap(sqe_map_, sqe_map_bytes_);
+  if (cq_map_) munmap(cq_map_, cq_map_bytes_);
+  if (sq_map_) munmap(sq_map_, sq_map_bytes_);
+  if (fd_ >= 0) close(fd_);
+  sqe_map_ = cq_map_ = sq_map_ = nullptr;
+  fd_ = -1;
+}
+
+int Ring::enter(unsigned to_submit, unsigned min_complete) {
+  const long r = syscall(__NR_io_uring_enter, fd_, to_submit, min_complete, IORING_ENTER_GETEVENTS, nullptr, 0);
+  return r < 0 ? -errno : static_cast<int>(r);
+}
+
+unsigned Ring::reap(ReadOp *ops, size_t n) {
+  uint32_t head = *cq_head_;  // only this thread writes the CQ head
+  // Acquire: once we see the kernel's new tail, the CQEs before it are fully written.
+  const uint32_t tail = __atomic_load_n(cq_tail_, __ATOMIC_ACQUIRE);
+  unsigned got = 0;
+  for (; head != tail; ++head, ++got) {
+    const io_uring_cqe &c = cqes_[head & cq_mask_];
+    if (c.user_data < n) ops[c.user_data].res = c.res;
+  }
+  // Release: our reads of those CQEs are done before the kernel may overwrite their slots.
+  __atomic_store_n(cq_head_, head, __ATOMIC_RELEASE);
+  return got;
+}
+
+void Ring::drain(ReadOp *ops, size_t n, unsigned &inflight) {
+  // The kernel may still write into the caller's buffers, so we cannot return before every read ends.
+  // If waiting itself fails, poll: completions still land in the CQ, and each syscall runs task work.
+  while (inflight > 0) {
+    const int r = enter(0, 1);
+    if (r < 0 && r != -EINTR) {
+      const timespec ms{0, 1000000};
+      nanosleep(&ms, nullptr);
+    }
+    inflight -= std::min(inflight, reap(ops, n));
+  }
+}
+
+void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth) {
+  depth = std::max(1u, std::min(depth, sq_entries_));
+  for (size_t i = 0; i < n; ++i) ops[i].res = kPending;
+  size_t next = 0, done = 0;
+  unsigned queued = 0;     // SQEs written but not yet consumed by the kernel
+  unsigned inflight = 0;   // consumed by the kernel, completion not reaped yet
+  bool wait_only = false;  // the kernel took fewer SQEs than offered: wait for room before offering again
+  int err = 0;
+  while (done < n) {
+    uint32_t tail = *sq_tail_;  // only this thread writes the SQ tail
+    while (next < n && queued + inflight < depth) {
+      const unsigned idx = tail & sq_mask_;
+      io_uring_sqe &s = sqes_[idx];
+      std::memset(&s, 0, sizeof s);
+      s.opcode = IORING_OP_READ;
+      s.fd = fd;
+      s.off = ops[next].offset;
+      s.addr = reinterpret_cast<uintptr_t>(ops[next].dst);
+      s.len = ops[next].len;
+      s.user_data = next;
+      sq_array_[idx] = idx;
+      ++tail, ++next, ++queued;
+    }
+    // Release: the SQEs and array slots are visible to the kernel before the tail that publishes them.
+    __atomic_store_n(sq_tail_, tail, __ATOMIC_RELEASE);
+
+    const unsigned to_submit = wait_only ? 0 : queued;
+    if (to_submit == 0 && inflight == 0) {
+      err = EIO;  // a completion went missing; waiting would block forever
+      break;
+    }
+    int ret = enter(to_submit, 1);
+    if (ret == -EINTR) continue;  // a signal: nothing was submitted, try again
+    if (ret == -EAGAIN || ret == -EBUSY) ret = 0;  // kernel short of resources: no progress this round
+    if (ret < 0) {
+      err = -ret;
+      break;
+    }
+    if (ret == 0 && to_submit > 0 && inflight == 0) {
+      err = EAGAIN;  // the kernel takes nothing and nothing is in flight to wait for: give up (caller retries)
+      break;
+    }
+    queued -= static_cast<unsigned>(ret);
+    inflight += static_cast<unsigned>(ret);
+    const unsigned got = reap(ops, n);
+    inflight -= std::min(inflight, got);
+    done += got;
+    // Partial submission: the kernel returned without waiting; let completions make room before offering more.
+    wait_only = static_cast<unsigned>(ret) < to_submit && inflight > 0;
+  }
+  if (err) {
+    // Withdraw SQEs the kernel never consumed, so the next run does not submit them.
+    __atomic_store_n(sq_tail_, *sq_tail_ - queued, __ATOMIC_RELEASE);
+    drain(ops, n, inflight);
+    for (size_t i = 0; i < n; ++i)
+      if (ops[i].res == kPending) ops[i].res = -err;
+  }
+}
+
+}  // namespace tiergram

@@ -1,0 +1,57 @@
+// A minimal io_uring driven through raw syscalls: enough to keep a batch of positioned reads in flight.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+struct io_uring_sqe;  // <linux/io_uring.h>, included by uring.cpp only
+struct io_uring_cqe;
+
+namespace tiergram {
+
+// One positioned read of `len` bytes at `offset` into `dst`. `res` receives the bytes read or -errno.
+struct ReadOp {
+  uint64_t offset = 0;
+  uint8_t *dst = nullptr;
+  uint32_t len = 0;
+  int32_t res = 0;
+};
+
+// Thrown when the kernel will not give us a usable ring (ENOSYS, EPERM under seccomp, ENOMEM, too old).
+struct UringUnavailable {
+  int err;
+};
+
+// One submission/completion queue pair. Not thread-safe: one caller at a time (callers pool rings).
+class Ring {
+ public:
+  explicit Ring(unsigned entries);  // throws UringUnavailable
+  ~Ring();
+  Ring(const Ring &) = delete;
+  Ring &operator=(const Ring &) = delete;
+
+  unsigned entries() const { return sq_entries_; }
+
+  // Reads every op from `fd` keeping at most `depth` in flight, and sets each op's `res`. If the ring
+  // itself fails (io_uring_enter error), the ops not completed get -errno: the caller sees them as failed
+  // reads. Returns only once the kernel holds no reference to any `dst`.
+  void run(int fd, ReadOp *ops, size_t n, unsigned depth);
+
+ private:
+  void release();
+  int enter(unsigned to_submit, unsigned min_complete);
+  unsigned reap(ReadOp *ops, size_t n);
+  void drain(ReadOp *ops, size_t n, unsigned &inflight);
+
+  int fd_ = -1;
+  unsigned sq_entries_ = 0;
+  void *sq_map_ = nullptr, *cq_map_ = nullptr, *sqe_map_ = nullptr;
+  size_t sq_map_bytes_ = 0, cq_map_bytes_ = 0, sqe_map_bytes_ = 0;
+  // Ring fields shared with the kernel (pointers into the mappings).
+  uint32_t *sq_tail_ = nullptr, *sq_array_ = nullptr, *cq_head_ = nullptr, *cq_tail_ = nullptr;
+  uint32_t sq_mask_ = 0, cq_mask_ = 0;  // constant for the ring's life
+  ::io_uring_sqe *sqes_ = nullptr;
+  ::io_uring_cqe *cqes_ = nullptr;
+};
+
+}  // namespace tiergram
