@@ -89,21 +89,21 @@ __attribute__((always_inline)) inline void decode_row(int codec, const uint8_t *
 
 
 #if defined(__x86_64__)
-// AVX2 fp8 e4m3 block decode: 8 values per step, same arithmetic as fp8_e4m3_to_f32 above.
-__attribute__((target("avx2"))) inline __m256 fp8x8_to_f32(const uint8_t *q, __m256 scale) {
+// AVX2 fp8 e4m3 decode, 8 values per step. Placing the byte's sign and its 7 exponent+mantissa bits at
+// float32 bits 31 and 20..26 gives the fp8 value times 2^-120 for every code, subnormals included (they
+// become float32 subnormals, which AMD cores multiply at full speed); one multiply by 2^120 * scale
+// finishes. 3x fewer instructions than rebiasing normals and converting subnormals separately.
+__attribute__((target("avx2"))) inline __m256 fp8x8_to_f32(const uint8_t *q, __m256 scale_hi, __m256 scale_lo,
+                                                         bool two_steps) {
   uint64_t bytes;
   std::memcpy(&bytes, q, 8);
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes)));
-  const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(em, _mm256_set1_epi32(7))),
-                                   _mm256_set1_ps(1.0f / 512.0f));
-  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
-  __m256 mag = _mm256_blendv_ps(normal, sub, is_sub);
-  const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7F)));
-  mag = _mm256_blendv_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan);
-  return _mm256_mul_ps(_mm256_or_ps(mag, _mm256_castsi256_ps(sign)), scale);
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes)));
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+  __m256 x = _mm256_mul_ps(_mm256_castsi256_ps(bits), scale_hi);
+  if (two_steps) x = _mm256_mul_ps(x, scale_lo);
+  // codes 0x7F / 0xFF are NaN: all-ones bits
+  const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
+  return _mm256_or_ps(x, _mm256_castsi256_ps(nan));
 }
 
 // fp32 x8 -> bf16 x8 (round to nearest even; NaN kept quiet), packed into 16 bytes.
@@ -114,8 +114,15 @@ __attribute__((target("avx2"))) inline __m128i f32x8_to_bf16(__m256 x) {
   const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, quiet, nan);
-  // pack 32-bit lanes (values < 65536) to 16-bit; packus works per 128-bit half, then fix the order
-  const __m256i packed = _mm256_packus_epi32(r, r);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // per 128-bit half; the permute restores order
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// Upper halves of 8 float32 (exact bf16 when the low 16 bits are zero), packed into 16 bytes.
+__attribute__((target("avx2"))) inline __m128i f32x8_high_halves(__m256 x) {
+  const __m256i pick = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_shuffle_epi8(_mm256_castps_si256(x), pick);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
@@ -123,11 +130,23 @@ __attribute__((target("avx2"))) void fp8_row_avx2(const uint8_t *row, uint64_t d
                                                   uint16_t *out_bf16) {
   const uint8_t *scales = row + dim;
   for (uint64_t b = 0; b < dim / 32; ++b) {
-    const __m256 s = _mm256_set1_ps(ue8m0_scale(scales[b]));
+    const uint8_t e = scales[b];
+    // 2^120 * 2^(e-127) = 2^(e-7) is a normal float for e <= 134; larger scales take two multiplies
+    const bool two_steps = e > 134;
+    const float hi = e == 255 ? std::numeric_limits<float>::quiet_NaN()
+                              : bits_to_f32(static_cast<uint32_t>(two_steps ? 247 : e + 120) << 23);  // 2^120 or 2^(e-7)
+    const __m256 scale_hi = _mm256_set1_ps(hi);
+    const __m256 scale_lo = _mm256_set1_ps(two_steps ? ue8m0_scale(e) : 1.0f);
+    // fp8 has 4 significant bits, so with e >= 10 (no float32 subnormals) bf16 is the exact upper half
+    const bool exact_bf16 = e >= 10;
     for (uint64_t k = 0; k < 32; k += 8) {
-      const __m256 v = fp8x8_to_f32(row + 32 * b + k, s);
-      if (out_f32) _mm256_storeu_ps(out_f32 + 32 * b + k, v);
-      else _mm_storeu_si128(reinterpret_cast<__m128i *>(out_bf16 + 32 * b + k), f32x8_to_bf16(v));
+      const __m256 v = fp8x8_to_f32(row + 32 * b + k, scale_hi, scale_lo, two_steps);
+      if (out_f32) {
+        _mm256_storeu_ps(out_f32 + 32 * b + k, v);
+      } else {
+        const __m128i h = exact_bf16 ? f32x8_high_halves(v) : f32x8_to_bf16(v);
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(out_bf16 + 32 * b + k), h);
+      }
     }
   }
 }
