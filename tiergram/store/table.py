@@ -180,4 +180,9 @@ def _as_ids(row_ids: np.ndarray | torch.Tensor, n_heads: int) -> np.ndarray:
         raise ValueError(f"row ids must be integers, got {ids.dtype}")
     if ids.ndim < 1 or ids.shape[-1] != n_heads:
         raise ValueError(f"row ids must have shape [..., {n_heads}] (one id per head), got {list(ids.shape)}")
+    big = ids > np.uint64(2**63 - 1) if ids.dtype == np.uint64 else None
+    if big is not None and big.any():  # would wrap to a negative int64 and be reported as a different id
+        pos, head = divmod(int(np.flatnonzero(big)[0]), n_heads)
+        raise IndexError(f"row id {ids.reshape(-1, n_heads)[pos, head]} out of range for head {head} "
+                         f"at position {pos}")
     return np.ascontiguousarray(ids, dtype=np.int64)
