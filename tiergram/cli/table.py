@@ -52,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_create(args: argparse.Namespace) -> int:
     provenance = {"tool": "tiergram table create"}
+    if args.heads is not None and args.heads <= 0:  # 0 would silently mean "as many heads as --rows-per-head lists"
+        raise ValueError(f"--heads must be positive, got {args.heads}")
     if args.from_safetensors:
         if not args.tensor:
             raise ValueError("--from-safetensors needs --tensor NAME")
@@ -61,7 +63,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         head_rows, dim, values = src.head_rows, src.dim, src.values()
         provenance.update(source=str(args.from_safetensors), tensors=src.names)
     else:
-        if not (args.heads and args.rows_per_head and args.dim):
+        if args.heads is None or args.rows_per_head is None or args.dim is None:
             raise ValueError("random init needs --heads, --rows-per-head and --dim")
         head_rows, dim = _expand(args.rows_per_head, args.heads), args.dim
         values = random_values(dim, seed=args.seed, std=args.std)

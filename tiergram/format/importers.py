@@ -52,12 +52,16 @@ def open_safetensors(path: str | os.PathLike, tensor: str, head_rows: tuple[int,
         raise FileNotFoundError(f"{path}: no such safetensors file")
     with safe_open(path, framework="pt") as f:
         keys = set(f.keys())
-        if "{head}" in tensor:
+        per_head = "{head}" in tensor
+        if per_head:
             names = []
-            while tensor.format(head=len(names)) in keys:
-                names.append(tensor.format(head=len(names)))
+            while tensor.replace("{head}", str(len(names))) in keys:
+                names.append(tensor.replace("{head}", str(len(names))))
             if not names:
-                raise ValueError(f"{path}: no tensor matches {tensor!r} (for head 0: {tensor.format(head=0)!r})")
+                raise ValueError(f"{path}: no tensor matches {tensor!r} (for head 0: "
+                                 f"{tensor.replace('{head}', '0')!r})")
+            if heads and heads != len(names):
+                raise ValueError(f"{path}: --heads is {heads} but {len(names)} tensors match {tensor!r}")
         elif tensor in keys:
             names = [tensor]
         else:
@@ -69,7 +73,7 @@ def open_safetensors(path: str | os.PathLike, tensor: str, head_rows: tuple[int,
     dims = {s[1] for s in shapes}
     if len(dims) != 1:
         raise ValueError(f"{path}: per-head tensors disagree on D: {sorted(dims)}")
-    if len(names) > 1:
+    if per_head:
         rows = tuple(int(s[0]) for s in shapes)
         if head_rows and tuple(head_rows) != rows:
             raise ValueError(f"{path}: --rows-per-head {list(head_rows)} disagrees with the tensors' rows {list(rows)}")
