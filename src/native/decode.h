@@ -10,6 +10,7 @@ enum Codec : int { kFp32 = 0, kBf16 = 1, kInt8 = 2, kFp8E4M3 = 3 };
 
 // Encoded bytes of one row of `dim` values; 0 when the codec/dim pair is invalid.
 inline uint64_t codec_row_bytes(int codec, uint64_t dim) {
+  if (dim == 0 || dim >= (uint64_t(1) << 32)) return 0;  // keeps 4 * dim far from overflow
   switch (codec) {
     case kFp32: return 4 * dim;
     case kBf16: return 2 * dim;

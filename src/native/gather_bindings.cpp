@@ -30,7 +30,9 @@ void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64
             uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out) {
   const uint64_t row_bytes = codec_row_bytes(codec, dim);
   require(row_bytes > 0, "invalid codec " + std::to_string(codec) + " for dim " + std::to_string(dim));
-  require(page_size >= 512 && rows_per_page >= 1 && rows_per_page * row_bytes + kPageTrailerBytes <= page_size,
+  // division, not multiplication: rows_per_page * row_bytes could wrap around
+  require(page_size >= 512 && page_size <= (uint64_t(1) << 31) && rows_per_page >= 1 &&
+              row_bytes + kPageTrailerBytes <= page_size && rows_per_page <= (page_size - kPageTrailerBytes) / row_bytes,
           "page geometry does not fit: " + std::to_string(rows_per_page) + " rows of " +
               std::to_string(row_bytes) + " bytes in a " + std::to_string(page_size) + "-byte page");
   require(head_offsets.size() == head_rows.size(), "head_offsets and head_rows differ in length");
