@@ -7,12 +7,13 @@ import importlib
 import sys
 
 # Command-group modules under tiergram.cli; each defines register(subparsers).
-COMMAND_MODULES = ["table", "bench", "corpus"]
+COMMAND_MODULES = ["table", "bench", "corpus", "model"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser with every command group registered."""
-    parser = argparse.ArgumentParser(prog="tiergram", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="tiergram", description="Serve, train, study and benchmark Engram memory tables from a memory hierarchy.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(f"tiergram.cli.{name}").register(sub)
