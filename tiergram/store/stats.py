@@ -55,7 +55,8 @@ class StoreStats:
                 "hit_rate": int(self.hits.sum()) / probed if probed else None,
                 "pages_read": self.pages_read,
                 "bytes_read": dict(self.bytes_by_tier),
-                "read_amplification": file_bytes / needed if needed else None,
+                # None without file reads to count (mmap: the kernel's page faults are not seen)
+                "read_amplification": file_bytes / needed if needed and file_bytes else None,
                 "per_head": {name: getattr(self, name).tolist() for name in ("ids", "unique", "hits", "misses")},
             }
 

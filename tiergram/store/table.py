@@ -121,11 +121,11 @@ class TieredTable:
             self.tier.gather(flat, out)
             self.stats_.record(ids=per_head_ids, tier_bytes={"host": flat.size * m.row_bytes})
             return
-        if self.cache is None:
-            before = self.tier.counters.bytes_read, self.tier.counters.pages_read
-            self.tier.gather(flat, out)
-            self.stats_.record(ids=per_head_ids, tier_bytes={"file": self.tier.counters.bytes_read - before[0]},
-                               pages=self.tier.counters.pages_read - before[1])
+        if self.cache is None:  # every distinct row is a miss of the (absent) cache
+            uniq, pages = self.tier.gather(flat, out)
+            counts = per_head_counts(uniq, self._offsets)
+            self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
+                               tier_bytes={"file": pages * m.page_size}, pages=pages)
             return
         self._fetch_cached(flat, out, cancelled, announced)
 
@@ -151,11 +151,11 @@ class TieredTable:
             raw = np.empty((uniq.size, m.row_bytes), dtype=np.uint8)
             raw[hit] = cache.rows[slots[hit]]
             miss_keys = uniq[~hit]
-            before = self.tier.counters.bytes_read, self.tier.counters.pages_read
+            pages = 0  # this call's reads (the tier's counters also count concurrent calls')
             if miss_keys.size:
                 if cancelled is not None and cancelled.is_set():
                     raise CancelledError
-                buf, offsets = self.tier.read_rows(miss_keys)
+                buf, offsets, pages = self.tier.read_rows(miss_keys)
                 miss_raw = np.empty((miss_keys.size, m.row_bytes), dtype=np.uint8)
                 _native.decode_at(buf, offsets, m.codec_id, m.dim, miss_raw)  # uint8 out: a raw copy
                 raw[~hit] = miss_raw
@@ -167,8 +167,7 @@ class TieredTable:
             ids=np.full(self.num_heads, flat.shape[0], dtype=np.int64),
             unique=per_head_counts(uniq, self._offsets), hits=per_head_counts(uniq[hit], self._offsets),
             misses=per_head_counts(miss_keys, self._offsets),
-            tier_bytes={"cache": int(hit.sum()) * m.row_bytes, "file": self.tier.counters.bytes_read - before[0]},
-            pages=self.tier.counters.pages_read - before[1])
+            tier_bytes={"cache": int(hit.sum()) * m.row_bytes, "file": pages * m.page_size}, pages=pages)
 
 
 def _as_ids(row_ids: np.ndarray | torch.Tensor, n_heads: int) -> np.ndarray:

@@ -14,13 +14,14 @@ from tiergram.format import TableFile
 from tiergram.tiers.aligned import aligned_empty
 
 FILE_MODES = ("direct", "buffered", "mmap")
+STAGING_MAX_BYTES = 64 << 20  # larger reads get a buffer of their own
 
 
 @dataclass
 class FileCounters:
     """Running totals of the reads one file tier made."""
 
-    rows: int = 0  # unique rows requested
+    rows: int = 0  # rows requested (distinct per call)
     pages_read: int = 0
     bytes_read: int = 0
 
@@ -46,6 +47,7 @@ class FileTier:
         self.head_rows = table.head_rows
         self.counters = FileCounters()
         self._lock = threading.Lock()
+        self._local = threading.local()  # per-thread staging buffer for page reads
         self._mmap: mmap.mmap | None = None
         self.reader = None
         if mode == "mmap":
@@ -66,38 +68,61 @@ class FileTier:
         """IndexError naming head and id for any id of int64 [N, H] outside its head."""
         _native.check_ids(ids, self.head_rows)
 
-    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source buffer, int64 byte offsets [n]) holding the encoded global rows [n] (ids already checked)."""
+    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
+
+        Each distinct page is read once, in one batched call. The buffer is this thread's staging buffer when
+        the pages fit it: it stays valid until this thread's next `read_rows`, so decode from it before then.
+        """
         m = self.manifest
         rows = np.asarray(rows, dtype=np.int64)
         page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
         if self.reader is None:
             with self._lock:
                 self.counters.rows += rows.size
-            return self.data, page_of_row * m.page_size + slot_in_page * m.row_bytes
+            return self.data, page_of_row * m.page_size + slot_in_page * m.row_bytes, 0
         pages, which = np.unique(page_of_row, return_inverse=True)
-        buf = aligned_empty(pages.size * m.page_size)
+        buf = self._staging(pages.size * m.page_size)
         self.reader.read_pages(pages, buf)
         with self._lock:
             self.counters.rows += rows.size
             self.counters.pages_read += pages.size
             self.counters.bytes_read += pages.size * m.page_size
-        return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes
+        return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
-    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> None:
-        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes]."""
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_MAX_BYTES.
+
+        A fresh buffer per call costs its page faults (the kernel pins and zero-fills every page it DMAs into):
+        about 4% of a 6,000-page lookup.
+        """
+        if nbytes > STAGING_MAX_BYTES:
+            return aligned_empty(nbytes)
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.size < nbytes:
+            grown = min(STAGING_MAX_BYTES, 2 * buf.size) if buf is not None else 0
+            buf = self._local.staging = aligned_empty(max(nbytes, grown))
+        return buf[:nbytes]
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes].
+
+        Returns (the sorted distinct global rows read, pages read).
+        """
         self.check_ids(ids)
         glob = (ids + self.head_offsets).reshape(-1)
         uniq, inverse = np.unique(glob, return_inverse=True)
-        buf, offsets = self.read_rows(uniq)
+        buf, offsets, pages = self.read_rows(uniq)
         m = self.manifest
         _native.decode_at(buf, offsets[inverse.reshape(-1)], m.codec_id, m.dim, out)
+        return uniq, pages
 
     def close(self) -> None:
         """Close the reader or the mapping."""
         if self.reader is not None:
             self.reader.close()
         self.data = np.empty(0, dtype=np.uint8)
+        self._local = threading.local()  # this thread's staging buffer goes (the prefetch worker's with it)
         if self._mmap is not None:
             try:
                 self._mmap.close()

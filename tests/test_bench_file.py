@@ -1,0 +1,100 @@
+"""`tiergram bench lookup --tier file` on a tiny table: the JSON it prints, and the table it creates."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tiergram.bench import file_lookup
+from tiergram.cli import main
+from tiergram.codecs import get_codec
+from tiergram.format import TableFile
+from tiergram.store import TieredTable
+
+TINY = ["--heads", "3", "--dim", "64", "--rows-per-head", "2000", "--positions", "4", "--min-time", "0.6",
+        "--rounds", "2", "--queue-depths", "1,4,8", "--py-threads", "2,3", "--queue-depth", "8"]
+
+
+@pytest.fixture
+def bench_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERGRAM_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_file_bench_json(bench_home, capsys):
+    assert main(["bench", "lookup", "--tier", "file", *TINY, "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    for key in ("tiergram_pages_per_s", "tiergram_rows_per_s", "python_threads_pages_per_s", "mmap_pages_per_s",
+                "mmap_rows_per_s", "vs_limit", "vs_python_threads", "vs_mmap_pages", "vs_mmap_rows"):
+        assert obj[key] > 0, key
+    assert set(obj["limit_pages_per_s"]) == {"1", "4", "8"}
+    assert all(v > 0 for v in obj["limit_pages_per_s"].values())
+    assert set(obj["python_threads"]) == {"2", "3"}
+    assert obj["python_threads_pages_per_s"] == max(d["pages_per_s"] for d in obj["python_threads"].values())
+    assert set(obj["tiergram"]) == {"uniform", "zipf"}
+    for d in obj["tiergram"].values():
+        assert d["pages_per_s"] > 0 and d["rows_per_s"] > 0 and d["rows_per_call"] == 12
+        assert 0 < d["pages_per_call"] <= 12
+    # the headline is the worst distribution, and the ratios are computed from the figures printed
+    worst = min(d["pages_per_s"] for d in obj["tiergram"].values())
+    assert obj["tiergram_pages_per_s"] == worst
+    best_deep = max(obj["limit_pages_per_s"][q] for q in ("4", "8"))
+    assert obj["vs_limit"] == pytest.approx(worst / best_deep)
+    assert obj["vs_python_threads"] == pytest.approx(worst / obj["python_threads_pages_per_s"])
+    for name, target in (("vs_limit", 0.85), ("vs_python_threads", 2.0)):
+        t = obj["targets"][name]
+        assert t["target"] == target and t["met"] == (t["value"] >= target) and t["value"] == obj[name]
+    table = obj["table"]
+    assert table["path"].startswith(str(bench_home)) and table["rows"] == 6000
+    assert "tiled" in table["provenance"]["init"]
+    assert obj["config"]["positions"] == 4 and obj["backend"] in ("io_uring", "threads")
+
+
+def test_file_bench_text(bench_home, capsys):
+    assert main(["bench", "lookup", "--tier", "file", *TINY]) == 0
+    out = capsys.readouterr().out
+    for needle in ("limit: native reader QD8", "python threads os.preadv x3", "tiergram lookup, uniform",
+                   "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads"):
+        assert needle in out, needle
+
+
+def test_bench_table_is_valid_and_reused(bench_home):
+    cfg = file_lookup.FileLookupBenchConfig(heads=2, dim=64, rows_per_head=3000)
+    table = file_lookup.bench_file_table(cfg, progress=False)
+    m = table.manifest
+    assert table.verify() == [] and m.codec == "fp8_e4m3" and m.head_rows == (3000, 3000)
+    mtime = table.path.stat().st_mtime_ns
+    assert file_lookup.bench_file_table(cfg, progress=False).path.stat().st_mtime_ns == mtime  # created once
+    # every row is one of the encoded pool rows, and decodes to finite values
+    store = TieredTable(table.path, tier="file")
+    try:
+        rows = store.lookup(np.arange(3000).reshape(1500, 2))
+    finally:
+        store.close()
+    assert torch.isfinite(rows).all() and rows.abs().max() < 10
+    raw = table.read_data().reshape(m.n_pages, m.page_size)[:, : m.rows_per_page * m.row_bytes]
+    raw = raw.reshape(-1, m.row_bytes)[: m.total_rows]
+    pool = get_codec("fp8_e4m3").encode(np.random.default_rng(0).standard_normal((file_lookup.POOL_ROWS, 64),
+                                                                                  dtype=np.float32))
+    pool_set = {bytes(r) for r in pool}
+    assert all(bytes(r) in pool_set for r in raw[::97])
+    assert TableFile.open(table.path).manifest == m
+
+
+def test_sizes_from_gib():
+    m = file_lookup.table_manifest(file_lookup.FileLookupBenchConfig(table_gib=0.5))
+    assert m.n_heads == 24 and m.row_bytes == 264
+    assert abs(m.data_bytes - 2**29) <= m.page_size * m.n_heads
+    with pytest.raises(ValueError, match="holds no rows"):
+        file_lookup.table_manifest(file_lookup.FileLookupBenchConfig(table_gib=1e-9))
+
+
+def test_bad_options(bench_home):
+    with pytest.raises(SystemExit):
+        main(["bench", "lookup", "--tier", "file", "--queue-depths", "0,32"])
+    with pytest.raises(ValueError, match="rounds"):
+        file_lookup.run(file_lookup.FileLookupBenchConfig(rounds=0), progress=False)
+

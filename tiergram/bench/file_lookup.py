@@ -1,0 +1,445 @@
+"""`tiergram bench lookup --tier file`: rows from the table file on SSD against the device's own limit.
+
+All in one run, on one table file in the bench cache folder (a few GiB, created once):
+
+- limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128;
+- python threads: 8 and 16 Python threads calling `os.preadv` on an O_DIRECT descriptor (best of);
+- tiergram: `TieredTable(tier="file", file_mode="direct")` without a cache, `lookup` of `positions` x heads
+  ids per call, uniform and Zipfian, rows decoded to float32 — dedup, page reads, checksums, decode, all of it;
+- mmap: the same lookups through `file_mode="mmap"` (MADV_RANDOM), on pages not touched before in the run,
+  after dropping the file from the page cache: the baseline of engines that map the file.
+
+Why O_DIRECT and not a table larger than RAM: on a 24 GiB machine a table several times larger than the page
+cache cannot be written within a benchmark's time. O_DIRECT reads bypass the page cache, so a table of a few
+GiB shows the device; the file is also dropped from the page cache (POSIX_FADV_DONTNEED) after creation and
+before the mmap phase, so mmap reads fault from the device too.
+
+pages/s counts distinct 4 KiB pages read per second; rows/s counts ids served per second (duplicates
+included, as a caller sees them). A cold row costs one page read, so for uniform ids rows/s ~ pages/s.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import resource
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiergram import _native
+from tiergram.bench.common import cache_dir, draw_ids
+from tiergram.codecs import get_codec
+from tiergram.format import TableFile, TableManifest, write_table
+from tiergram.store import TieredTable
+from tiergram.tiers.aligned import aligned_empty
+
+TARGET_VS_LIMIT = 0.85  # of the best measured limit at queue depth >= 32
+TARGET_VS_THREADS = 2.0  # times the Python-threads baseline
+POOL_ROWS = 65536  # distinct encoded rows the table is tiled from
+
+
+@dataclass
+class FileLookupBenchConfig:
+    """Table size and the measurements of the file-tier benchmark; defaults: DeepSeek-V4.1 rows (fp8, D=256)."""
+
+    table_gib: float = 2.0
+    heads: int = 24
+    rows_per_head: int = 0  # 0: as many as table_gib holds
+    dim: int = 256
+    codec: str = "fp8_e4m3"
+    positions: int = 256  # token positions per lookup call (x heads rows)
+    dists: tuple[str, ...] = ("uniform", "zipf")
+    queue_depths: tuple[int, ...] = (1, 32, 128)
+    store_queue_depth: int = 128  # the TieredTable's reader
+    py_threads: tuple[int, ...] = (8, 16)
+    min_time: float = 4.0  # seconds per reader, over all rounds
+    rounds: int = 4  # interleaved segments per reader; the best is kept
+    dtype: str = "float32"
+    backend: str = "auto"
+    table: str | None = None  # table path (default: in the bench cache folder)
+    seed: int = 0
+
+
+@dataclass
+class FileLookupBenchResult:
+    config: FileLookupBenchConfig
+    table: dict[str, object]
+    backend: str
+    limit: dict[str, dict[str, float]] = field(default_factory=dict)  # queue depth -> figures
+    python_threads: dict[str, dict[str, float]] = field(default_factory=dict)  # thread count -> figures
+    tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution -> figures
+    mmap: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def limit_pages_per_s(self) -> dict[str, float]:
+        return {qd: d["pages_per_s"] for qd, d in self.limit.items()}
+
+    @property
+    def best_limit(self) -> float:
+        """The best limit at queue depth >= 32 (the one the target is measured against)."""
+        deep = [d["pages_per_s"] for qd, d in self.limit.items() if int(qd) >= 32]
+        return max(deep) if deep else max(self.limit_pages_per_s.values())
+
+    @property
+    def python_threads_pages_per_s(self) -> float:
+        return max(d["pages_per_s"] for d in self.python_threads.values())
+
+    @property
+    def worst(self) -> dict[str, float]:
+        """tiergram's distribution with the fewest pages/s (the conservative headline)."""
+        return min(self.tiergram.values(), key=lambda d: d["pages_per_s"])
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        w, uni = self.worst, self.tiergram.get("uniform", self.worst)
+        return {"vs_limit": w["pages_per_s"] / self.best_limit,
+                "vs_python_threads": w["pages_per_s"] / self.python_threads_pages_per_s,
+                "vs_mmap_pages": uni["pages_per_s"] / self.mmap["pages_per_s"],
+                "vs_mmap_rows": uni["rows_per_s"] / self.mmap["rows_per_s"]}
+
+    @property
+    def targets(self) -> dict[str, dict[str, object]]:
+        r = self.ratios
+        return {"vs_limit": {"target": TARGET_VS_LIMIT, "value": r["vs_limit"],
+                             "met": r["vs_limit"] >= TARGET_VS_LIMIT},
+                "vs_python_threads": {"target": TARGET_VS_THREADS, "value": r["vs_python_threads"],
+                                      "met": r["vs_python_threads"] >= TARGET_VS_THREADS}}
+
+
+# ---------------------------------------------------------------- the table
+
+
+def table_manifest(cfg: FileLookupBenchConfig) -> TableManifest:
+    """The benchmark table's geometry: `rows_per_head`, or as many rows as fill `table_gib` of pages."""
+    probe = TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(1,) * cfg.heads)
+    rows = cfg.rows_per_head or int(cfg.table_gib * 2**30) // probe.page_size * probe.rows_per_page // cfg.heads
+    if rows < 1:
+        raise ValueError(f"a {cfg.table_gib} GiB table holds no rows of {probe.row_bytes} bytes per head")
+    prov = {"tool": "tiergram bench lookup --tier file",
+            "init": f"{POOL_ROWS} distinct N(0,1) rows (seed {cfg.seed}) encoded with {cfg.codec}; every table row is "
+                    f"a seeded random pick among them (tiled for creation speed; the values carry no meaning)"}
+    return TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(rows,) * cfg.heads, provenance=prov)
+
+
+def drop_page_cache(path: str | os.PathLike) -> None:
+    """Ask the kernel to forget the file's cached pages (clean pages go; O_DIRECT and mmap then read the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def bench_file_table(cfg: FileLookupBenchConfig, progress: bool = True) -> TableFile:
+    """The benchmark's table file, created once (tiled random valid rows, fsynced) and dropped from the page cache."""
+    m = table_manifest(cfg)
+    rows = m.head_rows[0]
+    path = Path(cfg.table) if cfg.table else cache_dir("bench") / f"file-{cfg.codec}-{cfg.heads}x{rows}x{cfg.dim}.tgram"
+    table = None
+    if path.exists():
+        try:
+            table = TableFile.open(path)
+            if (table.manifest.head_rows, table.manifest.codec, table.manifest.dim) != (m.head_rows, m.codec, m.dim):
+                table = None
+        except ValueError:
+            table = None  # stale or damaged: rebuild
+    if table is None:
+        rng = np.random.default_rng(cfg.seed)
+        pool = get_codec(cfg.codec).encode(rng.standard_normal((POOL_ROWS, cfg.dim), dtype=np.float32))
+
+        def rows_from_pool(start: int, n: int) -> np.ndarray:
+            pick = np.random.default_rng([cfg.seed, start]).integers(0, POOL_ROWS, n)
+            return pool[pick]
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_table(path, m, rows_from_pool, progress=progress)
+        table = TableFile.open(path)
+    drop_page_cache(path)
+    return table
+
+
+# ---------------------------------------------------------------- measurements
+#
+# Every reader is measured in `rounds` segments, interleaved (round 1 of every reader, then round 2, ...), and
+# its best segment is kept: other processes on a shared machine slow some segments, and interleaving spreads that
+# over all readers instead of charging it to whichever ran at the wrong moment.
+
+
+@dataclass
+class Segment:
+    """What one timed segment did."""
+
+    pages: int
+    rows: int
+    seconds: float
+    cpu: float  # process CPU seconds (all threads)
+
+    def figures(self) -> dict[str, float]:
+        out = {"pages_per_s": self.pages / self.seconds, "cpu_us_per_page": 1e6 * self.cpu / max(1, self.pages)}
+        if self.rows:
+            out["rows_per_s"] = self.rows / self.seconds
+        return out
+
+
+def _cpu() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+class LimitReader:
+    """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd."""
+
+    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int = 0) -> None:
+        m = self.manifest = table.manifest
+        self.batch = max(256, 16 * qd)
+        self.out = aligned_empty(self.batch * m.page_size)
+        self.rng = np.random.default_rng([seed, qd])
+        self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
+                                         queue_depth=qd, backend=backend, direct=True)
+        self.reader.read_pages(self.rng.integers(0, m.n_pages, self.batch), self.out, verify=False)  # warm-up
+
+    def segment(self, seconds: float) -> Segment:
+        done, t0, c0 = 0, time.perf_counter(), _cpu()
+        while True:
+            self.reader.read_pages(self.rng.integers(0, self.manifest.n_pages, self.batch), self.out, verify=False)
+            done += self.batch
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                return Segment(done, 0, dt, _cpu() - c0)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class PythonThreads:
+    """The baseline without a native reader: Python threads each calling os.preadv on an O_DIRECT fd."""
+
+    def __init__(self, table: TableFile, n_threads: int, seed: int = 0) -> None:
+        m = table.manifest
+        self.fd = os.open(table.path, os.O_RDONLY | os.O_DIRECT)
+        self.n = n_threads
+        self.bufs = [mmap.mmap(-1, m.page_size) for _ in range(n_threads)]  # page-aligned, as O_DIRECT needs
+        self.offsets = [(table.data_offset + np.random.default_rng([seed, 100 + i]).integers(0, m.n_pages, 1 << 17)
+                         * m.page_size).tolist() for i in range(n_threads)]
+        self.pos = [0] * n_threads
+
+    def segment(self, seconds: float) -> Segment:
+        counts = [0] * self.n
+        errors: list[BaseException] = []
+        start = threading.Barrier(self.n + 1)
+        stop = [0.0]
+
+        def work(i: int) -> None:
+            buf, offsets, k = self.bufs[i], self.offsets[i], self.pos[i]
+            start.wait()
+            try:
+                while time.perf_counter() < stop[0]:
+                    os.preadv(self.fd, [buf], offsets[k % len(offsets)])
+                    k += 1
+            except BaseException as e:  # noqa: BLE001 - re-raised after join
+                errors.append(e)
+            counts[i], self.pos[i] = k - self.pos[i], k
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(self.n)]
+        for t in threads:
+            t.start()
+        t0, c0 = time.perf_counter(), _cpu()
+        stop[0] = t0 + seconds
+        start.wait()
+        for t in threads:
+            t.join()
+        dt = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        return Segment(sum(counts), 0, dt, _cpu() - c0)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        for b in self.bufs:
+            b.close()
+
+
+class TiergramLookup:
+    """TieredTable.lookup from the file (O_DIRECT, no cache): pages from its own stats, rows as served."""
+
+    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int) -> None:
+        self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
+                                 queue_depth=cfg.store_queue_depth, backend=cfg.backend)
+        rng = np.random.default_rng([cfg.seed, seed])
+        self.batches = [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng) for _ in range(32)]
+        self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
+        self.calls = 0
+        self.store.lookup(self.batches[-1], out=self.out)  # warm-up (first-call allocations)
+
+    def segment(self, seconds: float) -> Segment:
+        pages0, rows, t0, c0 = self.store.stats()["pages_read"], 0, time.perf_counter(), _cpu()
+        while True:
+            ids = self.batches[self.calls % len(self.batches)]
+            self.store.lookup(ids, out=self.out)
+            self.calls += 1
+            rows += ids.size
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                return Segment(self.store.stats()["pages_read"] - pages0, rows, dt, _cpu() - c0)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class MmapLookup:
+    """TieredTable.lookup through mmap (MADV_RANDOM) of uniform ids on pages never touched before in this run.
+
+    The file is dropped from the page cache first (and is only ever read with O_DIRECT before), so every page
+    is a fault that reads the device; an id whose page an earlier call touched is redrawn.
+    """
+
+    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, seed: int) -> None:
+        drop_page_cache(table.path)
+        self.table, self.cfg = table, cfg
+        self.store = TieredTable(table.path, tier="file", file_mode="mmap", dtype=getattr(torch, cfg.dtype))
+        self.rng = np.random.default_rng([cfg.seed, seed])
+        self.touched = np.zeros(table.manifest.n_pages, dtype=bool)
+        self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
+
+    def _fresh_ids(self) -> np.ndarray | None:
+        """Uniform ids none of whose pages were touched; None once half the file has been (redraws get slow)."""
+        t, cfg = self.table, self.cfg
+        if self.touched.mean() > 0.5:
+            return None
+        ids = draw_ids("uniform", (cfg.positions, cfg.heads), t.head_rows, self.rng)
+        for _ in range(100):
+            stale = self.touched[(ids + t.head_offsets) // t.manifest.rows_per_page]
+            if not stale.any():
+                return ids
+            ids[stale] = draw_ids("uniform", ids.shape, t.head_rows, self.rng)[stale]
+        return None
+
+    def segment(self, seconds: float) -> Segment | None:
+        pages = rows = 0
+        dt = cpu = 0.0
+        while dt < seconds:
+            ids = self._fresh_ids()
+            if ids is None:  # out of untouched pages: what was measured stands
+                break
+            page_ids = np.unique((ids + self.table.head_offsets) // self.table.manifest.rows_per_page)
+            t0, c0 = time.perf_counter(), _cpu()
+            self.store.lookup(ids, out=self.out)
+            dt += time.perf_counter() - t0
+            cpu += _cpu() - c0
+            self.touched[page_ids] = True
+            pages += page_ids.size
+            rows += ids.size
+        return Segment(pages, rows, dt, cpu) if pages else None
+
+    def close(self) -> None:
+        self.store.close()
+        drop_page_cache(self.table.path)
+
+
+def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchResult:
+    """Create (once) the table, then measure limit, Python threads, tiergram and mmap in interleaved rounds."""
+    if cfg.positions < 1 or cfg.min_time <= 0 or cfg.rounds < 1:
+        raise ValueError("positions and rounds must be >= 1 and min_time > 0")
+    if not cfg.queue_depths or not cfg.py_threads or not cfg.dists:
+        raise ValueError("at least one queue depth, Python thread count and id distribution are needed")
+    t_start = time.perf_counter()
+    say = print if progress else (lambda *a, **k: None)
+    table = bench_file_table(cfg, progress)
+    m = table.manifest
+    info = {"path": str(table.path), "bytes": table.data_offset + m.data_bytes, "pages": m.n_pages,
+            "rows": m.total_rows, "row_bytes": m.row_bytes, "rows_per_page": m.rows_per_page,
+            "page_size": m.page_size, "provenance": m.provenance}
+    readers: dict[tuple[str, str], LimitReader | PythonThreads | TiergramLookup | MmapLookup] = {}
+    try:
+        for qd in cfg.queue_depths:
+            readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.seed)
+        for n in cfg.py_threads:
+            readers["python_threads", str(n)] = PythonThreads(table, n, cfg.seed)
+        for i, dist in enumerate(cfg.dists):
+            readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i)
+        readers["mmap", "uniform"] = MmapLookup(table, cfg, seed=99)
+        best: dict[tuple[str, str], dict[str, float]] = {}
+        for r in range(cfg.rounds):
+            for key, reader in readers.items():
+                seg = reader.segment(cfg.min_time / cfg.rounds)
+                if seg is None:
+                    continue
+                fig = seg.figures()
+                if key not in best or fig["pages_per_s"] > best[key]["pages_per_s"]:
+                    best[key] = fig
+            say(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{k[0]} {k[1]} {v['pages_per_s']:.0f}"
+                                                             for k, v in best.items()) + " pages/s (best so far)",
+                flush=True)
+        if ("mmap", "uniform") not in best:
+            raise RuntimeError(f"{table.path}: no untouched pages left for the mmap measurement; use a larger "
+                               f"table or fewer positions")
+        res = FileLookupBenchResult(cfg, info, readers["limit", str(cfg.queue_depths[0])].reader.backend)
+        for (kind, name), fig in best.items():
+            reader = readers[kind, name]
+            if isinstance(reader, TiergramLookup):
+                fig["rows_per_call"] = cfg.positions * cfg.heads
+                fig["ms_per_call"] = 1e3 * fig["rows_per_call"] / fig["rows_per_s"]
+                fig["pages_per_call"] = fig["pages_per_s"] * fig["ms_per_call"] / 1e3
+            if kind == "mmap":
+                res.mmap = fig
+            else:
+                getattr(res, kind)[name] = fig
+    finally:
+        for reader in readers.values():
+            reader.close()
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+def to_dict(res: FileLookupBenchResult) -> dict:
+    """The JSON object: headline keys at top level, then every measurement, the table and the config."""
+    w = res.worst
+    return {"tiergram_pages_per_s": w["pages_per_s"], "tiergram_rows_per_s": w["rows_per_s"],
+            "limit_pages_per_s": res.limit_pages_per_s, "python_threads_pages_per_s": res.python_threads_pages_per_s,
+            "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
+            **res.ratios, "targets": res.targets, "backend": res.backend,
+            "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
+            "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
+
+
+def to_json(res: FileLookupBenchResult) -> str:
+    return json.dumps(to_dict(res), indent=2)
+
+
+def to_text(res: FileLookupBenchResult) -> str:
+    """Pages/s and rows/s of every reader, the ratios, and whether each target is met."""
+    c, t = res.config, res.table
+    lines = [f"file lookup: {t['path']} ({t['bytes'] / 2**30:.2f} GiB, {t['pages']} pages, {t['rows']} rows of "
+             f"{t['row_bytes']} B, {t['rows_per_page']} per page), {c.heads} heads, {c.positions} positions/call, "
+             f"O_DIRECT, backend {res.backend}",
+             f"{'reader':<34}{'pages/s':>10}{'rows/s':>11}{'CPU us/page':>13}"]
+
+    def row(name: str, d: dict) -> None:
+        rows = f"{d['rows_per_s']:>11.0f}" if "rows_per_s" in d else f"{'':>11}"
+        cpu = f"{d['cpu_us_per_page']:>13.1f}" if "cpu_us_per_page" in d else f"{'':>13}"
+        lines.append(f"{name:<34}{d['pages_per_s']:>10.0f}{rows}{cpu}")
+
+    for qd, d in res.limit.items():
+        row(f"limit: native reader QD{qd}", d)
+    for n, d in res.python_threads.items():
+        row(f"python threads os.preadv x{n}", d)
+    for dist, d in res.tiergram.items():
+        row(f"tiergram lookup, {dist}", d)
+        lines[-1] += f"   ({d['pages_per_call']:.0f} pages, {d['ms_per_call']:.1f} ms per call)"
+    row("mmap lookup, uniform, cold pages", res.mmap)
+    r = res.ratios
+    lines.append(f"tiergram (worst dist) vs limit at QD>=32 ({res.best_limit:.0f}): {r['vs_limit']:.0%}; "
+                 f"vs python threads: {r['vs_python_threads']:.2f}x; uniform vs mmap: {r['vs_mmap_pages']:.2f}x "
+                 f"pages/s, {r['vs_mmap_rows']:.2f}x rows/s")
+    for name, tg in res.targets.items():
+        want = f">= {tg['target']:.0%}" if name == "vs_limit" else f">= {tg['target']:g}x"
+        lines.append(f"target {name} {want}: {'MET' if tg['met'] else 'NOT MET'} ({tg['value']:.2f})")
+    lines.append(f"({res.seconds:.0f} s)")
+    return "\n".join(lines)
