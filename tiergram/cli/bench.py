@@ -36,6 +36,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     lk.add_argument("--json", action="store_true", help="print one JSON object")
     lk.set_defaults(func=cmd_lookup)
 
+    pf = bsub.add_parser("prefetch", help="stall a compute loop still sees with prefetch, against a synchronous "
+                                          "lookup (host tier, file tier, file tier + cache)")
+    pf.add_argument("--stores", type=_names, default=("host", "file", "file+cache"),
+                    help="comma-separated: host, file, file+cache")
+    pf.add_argument("--positions", type=int, default=64, help="token positions per step (x heads rows)")
+    pf.add_argument("--steps", type=int, default=200)
+    pf.add_argument("--warmup", type=int, default=10, help="steps before the measured ones")
+    pf.add_argument("--dist", default="zipf", choices=["uniform", "zipf"], help="row id distribution")
+    pf.add_argument("--cache-fraction", type=float, default=0.10, help="host cache of file+cache, of the table")
+    pf.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "lookahead"])
+    pf.add_argument("--compute-ms", type=float, default=0.0,
+                    help="compute per step (0: per store, about its synchronous fetch time)")
+    pf.add_argument("--hidden", type=int, default=512, help="width of the compute's matmuls")
+    pf.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads for the compute (1 leaves a core to the fetch on 2 cores)")
+    pf.add_argument("--table-gib", type=float, default=2.0, help="table size (the file lookup bench's table)")
+    pf.add_argument("--rows-per-head", type=int, default=0, help="rows per head (0: as many as --table-gib holds)")
+    pf.add_argument("--heads", type=int, default=24)
+    pf.add_argument("--dim", type=int, default=256)
+    pf.add_argument("--table", default=None, help="table file path (default: in the bench cache folder)")
+    pf.add_argument("--json", action="store_true", help="print one JSON object")
+    pf.set_defaults(func=cmd_prefetch)
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -45,6 +68,10 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
@@ -71,4 +98,17 @@ def cmd_lookup_file(args: argparse.Namespace) -> int:
         rounds=args.rounds, dtype=args.dtype, backend=args.backend, table=args.table)
     res = file_lookup.run(cfg, progress=not args.json)
     print(file_lookup.to_json(res) if args.json else file_lookup.to_text(res))
+    return 0
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    from tiergram.bench import prefetch
+
+    cfg = prefetch.PrefetchBenchConfig(
+        table_gib=args.table_gib, heads=args.heads, rows_per_head=args.rows_per_head, dim=args.dim, table=args.table,
+        positions=args.positions, steps=args.steps, warmup=args.warmup, dist=args.dist, stores=args.stores,
+        cache_fraction=args.cache_fraction, cache_policy=args.cache_policy, compute_ms=args.compute_ms,
+        hidden=args.hidden, torch_threads=args.torch_threads)
+    res = prefetch.run(cfg, progress=not args.json)
+    print(prefetch.to_json(res) if args.json else prefetch.to_text(res))
     return 0
