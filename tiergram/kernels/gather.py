@@ -1,0 +1,218 @@
+"""Launchers of the fused gather + dequant kernel: every bound checked before launch, then Triton (or torch).
+
+`gather_dequant` reads rows of per-head ids from a table's data region (device memory, registered host memory
+through UVA, or a CPU tensor under TRITON_INTERPRET=1); `gather_dequant_cached` also takes an HBM row cache and
+a per-id slot array the host computed (-1: miss, served from the data region; `fill` >= 0: write the miss there).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from tiergram import _native
+from tiergram.kernels.layout import RowLayout
+from tiergram.kernels.reference import gather_dequant_torch
+
+try:
+    import triton
+
+    from tiergram.kernels import triton_kernels as _tk
+
+    HAVE_TRITON = True
+    INTERPRETED = type(_tk.gather_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
+except ImportError:  # triton is optional: the torch path still works
+    HAVE_TRITON = INTERPRETED = False
+
+BACKENDS = ("auto", "triton", "torch")
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+Ids = np.ndarray | torch.Tensor
+
+
+def triton_usable(device: torch.device) -> tuple[bool, str]:
+    """(can the Triton kernel run on `device`, why not)."""
+    if not HAVE_TRITON:
+        return False, "triton is not installed"
+    if INTERPRETED or device.type == "cuda":
+        return True, ""
+    return False, f"Triton needs a CUDA device or TRITON_INTERPRET=1 before import (device {device})"
+
+
+def pick_backend(device: torch.device, backend: str = "auto") -> str:
+    """'triton' or 'torch' for `device`; RuntimeError if 'triton' is asked for and cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r} (valid: {', '.join(BACKENDS)})")
+    ok, why = triton_usable(device)
+    if backend == "triton" and not ok:
+        raise RuntimeError(why)
+    return "triton" if ok and backend != "torch" else "torch"
+
+
+def check_ids(ids: Ids, head_rows: np.ndarray) -> None:
+    """IndexError naming head, id and position for any id of [..., H] outside its head (host: native; device: torch)."""
+    head_rows = np.ascontiguousarray(head_rows, dtype=np.int64)
+    if isinstance(ids, np.ndarray):
+        _native.check_ids(np.ascontiguousarray(ids.reshape(-1, head_rows.size), dtype=np.int64), head_rows)
+        return
+    flat = ids.reshape(-1, head_rows.size)
+    bad = (flat < 0) | (flat >= torch.as_tensor(head_rows, device=ids.device))
+    if bool(bad.any()):  # one reduction; the position is only looked up on the error path
+        pos, head = divmod(int(torch.nonzero(bad.reshape(-1))[0]), head_rows.size)
+        raise IndexError(f"row id {int(flat[pos, head])} out of range for head {head} "
+                         f"(rows 0..{int(head_rows[head]) - 1}) at position {pos}")
+
+
+def check_slots(slots: Ids, capacity: int, n: int, name: str) -> None:
+    """ValueError unless slots hold n values in -1 .. capacity-1."""
+    if slots.numel() if isinstance(slots, torch.Tensor) else slots.size != n:
+        raise ValueError(f"{name} must hold one slot per id ({n}), got shape {list(slots.shape)}")
+    if n == 0:
+        return
+    lo, hi = (int(slots.min()), int(slots.max()))
+    if lo < -1 or hi >= capacity:
+        raise ValueError(f"{name} must lie in -1..{capacity - 1} (cache of {capacity} slots), got {lo}..{hi}")
+
+
+def gather_dequant(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
+                   head_rows: np.ndarray, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None, offsets_dev: torch.Tensor | None = None,
+                   block_rows: int | None = None, num_warps: int = 4, backend: str = "auto") -> torch.Tensor:
+    """Rows [..., H, D] float32/bfloat16 of per-head ids int64 [..., H] from data uint8 [bytes] laid out as `layout`."""
+    return _gather(data, ids, layout, head_offsets, head_rows, out=out, dtype=dtype, device=device,
+                   offsets_dev=offsets_dev, block_rows=block_rows, num_warps=num_warps, backend=backend)
+
+
+def gather_dequant_cached(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
+                          head_rows: np.ndarray, cache: torch.Tensor, slots: Ids, fill: Ids | None = None, *,
+                          out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                          device: torch.device | str | None = None, offsets_dev: torch.Tensor | None = None,
+                          block_rows: int | None = None, num_warps: int = 4, backend: str = "auto") -> torch.Tensor:
+    """As gather_dequant, but id i with slots[i] >= 0 is read from cache uint8 [S, row_bytes] row slots[i].
+
+    A miss with fill[i] >= 0 is copied into cache row fill[i] as it is read (give each slot to one id only).
+    """
+    return _gather(data, ids, layout, head_offsets, head_rows, cache=cache, slots=slots, fill=fill, out=out,
+                   dtype=dtype, device=device, offsets_dev=offsets_dev, block_rows=block_rows, num_warps=num_warps,
+                   backend=backend)
+
+
+def default_block_rows(dim: int) -> int:
+    """Rows per program: about 2048 values per program."""
+    return max(1, min(128, 2048 // _next_pow2(dim)))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=None, fill=None, out, dtype, device,
+            offsets_dev, block_rows, num_warps, backend) -> torch.Tensor:
+    head_offsets = np.ascontiguousarray(head_offsets, dtype=np.int64).reshape(-1)
+    head_rows = np.ascontiguousarray(head_rows, dtype=np.int64).reshape(-1)
+    h = head_rows.size
+    if head_offsets.size != h or h == 0:
+        raise ValueError(f"head_offsets ({head_offsets.size}) and head_rows ({h}) must describe the same heads")
+    dev = _kernel_device(device, out, ids, data)
+    ids = _check_ids_array(ids, h)
+    check_ids(ids, head_rows)  # before anything is launched: no id can address outside its head
+    _check_data(data, layout, head_offsets, head_rows, dev)
+    id_shape = tuple(ids.shape)
+    n = int(np.prod(id_shape))
+    out = _output(out, (*id_shape, layout.dim), dtype, dev)
+    if cache is not None:
+        if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != layout.row_bytes \
+                or not cache.is_contiguous() or cache.device != dev:
+            raise ValueError(f"cache must be a contiguous uint8 [S, {layout.row_bytes}] tensor on {dev}")
+        check_slots(slots, cache.shape[0], n, "slots")
+        if fill is not None:
+            check_slots(fill, cache.shape[0], n, "fill")
+    if n == 0:
+        return out
+    ids_dev = _to_device(ids, dev).reshape(-1)
+    off = offsets_dev if offsets_dev is not None else _to_device(head_offsets, dev)
+    slots_dev = _to_device(slots, dev).reshape(-1) if cache is not None else None
+    fill_dev = _to_device(fill, dev).reshape(-1) if fill is not None else None
+    if pick_backend(dev, backend) == "torch":
+        if data.device != dev:
+            raise ValueError("the torch backend cannot read registered host memory from the device; use triton")
+        gather_dequant_torch(data, ids_dev, off, layout, out, cache, slots_dev, fill_dev)
+        return out
+    br = block_rows or default_block_rows(layout.dim)
+    bd = _next_pow2(layout.dim)
+    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
+        _tk.gather_kernel[(triton.cdiv(n, br),)](
+            data, ids_dev, off, out, cache if cache is not None else data,
+            slots_dev if slots_dev is not None else ids_dev, fill_dev if fill_dev is not None else ids_dev,
+            n, h, layout.rows_per_page, layout.page_size, layout.row_bytes,
+            D=layout.dim, BLOCK_D=bd, BLOCK_S=max(1, bd // 32), BLOCK_R=br, CODEC=layout.codec_id,
+            ALIGN=layout.align, HAS_CACHE=cache is not None, OUT_BF16=out.dtype == torch.bfloat16,
+            num_warps=num_warps)
+    return out
+
+
+def _kernel_device(device, out, ids, data) -> torch.device:
+    """The device the kernel runs on: given, else out's, else the ids', else the data's."""
+    if device is not None:
+        return torch.device(device)
+    for t in (out, ids, data):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    raise ValueError("no device to run on")
+
+
+def _check_ids_array(ids: Ids, h: int) -> Ids:
+    """Ids as int64 [..., H]: a C-contiguous numpy array, or a contiguous tensor."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"row ids must be integers, got {ids.dtype}")
+        t = ids.to(torch.int64).contiguous()
+    else:
+        t = np.asarray(ids)
+        if t.dtype.kind not in "iu" or (t.dtype == np.uint64 and t.size and int(t.max()) >= 2**63):
+            raise ValueError(f"row ids must be integers below 2^63, got {t.dtype}")
+        t = np.ascontiguousarray(t, dtype=np.int64)
+    if t.ndim < 1 or t.shape[-1] != h:
+        raise ValueError(f"row ids must have shape [..., {h}] (one id per head), got {list(t.shape)}")
+    return t
+
+
+def _check_data(data: torch.Tensor, layout: RowLayout, head_offsets: np.ndarray, head_rows: np.ndarray,
+                dev: torch.device) -> None:
+    """ValueError unless data is a uint8 vector holding every head's rows, readable from dev, aligned for the codec."""
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise ValueError("data must be a contiguous uint8 tensor [bytes]")
+    if (head_offsets < 0).any() or (head_rows < 1).any():
+        raise ValueError("every head needs a row offset >= 0 and at least one row")
+    need = max(layout.bytes_needed(int(o + r)) for o, r in zip(head_offsets, head_rows, strict=True))
+    if data.numel() < need:
+        raise ValueError(f"data holds {data.numel()} bytes; the heads' rows need {need}")
+    uva = dev.type == "cuda" and data.device.type == "cpu" and data.is_pinned()
+    if data.device != dev and not uva:
+        raise ValueError(f"data on {data.device} cannot be read from {dev}: put it on the device or register it "
+                         f"(tiergram.tiers.device.PinnedHost)")
+    elem = {"fp32": 4, "bf16": 2}.get(layout.codec, 1)
+    if data.data_ptr() % elem:
+        raise ValueError(f"{layout.codec} data must start on a {elem}-byte boundary")
+
+
+def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    if tuple(out.shape) != shape or out.dtype not in OUT_DTYPES or not out.is_contiguous() or out.device != dev:
+        raise ValueError(f"out must be a contiguous float32/bfloat16 tensor {list(shape)} on {dev}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    return out
+
+
+def _to_device(x: Ids, dev: torch.device) -> torch.Tensor:
+    """int64 values on dev; host arrays go through pinned memory with a non-blocking copy on a GPU."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=dev, dtype=torch.int64, non_blocking=True).contiguous()
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+    if dev.type == "cpu":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)

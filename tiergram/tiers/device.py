@@ -1,0 +1,205 @@
+"""Device tier: a table, or the hot rows of one, in accelerator memory; host tables registered in place for UVA reads.
+
+On the CPU every class here still works (the "device" is host memory and nothing is registered), which is how
+the tests run; the GPU paths are the same code with a CUDA device.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from tiergram import _native
+from tiergram.cache import RowCache
+from tiergram.format import TableFile
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: visible to every context
+CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: mapped into the device address space (UVA)
+CUDA_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: needed for a read-only mapping (/dev/shm copy)
+DEVICE_BYTES_ENV = "TIERGRAM_DEVICE_BYTES"
+COPY_CHUNK_BYTES = 64 << 20
+
+
+def device_memory_budget(device: torch.device | str | None = None, *, cpu_bytes: int | None = None) -> int:
+    """Bytes of accelerator memory free for tables and caches: cudaMemGetInfo's free bytes on a GPU.
+
+    On the CPU (no accelerator) the configured number: `cpu_bytes`, else $TIERGRAM_DEVICE_BYTES, else 0.
+    """
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if cpu_bytes is None:
+        cpu_bytes = int(os.environ.get(DEVICE_BYTES_ENV, "0") or 0)
+    if cpu_bytes < 0:
+        raise ValueError(f"device memory budget must be >= 0 bytes, got {cpu_bytes}")
+    return int(cpu_bytes)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """A torch.device with an index for CUDA; None means the current GPU, or the CPU without one."""
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("a CUDA device was asked for but torch.cuda.is_available() is False")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def host_view(array: np.ndarray) -> torch.Tensor:
+    """A CPU uint8 tensor over a numpy array's memory, read-only mappings included (no copy)."""
+    with warnings.catch_warnings():  # torch warns that a read-only array stays read-only; kernels only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+class PinnedHost:
+    """A host uint8 array registered with CUDA in place (cudaHostRegister, its exact size): kernels read it by UVA.
+
+    `tensor` is a CPU tensor over the same memory; Triton translates its pointer to the device address of the
+    registered range. On the CPU nothing is registered and `tensor` is a plain view.
+    """
+
+    def __init__(self, array: np.ndarray, device: torch.device | str) -> None:
+        if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:
+            raise ValueError(f"expected a contiguous uint8 vector, got {array.dtype} {array.shape}")
+        self.device = resolve_device(device)
+        self.array = array
+        self.tensor = host_view(array)
+        self.registered = False
+        if self.device.type == "cuda" and array.size:
+            flags = CUDA_HOST_REGISTER_PORTABLE | CUDA_HOST_REGISTER_MAPPED
+            if not array.flags.writeable:
+                flags |= CUDA_HOST_REGISTER_READ_ONLY
+            with torch.cuda.device(self.device):
+                err = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, flags)
+            code = int(getattr(err, "value", err))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister of {array.nbytes} bytes at {array.ctypes.data:#x} "
+                                   f"(flags {flags}) failed with CUDA error {code}")
+            self.registered = True
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def close(self) -> None:
+        """Unregister (after every kernel on the device finished); the array itself is the owner's."""
+        if self.registered:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self.registered = False
+
+
+class DeviceTier:
+    """A whole table resident in device memory: its page-structured data region as one uint8 tensor."""
+
+    name = "device"
+
+    def __init__(self, table: TableFile, device: torch.device | str, *, host_data: np.ndarray | None = None,
+                 progress: bool = False) -> None:
+        self.table = table
+        self.manifest = m = table.manifest
+        self.device = resolve_device(device)
+        self.head_offsets = table.head_offsets
+        self.head_rows = table.head_rows
+        src = host_data if host_data is not None else table.read_data(progress=progress)  # pages verified
+        if src.dtype != np.uint8 or src.size != m.data_bytes:
+            raise ValueError(f"host data must be uint8 [{m.data_bytes}], got {src.dtype} [{src.size}]")
+        self.data = torch.empty(m.data_bytes, dtype=torch.uint8, device=self.device)
+        copy_to_device(src, self.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
+        _native.check_ids(ids, self.head_rows)
+
+    def close(self) -> None:
+        """Free the device copy."""
+        self.data = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+def copy_to_device(src: np.ndarray, dst: torch.Tensor, chunk: int = COPY_CHUNK_BYTES) -> None:
+    """Copy host uint8 [n] into device uint8 [n] through one pinned bounce buffer, chunk by chunk."""
+    view = host_view(src)
+    if dst.device.type != "cuda":
+        dst.copy_(view)
+        return
+    bounce = torch.empty(min(chunk, max(1, src.size)), dtype=torch.uint8, pin_memory=True)
+    for start in range(0, src.size, chunk):
+        n = min(chunk, src.size - start)
+        bounce[:n].copy_(view[start:start + n])
+        dst[start:start + n].copy_(bounce[:n], non_blocking=True)
+        torch.cuda.current_stream(dst.device).synchronize()  # the bounce buffer is refilled next round
+
+
+class _DeviceRows:
+    """Stands in for RowCache.rows: the encoded rows live on the device and the gather kernel writes them."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self.slots = slots
+        self.shape = tuple(slots.shape)
+        self.nbytes = int(slots.numel())
+
+    def __setitem__(self, key, value) -> None:
+        """RowCache.admit's host-side row copy: nothing to do, the kernel fills the slot."""
+
+    def __getitem__(self, key):
+        raise TypeError("a device cache's rows live on the device: read DeviceRowCache.slots")
+
+
+class DeviceRowCache(RowCache):
+    """A hot-row cache in device memory: slot array uint8 [S, row_bytes] and tag array int64 [S] (-1 empty).
+
+    The host keeps RowCache's key -> slot index and policy (LRU, LFU, lookahead) and decides hits, admission and
+    eviction; `plan` turns unique keys into hit slots and fill slots that the gather kernel serves and writes.
+    """
+
+    def __init__(self, capacity: int, row_bytes: int, device: torch.device | str, policy: str = "lru") -> None:
+        super().__init__(capacity, row_bytes, policy)
+        self.device = resolve_device(device)
+        self.slots = torch.zeros((self.capacity, self.row_bytes), dtype=torch.uint8, device=self.device)
+        self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
+        self.rows = _DeviceRows(self.slots)  # replaces the host slot array RowCache allocated (never touched)
+
+    @classmethod
+    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru", *,
+                   device: torch.device | str = "cpu") -> DeviceRowCache:
+        """A device cache sized in bytes of row storage."""
+        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, device, policy)
+
+    def plan(self, keys: np.ndarray, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, fill) int64 [n] for unique keys [n]: hit slots (pinned until `unpin(slots)`), and per miss the
+        slot it was admitted to (-1: kept out), which the next launch on the cache's stream must fill."""
+        slots = self.probe(keys, batch)
+        fill = np.full(slots.size, -1, dtype=np.int64)
+        miss = np.flatnonzero(slots < 0)
+        if miss.size:
+            mk = np.asarray(keys, dtype=np.int64).reshape(-1)[miss]
+            self.admit(mk, np.broadcast_to(np.zeros(self.row_bytes, np.uint8), (mk.size, self.row_bytes)))
+            with self._lock:  # a key admitted and then evicted within the same admit call gets no slot
+                fill[miss] = [self.index.get(k, -1) for k in mk.tolist()]
+        return slots, fill
+
+    def set_tags(self, slots: np.ndarray, keys: np.ndarray) -> None:
+        """Record on the device which key each filled slot holds (call on the stream of the filling launch)."""
+        if slots.size:
+            idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device, non_blocking=True)
+            val = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64)).to(self.device, non_blocking=True)
+            self.tags.index_copy_(0, idx, val)
+
+    def check_device_tags(self) -> None:
+        """Assert the device tag array matches the host index (tests)."""
+        self.check_invariants()
+        assert np.array_equal(self.tags.cpu().numpy(), self.slot_key), "device tags disagree with the host index"
