@@ -238,3 +238,18 @@ def test_gpu_shared_host_table_registers_read_only_mapping(tables):
         assert not dt.pinned.array.flags.writeable and dt.pinned.registered
         ids = draw((16,), seed=8)
         assert same(dt.lookup(ids), t.expect(ids))
+
+
+def test_gpu_bench_code_paths_on_cpu(tmp_path):
+    """The GPU benchmark's code, tiny and on the CPU with the torch kernel path: figures are not checked."""
+    from tiergram.bench import gpu
+
+    cfg = gpu.GpuBenchConfig(device="cpu", table_mib=1, positions=16, copy_mib=1, cache_rows=256, reps=1,
+                             store_rows=64, store_steps=2, backend="torch")
+    report = gpu.run(cfg)
+    for key in ("uva_gather", "device_gather", "hbm_cache_gather", "hbm_cache_mixed"):
+        assert report[key]["GBps"] > 0
+    assert "skipped" in report["decode"] and report["store_step"]["ms_per_step"] > 0
+    assert "pinned H2D" in gpu.summary(report)
+    assert gpu.main(["--device", "cpu", "--small", "--backend", "torch", "--out", str(tmp_path / "r.json")]) == 0
+    assert (tmp_path / "r.json").is_file()

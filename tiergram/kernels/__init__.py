@@ -3,15 +3,15 @@
 from tiergram.kernels.gather import (
     BACKENDS,
     HAVE_TRITON,
-    INTERPRETED,
     check_ids,
     gather_dequant,
     gather_dequant_cached,
+    interpreted,
     pick_backend,
     triton_usable,
 )
 from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import decode_raw, gather_dequant_torch
 
-__all__ = ["BACKENDS", "HAVE_TRITON", "INTERPRETED", "RowLayout", "check_ids", "decode_raw", "gather_dequant",
-           "gather_dequant_cached", "gather_dequant_torch", "pick_backend", "triton_usable"]
+__all__ = ["BACKENDS", "HAVE_TRITON", "RowLayout", "check_ids", "decode_raw", "gather_dequant",
+           "gather_dequant_cached", "gather_dequant_torch", "interpreted", "pick_backend", "triton_usable"]

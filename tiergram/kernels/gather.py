@@ -7,6 +7,7 @@ a per-id slot array the host computed (-1: miss, served from the data region; `f
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import nullcontext
 
 import numpy as np
@@ -16,15 +17,24 @@ from tiergram import _native
 from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import gather_dequant_torch
 
-try:
-    import triton
+HAVE_TRITON = importlib.util.find_spec("triton") is not None  # optional: the torch path works without it
+_kernel_module = None
 
-    from tiergram.kernels import triton_kernels as _tk
 
-    HAVE_TRITON = True
-    INTERPRETED = type(_tk.gather_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
-except ImportError:  # triton is optional: the torch path still works
-    HAVE_TRITON = INTERPRETED = False
+def _kernels():
+    """The Triton kernel module, imported on first use: TRITON_INTERPRET=1 is honoured if set by then."""
+    global _kernel_module
+    if _kernel_module is None:
+        from tiergram.kernels import triton_kernels
+
+        _kernel_module = triton_kernels
+    return _kernel_module
+
+
+def interpreted() -> bool:
+    """True when the Triton kernel runs in the interpreter (TRITON_INTERPRET=1 before its first use)."""
+    return HAVE_TRITON and type(_kernels().gather_kernel).__name__ == "InterpretedFunction"
+
 
 BACKENDS = ("auto", "triton", "torch")
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -35,7 +45,7 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
     """(can the Triton kernel run on `device`, why not)."""
     if not HAVE_TRITON:
         return False, "triton is not installed"
-    if INTERPRETED or device.type == "cuda":
+    if device.type == "cuda" or interpreted():
         return True, ""
     return False, f"Triton needs a CUDA device or TRITON_INTERPRET=1 before import (device {device})"
 
@@ -115,6 +125,7 @@ def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=Non
     if head_offsets.size != h or h == 0:
         raise ValueError(f"head_offsets ({head_offsets.size}) and head_rows ({h}) must describe the same heads")
     dev = _kernel_device(device, out, ids, data)
+    pick_backend(dev, backend)  # a bad backend name fails even for an empty batch
     ids = _check_ids_array(ids, h)
     check_ids(ids, head_rows)  # before anything is launched: no id can address outside its head
     _check_data(data, layout, head_offsets, head_rows, dev)
@@ -134,22 +145,38 @@ def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=Non
     off = offsets_dev if offsets_dev is not None else _to_device(head_offsets, dev)
     slots_dev = _to_device(slots, dev).reshape(-1) if cache is not None else None
     fill_dev = _to_device(fill, dev).reshape(-1) if fill is not None else None
+    launch_unchecked(data, ids_dev, off, out, layout, cache=cache, slots=slots_dev, fill=fill_dev,
+                     block_rows=block_rows, num_warps=num_warps, backend=backend)
+    return out
+
+
+def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.Tensor, out: torch.Tensor,
+                     layout: RowLayout, *, cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                     fill: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int = 4,
+                     backend: str = "auto") -> None:
+    """The bare launch on out's device: ids [N*H], head_offsets [H], slots/fill [N*H] int64 there, out [N*H*D].
+
+    Nothing is checked here. Only for callers that validated the same arguments through gather_dequant /
+    check_ids before (the benchmark times the kernel alone this way); anything else must call gather_dequant.
+    """
+    n, h, dev = ids.numel(), head_offsets.numel(), out.device
+    if n == 0:
+        return
     if pick_backend(dev, backend) == "torch":
         if data.device != dev:
             raise ValueError("the torch backend cannot read registered host memory from the device; use triton")
-        gather_dequant_torch(data, ids_dev, off, layout, out, cache, slots_dev, fill_dev)
-        return out
+        gather_dequant_torch(data, ids, head_offsets, layout, out, cache, slots, fill)
+        return
     br = block_rows or default_block_rows(layout.dim)
     bd = _next_pow2(layout.dim)
     with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
-        _tk.gather_kernel[(triton.cdiv(n, br),)](
-            data, ids_dev, off, out, cache if cache is not None else data,
-            slots_dev if slots_dev is not None else ids_dev, fill_dev if fill_dev is not None else ids_dev,
+        _kernels().gather_kernel[(-(-n // br),)](
+            data, ids, head_offsets, out, cache if cache is not None else data,
+            slots if slots is not None else ids, fill if fill is not None else ids,
             n, h, layout.rows_per_page, layout.page_size, layout.row_bytes,
             D=layout.dim, BLOCK_D=bd, BLOCK_S=max(1, bd // 32), BLOCK_R=br, CODEC=layout.codec_id,
             ALIGN=layout.align, HAS_CACHE=cache is not None, OUT_BF16=out.dtype == torch.bfloat16,
             num_warps=num_warps)
-    return out
 
 
 def _kernel_device(device, out, ids, data) -> torch.device:

@@ -68,6 +68,9 @@ class DeviceTable:
             raise ValueError("a device-tier table is already in device memory: cache_bytes applies to host/file")
         self.device = resolve_device(device)
         self.backend = pick_backend(self.device, backend)
+        if tier == "host" and self.device.type == "cuda" and self.backend == "torch":
+            raise ValueError("reading a host table from the GPU needs the Triton kernel (UVA); backend 'torch' "
+                             "cannot: use backend 'auto' or 'triton', or tier 'device'")
         self.table = TableFile.open(Path(path))
         self.manifest = m = self.table.manifest
         self.layout = RowLayout.of(m)

@@ -81,10 +81,9 @@ class PinnedHost:
                 flags |= CUDA_HOST_REGISTER_READ_ONLY
             with torch.cuda.device(self.device):
                 err = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, flags)
-            code = int(getattr(err, "value", err))
-            if code != 0:
+            if not _cuda_ok(err):
                 raise RuntimeError(f"cudaHostRegister of {array.nbytes} bytes at {array.ctypes.data:#x} "
-                                   f"(flags {flags}) failed with CUDA error {code}")
+                                   f"(flags {flags}) failed: {err}")
             self.registered = True
 
     @property
@@ -95,8 +94,15 @@ class PinnedHost:
         """Unregister (after every kernel on the device finished); the array itself is the owner's."""
         if self.registered:
             torch.cuda.synchronize(self.device)
-            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            err = torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
             self.registered = False
+            if not _cuda_ok(err):
+                raise RuntimeError(f"cudaHostUnregister at {self.array.ctypes.data:#x} failed: {err}")
+
+
+def _cuda_ok(err) -> bool:
+    """True for cudaSuccess as torch.cuda.cudart() returns it (a pybind enum, or an int)."""
+    return int(getattr(err, "value", err)) == 0
 
 
 class DeviceTier:

@@ -1,0 +1,276 @@
+"""`python -m tiergram.bench.gpu`: accelerator gather bandwidth against limits measured in the same run.
+
+Limits: pinned host -> device copy (the PCIe limit of a UVA gather) and device -> device copy (the HBM limit of a
+cache gather). Measured: the fused gather + dequant of fp8 D=256 rows from registered host memory (UVA), from a
+device-resident table, through the HBM row cache (all hits, and a mixed hit rate), the DeviceTable prefetch step,
+and, given a trained model, end-to-end decode throughput. `--device cpu --small` runs the same code as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiergram.kernels import RowLayout, check_ids, pick_backend
+from tiergram.kernels.gather import launch_unchecked
+from tiergram.tiers.device import PinnedHost, resolve_device
+
+UVA_TARGET = 0.8  # UVA gather bandwidth as a fraction of the pinned copy limit
+
+
+@dataclass
+class GpuBenchConfig:
+    """Shapes of the accelerator benchmark; defaults follow DeepSeek-V4.1 (24 heads per layer, D = 256, fp8)."""
+
+    device: str = "cuda"
+    table_mib: int = 2048
+    heads: int = 24
+    positions: int = 8192  # token positions per gather: positions * heads rows
+    dim: int = 256
+    codec: str = "fp8_e4m3"
+    copy_mib: int = 512
+    cache_rows: int = 1 << 20
+    mixed_hit_rate: float = 0.9
+    reps: int = 10
+    store_rows: int = 4096  # rows per head of the small table file behind the DeviceTable step
+    store_steps: int = 30
+    backend: str = "auto"
+    model: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def small(cls, device: str) -> GpuBenchConfig:
+        """Tiny shapes: checks the code paths, not the hardware."""
+        return cls(device=device, table_mib=2, positions=32, copy_mib=2, cache_rows=1024, reps=2, store_rows=64,
+                   store_steps=2)
+
+
+def timed(fn: Callable[[], object], dev: torch.device, reps: int, warmup: int = 2) -> float:
+    """Best seconds of one fn() call: CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return best
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_limits(cfg: GpuBenchConfig, dev: torch.device) -> dict[str, float]:
+    """GB/s of a pinned host -> device copy and of a device -> device copy (bytes read + written)."""
+    n = cfg.copy_mib << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda").fill_(1)
+    a, b = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    h2d = timed(lambda: a.copy_(host, non_blocking=True), dev, cfg.reps)
+    d2d = timed(lambda: b.copy_(a), dev, cfg.reps)
+    return {"pinned_h2d_GBps": n / h2d / 1e9, "d2d_copy_GBps": 2 * n / d2d / 1e9}
+
+
+class Region:
+    """A synthetic page-structured table (heads of equal rows) in host memory, and ids drawn uniformly from it."""
+
+    def __init__(self, cfg: GpuBenchConfig) -> None:
+        rb = cfg.dim + cfg.dim // 32
+        self.layout = RowLayout(cfg.codec, cfg.dim, rb, (4096 - 8) // rb, 4096)
+        n_pages = max(1, (cfg.table_mib << 20) // 4096)
+        per_head = n_pages * self.layout.rows_per_page // cfg.heads
+        self.head_rows = np.full(cfg.heads, per_head, dtype=np.int64)
+        self.head_offsets = np.arange(cfg.heads, dtype=np.int64) * per_head
+        self.data = np.empty(n_pages * 4096, dtype=np.uint8)
+        block = np.random.default_rng(cfg.seed).integers(0, 127, 1 << 20, dtype=np.uint8)  # finite codes
+        for start in range(0, self.data.size, block.size):
+            chunk = self.data[start:start + block.size]
+            chunk[:] = block[:chunk.size]
+        rng = np.random.default_rng(cfg.seed + 1)
+        self.ids = (rng.random((cfg.positions, cfg.heads)) * self.head_rows).astype(np.int64)
+        check_ids(self.ids, self.head_rows)  # validated once: the timed launches below skip the checks
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.size)
+
+
+def gather_sweep(region: Region, data: torch.Tensor, dev: torch.device, cfg: GpuBenchConfig,
+                 configs: list[tuple[int, int]], **cache) -> dict:
+    """Best useful-row bandwidth (GB/s of encoded rows read) over (block_rows, num_warps) configs."""
+    ids = torch.from_numpy(region.ids.reshape(-1)).to(dev)
+    offs = torch.from_numpy(region.head_offsets).to(dev)
+    out = torch.empty(region.rows * cfg.dim, dtype=torch.bfloat16, device=dev)
+    sweep = []
+    for br, nw in configs:
+        t = timed(lambda br=br, nw=nw: launch_unchecked(data, ids, offs, out, region.layout, block_rows=br,
+                                                         num_warps=nw, backend=cfg.backend, **cache), dev, cfg.reps)
+        sweep.append({"block_rows": br, "num_warps": nw, "seconds": t,
+                      "GBps": region.rows * region.layout.row_bytes / t / 1e9})
+    best = max(sweep, key=lambda s: s["GBps"])
+    moved = 1 + cfg.dim * 2 / region.layout.row_bytes  # bytes read + bf16 bytes written, per byte of rows read
+    return {"GBps": best["GBps"], "moved_GBps": best["GBps"] * moved,
+            "rows_per_s": region.rows / best["seconds"], "best": {k: best[k] for k in ("block_rows", "num_warps")},
+            "sweep": sweep}
+
+
+def cache_args(region: Region, cfg: GpuBenchConfig, dev: torch.device, hit_rate: float) -> dict:
+    """An HBM cache of random rows and a per-id slot array with `hit_rate` hits (no fills)."""
+    rng = np.random.default_rng(cfg.seed + 2)
+    s = min(cfg.cache_rows, int(region.head_rows.sum()))
+    cache = torch.randint(0, 127, (s, region.layout.row_bytes), dtype=torch.uint8, device=dev)
+    slots = rng.integers(0, s, region.rows)
+    slots[rng.random(region.rows) >= hit_rate] = -1
+    return {"cache": cache, "slots": torch.from_numpy(slots).to(dev)}
+
+
+def store_step(cfg: GpuBenchConfig, dev: torch.device, positions: int = 64) -> dict:
+    """DeviceTable prefetch + wait per decode step (host tier + HBM cache, Zipf ids) on a small real table file."""
+    from tiergram.bench.common import draw_ids
+    from tiergram.format import TableManifest, create_table, random_values
+    from tiergram.store.device_table import DeviceTable
+
+    rows, steps = cfg.store_rows, cfg.store_steps
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "bench.tgram"
+        m = TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(rows,) * cfg.heads)
+        create_table(path, m, random_values(cfg.dim, seed=cfg.seed), progress=False)
+        rng = np.random.default_rng(cfg.seed + 3)
+        batches = [draw_ids("zipf", (positions, cfg.heads), np.full(cfg.heads, rows), rng) for _ in range(steps)]
+        with DeviceTable(path, device=dev, tier="host", dtype=torch.bfloat16, staging_tokens=positions,
+                         cache_bytes=m.total_rows // 4 * m.row_bytes, backend=cfg.backend) as table:
+            table.prefetch(batches[0]).wait()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for ids in batches:
+                table.prefetch(ids).wait()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            dt = time.perf_counter() - t0
+            s = table.stats()
+    return {"positions": positions, "ms_per_step": dt / steps * 1e3, "hit_rate": s["hit_rate"]}
+
+
+def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
+    """Decode tokens/s of a trained model, in-memory tables against host tables; skipped without a model."""
+    model_dir = cfg.model or os.environ.get("TIERGRAM_MODEL")
+    if not model_dir:
+        return {"skipped": "no trained model given (--model DIR or $TIERGRAM_MODEL): end-to-end decode not measured"}
+    try:
+        from tiergram.model.checkpoint import load_pretrained
+        from tiergram.model.generate import generate
+    except ImportError as e:
+        return {"skipped": f"the model package cannot be imported: {e}"}
+    result = {}
+    for tier in ("memory", "host"):
+        try:
+            model, _tok = load_pretrained(model_dir, tier=tier, device=dev)
+            gen = generate(model, [1, 2, 3, 4], max_tokens=64)
+            result[tier] = {"decode_tok_s": gen.decode_tok_s, "tokens": len(gen.ids)}
+        except Exception as e:  # a benchmark reports what it could not measure instead of failing the run
+            result[tier] = {"skipped": f"{type(e).__name__}: {e}"}
+    mem, host = result["memory"].get("decode_tok_s"), result["host"].get("decode_tok_s")
+    if mem and host:
+        result["host_vs_memory"] = host / mem
+    return result
+
+
+def run(cfg: GpuBenchConfig) -> dict:
+    """Every measurement; figures in GB/s (1e9 bytes/s) and ratios against the limits above."""
+    dev = resolve_device(cfg.device)
+    report: dict = {"config": asdict(cfg), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                    "backend": pick_backend(dev, cfg.backend), "torch": torch.__version__}
+    report.update(copy_limits(cfg, dev))
+    region = Region(cfg)
+    report["table_bytes"] = int(region.data.nbytes)
+    configs = [(br, nw) for br in (4, 8, 16, 32) for nw in (4, 8)] if dev.type == "cuda" else [(8, 4)]
+    pinned = PinnedHost(region.data, dev)
+    try:
+        uva = gather_sweep(region, pinned.tensor, dev, cfg, configs)
+        uva["ratio_to_pinned_h2d"] = uva["GBps"] / report["pinned_h2d_GBps"]
+        uva["target"] = UVA_TARGET
+        uva["meets_target"] = uva["ratio_to_pinned_h2d"] >= UVA_TARGET
+        report["uva_gather"] = uva
+        resident = torch.from_numpy(region.data).to(dev)
+        dev_g = gather_sweep(region, resident, dev, cfg, configs)
+        dev_g["moved_ratio_to_d2d"] = dev_g["moved_GBps"] / report["d2d_copy_GBps"]
+        report["device_gather"] = dev_g
+        del resident
+        hits = gather_sweep(region, pinned.tensor, dev, cfg, configs, **cache_args(region, cfg, dev, 1.0))
+        hits["moved_ratio_to_d2d"] = hits["moved_GBps"] / report["d2d_copy_GBps"]
+        report["hbm_cache_gather"] = hits
+        mixed = gather_sweep(region, pinned.tensor, dev, cfg, configs,
+                             **cache_args(region, cfg, dev, cfg.mixed_hit_rate))
+        mixed["hit_rate"] = cfg.mixed_hit_rate
+        mixed["speedup_vs_uva"] = mixed["GBps"] / uva["GBps"]
+        report["hbm_cache_mixed"] = mixed
+    finally:
+        pinned.close()
+    report["store_step"] = store_step(cfg, dev)
+    report["decode"] = decode_throughput(cfg, dev)
+    return report
+
+
+def default_out() -> Path:
+    """$OUT/gpu_check.json when $OUT is set, else build/gpu_check.json."""
+    return Path(os.environ["OUT"]) / "gpu_check.json" if os.environ.get("OUT") else Path("build") / "gpu_check.json"
+
+
+def summary(r: dict) -> str:
+    """A few human lines."""
+    lines = [f"device {r['device']} ({r['backend']}): pinned H2D {r['pinned_h2d_GBps']:.1f} GB/s, "
+             f"D2D {r['d2d_copy_GBps']:.1f} GB/s"]
+    for key in ("uva_gather", "device_gather", "hbm_cache_gather", "hbm_cache_mixed"):
+        g = r[key]
+        extra = (f", {g['ratio_to_pinned_h2d']:.0%} of pinned H2D (target {UVA_TARGET:.0%})"
+                 if key == "uva_gather" else "")
+        lines.append(f"{key}: {g['GBps']:.1f} GB/s of rows, {g['rows_per_s'] / 1e6:.1f} M rows/s{extra}")
+    lines.append(f"store step: {r['store_step']['ms_per_step']:.2f} ms per {r['store_step']['positions']} positions")
+    lines.append(f"decode: {r['decode']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tiergram.bench.gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print the report as JSON (else a summary)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="tiny shapes: a smoke test of the code paths")
+    p.add_argument("--model", default=None, help="trained model directory for end-to-end decode throughput")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"))
+    p.add_argument("--out", type=Path, default=None, help="JSON file (default $OUT/gpu_check.json or build/...)")
+    p.add_argument("--note", action="append", default=[], metavar="KEY=VALUE", help="extra field for the report")
+    a = p.parse_args(argv)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (use --device cpu --small for a smoke test)", file=sys.stderr)
+        return 2
+    cfg = GpuBenchConfig.small(a.device) if a.small else GpuBenchConfig(device=a.device)
+    cfg.model, cfg.backend = a.model, a.backend
+    report = run(cfg)
+    report["notes"] = dict(n.split("=", 1) for n in a.note if "=" in n)
+    out = a.out or default_out()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2) if a.json else summary(report))
+    print(f"written to {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
