@@ -1,0 +1,159 @@
+"""`tiergram train | eval | export | generate`: the reference Engram LM (docs/model.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TIERS = ("memory", "host", "file")
+
+
+def _count(text: str) -> int:
+    """'2000000', '2M', '500k' -> an int."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count like 2000000, 2M or 500k, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
+    return int(value)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train", help="train the reference Engram LM on the corpus (or resume a run)")
+    t.add_argument("--out", required=True, help="run directory (model, checkpoint, logs, eval.json)")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=_count, help="token budget, e.g. 3M")
+    budget.add_argument("--minutes", type=float, help="wall-clock budget")
+    t.add_argument("--config", default="small", choices=["small", "tiny"], help="model preset (default small)")
+    t.add_argument("--no-engram", action="store_true", help="the same backbone without Engram layers")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt with its saved settings")
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup-steps", type=int, default=100)
+    t.add_argument("--table-lr-mult", type=float, default=5.0, help="Engram table lr = lr x this (SparseAdam)")
+    t.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints")
+    t.add_argument("--eval-tokens", type=int, default=131072,
+                   help="tokens per category in the final evaluation (0: all)")
+    t.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
+    t.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    t.add_argument("--stop-after", type=int, help="end this run after N steps (checkpointed; resume later)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="held-out loss per category with 95%% confidence intervals")
+    e.add_argument("dir", help="model directory")
+    e.add_argument("--split", default="validation", choices=["validation", "test"])
+    e.add_argument("--no-engram-at-inference", action="store_true", help="zero every Engram output (ablation)")
+    e.add_argument("--tier", default="memory", choices=TIERS, help="where the tables are read from")
+    e.add_argument("--max-tokens", type=int, default=131072, help="tokens per category (0: all)")
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.add_argument("--quiet", action="store_true")
+    e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="Engram tables -> table files, the rest -> safetensors, for serving")
+    x.add_argument("dir", help="trained model directory")
+    x.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"])
+    x.add_argument("--out", help="output directory (default DIR/export)")
+    x.add_argument("--quiet", action="store_true")
+    x.set_defaults(func=cmd_export)
+
+    g = sub.add_parser("generate", help="generate text with the K/V cache and streaming hashing")
+    g.add_argument("dir", help="model directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--tier", default="memory", choices=TIERS,
+                   help="memory: trained tables; host/file: exported table files (DIR or DIR/export)")
+    g.add_argument("--cache-bytes", type=int, default=0, help="hot-row cache of the file tier")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-engram-at-inference", action="store_true")
+    g.add_argument("--device", default="auto")
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from tiergram.model.train import TrainConfig, train
+
+    if args.resume:  # the saved settings are used
+        cfg = TrainConfig.load(args.out)
+        print(f"resuming {args.out} with its saved settings", file=sys.stderr)
+    elif args.tokens is None and args.minutes is None:
+        raise ValueError("give a budget: --tokens N or --minutes M")
+    else:
+        cfg = TrainConfig(out=args.out, config=args.config, engram=not args.no_engram, seed=args.seed,
+                          tokens=args.tokens, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
+                          warmup_steps=args.warmup_steps, table_lr_mult=args.table_lr_mult,
+                          checkpoint_every=args.checkpoint_every, eval_tokens=args.eval_tokens or None,
+                          corpus=args.corpus, device=args.device)
+    summary = train(cfg, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
+    print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tiergram.corpus import corpus_dir
+    from tiergram.model.checkpoint import load_pretrained
+    from tiergram.model.evaluate import evaluate, format_eval
+    from tiergram.model.train import pick_device
+
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=pick_device(args.device))
+    if tokenizer is None:
+        raise ValueError(f"{args.dir} has no tokenizer.json to tokenize the evaluation text with")
+    corpus = Path(args.corpus) if args.corpus else corpus_dir()
+    result = evaluate(model, corpus, args.split, tokenizer, max_tokens_per_category=args.max_tokens or None,
+                      batch_size=args.batch_size, engram_enabled=not args.no_engram_at_inference,
+                      progress=not args.quiet)
+    result["model"], result["tier"] = str(args.dir), args.tier
+    print(json.dumps(result, indent=1) if args.json else format_eval(result))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tiergram.model.export import export_model
+
+    out = export_model(args.dir, args.codec, args.out, progress=not args.quiet)
+    print(f"exported to {out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tiergram.corpus import EOT
+    from tiergram.model.checkpoint import load_pretrained
+    from tiergram.model.generate import generate
+    from tiergram.model.train import pick_device
+
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=pick_device(args.device),
+                                       cache_bytes=args.cache_bytes)
+    if tokenizer is None:
+        raise ValueError(f"{args.dir} has no tokenizer.json")
+    eot = tokenizer.token_to_id(EOT)
+    # training documents each follow <|endoftext|>, so a prompt starts like a document does
+    prompt = ([eot] if eot is not None else []) + tokenizer.encode(args.prompt).ids
+    sys.stdout.write(args.prompt)
+    generated: list[int] = []
+    shown = ""
+
+    def show(token: int) -> None:  # decode the whole tail each time so multi-token characters print whole
+        nonlocal shown
+        generated.append(token)
+        text = tokenizer.decode(generated)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+
+    result = generate(model, prompt, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed, stop_ids=[eot] if eot is not None else [],
+                      engram_enabled=not args.no_engram_at_inference, on_token=show)
+    print(f"\n[{len(prompt)} prompt tokens, {len(result.ids)} generated; prefill {result.prefill_s * 1e3:.0f} ms, "
+          f"decode {result.decode_tok_s:.1f} tok/s, tier {args.tier}]", file=sys.stderr)
+    return 0

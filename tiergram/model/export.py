@@ -1,0 +1,58 @@
+"""Export a trained model for serving: each Engram table -> a table file, everything else -> safetensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tiergram.format import CODEC_IDS, TableManifest, create_table, matrix_values
+from tiergram.model.checkpoint import (
+    CONFIG,
+    EXPORT_SUBDIR,
+    TOKENIZER,
+    load_pretrained,
+    read_config,
+    save_pretrained,
+    write_json,
+)
+
+
+def table_filename(layer: int, codec: str) -> str:
+    """engram_layer{L}.{codec}.tgt"""
+    return f"engram_layer{layer}.{codec}.tgt"
+
+
+def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str | os.PathLike | None = None,
+                 *, progress: bool = True) -> Path:
+    """Write out (default DIR/export): config.json (naming the table files), model.safetensors without the
+    tables, tokenizer.json, and one table file per Engram layer (layer_id and hashing in its manifest)."""
+    if codec not in CODEC_IDS:
+        raise ValueError(f"unknown codec {codec!r} (valid: {', '.join(CODEC_IDS)})")
+    model_dir = Path(model_dir)
+    out = Path(out) if out is not None else model_dir / EXPORT_SUBDIR
+    model, _ = load_pretrained(model_dir, tier="memory")
+    if model.hasher is None:
+        raise ValueError(f"{model_dir} has no Engram layers: there are no tables to export")
+    source = read_config(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hashing = model.hasher.config()
+    files = {}
+    for layer, table in model.engram_tables().items():
+        weight, offsets = table.weight_for_export()
+        head_rows = tuple(model.hasher.head_sizes(layer))
+        if tuple(table.head_sizes) != head_rows:
+            raise ValueError(f"layer {layer}: table heads {table.head_sizes} differ from the hasher's "
+                             f"{list(head_rows)}")
+        manifest = TableManifest(codec=codec, dim=weight.shape[1], head_rows=head_rows, layer_id=layer,
+                                 hashing=hashing, provenance={"tool": "tiergram export", "model": str(model_dir),
+                                                              "training": source.get("training")})
+        name = table_filename(layer, codec)
+        create_table(out / name, manifest, matrix_values(weight.numpy()), progress=progress)
+        files[str(layer)] = name
+    tokenizer = model_dir / TOKENIZER
+    save_pretrained(model, out, tokenizer=tokenizer if tokenizer.is_file() else None, include_tables=False,
+                    extra={"training": source.get("training"), "exported_from": str(model_dir)})
+    config = read_config(out)
+    config.update(tables=files, table_codec=codec)
+    write_json(out / CONFIG, config)
+    return out

@@ -1,0 +1,338 @@
+"""The reference Engram LM in one file: RMSNorm, rotary positions, GQA attention, SwiGLU, Engram layers.
+
+A block is   x += Engram(x)  (Engram blocks only)   x += Attn(RMSNorm(x))   x += MLP(RMSNorm(x)).
+Engram row ids depend only on token ids, so forward() hashes the whole chunk at entry and starts every
+layer's row fetch there (a store with `prefetch` reads in the background while earlier blocks run); a
+serving engine can instead fetch the rows itself and pass them in as `engram_rows=`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tiergram.engram import Engram, EngramConfig, RMSNorm, RowSourceTable
+from tiergram.hashing import NgramHasher
+from tiergram.model.config import ModelConfig
+
+
+def make_hasher(config: ModelConfig, *, tokenizer=None, compression=None) -> NgramHasher:
+    """The model's n-gram hasher: tokenizer compression, an explicit lookup [V], or identity (neither)."""
+    e = config.engram
+    if e is None:
+        raise ValueError("this model config has no Engram layers, so it has no hasher")
+    source = ({"tokenizer": tokenizer} if tokenizer is not None else {"compression": compression}
+              if compression is not None else {"compressed_vocab_size": config.vocab_size})
+    return NgramHasher(e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram, e.layers, e.pad_id, e.seed,
+                       **source)
+
+
+@dataclass
+class Past:
+    """What a batch of sequences has processed so far, for decoding one chunk at a time."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per block: keys, values [B, n_kv_heads, P, head_dim]
+    conv: dict[int, torch.Tensor]  # per Engram layer: its last (kernel-1)*dilation values [B, W, 1, d]
+    tokens: torch.Tensor  # the last max_ngram_size-1 token ids [B, K]: the hashing's lookback
+    length: int  # P: positions processed
+
+
+# ---------------------------------------------------------------------------------------- rotary positions
+
+def rope_tables(head_dim: int, max_seq: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [max_seq, head_dim/2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + hd/2]) of x [B, nh, T, hd] by position angles (cos, sin [T, hd/2])."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- the blocks
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions and an optional K/V cache."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x [B, T, d], cos/sin [T, hd/2] at the chunk's positions, kv cached [B, nkv, P, hd] ->
+        (y [B, T, d], (keys, values) [B, nkv, P+T, hd])."""
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = torch.cat([kv[0], k], dim=2), torch.cat([kv[1], v], dim=2)
+        p = k.shape[2] - t
+        if p == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # query i sits at position p + i and sees keys 0..p+i
+            mask = torch.arange(t, device=x.device)[:, None] + p >= torch.arange(p + t, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, d] -> [B, T, d]."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def engram_step(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_past: torch.Tensor | None):
+    """Engram.forward that carries the short conv's lookback across chunks: hidden [B, T, 1, d],
+    rows [B, T, H, D], conv_past [B, W', 1, d] -> (out [B, T, 1, d], new lookback [B, W, 1, d] | None)."""
+    t = hidden.shape[1]
+    gates = engram.gates(hidden, rows=rows)  # [B, T, hc]
+    e = rows.to(engram.value_proj.weight).flatten(-2)  # [B, T, H*D]
+    value = gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2)  # [B, T, hc, d]
+    if engram.short_conv is None:
+        return value, None
+    ctx = value if conv_past is None else torch.cat([conv_past, value], dim=1)
+    out = value + engram.short_conv(ctx)[:, -t:]  # causal: outputs at the new positions only need ctx
+    w = (engram.config.conv_kernel - 1) * engram.config.max_ngram_size
+    return out, ctx[:, max(0, ctx.shape[1] - w):]
+
+
+class Block(nn.Module):
+    """One transformer block, with an Engram module in front of attention when engram is given."""
+
+    def __init__(self, config: ModelConfig, engram: Engram | None = None):
+        super().__init__()
+        self.engram = engram
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.ffn)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, rows: torch.Tensor | None = None,
+                conv: torch.Tensor | None = None, use_cache: bool = False):
+        """x [B, T, d], rows [B, T, H, D] (None: Engram off) -> (x, (keys, values), conv lookback | None)."""
+        if rows is not None:
+            if use_cache:
+                out, conv = engram_step(self.engram, x.unsqueeze(2), rows, conv)
+            else:
+                out = self.engram(x.unsqueeze(2), rows=rows)  # [B, T, hc=1, d]
+            x = x + out.squeeze(2).to(x.dtype)
+        h, kv = self.attn(self.attn_norm(x), cos, sin, kv)
+        x = x + h
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, kv, conv
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+class EngramLM(nn.Module):
+    """Decoder-only LM. forward(ids [B, T], past) -> (logits [B, T, V], past | None)."""
+
+    def __init__(self, config: ModelConfig, hasher: NgramHasher | None = None,
+                 tables: dict[int, nn.Module] | None = None):
+        """hasher: None builds the identity hasher (ids hashed uncompressed); tables: {layer: table module}
+        replacing the trainable in-memory tables (e.g. RowSourceTable over a TieredTable)."""
+        super().__init__()
+        self.config = config
+        e = config.engram
+        self.hasher: NgramHasher | None = None
+        self.engram_layers: list[int] = [] if e is None else sorted(e.layers)
+        if e is not None:
+            self.hasher = hasher if hasher is not None else make_hasher(config)
+            check_hasher(self.hasher, config)
+        elif hasher is not None or tables:
+            raise ValueError("a model without Engram layers takes no hasher or tables")
+        tables = dict(tables or {})
+        if set(tables) - set(self.engram_layers):
+            raise ValueError(f"tables for layers {sorted(set(tables) - set(self.engram_layers))}, but the "
+                             f"Engram layers are {self.engram_layers}")
+
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        blocks = []
+        for i in range(config.n_layers):
+            engram = None
+            if i in self.engram_layers:
+                ecfg = EngramConfig(d_model=config.d_model, head_sizes=self.hasher.head_sizes(i), dim=e.dim,
+                                    max_ngram_size=e.max_ngram_size, hc_mult=1, conv_kernel=e.conv_kernel,
+                                    norm_eps=config.norm_eps)
+                engram = Engram(ecfg, tables.get(i))
+            blocks.append(Block(config, engram))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        cos, sin = rope_tables(config.head_dim, config.max_seq, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2-style init: N(0, 0.02), residual outputs scaled by 1/sqrt(2 n_layers), zero short conv."""
+        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight", "value_proj.weight")):
+                nn.init.normal_(p, std=out_std)
+            elif name.endswith("short_conv.conv.weight"):
+                nn.init.zeros_(p)  # Engram starts as its gated value alone; the conv grows in training
+            elif name.endswith(".bias"):  # only Engram's value/key projections have biases
+                nn.init.zeros_(p)
+            elif p.ndim == 2 and "table" not in name and p is not self.tok_emb.weight:
+                nn.init.normal_(p, std=0.02)
+        # the Engram table rows keep nn.Embedding's N(0, 1): the key is RMS-normalised, so the gate does
+        # not care about their scale, and value_proj's small init keeps the value small
+
+    # -- Engram rows ----------------------------------------------------------------------------------------
+
+    def engram_row_ids(self, ids: torch.Tensor, history: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """Token ids [B, T] (after history [B, K], if any) -> {layer: row ids int64 [B, T, H]} on ids' device."""
+        if self.hasher is None:
+            return {}
+        hist = None if history is None or history.shape[1] == 0 else history
+        rows = self.hasher.row_ids_with_history(ids, hist)
+        return {layer: torch.from_numpy(r).to(ids.device) for layer, r in rows.items()}
+
+    def engram_tables(self) -> dict[int, nn.Module]:
+        """{layer: the table module its Engram reads rows from}."""
+        return {i: self.blocks[i].engram.table for i in self.engram_layers}
+
+    def active_engram_layers(self, engram_enabled: bool | Iterable[int] = True) -> list[int]:
+        """The Engram layers left on by engram_enabled (True: all, False: none, or the layer ids to keep)."""
+        if engram_enabled is True:
+            return list(self.engram_layers)
+        if engram_enabled is False:
+            return []
+        layers = sorted(set(int(i) for i in engram_enabled))
+        if set(layers) - set(self.engram_layers):
+            raise ValueError(f"engram_enabled names layers {layers}, but the Engram layers are "
+                             f"{self.engram_layers}")
+        return layers
+
+    def _row_fetchers(self, ids: torch.Tensor, past: Past | None, active: list[int],
+                      engram_rows: dict[int, torch.Tensor] | None) -> dict[int, Callable[[], torch.Tensor]]:
+        """Hash once and start every active layer's fetch; each fetcher returns rows [B, T, H, D] when called."""
+        fetchers: dict[int, Callable[[], torch.Tensor]] = {}
+        given = dict(engram_rows or {})
+        need = [layer for layer in active if layer not in given]
+        row_ids = self.engram_row_ids(ids, past.tokens if past is not None else None) if need else {}
+        for layer in active:
+            if layer in given:
+                fetchers[layer] = lambda r=given[layer]: r
+                continue
+            table = self.blocks[layer].engram.table
+            source = getattr(table, "source", None) if isinstance(table, RowSourceTable) else None
+            if source is not None and callable(getattr(source, "prefetch", None)):
+                ticket = source.prefetch(row_ids[layer])  # reads while the blocks before this one run
+                fetchers[layer] = lambda tk=ticket, tb=table: tk.wait().to(tb._like)
+            else:
+                fetchers[layer] = lambda tb=table, r=row_ids[layer]: tb(r)
+        return fetchers
+
+    # -- forward --------------------------------------------------------------------------------------------
+
+    def forward(self, ids: torch.Tensor, past: Past | None = None, *, use_cache: bool = False,
+                engram_rows: dict[int, torch.Tensor] | None = None,
+                engram_enabled: bool | Iterable[int] = True) -> tuple[torch.Tensor, Past | None]:
+        """ids int64 [B, T] continuing `past` (None: sequence start) -> (logits float [B, T, V], past').
+
+        past' is returned when use_cache or past is given. engram_rows {layer: [B, T, H, D]} replaces the
+        internal hashing + lookup for those layers; engram_enabled (bool or the layers to keep on) zeroes
+        the other layers' Engram output (ablation).
+        """
+        if ids.ndim != 2:
+            raise ValueError(f"ids must be [B, T], got shape {tuple(ids.shape)}")
+        b, t = ids.shape
+        start = past.length if past is not None else 0
+        if start + t > self.config.max_seq:
+            raise ValueError(f"sequence of {start + t} positions exceeds max_seq {self.config.max_seq}")
+        if past is not None and past.tokens.shape[0] != b:
+            raise ValueError(f"past holds {past.tokens.shape[0]} sequences but ids has {b}")
+        use_cache = use_cache or past is not None
+        active = self.active_engram_layers(engram_enabled)
+        for layer, rows in (engram_rows or {}).items():
+            if layer not in active:
+                raise ValueError(f"engram_rows given for layer {layer}, which is not an active Engram layer "
+                                 f"({active})")
+            if tuple(rows.shape[:2]) != (b, t):
+                raise ValueError(f"engram_rows[{layer}] has shape {tuple(rows.shape)}, expected [{b}, {t}, H, D]")
+        fetchers = self._row_fetchers(ids, past, active, engram_rows)
+
+        cos, sin = self.rope_cos[start:start + t], self.rope_sin[start:start + t]
+        x = self.tok_emb(ids)
+        kvs, convs = [], {}
+        for i, block in enumerate(self.blocks):
+            rows = fetchers[i]() if i in fetchers else None
+            x, kv, conv = block(x, cos, sin, kv=past.kv[i] if past is not None else None, rows=rows,
+                                conv=past.conv.get(i) if past is not None else None, use_cache=use_cache)
+            if use_cache:
+                kvs.append(kv)
+                if conv is not None:
+                    convs[i] = conv
+                elif past is not None and i in past.conv:
+                    convs[i] = past.conv[i]  # layer switched off for this chunk: keep its lookback
+        x = self.norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
+        if not use_cache:
+            return logits.float(), None
+        k = self.config.engram.max_ngram_size - 1 if self.config.engram is not None else 0
+        prev = past.tokens if past is not None else ids[:, :0]
+        tokens = torch.cat([prev, ids], dim=1)[:, max(0, prev.shape[1] + t - k):]
+        return logits.float(), Past(kv=kvs, conv=convs, tokens=tokens, length=start + t)
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        """The trainable Engram table weights (sparse gradients)."""
+        return [p for n, p in self.named_parameters() if ".engram.table." in n]
+
+    def num_params(self) -> dict[str, int]:
+        """{'backbone': parameters outside the Engram tables, 'tables': table values}."""
+        tables = {id(p) for p in self.table_parameters()}
+        counts = {"backbone": 0, "tables": 0}
+        for p in self.parameters():
+            counts["tables" if id(p) in tables else "backbone"] += p.numel()
+        return counts
+
+
+def check_hasher(hasher: NgramHasher, config: ModelConfig) -> None:
+    """Raise if the hasher's geometry does not match the config's Engram settings."""
+    e = config.engram
+    want = {"layer_ids": sorted(e.layers), "max_ngram_size": e.max_ngram_size,
+            "n_head_per_ngram": e.n_head_per_ngram, "engram_vocab_size": list(e.engram_vocab_size),
+            "vocab_size": config.vocab_size, "pad_id": e.pad_id, "seed": e.seed}
+    have = {"layer_ids": sorted(hasher.layer_ids), "max_ngram_size": hasher.max_ngram_size,
+            "n_head_per_ngram": hasher.n_head_per_ngram, "engram_vocab_size": list(hasher.engram_vocab_size),
+            "vocab_size": hasher.vocab_size, "pad_id": hasher.pad_id, "seed": hasher.seed}
+    bad = [f"{k} {have[k]} != {want[k]}" for k in want if have[k] != want[k]]
+    if bad:
+        raise ValueError(f"hasher does not match the model config: {'; '.join(bad)}")
+
+
+def as_tensor_ids(ids: np.ndarray | list[int] | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Token ids as an int64 [1, T] or [B, T] tensor on device."""
+    x = torch.as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.int64)
+    return (x[None] if x.ndim == 1 else x).to(device)
