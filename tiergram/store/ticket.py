@@ -41,4 +41,10 @@ class Ticket:
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        """True once `cancel()` was asked and the fetch did not deliver (False if it finished or failed first)."""
+        if not self._cancelled.is_set():
+            return False
+        f = self._future
+        if not f.done():
+            return True  # being abandoned
+        return f.cancelled() or isinstance(f.exception(), CancelledError)

@@ -1,0 +1,586 @@
+"""The file tier, the row cache and prefetch through the store contract (TieredTable).
+
+- tier="file" (direct / buffered / mmap, with and without a cache, every policy) returns bit-for-bit what
+  tier="host" returns, across consecutive lookups and through prefetch tickets waited out of order;
+- a lookup's cache hits stay pinned (unevictable) while it runs; cancelled tickets raise CancelledError, leave
+  no pins and retire their announced batch;
+- injected read faults are retried once and fail loudly the second time; a page corrupted on disk is never
+  served; a failed read leaves nothing in the cache;
+- the statistics add up.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import threading
+from concurrent.futures import CancelledError
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiergram.format import TableManifest, create_table, matrix_values
+from tiergram.store import TieredTable
+
+MODES = ["direct", "buffered", "mmap"]
+POLICIES = [None, "lru", "lfu", "lookahead"]
+CODEC_DIMS = {"fp32": (8, 32, 100), "bf16": (8, 64, 130), "int8": (8, 64, 250), "fp8_e4m3": (32, 64, 256)}
+
+
+def make_table(path: Path, codec: str, head_rows: tuple[int, ...], dim: int, page_size: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    n = sum(head_rows)
+    x = rng.standard_normal((n, dim)) * np.exp2(rng.integers(-8, 8, (n, 1)))
+    x[0] = 0.0
+    create_table(path, TableManifest(codec=codec, dim=dim, head_rows=head_rows, page_size=page_size),
+                 matrix_values(x.astype(np.float32)), progress=False)
+    return path
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(bits(got), bits(want))
+
+
+def assert_clean(store: TieredTable) -> None:
+    """No pins left, the cache's own invariants hold, and no announced lookahead batch is still live."""
+    cache = store.cache
+    if cache is None:
+        return
+    cache.check_invariants()
+    assert int(cache.pins.sum()) == 0, "pins left behind"
+    if cache.policy.name == "lookahead":
+        assert cache.policy._batches == {}, "an announced batch was never retired"
+
+
+def open_file_store(path, mode="direct", policy=None, cache_rows=0, row_bytes=0, **kw) -> TieredTable:
+    if policy is None:
+        return TieredTable(path, tier="file", file_mode=mode, **kw)
+    return TieredTable(path, tier="file", file_mode=mode, cache_bytes=cache_rows * row_bytes, cache_policy=policy,
+                       **kw)
+
+
+# --- the file tier equals the host tier ----------------------------------------------------------------
+
+
+@st.composite
+def table_specs(draw):
+    codec = draw(st.sampled_from(sorted(CODEC_DIMS)))
+    dim = draw(st.sampled_from(CODEC_DIMS[codec]))
+    heads = draw(st.integers(1, 4))
+    head_rows = tuple(draw(st.lists(st.integers(1, 300), min_size=heads, max_size=heads)))
+    row_bytes = {"fp32": 4 * dim, "bf16": 2 * dim, "int8": dim + 4, "fp8_e4m3": dim + dim // 32}[codec]
+    page_size = draw(st.sampled_from([p for p in (512, 1024, 4096) if p >= row_bytes + 8]))
+    return codec, head_rows, dim, page_size
+
+
+def draw_batches(data, head_rows: tuple[int, ...], n: int) -> list[np.ndarray]:
+    """n id batches [B, L, H]: some uniform, some from a small hot set (cache hits, duplicates)."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    rows = np.asarray(head_rows)
+    hot = rng.integers(0, rows, (6, len(rows)))
+    out = []
+    for _ in range(n):
+        shape = (int(rng.integers(1, 4)), int(rng.integers(1, 9)))
+        if rng.random() < 0.5:
+            ids = rng.integers(0, rows, (*shape, len(rows)))
+        else:
+            ids = hot[rng.integers(0, len(hot), shape)]
+        out.append(ids.astype(np.int64))
+    out.append(np.stack([np.zeros_like(rows), rows - 1]))  # both ends of every head
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=table_specs(), data=st.data())
+def test_file_tier_bit_equal_to_host(mode, policy, spec, data):
+    codec, head_rows, dim, page_size = spec
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype")
+    cache_rows = data.draw(st.integers(1, 40), label="cache_rows")
+    queue_depth = data.draw(st.sampled_from([1, 3, 128]), label="queue_depth")
+    backend = data.draw(st.sampled_from(["auto", "threads"]), label="backend")
+    with tempfile.TemporaryDirectory() as d:
+        path = make_table(Path(d) / "t.tgram", codec, head_rows, dim, page_size)
+        host = TieredTable(path, tier="host", dtype=dtype)
+        store = open_file_store(path, mode, policy, cache_rows, host.manifest.row_bytes, dtype=dtype,
+                                queue_depth=queue_depth, backend=backend)
+        try:
+            batches = draw_batches(data, head_rows, 8)
+            want = [host.lookup(ids) for ids in batches]
+            for _ in range(2):  # cold, then with whatever the cache kept
+                for ids, w in zip(batches, want, strict=True):
+                    assert_same(store.lookup(ids), w)
+            tickets = [store.prefetch(ids) for ids in batches]  # several in flight
+            order = data.draw(st.permutations(range(len(batches))), label="wait order")
+            for i in order:
+                assert_same(tickets[i].wait(timeout=30), want[i])
+            # prefetches in flight while the caller looks up other batches
+            tickets = [store.prefetch(ids) for ids in batches[::2]]
+            for ids, w in zip(batches[1::2], want[1::2], strict=True):
+                assert_same(store.lookup(ids), w)
+            for t, w in zip(tickets[::-1], want[::2][::-1], strict=True):
+                assert_same(t.wait(timeout=30), w)
+            assert_clean(store)
+        finally:
+            store.close()
+            host.close()
+
+
+# --- a shared table for the targeted tests ---------------------------------------------------------------
+
+HEAD_ROWS = (97, 50, 201)
+DIM = 64  # fp8: 66-byte rows, 15 per 1 KiB page
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory) -> Path:
+    return make_table(tmp_path_factory.mktemp("store_file") / "fp8.tgram", "fp8_e4m3", HEAD_ROWS, DIM, 1024)
+
+
+@pytest.fixture(scope="module")
+def host(table):
+    h = TieredTable(table, tier="host")
+    yield h
+    h.close()
+
+
+def geometry(store: TieredTable):
+    m = store.manifest
+    return m.row_bytes, m.rows_per_page, m.page_size, store.table.head_offsets
+
+
+def page_of(store: TieredTable, head: int, row: int) -> int:
+    _, rpp, _, offsets = geometry(store)
+    return int((offsets[head] + row) // rpp)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
+def test_empty_batches_and_bad_ids(table, host, mode, policy):
+    store = open_file_store(table, mode, policy, cache_rows=10, row_bytes=host.manifest.row_bytes)
+    try:
+        for shape in [(0, 3), (2, 0, 3)]:
+            empty = np.zeros(shape, np.int64)
+            assert tuple(store.lookup(empty).shape) == (*shape, DIM)
+            assert tuple(store.prefetch(empty).wait(30).shape) == (*shape, DIM)
+        bad = np.array([[1, 2, 3], [4, 50, 6]])  # head 1 has rows 0..49
+        with pytest.raises(IndexError, match="row id 50 out of range for head 1"):
+            store.lookup(bad)
+        with pytest.raises(IndexError, match="row id 50 out of range for head 1"):
+            store.prefetch(bad)  # refused in the caller, before anything is announced or queued
+        assert_clean(store)
+        assert_same(store.lookup(bad % np.array(HEAD_ROWS)), host.lookup(bad % np.array(HEAD_ROWS)))
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+# --- pinning ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy):
+    """Between a lookup's probe and its copy of the hit rows, another thread's misses must not evict them."""
+    rb = host.manifest.row_bytes
+    store = open_file_store(table, "direct", policy, cache_rows=6, row_bytes=rb)
+    try:
+        warm = np.array([[1, 2, 3], [4, 5, 6]])  # 6 distinct rows: fills the cache exactly
+        assert_same(store.lookup(warm), host.lookup(warm))
+        assert len(store.cache) == 6
+        intruder = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])  # 9 rows, all misses
+        if policy == "lfu":  # make them frequent enough that LFU's admission would let them in
+            for key in (intruder + store.table.head_offsets).reshape(-1).tolist():
+                for _ in range(10):
+                    store.cache.policy.observe(key)
+        probe = store.cache.probe
+        seen = {}
+
+        def probe_then_intrude(keys, batch=None):
+            slots = probe(keys, batch)
+            if threading.current_thread() is threading.main_thread() and "intruder" not in seen:
+                assert int(store.cache.pins.sum()) == 6  # every hit is pinned now
+                t = threading.Thread(target=lambda: seen.setdefault("intruder", store.lookup(intruder)))
+                t.start()
+                t.join(30)
+                assert not t.is_alive()
+            return slots
+
+        store.cache.probe = probe_then_intrude
+        assert_same(store.lookup(warm), host.lookup(warm))  # its hit rows were not overwritten meanwhile
+        assert_same(seen["intruder"], host.lookup(intruder))
+        c = store.cache.counters
+        assert c.evicted == 0 and c.rejected >= 9  # every resident row was pinned: nothing could enter
+        del store.cache.probe
+        assert_clean(store)
+        assert_same(store.lookup(intruder), host.lookup(intruder))  # unpinned: now rows can be replaced
+        assert_same(store.lookup(warm), host.lookup(warm))
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_concurrent_lookups_and_prefetches_on_a_tiny_cache(table, host, policy):
+    rb = host.manifest.row_bytes
+    store = open_file_store(table, "direct", policy, cache_rows=8, row_bytes=rb, queue_depth=4)
+    rows = np.asarray(HEAD_ROWS)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        hot = rng.integers(0, rows, (5, 3))
+        try:
+            for _ in range(25):
+                ids = hot[rng.integers(0, 5, (2, 4))] if rng.random() < 0.6 else rng.integers(0, rows, (2, 4, 3))
+                if rng.random() < 0.5:
+                    got = store.lookup(ids)
+                else:
+                    tickets = [store.prefetch(ids), store.prefetch(ids[:, :2])]
+                    got = tickets[0].wait(30)
+                    assert_same(tickets[1].wait(30), host.lookup(ids[:, :2]))
+                assert_same(got, host.lookup(ids))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+        assert store.cache.counters.evicted > 0  # the cache was really contended
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+# --- cancellation ----------------------------------------------------------------------------------------
+
+
+def gate_first_fetch(store: TieredTable, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make the worker's first fetch wait for `gate` (so later tickets queue behind it); `entered` when it waits."""
+    gate, entered = threading.Event(), threading.Event()
+    real = store._fetch
+    first = [True]
+
+    def gated(*args):
+        if first[0]:
+            first[0] = False
+            entered.set()
+            assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(store, "_fetch", gated)
+    return gate, entered
+
+
+@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
+def test_cancel_pending_ticket(table, host, policy, monkeypatch):
+    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
+    try:
+        gate, entered = gate_first_fetch(store, monkeypatch)
+        batches = [np.array([[i, i + 1, i + 2], [i + 3, 7, i]]) for i in (0, 10, 20, 30)]
+        tickets = [store.prefetch(batches[0])]
+        assert entered.wait(30)
+        tickets += [store.prefetch(b) for b in batches[1:]]
+        assert not tickets[2].done()
+        assert tickets[2].cancel() is True and tickets[2].cancelled and tickets[2].done()
+        with pytest.raises(CancelledError):
+            tickets[2].wait()
+        if policy == "lookahead":
+            assert len(store.cache.policy._batches) == 3  # the cancelled one's announcement is retired
+        gate.set()
+        for i in (3, 1, 0):
+            assert_same(tickets[i].wait(30), host.lookup(batches[i]))
+        with pytest.raises(CancelledError):
+            tickets[2].wait()
+        assert_same(store.lookup(batches[2]), host.lookup(batches[2]))
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
+def test_cancel_running_ticket(table, host, policy, monkeypatch):
+    """A running fetch with a cache stops at its next phase; without one it completes (cancel() says False)."""
+    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
+    try:
+        gate, entered = gate_first_fetch(store, monkeypatch)
+        ids = np.array([[1, 2, 3], [40, 41, 42]])
+        ticket, later = store.prefetch(ids), None
+        assert entered.wait(30)
+        later = store.prefetch(ids[::-1])
+        threading.Timer(0.1, gate.set).start()
+        if policy is None:
+            assert ticket.cancel() is False and not ticket.cancelled  # the rows were delivered
+            assert_same(ticket.wait(30), host.lookup(ids))
+        else:
+            assert ticket.cancel() is True and ticket.cancelled
+            with pytest.raises(CancelledError):
+                ticket.wait(30)
+            assert len(store.cache) == 0  # it stopped before reading anything
+        assert_same(later.wait(30), host.lookup(ids[::-1]))
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+def test_close_with_tickets_in_flight(table, host, monkeypatch):
+    store = open_file_store(table, "direct", "lookahead", cache_rows=30, row_bytes=host.manifest.row_bytes)
+    gate, entered = gate_first_fetch(store, monkeypatch)
+    first = store.prefetch(np.array([[1, 2, 3]]))
+    assert entered.wait(30)
+    pending = store.prefetch(np.array([[4, 5, 6]]))
+    threading.Timer(0.1, gate.set).start()
+    store.close()  # waits for the running fetch, drops the pending one
+    assert_same(first.wait(30), host.lookup(np.array([[1, 2, 3]])))
+    with pytest.raises(CancelledError):
+        pending.wait(30)
+    assert int(store.cache.pins.sum()) == 0
+
+
+# --- read faults and corruption --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+@pytest.mark.parametrize("policy", [None, "lru"])
+@pytest.mark.parametrize("kind", ["flip", "eio", "short"])
+def test_injected_fault_retried_once_then_raised(table, host, mode, policy, kind):
+    store = open_file_store(table, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
+    try:
+        cached = np.array([[0, 0, 0]])
+        store.lookup(cached)  # some rows already in the cache
+        before = set(store.cache.index) if store.cache is not None else set()
+        ids = np.array([[5, 6, 150], [60, 7, 199]])
+        page = page_of(store, 2, 150)
+        reads = store.stats()["pages_read"]
+
+        store.tier.reader.inject_fault(kind, page, 1)  # transient: the retry reads it
+        assert_same(store.lookup(ids), host.lookup(ids))
+        pages = len({page_of(store, h, r) for h, r in ((0, 5), (1, 6), (2, 150), (0, 60), (1, 7), (2, 199))})
+        assert store.stats()["pages_read"] == reads + pages  # a retried page is counted once
+        before = set(store.cache.index) if store.cache is not None else set()
+
+        # rows 151 and 152 of head 2 share the faulty page and were never read: misses even with the cache
+        assert page_of(store, 2, 151) == page_of(store, 2, 152) == page
+        other = np.array([[8, 9, 151], [61, 10, 100]])
+        store.tier.reader.inject_fault(kind, page, 2)  # fails the read and its retry
+        with pytest.raises(OSError, match=rf"page {page} of {store.tier.table.path}"):
+            store.lookup(other)
+        if store.cache is not None:
+            assert set(store.cache.index) == before  # nothing of the failed read was admitted
+        assert_clean(store)
+
+        more = np.array([[11, 12, 152]])
+        store.tier.reader.inject_fault(kind, page, 2)
+        ticket = store.prefetch(more)
+        with pytest.raises(OSError, match=rf"page {page}\b"):
+            ticket.wait(30)
+        if store.cache is not None:
+            assert set(store.cache.index) == before
+        assert_clean(store)
+        for batch in (other, more):  # the faults are spent: served again
+            assert_same(store.lookup(batch), host.lookup(batch))
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def corrupt_copy(table, tmp_path):
+    """A copy of the table with one byte flipped in the row area of the page holding head 2's row 150."""
+    path = tmp_path / "corrupt.tgram"
+    shutil.copy(table, path)
+    probe = TieredTable(path, tier="file")
+    page, rb, (_, rpp, ps, offsets) = page_of(probe, 2, 150), probe.manifest.row_bytes, geometry(probe)
+    slot = int((offsets[2] + 150) % rpp)
+    at = probe.table.data_offset + page * ps + slot * rb + 3
+    probe.close()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x40]))
+    return path, page
+
+
+@pytest.mark.parametrize("mode", ["direct", "buffered"])
+@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
+def test_corrupt_page_on_disk_is_never_served(host, corrupt_copy, mode, policy):
+    path, page = corrupt_copy
+    store = open_file_store(path, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
+    try:
+        good = np.array([[0, 1, 2], [90, 49, 200]])
+        assert_same(store.lookup(good), host.lookup(good))
+        before = set(store.cache.index) if store.cache is not None else set()
+        bad = np.array([[3, 4, 149], [5, 6, 150]])  # row 150 of head 2 is on the corrupt page
+        out = torch.full((2, 3, DIM), 7.0)
+        for _ in range(2):  # every time, not just once
+            with pytest.raises(OSError, match=rf"cannot read page {page} of {path}.*checksum mismatch"):
+                store.lookup(bad, out=out)
+            with pytest.raises(OSError, match=rf"page {page}\b"):
+                store.prefetch(bad).wait(30)
+        if store.cache is not None:
+            assert set(store.cache.index) == before  # no row of the failed reads entered the cache
+        assert_clean(store)
+        assert_same(store.lookup(good), host.lookup(good))  # other pages are still served
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+# --- statistics ------------------------------------------------------------------------------------------
+
+
+def expected_counts(store: TieredTable, batches: list[np.ndarray]):
+    """Per call: distinct global rows; summed: per-head distinct counts and distinct pages."""
+    _, rpp, _, offsets = geometry(store)
+    unique_per_head = np.zeros(len(HEAD_ROWS), np.int64)
+    pages = 0
+    for ids in batches:
+        glob = np.unique(ids.reshape(-1, len(HEAD_ROWS)) + offsets)
+        unique_per_head += np.bincount(np.searchsorted(offsets, glob, side="right") - 1, minlength=len(HEAD_ROWS))
+        pages += np.unique(glob // rpp).size
+    return unique_per_head, pages
+
+
+def stat_batches(seed: int, n: int = 12) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = np.asarray(HEAD_ROWS)
+    return [rng.integers(0, np.minimum(rows, 40), (int(rng.integers(1, 5)), 6, 3)) for _ in range(n)]
+
+
+def test_stats_without_cache(table):
+    store = TieredTable(table, tier="file")
+    try:
+        batches = stat_batches(1)
+        for ids in batches:
+            store.lookup(ids)
+        s = store.stats()
+        rb, rpp, ps, _ = geometry(store)
+        unique_per_head, pages = expected_counts(store, batches)
+        positions = sum(ids.size // 3 for ids in batches)
+        assert s["lookups"] == len(batches) and s["ids"] == 3 * positions
+        assert s["per_head"]["ids"] == [positions] * 3
+        assert s["per_head"]["unique"] == unique_per_head.tolist() == s["per_head"]["misses"]
+        assert s["hits"] == 0 and s["misses"] == s["unique_ids"] == int(unique_per_head.sum())
+        assert s["pages_read"] == pages == store.tier.counters.pages_read
+        assert s["bytes_read"] == {"file": pages * ps}
+        amp = s["read_amplification"]
+        assert amp == pytest.approx(pages * ps / (s["misses"] * rb))
+        assert 1 <= amp <= ps / rb and amp < ps / rb  # several rows shared a page
+        assert s["tier"] == "file" and s["backend"] in ("io_uring", "threads")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_stats_with_cache(table, policy):
+    store = open_file_store(table, "direct", policy, cache_rows=50, row_bytes=66)
+    try:
+        batches = stat_batches(2)
+        for i, ids in enumerate(batches):
+            (store.lookup(ids) if i % 2 else store.prefetch(ids).wait(30))
+        s = store.stats()
+        rb, rpp, ps, _ = geometry(store)
+        unique_per_head, _ = expected_counts(store, batches)
+        h = s["per_head"]
+        assert h["unique"] == unique_per_head.tolist()
+        assert [a + b for a, b in zip(h["hits"], h["misses"], strict=True)] == h["unique"]
+        assert s["hits"] + s["misses"] == s["unique_ids"] == int(unique_per_head.sum()) and s["hits"] > 0
+        assert sum(h["hits"]) == s["hits"] and sum(h["misses"]) == s["misses"]
+        c = s["cache"]
+        assert c["probes"] == s["unique_ids"] and c["hits"] == s["hits"] and c["policy"] == policy
+        assert c["capacity_rows"] == 50 and c["rows"] == len(store.cache) <= 50
+        assert s["hit_rate"] == pytest.approx(s["hits"] / s["unique_ids"])
+        assert s["bytes_read"]["cache"] == s["hits"] * rb
+        assert s["bytes_read"]["file"] == s["pages_read"] * ps and 0 < s["pages_read"] <= s["misses"]
+        assert s["pages_read"] == store.tier.counters.pages_read
+        assert 1 <= s["read_amplification"] <= ps / rb
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+def test_stats_mmap(table):
+    store = TieredTable(table, tier="file", file_mode="mmap")
+    try:
+        batches = stat_batches(3, 4)
+        for ids in batches:
+            store.lookup(ids)
+        s = store.stats()
+        unique_per_head, _ = expected_counts(store, batches)
+        assert s["misses"] == s["unique_ids"] == int(unique_per_head.sum())
+        assert s["pages_read"] == 0 and s["read_amplification"] is None and s["backend"] == "mmap"
+    finally:
+        store.close()
+
+
+def test_stats_exact_under_concurrent_lookups_and_prefetches(table, host):
+    """Each call accounts for its own reads: concurrent calls must not count each other's pages."""
+    store = TieredTable(table, tier="file", queue_depth=2)
+    batches = stat_batches(4, 30)
+    errors: list[BaseException] = []
+
+    def worker(part: list[np.ndarray]) -> None:
+        try:
+            for ids in part:
+                assert_same(store.lookup(ids), host.lookup(ids))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=worker, args=(batches[i::3],)) for i in range(2)]
+        for t in threads:
+            t.start()
+        tickets = [(store.prefetch(ids), ids) for ids in batches[2::3]]
+        for t, ids in tickets:
+            assert_same(t.wait(30), host.lookup(ids))
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+        s = store.stats()
+        _, pages = expected_counts(store, batches)
+        assert s["lookups"] == len(batches)
+        assert s["pages_read"] == pages == store.tier.counters.pages_read
+        assert s["bytes_read"]["file"] == pages * store.manifest.page_size
+    finally:
+        store.close()
+
+
+def test_staging_buffer_is_per_thread(table, host):
+    """Two threads reading at once each decode from their own staging buffer."""
+    store = TieredTable(table, tier="file")
+    barrier = threading.Barrier(2)
+    results: dict[int, list[bool]] = {0: [], 1: []}
+
+    def worker(k: int) -> None:
+        rng = random.Random(k)
+        for _ in range(20):
+            ids = np.array([[rng.randrange(r) for r in HEAD_ROWS] for _ in range(8)])
+            barrier.wait(10)
+            results[k].append(torch.equal(bits(store.lookup(ids)), bits(host.lookup(ids))))
+
+    try:
+        threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results[0] == [True] * 20 and results[1] == [True] * 20
+    finally:
+        store.close()
+
