@@ -92,8 +92,10 @@ def test_lookup_and_prefetch_match_reference(tables, config, codec):
         tickets = [dt.prefetch(x) for x in (b, a, b)]  # in flight together, served in order
         for x, tk in zip((b, a, b), tickets, strict=True):
             assert same(tk.wait(), t.expect(x, dtype)) and tk.done()
+        for shape in [(0, 3), (2, 0, 3)]:
+            assert tuple(dt.lookup(np.zeros(shape, np.int64)).shape) == (*shape, DIM)
         s = dt.stats()
-        assert s["lookups"] == 4 and s["ids"] == (10 + 7 + 10 + 7) * 3
+        assert s["lookups"] == 6 and s["ids"] == (10 + 7 + 10 + 7) * 3
         if dt.cache is not None:
             assert s["hits"] > 0 and s["cache"]["rows"] > 0
             dt.cache.check_device_tags()

@@ -83,7 +83,11 @@ class DeviceTable:
             self.data: torch.Tensor | None = self.tier.data
         elif tier == "host":
             self.tier = HostTier(self.table, shared=shared, progress=progress)
-            self.pinned = PinnedHost(self.tier.data, self.device)
+            try:
+                self.pinned = PinnedHost(self.tier.data, self.device)
+            except BaseException:
+                self.tier.close()
+                raise
             self.data = self.pinned.tensor
         else:
             self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth)
@@ -197,6 +201,11 @@ class DeviceTable:
         """Fill out [N, H, D] on the device (runs on the worker, inside the side stream)."""
         m, h = self.manifest, self.num_heads
         n_ids = np.full(h, out.shape[0], dtype=np.int64)
+        if out.shape[0] == 0:
+            if batch is not None:
+                self.cache.retire(batch)
+            self.stats_.record(ids=n_ids)
+            return
         if self.cache is not None:
             self._fetch_cached(ids, out, uniq, batch)
         elif self.data is not None:  # device tier, or host tier through UVA
