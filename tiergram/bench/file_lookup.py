@@ -198,7 +198,7 @@ class LimitReader:
 
     def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int = 0) -> None:
         m = self.manifest = table.manifest
-        self.batch = max(256, 16 * qd)
+        self.batch = max(1024, 48 * qd)  # 6144 pages at QD128: as many as a 256-position lookup reads
         self.out = aligned_empty(self.batch * m.page_size)
         self.rng = np.random.default_rng([seed, qd])
         self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
