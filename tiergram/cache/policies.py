@@ -123,6 +123,10 @@ class LookaheadPolicy:
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, no known next use (LRU order)
         self._planned: dict[int, int] = {}  # resident with a known next use -> that position
         self._heap: list[tuple[int, int]] = []  # (-next_use, key); stale entries skipped
+        # Keys victim() found pinned (in use by the lookup being admitted) are parked until the next probe
+        # (observe), so that each is skipped once per admit instead of by every victim() call (quadratic).
+        self._held: OrderedDict[int, None] = OrderedDict()  # parked idle keys
+        self._held_plans: list[tuple[int, int]] = []  # parked heap entries
 
     def next_use(self, key: int) -> int:
         q = self._uses.get(key)
@@ -141,8 +145,7 @@ class LookaheadPolicy:
         self._batches[batch] = keys
         for i, k in enumerate(keys):
             self._uses.setdefault(k, deque()).append(batch << 32 | i)
-            if k in self._idle:
-                del self._idle[k]
+            if k in self._idle or k in self._held:
                 self._plan(k)
         return batch
 
@@ -154,6 +157,7 @@ class LookaheadPolicy:
 
     def _plan(self, key: int) -> None:
         nu = self.next_use(key)
+        self._held.pop(key, None)
         if nu == NEVER:
             self._planned.pop(key, None)
             self._idle[key] = None
@@ -163,11 +167,23 @@ class LookaheadPolicy:
             heapq.heappush(self._heap, (-nu, key))
 
     def observe(self, key: int) -> None:
-        """Accesses are learnt from announced batches, not one by one."""
+        """Accesses are learnt from announced batches; a new probe returns parked keys to the candidates."""
+        if self._held or self._held_plans:
+            self._unpark()
+
+    def _unpark(self) -> None:
+        self._idle.update(self._held)  # pinned by a lookup a moment ago: the most recently used idle keys
+        self._held.clear()
+        for item in self._held_plans:
+            heapq.heappush(self._heap, item)  # entries gone stale meanwhile are skipped as usual
+        self._held_plans.clear()
 
     def touch(self, key: int) -> None:
         if key in self._idle:
             self._idle.move_to_end(key)
+        elif key in self._held:
+            del self._held[key]
+            self._idle[key] = None
 
     def admit(self, key: int, victim: int | None) -> bool:
         return victim is None or self.next_use(key) <= self.next_use(victim)
@@ -177,30 +193,42 @@ class LookaheadPolicy:
 
     def remove(self, key: int) -> None:
         self._idle.pop(key, None)
+        self._held.pop(key, None)
         self._planned.pop(key, None)
 
     def victim(self, pinned: Pinned) -> int | None:
-        """An idle key (LRU first), else the planned key used furthest in the future."""
-        for key in self._idle:
+        """An idle key (LRU first), else the planned key used furthest in the future (None: all pinned).
+
+        Pinned keys met on the way are parked until the next probe, so an admit's victims come from the rest
+        without looking at them again; only when nothing else is left are they looked at once more.
+        """
+        found = self._unpinned(pinned)
+        if found is None and (self._held or self._held_plans):
+            self._unpark()  # some may have been unpinned since they were parked
+            found = self._unpinned(pinned)
+        return found
+
+    def _unpinned(self, pinned: Pinned) -> int | None:
+        while self._idle:
+            key = next(iter(self._idle))
             if not pinned(key):
                 return key
-        skipped, found = [], None
+            del self._idle[key]
+            self._held[key] = None
         while self._heap:
             neg, key = self._heap[0]
-            if self._planned.get(key) != -neg or self.next_use(key) != -neg:
+            if self._planned.get(key) != -neg:
+                heapq.heappop(self._heap)  # stale: evicted or re-planned since
+            elif self.next_use(key) != -neg:
                 heapq.heappop(self._heap)
-                if key in self._planned and self._planned[key] == -neg:
-                    self._plan(key)  # its batch retired since: re-file it
+                self._plan(key)  # its batch retired since: re-file it (it may have become idle)
+                if key in self._idle and not pinned(key):
+                    return key
             elif pinned(key):
-                skipped.append(heapq.heappop(self._heap))
+                self._held_plans.append(heapq.heappop(self._heap))
             else:
-                found = key
-                break
-        for item in skipped:
-            heapq.heappush(self._heap, item)
-        if found is None:
-            return next((k for k in self._idle if not pinned(k)), None)
-        return found
+                return key
+        return next((k for k in self._idle if not pinned(k)), None)
 
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "lookahead": LookaheadPolicy}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tiergram.bench import lookup
+from tiergram.bench import cache, lookup
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +35,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     fg.add_argument("--backend", default="auto", choices=["auto", "io_uring", "threads"], help="native reader")
     lk.add_argument("--json", action="store_true", help="print one JSON object")
     lk.set_defaults(func=cmd_lookup)
+    ca = bsub.add_parser("cache", help="cache policy hit rates on a real token stream against the offline optimum")
+    ca.add_argument("--source", default="auto", choices=["auto", "corpus", "stdlib"],
+                    help="text: the corpus split (auto: when built), or the Python stdlib with an on-the-fly BPE")
+    ca.add_argument("--corpus", default=None, help="corpus folder (default: the cache's corpus)")
+    ca.add_argument("--split", default="validation", choices=["train", "validation", "test"])
+    ca.add_argument("--tokens", type=int, default=65536, help="tokens of text replayed")
+    ca.add_argument("--prompt-len", type=int, default=192, help="prompt tokens per request (prefilled)")
+    ca.add_argument("--decode-len", type=int, default=64, help="tokens per request after the prompt (decoded)")
+    ca.add_argument("--max-seqs", type=int, default=32, help="requests running at once")
+    ca.add_argument("--step-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
+    ca.add_argument("--max-ngram", type=int, default=4, help="n-gram orders 2..N")
+    ca.add_argument("--heads", type=int, default=8, help="hash heads per n-gram order")
+    ca.add_argument("--table-factor", type=int, default=64, help="rows per head ~ this x the compressed vocabulary")
+    ca.add_argument("--capacities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25],
+                    help="cache sizes as fractions of the distinct rows the stream touches")
+    ca.add_argument("--policies", nargs="+", default=list(cache.ALL_POLICIES), choices=list(cache.ALL_POLICIES))
+    ca.add_argument("--window", type=int, default=4, help="steps the lookahead policy is told ahead")
+    ca.add_argument("--seed", type=int, default=0)
+    ca.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")
+    ca.add_argument("--json", action="store_true", help="print one JSON object")
+    ca.set_defaults(func=cmd_cache)
 
     pf = bsub.add_parser("prefetch", help="stall a compute loop still sees with prefetch, against a synchronous "
                                           "lookup (host tier, file tier, file tier + cache)")
@@ -111,4 +132,16 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         hidden=args.hidden, torch_threads=args.torch_threads)
     res = prefetch.run(cfg, progress=not args.json)
     print(prefetch.to_json(res) if args.json else prefetch.to_text(res))
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    cfg = cache.CacheBenchConfig(source=args.source, corpus=args.corpus, split=args.split, max_tokens=args.tokens,
+                                 prompt_len=args.prompt_len, decode_len=args.decode_len, max_seqs=args.max_seqs,
+                                 step_tokens=args.step_tokens, max_ngram_size=args.max_ngram,
+                                 n_head_per_ngram=args.heads, table_factor=args.table_factor,
+                                 capacities=tuple(args.capacities), policies=tuple(args.policies),
+                                 window=args.window, seed=args.seed, plot=args.plot)
+    res = cache.run(cfg, progress=not args.json)
+    print(cache.to_json(res) if args.json else cache.to_text(res))
     return 0

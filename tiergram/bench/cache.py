@@ -1,0 +1,421 @@
+"""`tiergram bench cache`: hit rate of each cache policy on a real token stream, against the offline optimum.
+
+The stream is what a serving engine would look up for one Engram layer. Real text (the corpus's
+validation split with its tokenizer, or else the Python standard library's source with a byte-level BPE
+trained on the fly) is cut into requests of `prompt_len + decode_len` tokens. A continuous-batching
+scheduler runs them in steps: up to `max_seqs` running, each decoding sequence takes one token per step
+and the prefilling ones share the rest of a `step_tokens` budget in chunks (vLLM-style chunked prefill).
+Every token yields one row per head (orders 2..max_ngram_size, `n_head_per_ngram` heads each); a step's
+unique global row ids (head offset + row id, sorted, as `TieredTable` dedups them) are one batch.
+
+Each online policy drives the production `RowCache` (probe, admit the misses with 1-byte rows, unpin).
+The lookahead policy is told each step's keys `window` steps before they are probed, as an engine with
+queued work would be (for decode steps this is clairvoyant: a real engine knows a decode token's rows
+only once the token exists, so `window` 0 is the honest setting for pure decode). `belady` is the offline
+optimum with bypass (`belady_hit_rate`) over the same per-step-unique stream; every online schedule is
+a valid schedule of that stream, so belady bounds every online policy from above.
+
+Table geometry (documented choice): orders 2..4 with 8 heads each (DeepSeek-V4.1's 24 heads per
+layer), every head a distinct prime near `table_factor` x the compressed vocabulary (64x by default:
+V4.1 has about 160x, the reference demo 5x). At 64x the table is tens of times larger than the rows the
+stream touches, so reuse comes from repeated n-grams, not from hash collisions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sysconfig
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiergram.bench.common import cache_dir
+from tiergram.cache.policies import belady_hit_rate
+from tiergram.cache.row_cache import RowCache
+from tiergram.hashing import NgramHasher, build_compression
+
+ONLINE = ("lru", "lfu", "lookahead")
+ALL_POLICIES = (*ONLINE, "belady")
+STDLIB_VOCAB = 8192
+STDLIB_TRAIN_BYTES = 6 << 20  # the fallback BPE is trained on the first 6 MB of sorted stdlib source
+
+
+@dataclass
+class CacheBenchConfig:
+    """Workload, hashing geometry and cache sizes of the cache benchmark."""
+
+    source: str = "auto"  # auto (corpus if built, else stdlib), corpus, stdlib
+    corpus: str | None = None  # corpus folder (default: the cache's corpus)
+    split: str = "validation"
+    max_tokens: int = 65536  # tokens of text replayed (~1.3M accesses with the defaults)
+    prompt_len: int = 192
+    decode_len: int = 64
+    max_seqs: int = 32
+    step_tokens: int = 512
+    max_ngram_size: int = 4
+    n_head_per_ngram: int = 8
+    table_factor: int = 64  # rows per head ~ table_factor x compressed vocabulary
+    layer_id: int = 1
+    capacities: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25)  # fractions of the distinct rows touched
+    policies: tuple[str, ...] = ALL_POLICIES
+    window: int = 4  # steps announced ahead of the one being probed (lookahead)
+    row_bytes: int = 1
+    seed: int = 0
+    target_points: float = 5.0  # lookahead should be within this many points of belady
+    plot: str | None = None  # PNG path (default: in the bench cache folder); "" for no plot
+
+
+@dataclass
+class TokenDocs:
+    """Tokenized documents, in the order requests arrive, and what the hasher needs of their vocabulary."""
+
+    source: str
+    docs: list[np.ndarray]
+    vocab_size: int
+    pad_id: int
+    tokenizer: Any = None  # a tokenizers.Tokenizer for compression, or None for identity
+
+
+@dataclass
+class CacheBenchResult:
+    """Hit rates per policy and capacity, and facts about the replayed stream."""
+
+    config: CacheBenchConfig
+    stream: dict[str, object]
+    capacity_rows: dict[str, int]
+    hit_rate: dict[str, dict[str, float]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    plot: str | None = None
+
+    @property
+    def gap_points(self) -> dict[str, float]:
+        """Belady minus lookahead, in percentage points, per capacity."""
+        if "belady" not in self.hit_rate or "lookahead" not in self.hit_rate:
+            return {}
+        return {c: 100 * (self.hit_rate["belady"][c] - self.hit_rate["lookahead"][c]) for c in self.capacity_rows}
+
+    @property
+    def target_met(self) -> bool | None:
+        """Whether lookahead is within target_points of belady at every capacity (None: not measured)."""
+        gaps = self.gap_points
+        return all(g <= self.config.target_points for g in gaps.values()) if gaps else None
+
+
+def cap_key(frac: float) -> str:
+    """A capacity fraction as a JSON key: 0.01 -> "0.01"."""
+    return f"{frac:g}" if frac >= 0.1 else f"{frac:.2f}".rstrip("0")
+
+
+# ---------------------------------------------------------------- token sources
+
+
+def corpus_docs(cfg: CacheBenchConfig) -> TokenDocs:
+    """The corpus split tokenized with the corpus tokenizer."""
+    from tiergram.corpus import PAD, corpus_dir, iter_texts, load_tokenizer
+
+    folder = Path(cfg.corpus) if cfg.corpus else corpus_dir()
+    tok = load_tokenizer(folder)
+    texts = list(iter_texts(folder, cfg.split))
+    docs = encode_until(tok, [texts[i] for i in seeded_order(len(texts), cfg.seed)], cfg.max_tokens)
+    return TokenDocs(f"corpus {cfg.split} split ({folder})", docs, tok.get_vocab_size(), tok.token_to_id(PAD),
+                     tok)
+
+
+def seeded_order(n: int, seed: int) -> list[int]:
+    """A deterministic shuffle of range(n): requests from many documents, as a server sees them."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def encode_until(tok: Any, texts: list[str], max_tokens: int, chunk: int = 64) -> list[np.ndarray]:
+    """Token ids of the texts, in order, stopping once max_tokens are reached."""
+    docs: list[np.ndarray] = []
+    total = 0
+    for i in range(0, len(texts), chunk):
+        for e in tok.encode_batch(texts[i:i + chunk]):
+            docs.append(np.asarray(e.ids, dtype=np.int64))
+            total += len(e.ids)
+        if total >= max_tokens:
+            break
+    return docs
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, sorted (site/dist-packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts) and p.is_file())
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def stdlib_tokenizer(files: list[Path], vocab_size: int = STDLIB_VOCAB) -> Any:
+    """A byte-level BPE trained on the first STDLIB_TRAIN_BYTES of `files`, cached in the bench folder."""
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+
+    from tiergram.corpus.tokenizer import SPECIAL_TOKENS, new_tokenizer
+
+    path = cache_dir("bench") / f"stdlib-bpe-{vocab_size}.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    texts, total = [], 0
+    for f in files:
+        texts.append(_read(f))
+        total += len(texts[-1])
+        if total >= STDLIB_TRAIN_BYTES:
+            break
+    tok = new_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return tok
+
+
+def stdlib_docs(cfg: CacheBenchConfig) -> TokenDocs:
+    """The standard library's source tokenized with the on-the-fly BPE."""
+    from tiergram.corpus import PAD
+
+    files = stdlib_files()
+    if not files:
+        raise ValueError(f"no .py files under {sysconfig.get_paths()['stdlib']}")
+    tok = stdlib_tokenizer(files)
+    docs = encode_until(tok, [_read(files[i]) for i in seeded_order(len(files), cfg.seed)], cfg.max_tokens)
+    return TokenDocs(f"python stdlib source ({len(files)} files, {STDLIB_VOCAB}-token BPE trained on the fly)",
+                     docs, tok.get_vocab_size(), tok.token_to_id(PAD), tok)
+
+
+def load_docs(cfg: CacheBenchConfig) -> TokenDocs:
+    """Tokenized documents from cfg.source ('auto': the corpus if it has a tokenizer, else the stdlib)."""
+    if cfg.source not in ("auto", "corpus", "stdlib"):
+        raise ValueError(f"unknown token source {cfg.source!r} (valid: auto, corpus, stdlib)")
+    if cfg.source == "stdlib":
+        return stdlib_docs(cfg)
+    from tiergram.corpus import CorpusError
+
+    try:
+        return corpus_docs(cfg)
+    except CorpusError:
+        if cfg.source == "corpus":
+            raise
+        return stdlib_docs(cfg)
+
+
+# ---------------------------------------------------------------- the access stream
+
+
+def make_requests(docs: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
+    """Documents in order cut into requests of prompt_len + decode_len tokens, up to max_tokens in all."""
+    size, out, total = cfg.prompt_len + cfg.decode_len, [], 0
+    for ids in docs:
+        for start in range(0, ids.size, size):
+            piece = ids[start:start + min(size, cfg.max_tokens - total)]
+            if piece.size >= 2:
+                out.append(piece)
+                total += piece.size
+            if total >= cfg.max_tokens:
+                return out
+    return out
+
+
+def request_rows(requests: list[np.ndarray], hasher: NgramHasher, layer: int) -> list[np.ndarray]:
+    """Global row ids int64 [T, H] of every request (each request starts its own sequence)."""
+    offsets = np.concatenate([[0], np.cumsum(hasher.head_sizes(layer))[:-1]]).astype(np.int64)
+    return [hasher.row_ids(r[None, :])[layer][0] + offsets for r in requests]
+
+
+def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
+    """Continuous batching: per step, the sorted unique global rows of the tokens processed in it.
+
+    Up to max_seqs requests run; each whose prompt is done decodes one token per step, and the rest of the
+    step_tokens budget goes to prompt chunks in arrival order. A finished request frees its place.
+    """
+    waiting = deque(range(len(rows)))
+    running: list[list[int]] = []  # [request, tokens done]
+    steps: list[np.ndarray] = []
+    while waiting or running:
+        while waiting and len(running) < cfg.max_seqs:
+            running.append([waiting.popleft(), 0])
+        budget = cfg.step_tokens
+        take = [0] * len(running)
+        for i, (r, done) in enumerate(running):  # decode first: one token per sequence past its prompt
+            if done >= min(cfg.prompt_len, rows[r].shape[0]) and budget > 0:
+                take[i], budget = 1, budget - 1
+        for i, (r, done) in enumerate(running):  # then prompt chunks
+            prompt = min(cfg.prompt_len, rows[r].shape[0])
+            if done < prompt and budget > 0:
+                take[i] = min(budget, prompt - done)
+                budget -= take[i]
+        parts = [rows[r][done:done + n].reshape(-1) for (r, done), n in zip(running, take, strict=True) if n]
+        steps.append(np.unique(np.concatenate(parts)))
+        for state, n in zip(running, take, strict=True):
+            state[1] += n
+        running = [s for s in running if s[1] < rows[s[0]].shape[0]]
+    return steps
+
+
+# ---------------------------------------------------------------- replay
+
+
+def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 4, row_bytes: int = 1) -> float:
+    """Hit rate (hits / probes) of a RowCache with `policy` over the steps; lookahead is told `window` ahead.
+
+    Rows are `row_bytes` copies of the key's low byte, and every hit is checked to read back its own bytes.
+    """
+    cache = RowCache(capacity, row_bytes, policy)
+    lookahead = policy == "lookahead"
+    batches: list[int | None] = []
+
+    def announce_through(t: int) -> None:
+        while len(batches) <= min(t, len(steps) - 1):
+            batches.append(cache.announce(steps[len(batches)]))
+
+    for t, keys in enumerate(steps):
+        if lookahead:
+            announce_through(t + window)
+        slots = cache.probe(keys, batches[t] if lookahead else None)
+        hit = slots >= 0
+        if hit.any() and not (cache.rows[slots[hit], 0] == (keys[hit] & 0xFF)).all():
+            raise AssertionError(f"{policy} cache returned another key's row")
+        miss = keys[~hit]
+        cache.admit(miss, np.repeat((miss & 0xFF).astype(np.uint8)[:, None], row_bytes, axis=1))
+        cache.unpin(slots)
+    c = cache.counters
+    return c.hits / c.probes if c.probes else 0.0
+
+
+def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, object] | None = None,
+              progress: bool = False) -> CacheBenchResult:
+    """Replay per-step unique keys through every policy and capacity of cfg; plots unless cfg.plot == ""."""
+    for name in cfg.policies:
+        if name not in ALL_POLICIES:
+            raise ValueError(f"unknown cache policy {name!r} (valid: {', '.join(ALL_POLICIES)})")
+    for frac in cfg.capacities:
+        if not 0 < frac <= 1:
+            raise ValueError(f"capacity fractions must be in (0, 1], got {frac}")
+    flat = np.concatenate(steps) if steps else np.empty(0, dtype=np.int64)
+    distinct = int(np.unique(flat).size)
+    facts = {**(stream or {}), "steps": len(steps), "accesses": int(flat.size), "distinct_rows": distinct,
+             "reuse": 1 - distinct / flat.size if flat.size else 0.0}
+    caps = {cap_key(f): max(1, round(f * distinct)) for f in cfg.capacities}
+    res = CacheBenchResult(cfg, facts, caps)
+    for name in cfg.policies:
+        t0 = time.perf_counter()
+        res.hit_rate[name] = {}
+        for key, cap in caps.items():
+            if name == "belady":
+                res.hit_rate[name][key] = belady_hit_rate(flat, cap)
+            else:
+                res.hit_rate[name][key] = replay(steps, cap, name, cfg.window, cfg.row_bytes)
+            if progress:
+                print(f"  {name:<10} {key:>5} ({cap} rows): {100 * res.hit_rate[name][key]:6.2f}%", flush=True)
+        res.seconds[name] = time.perf_counter() - t0
+    if cfg.plot != "":
+        res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "cache_hit_rate.png"))
+    return res
+
+
+def run(cfg: CacheBenchConfig, docs: TokenDocs | None = None, progress: bool = True) -> CacheBenchResult:
+    """Tokenize, hash, schedule and replay; `docs` overrides the text source (tests pass tiny ones)."""
+    if min(cfg.prompt_len, cfg.step_tokens, cfg.max_tokens, cfg.max_seqs) < 1 or cfg.decode_len < 0:
+        raise ValueError("prompt_len, step_tokens, max_tokens and max_seqs must be >= 1, decode_len >= 0")
+    if cfg.window < 0:
+        raise ValueError(f"lookahead window must be >= 0, got {cfg.window}")
+    t0 = time.perf_counter()
+    docs = docs or load_docs(cfg)
+    if docs.tokenizer is not None:
+        lookup, compressed = build_compression(docs.tokenizer)
+        compression: dict[str, object] = {"compression": lookup}
+    else:
+        compression = {"compressed_vocab_size": docs.vocab_size}
+        compressed = docs.vocab_size
+    hasher = NgramHasher([cfg.table_factor * compressed] * (cfg.max_ngram_size - 1), cfg.max_ngram_size,
+                         cfg.n_head_per_ngram, [cfg.layer_id], docs.pad_id, cfg.seed, **compression)
+    requests = make_requests(docs.docs, cfg)
+    if not requests:
+        raise ValueError(f"the token source ({docs.source}) yielded no request of 2 or more tokens")
+    steps = schedule(request_rows(requests, hasher, cfg.layer_id), cfg)
+    table_rows = sum(hasher.head_sizes(cfg.layer_id))
+    stream = {"source": docs.source, "tokens": int(sum(r.size for r in requests)), "requests": len(requests),
+              "vocab_size": docs.vocab_size, "compressed_vocab_size": compressed, "heads": hasher.num_heads,
+              "orders": f"2..{cfg.max_ngram_size}", "table_rows": table_rows,
+              "prepare_s": round(time.perf_counter() - t0, 2)}
+    if progress:
+        print(f"stream: {stream['tokens']} tokens of {docs.source}, {len(requests)} requests, "
+              f"{len(steps)} steps, prepared in {stream['prepare_s']} s", flush=True)
+    return run_steps(steps, cfg, stream, progress)
+
+
+# ---------------------------------------------------------------- output
+
+
+def plot(res: CacheBenchResult, path: Path) -> Path:
+    """Hit rate against capacity fraction, one line per policy, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fracs = [float(k) for k in res.capacity_rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    for name, rates in res.hit_rate.items():
+        ax.plot(fracs, [100 * rates[k] for k in res.capacity_rows], marker="o",
+                linestyle="--" if name == "belady" else "-", label=name)
+    ax.axhline(100 * float(res.stream["reuse"]), color="gray", linestyle=":", label="every reuse a hit")
+    ax.set_xscale("log")
+    ax.set_xticks(fracs, [f"{100 * f:g}%" for f in fracs])
+    ax.set_xlabel("cache capacity (fraction of distinct rows touched)")
+    ax.set_ylabel("hit rate (%)")
+    s = res.stream
+    ax.set_title(f"{s['accesses'] / 1e6:.2f}M accesses, {s['distinct_rows']} rows, lookahead window "
+                 f"{res.config.window}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def to_json(res: CacheBenchResult) -> str:
+    """One JSON object: hit_rate {policy: {capacity fraction: rate}}, the gap, the stream facts, the config."""
+    obj = {"hit_rate": res.hit_rate, "capacity_rows": res.capacity_rows, "lookahead_gap_points": res.gap_points,
+           "target_points": res.config.target_points, "target_met": res.target_met, "stream": res.stream,
+           "seconds": res.seconds, "plot": res.plot, "config": asdict(res.config)}
+    return json.dumps(obj, indent=2)
+
+
+def to_text(res: CacheBenchResult) -> str:
+    """A policy x capacity table of hit rates, lookahead's gap to belady, and whether the target is met."""
+    s, c = res.stream, res.config
+    lines = [f"source: {s.get('source', 'given steps')}",
+             f"stream: {s['accesses']} accesses ({s['distinct_rows']} distinct rows, at most "
+             f"{100 * float(s['reuse']):.2f}% hits, {s['steps']} steps"
+             + (f", {s['tokens']} tokens, {s['requests']} requests, {s['heads']} heads orders {s['orders']}, "
+                f"table {s['table_rows']} rows" if "tokens" in s else "") + ")",
+             f"{'policy':<16}" + "".join(f"{100 * float(k):>8g}%" for k in res.capacity_rows),
+             f"{'(rows)':<16}" + "".join(f"{n:>9}" for n in res.capacity_rows.values())]
+    for name, rates in res.hit_rate.items():
+        label = f"{name} (w={c.window})" if name == "lookahead" else name
+        lines.append(f"{label:<16}" + "".join(f"{100 * r:>8.2f}%" for r in rates.values()))
+    gaps = res.gap_points
+    if gaps:
+        lines.append(f"{'belady gap':<16}" + "".join(f"{g:>9.2f}" for g in gaps.values()))
+        verdict = "MET" if res.target_met else "NOT MET"
+        lines.append(f"target: lookahead within {c.target_points:g} points of belady at every capacity: {verdict} "
+                     f"(worst gap {max(gaps.values()):.2f} points)")
+    if res.plot:
+        lines.append(f"plot: {res.plot}")
+    return "\n".join(lines)
