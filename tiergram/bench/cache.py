@@ -64,7 +64,7 @@ class CacheBenchConfig:
     layer_id: int = 1
     capacities: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25)  # fractions of the distinct rows touched
     policies: tuple[str, ...] = ALL_POLICIES
-    window: int = 4  # steps announced ahead of the one being probed (lookahead)
+    window: int = 64  # steps announced ahead of the one being probed (lookahead)
     row_bytes: int = 1
     seed: int = 0
     target_points: float = 5.0  # lookahead should be within this many points of belady
@@ -268,7 +268,7 @@ def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
 # ---------------------------------------------------------------- replay
 
 
-def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 4, row_bytes: int = 1) -> float:
+def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64, row_bytes: int = 1) -> float:
     """Hit rate (hits / probes) of a RowCache with `policy` over the steps; lookahead is told `window` ahead.
 
     Rows are `row_bytes` copies of the key's low byte, and every hit is checked to read back its own bytes.

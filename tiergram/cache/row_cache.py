@@ -102,11 +102,16 @@ class RowCache:
         policy, index = self.policy, self.index
         entered = 0
         with self._lock:
+            # pins only change in probe/unpin, so one count serves the whole call
+            all_pinned = int(np.count_nonzero(self.pins)) == self.capacity
             for i, key in enumerate(keys.tolist()):
                 if key in index:
                     continue  # another lookup admitted it meanwhile
                 if self._free:
                     slot = self._free.pop()
+                elif all_pinned:  # no victim can exist: skip the policy's scan of every slot
+                    self.counters.rejected += 1
+                    continue
                 else:
                     victim = policy.victim(self._pinned)
                     if victim is None or not policy.admit(key, victim):

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--capacities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25],
                     help="cache sizes as fractions of the distinct rows the stream touches")
     ca.add_argument("--policies", nargs="+", default=list(cache.ALL_POLICIES), choices=list(cache.ALL_POLICIES))
-    ca.add_argument("--window", type=int, default=4, help="steps the lookahead policy is told ahead")
+    ca.add_argument("--window", type=int, default=64, help="steps the lookahead policy is told ahead")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")
     ca.add_argument("--json", action="store_true", help="print one JSON object")
