@@ -33,6 +33,19 @@ def rate(fn: Callable[[], object], items: int, *, min_time: float = 0.5, warmup:
             return best
 
 
+def rates_interleaved(fns: dict[str, Callable[[], object]], items: int, *, rounds: int = 5,
+                      seconds: float = 0.2) -> dict[str, float]:
+    """Best items/s of each fn over `rounds` interleaved segments of about `seconds` (round 1 of every fn,
+    then round 2, ...): load from other processes then hits every fn alike instead of whichever ran last."""
+    best = dict.fromkeys(fns, 0.0)
+    for fn in fns.values():
+        fn()  # warm-up: page faults, caches
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = max(best[name], rate(fn, items, min_time=seconds, warmup=0))
+    return best
+
+
 def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random.Generator,
              zipf_a: float = 1.1) -> np.ndarray:
     """int64 ids of `shape` [..., H] for heads of `rows` [H] rows: 'uniform', or 'zipf' (rank-permuted)."""

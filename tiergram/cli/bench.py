@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     lk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="output dtype")
     lk.add_argument("--threads", type=int, default=0, help="native threads (0: all cores)")
     lk.add_argument("--min-time", type=float, default=None,
-                    help="seconds per measurement (default: 1 host; file: 4 per reader, over all rounds)")
+                    help="seconds per measurement over all rounds (default: 1 host; file: 4 per reader)")
     fg = lk.add_argument_group("file tier")
     fg.add_argument("--table-gib", type=float, default=2.0, help="size of the benchmark table file (created once)")
     fg.add_argument("--table", default=None, help="table file path (default: in the bench cache folder)")
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="queue depths of the limit measurement, comma-separated")
     fg.add_argument("--queue-depth", type=int, default=128, help="queue depth of tiergram's reader")
     fg.add_argument("--py-threads", type=_ints, default=(8, 16), help="Python thread counts of the baseline")
-    fg.add_argument("--rounds", type=int, default=4, help="interleaved segments per reader; the best is kept")
+    lk.add_argument("--rounds", type=int, default=4, help="interleaved segments per measurement; the best is kept")
     fg.add_argument("--backend", default="auto", choices=["auto", "io_uring", "threads"], help="native reader")
     lk.add_argument("--json", action="store_true", help="print one JSON object")
     lk.set_defaults(func=cmd_lookup)
@@ -100,7 +100,8 @@ def cmd_lookup(args: argparse.Namespace) -> int:
         return cmd_lookup_file(args)
     cfg = lookup.LookupBenchConfig(heads=args.heads, rows_per_head=args.rows_per_head or 65537, dim=args.dim,
                                    codec=args.codec, positions=args.positions or 2048, dtype=args.dtype,
-                                   min_time=args.min_time or 1.0, threads=args.threads)
+                                   rounds=args.rounds, seconds=(args.min_time or 1.0) / args.rounds,
+                                   threads=args.threads)
     res = lookup.run(cfg, progress=not args.json)
     print(lookup.to_json(res) if args.json else lookup.to_text(res))
     return 0
