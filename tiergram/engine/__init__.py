@@ -1,0 +1,11 @@
+"""The serving engine: continuous batching with chunked prefill over a paged KV cache, Engram tables placed
+per layer on the device, in host DRAM or on SSD, their rows prefetched at step entry (docs/engine.md)."""
+
+from tiergram.engine.budget import Budget
+from tiergram.engine.config import EngineConfig, Placement, SamplingParams
+from tiergram.engine.llm_engine import LLMEngine, QueueFullError
+from tiergram.engine.metrics import EngineMetrics
+from tiergram.engine.sequence import RequestOutput
+
+__all__ = ["Budget", "EngineConfig", "EngineMetrics", "LLMEngine", "Placement", "QueueFullError", "RequestOutput",
+           "SamplingParams"]

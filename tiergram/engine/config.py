@@ -1,0 +1,153 @@
+"""Engine configuration as plain dataclasses: sampling, per-layer table placement, the engine itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiergram.cache import POLICIES
+from tiergram.format import CODEC_IDS
+
+PLACEMENT_KINDS = ("device", "host", "file")
+FILE_MODES = ("direct", "buffered", "mmap")
+
+
+@dataclass
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0: all tokens
+    seed: int | None = None  # None: a fresh random seed per request
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # replay: emit exactly these tokens (the model still runs every step and fetches their Engram rows);
+    # max_tokens becomes len(forced_tokens), and eos / stop tokens do not end the request
+    forced_tokens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.forced_tokens is not None:
+            self.forced_tokens = [int(t) for t in self.forced_tokens]
+            self.max_tokens = len(self.forced_tokens)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.validate()
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field (token ids checked against vocab_size when given)."""
+        if self.forced_tokens is not None and not self.forced_tokens:
+            raise ValueError("forced_tokens is empty: give at least one token, or None to sample")
+        if isinstance(self.max_tokens, bool) or int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if vocab_size is not None:
+            for name in ("stop_token_ids", "forced_tokens"):
+                bad = [t for t in getattr(self, name) or [] if not 0 <= t < vocab_size]
+                if bad:
+                    raise ValueError(f"{name} holds {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass
+class Placement:
+    """Where one Engram layer's table lives and how it is encoded."""
+
+    kind: str  # "device" (resident in compute-device memory), "host" (DRAM), "file" (SSD, O_DIRECT)
+    cache_bytes: int = 0  # file only: host cache of encoded rows
+    cache_policy: str = "lookahead"  # file only: lru | lfu | lookahead
+    codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
+    file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLACEMENT_KINDS:
+            raise ValueError(f"unknown placement kind {self.kind!r} (valid: {', '.join(PLACEMENT_KINDS)})")
+        if self.codec not in CODEC_IDS:
+            raise ValueError(f"unknown codec {self.codec!r} (valid: {', '.join(CODEC_IDS)})")
+        if self.cache_policy not in POLICIES:
+            raise ValueError(f"unknown cache policy {self.cache_policy!r} (valid: {', '.join(POLICIES)})")
+        if self.file_mode not in FILE_MODES:
+            raise ValueError(f"unknown file_mode {self.file_mode!r} (valid: {', '.join(FILE_MODES)})")
+        if isinstance(self.cache_bytes, bool) or int(self.cache_bytes) != self.cache_bytes or self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be an integer >= 0, got {self.cache_bytes!r}")
+        if self.cache_bytes and self.kind != "file":
+            raise ValueError(f"a {self.kind} placement has the whole table in memory: cache_bytes applies to "
+                             "placement 'file' only")
+
+    @classmethod
+    def from_any(cls, obj: Placement | str | dict[str, Any]) -> Placement:
+        """A Placement from itself, a kind name ("host"), or a dict of its fields."""
+        if isinstance(obj, Placement):
+            return obj
+        if isinstance(obj, str):
+            return cls(kind=obj)
+        if isinstance(obj, dict):
+            return cls(**obj)
+        raise ValueError(f"a placement is a Placement, a kind name or a dict, got {type(obj).__name__}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs; placement and the device budget are configuration, not code."""
+
+    model_dir: str  # trained model directory (config.json, model.safetensors, tokenizer.json), or an exported one
+    placement: Placement | dict[int, Placement]  # one for every Engram layer, or {layer: Placement}
+    device: str = "cpu"
+    # the device budget: weights + device-placed tables + activations + KV cache must fit. None: on CUDA the
+    # free memory now (device_memory_budget()); on the CPU $TIERGRAM_DEVICE_BYTES, else DEFAULT_CPU_BYTES
+    device_memory_bytes: int | None = None
+    block_size: int = 16  # KV cache block, in tokens
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens per step: decodes first, then prefill chunks
+    max_model_len: int | None = None  # prompt + output tokens; None: the model's max_seq
+    max_waiting: int = 256  # bounded waiting queue: add_request raises QueueFullError beyond
+    num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
+    eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
+
+    def __post_init__(self) -> None:
+        self.model_dir = str(self.model_dir)
+        if isinstance(self.placement, dict) and "kind" not in self.placement:
+            self.placement = {int(k): Placement.from_any(v) for k, v in self.placement.items()}
+        else:
+            self.placement = Placement.from_any(self.placement)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.max_waiting, bool) or int(self.max_waiting) != self.max_waiting or self.max_waiting < 0:
+            raise ValueError(f"EngineConfig.max_waiting must be an integer >= 0, got {self.max_waiting!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.device_memory_bytes is not None and (int(self.device_memory_bytes) != self.device_memory_bytes
+                                                     or self.device_memory_bytes < 0):
+            raise ValueError(f"EngineConfig.device_memory_bytes must be an integer >= 0, got "
+                             f"{self.device_memory_bytes!r}")
+
+    def placements_for(self, layers: list[int]) -> dict[int, Placement]:
+        """{layer: Placement} for the model's Engram layers; ValueError for a missing or unknown layer."""
+        if isinstance(self.placement, Placement):
+            return {layer: self.placement for layer in layers}
+        unknown, missing = set(self.placement) - set(layers), set(layers) - set(self.placement)
+        if unknown or missing:
+            raise ValueError(f"placement must name exactly the Engram layers {layers}; unknown "
+                             f"{sorted(unknown)}, missing {sorted(missing)}")
+        return {layer: self.placement[layer] for layer in layers}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> EngineConfig:
+        """From a JSON-style dict (placement as a kind name, a dict, or {layer: either}); unknown keys refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(obj) - known:
+            raise ValueError(f"unknown engine config keys: {sorted(set(obj) - known)}")
+        return cls(**obj)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")

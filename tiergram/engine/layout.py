@@ -1,0 +1,71 @@
+"""Where a step's tokens go: flat token order, KV slots, and the padded attention groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiergram.engine.sequence import Sequence
+
+
+@dataclass
+class Group:
+    """Sequences attended together, padded to the group's longest chunk T and longest context P."""
+
+    members: list[int]  # batch indices of its sequences (Bg of them)
+    rows: torch.Tensor  # int64 [Ng]: the group's tokens in the step's flat order
+    seq: torch.Tensor  # int64 [Ng]: each token's sequence within the group
+    col: torch.Tensor  # int64 [Ng]: each token's index within its chunk
+    counts: torch.Tensor  # int64 [Bg]: chunk lengths
+    key_slots: torch.Tensor  # int64 [Bg, P]: KV slot of each context position (padding reads slot of block 0)
+    mask: torch.Tensor  # bool [Bg, 1, T, P]: query j of sequence b may see key p
+    t_max: int
+
+
+@dataclass
+class StepLayout:
+    """The step's N tokens of B sequences, flattened in batch order."""
+
+    ids: torch.Tensor  # int64 [N] token ids
+    positions: torch.Tensor  # int64 [N] positions in their sequences
+    slots: torch.Tensor  # int64 [N] KV slots the new keys/values are written to
+    last: torch.Tensor  # int64 [B] flat index of each sequence's last token this step
+    groups: list[Group]  # decodes (chunk of 1) and prefill chunks, attended separately to limit padding
+
+
+def build_layout(seqs: list[Sequence], counts: list[int], block_size: int, device: torch.device) -> StepLayout:
+    """Flatten the scheduled chunks and precompute the slot and mask tensors every layer reuses."""
+    b = len(seqs)
+    starts = torch.tensor([s.num_computed for s in seqs], dtype=torch.int64)
+    n = torch.tensor(counts, dtype=torch.int64)
+    offs = torch.cumsum(n, 0) - n
+    chunks = [s.token_ids[s.num_computed:s.num_computed + c] for s, c in zip(seqs, counts, strict=True)]
+    ids = torch.tensor([t for chunk in chunks for t in chunk], dtype=torch.int64)
+    seq_index = torch.repeat_interleave(torch.arange(b), n)
+    positions = starts[seq_index] + torch.arange(int(n.sum())) - offs[seq_index]
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(b, width, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
+    slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
+    decode = [i for i, c in enumerate(counts) if c == 1]
+    prefill = [i for i, c in enumerate(counts) if c > 1]
+    groups = [_group(m, starts, n, offs, tables, block_size, device) for m in (decode, prefill) if m]
+    return StepLayout(ids.to(device), positions.to(device), slots.to(device), (offs + n - 1).to(device), groups)
+
+
+def _group(members: list[int], starts: torch.Tensor, n: torch.Tensor, offs: torch.Tensor, tables: torch.Tensor,
+           block_size: int, device: torch.device) -> Group:
+    m = torch.tensor(members, dtype=torch.int64)
+    counts, start, ctx = n[m], starts[m], starts[m] + n[m]
+    t_max, p_max = int(counts.max()), int(ctx.max())
+    seq = torch.repeat_interleave(torch.arange(len(members)), counts)
+    col = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seq]
+    rows = offs[m][seq] + col
+    p = torch.arange(p_max)
+    key_slots = tables[m][:, p // block_size] * block_size + p % block_size  # [Bg, P]
+    qpos = start[:, None] + torch.arange(t_max)[None, :]  # [Bg, T]; padded queries still see key 0: no NaN
+    mask = (p[None, None, :] <= qpos[:, :, None]) & (p[None, None, :] < ctx[:, None, None])
+    return Group(members, rows.to(device), seq.to(device), col.to(device), counts.to(device), key_slots.to(device),
+                 mask[:, None].to(device), t_max)

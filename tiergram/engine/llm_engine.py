@@ -1,0 +1,268 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time (continuous batching over a paged KV cache)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from tiergram.engine.block_manager import BlockManager
+from tiergram.engine.budget import Budget, activation_bytes, budget_bytes, kv_block_bytes, plan_budget
+from tiergram.engine.config import EngineConfig, Placement, SamplingParams
+from tiergram.engine.metrics import EngineMetrics
+from tiergram.engine.model_runner import ModelRunner
+from tiergram.engine.sampler import sample
+from tiergram.engine.scheduler import Scheduler
+from tiergram.engine.sequence import RequestOutput, Sequence, Status
+from tiergram.engine.tables import device_bytes, export_dir_for, open_table, table_stats
+from tiergram.engram import RowSourceTable
+from tiergram.model.checkpoint import WEIGHTS, check_table, hasher_of, load_tokenizer_of, read_config
+from tiergram.model.config import ModelConfig
+from tiergram.model.export import table_filename
+from tiergram.model.model import EngramLM
+from tiergram.tiers.device import resolve_device
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting requests already (an HTTP server answers 429)."""
+
+
+class LLMEngine:
+    """Serves one Engram model: add_request / abort_request from any thread, step() from one loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        total = budget_bytes(self.device, config.device_memory_bytes)  # before anything lands on the device
+        model_dir = Path(config.model_dir)
+        mconfig = ModelConfig.from_dict(read_config(model_dir)["model"])
+        if config.max_model_len is not None and config.max_model_len > mconfig.max_seq:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_seq {mconfig.max_seq}")
+        self.max_model_len = config.max_model_len or mconfig.max_seq
+        self.vocab_size = mconfig.vocab_size
+        self.model_name = model_dir.resolve().name
+        layers = [] if mconfig.engram is None else sorted(mconfig.engram.layers)
+        self.placements: dict[int, Placement] = config.placements_for(layers) if layers else {}
+        self.sources: dict[int, Any] = {}
+        try:
+            self.model = self._load(model_dir, mconfig, layers)
+            self.budget: Budget = self._plan(total, mconfig)
+        except BaseException:
+            self.close()
+            raise
+        self.eos_token_id = config.eos_token_id
+        if self.eos_token_id is None and self.tokenizer is not None:
+            self.eos_token_id = self.tokenizer.token_to_id(EOS_TOKEN)
+        self.blocks = BlockManager(self.budget.kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.sources, self.budget.kv_blocks, config.block_size, self.device)
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests
+        self._aborted: list[RequestOutput] = []  # reported by the next step()
+        self._lock = threading.Lock()
+        self._arrivals = itertools.count()
+        self._m = {"steps": 0, "stall": 0.0, "last_stall": 0.0, "time": 0.0, "last_time": 0.0, "hash": 0.0,
+                   "prompt": 0, "generated": 0, "computed": 0, "finished": 0}
+        self._stall_by_layer = dict.fromkeys(self.placements, 0.0)
+
+    def _load(self, model_dir: Path, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
+        """Open each layer's table per its placement (exporting first if needed); the model on the device."""
+        src = export_dir_for(model_dir, layers, {p.codec for p in self.placements.values()}) if layers else model_dir
+        self.tokenizer = load_tokenizer_of(src)
+        hasher = hasher_of(read_config(src), self.tokenizer)
+        for layer, p in self.placements.items():
+            path = src / table_filename(layer, p.codec)
+            self.sources[layer] = open_table(path, p, self.device)
+            check_table(self.sources[layer].manifest, hasher, layer, mconfig.engram.dim, path)
+        model = EngramLM(mconfig, hasher, {layer: RowSourceTable(s) for layer, s in self.sources.items()})
+        model.load_state_dict(load_file(str(src / WEIGHTS)), strict=True)
+        return model.to(self.device).eval()
+
+    def _plan(self, total: int, mconfig: ModelConfig) -> Budget:
+        """Split the device budget between weights, device-placed tables, activations and KV blocks."""
+        c = self.config
+        dtype = next(self.model.parameters()).dtype
+        weights = sum(t.numel() * t.element_size() for t in itertools.chain(self.model.parameters(),
+                                                                            self.model.buffers()))
+        return plan_budget(
+            total, weights_bytes=weights,
+            device_table_bytes=sum(device_bytes(self.sources[i], p) for i, p in self.placements.items()),
+            activation_bytes=activation_bytes(mconfig, max_num_batched_tokens=c.max_num_batched_tokens,
+                                              max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len,
+                                              dtype=dtype),
+            block_bytes=kv_block_bytes(mconfig, c.block_size, dtype), block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, num_kv_blocks=c.num_kv_blocks)
+
+    # -- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError for bad input, QueueFullError when max_waiting requests already wait."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        prompt = list(prompt_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
+            raise ValueError("prompt token ids must be integers")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len {self.max_model_len} leaves no room "
+                             "for an output token")
+        room = self.max_model_len - len(prompt)
+        if params.forced_tokens is not None and len(params.forced_tokens) > room:
+            raise ValueError(f"{len(params.forced_tokens)} forced tokens after a {len(prompt)}-token prompt exceed "
+                             f"max_model_len {self.max_model_len}")
+        generator = None
+        if params.temperature > 0 and params.forced_tokens is None:
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            generator = torch.Generator().manual_seed(seed)
+        with self._lock:
+            if request_id in self._seqs:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting "
+                                     f"{self.config.max_waiting}); retry later")
+            seq = Sequence(request_id, prompt, len(prompt), params, next(self._arrivals),
+                           min(params.max_tokens, room), generator)
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+            self._m["prompt"] += len(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort"."""
+        with self._lock:
+            seq = self._seqs.pop(request_id, None)
+            if seq is None:
+                return  # unknown or already finished: nothing to do
+            self.scheduler.finish(seq, "abort")
+            self._aborted.append(seq.output([]))
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits, runs, or has an abort still to report."""
+        with self._lock:
+            return bool(self._seqs or self._aborted)
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once over every scheduled chunk, sample, and report what changed."""
+        t0 = time.perf_counter()
+        with self._lock:
+            outputs, self._aborted = self._aborted, []
+            batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        result = self.runner.execute(batch.seqs, batch.num_new)
+        done = [s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new, strict=True)]
+        to_sample = [s for s, d in zip(batch.seqs, done, strict=True) if d]
+        sampled = sample(result.logits[torch.tensor(done, device=result.logits.device)], to_sample)
+        tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
+        with self._lock:
+            for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+                if seq.status is Status.FINISHED:  # aborted while the step ran
+                    continue
+                seq.num_computed += n
+                self._m["computed"] += n
+                if seq.request_id in tokens:
+                    outputs.append(self._append(seq, tokens[seq.request_id]))
+            m = self._m
+            m["steps"] += 1
+            m["last_stall"], m["stall"] = result.stall_s, m["stall"] + result.stall_s
+            m["hash"] += result.hash_s
+            for layer, s in result.stall_by_layer.items():
+                self._stall_by_layer[layer] += s
+            m["last_time"] = time.perf_counter() - t0
+            m["time"] += m["last_time"]
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        """Add a sampled token, finish the request if it is done, and report it."""
+        seq.token_ids.append(token)
+        self._m["generated"] += 1
+        n_out = seq.num_tokens - seq.prompt_len
+        p = seq.params
+        reason = None
+        if p.forced_tokens is None and not p.ignore_eos and token == self.eos_token_id:
+            reason = "stop"
+        elif p.forced_tokens is None and token in p.stop_token_ids:
+            reason = "stop"
+        elif n_out >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+            self._m["finished"] += 1
+        return seq.output([token])
+
+    # -- conveniences ---------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline: run every prompt to completion (in one continuous batch) and return their output tokens."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        tag = uuid.uuid4().hex[:8]
+        ids = [f"generate-{tag}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        pending = list(zip(ids, prompts, plist, strict=True))
+        for _, prompt, p in pending:  # bad input fails before anything runs
+            self._check_prompt(prompt, p)
+        left = set(ids)
+        while left:
+            while pending:
+                try:
+                    self.add_request(*pending[0])
+                except QueueFullError:
+                    break
+                pending.pop(0)
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        left.discard(out.request_id)
+        return [results[i] for i in ids]
+
+    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt or len(prompt) >= self.max_model_len:
+            raise ValueError(f"every prompt needs 1..{self.max_model_len - 1} tokens, got one of {len(prompt)}")
+        params.validate(self.vocab_size)
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the counters."""
+        with self._lock:
+            m = self._m
+            total, used = self.blocks.num_blocks, self.blocks.num_used
+            return EngineMetrics(
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                kv_blocks_total=total, kv_blocks_used=used, kv_usage=used / total if total else 0.0,
+                num_preemptions=self.scheduler.num_preemptions, steps=m["steps"],
+                engram=table_stats(self.sources, self.placements), exposed_stall_s=m["stall"],
+                last_step_stall_s=m["last_stall"], step_time_s=m["time"], last_step_time_s=m["last_time"],
+                budget=self.budget.as_dict(), prompt_tokens=m["prompt"], generation_tokens=m["generated"],
+                computed_tokens=m["computed"], num_finished=m["finished"], hash_time_s=m["hash"],
+                stall_by_layer_s=dict(self._stall_by_layer))
+
+    def close(self) -> None:
+        """Stop the tables' prefetch workers and release their tiers."""
+        for source in getattr(self, "sources", {}).values():
+            source.close()
+        self.sources = {}
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

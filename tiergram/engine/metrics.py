@@ -1,0 +1,31 @@
+"""Engine counters: queues, KV usage, preemptions, Engram reads, stall and step time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class EngineMetrics:
+    """A snapshot of the engine (LLMEngine.metrics())."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_usage: float  # used / total
+    num_preemptions: int
+    steps: int  # steps that ran the model
+    engram: dict[str, Any]  # cache_hit_rate (file caches; None without), bytes_read {tier: n}, pages_read, per_layer
+    exposed_stall_s: float  # total time the forward waited on Engram rows (ticket.wait())
+    last_step_stall_s: float
+    step_time_s: float  # total wall time inside step() that ran the model
+    last_step_time_s: float
+    budget: dict[str, int]  # total_bytes, weights_bytes, device_table_bytes, activation_bytes, kv_bytes, kv_blocks...
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    generation_tokens: int = 0  # tokens emitted
+    computed_tokens: int = 0  # tokens run through the model (recomputation after preemption included)
+    num_finished: int = 0
+    hash_time_s: float = 0.0  # total: hashing row ids and starting prefetches at step entry
+    stall_by_layer_s: dict[int, float] = field(default_factory=dict)  # total per Engram layer

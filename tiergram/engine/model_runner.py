@@ -1,0 +1,145 @@
+"""One forward step of many sequences over a paged KV cache, with the EngramLM's own modules and weights.
+
+Tokens of all scheduled sequences are flattened to [N, d] for the token-wise work (projections, MLP, norms,
+Engram gate and value); attention gathers each sequence's keys/values from its KV blocks into a padded
+[B, n_kv, P, hd] with a mask (plain torch, correct on any device; a GPU engine would call a paged-attention
+kernel instead). Engram row ids for every layer are hashed at step entry and prefetched, so host/file reads
+overlap the blocks before each Engram layer; the time spent waiting on them is the exposed stall.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tiergram.engine.layout import StepLayout, build_layout
+from tiergram.engine.sequence import Sequence
+from tiergram.engram import Engram
+from tiergram.model.model import Attention, EngramLM, apply_rope
+
+
+@dataclass
+class StepResult:
+    """Logits at each sequence's last computed token and where the step's time went."""
+
+    logits: torch.Tensor  # float32 [B, V]
+    stall_s: float  # time blocked in ticket.wait() (rows not ready when their layer came)
+    hash_s: float  # hashing + starting the prefetches
+    forward_s: float  # the rest of the forward
+    stall_by_layer: dict[int, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Owns the KV pool [n_layers, blocks * block_size, n_kv, hd] and runs steps with a model's modules."""
+
+    def __init__(self, model: EngramLM, sources: dict[int, Any], num_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.sources = sources  # {layer: TieredTable | DeviceTable}: prefetch(row ids [N, H]) -> Ticket
+        self.block_size = block_size
+        self.device = device
+        c = model.config
+        dtype = next(model.parameters()).dtype
+        shape = (c.n_layers, num_blocks * block_size, c.n_kv_heads, c.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        e = c.engram
+        self.lookback = e.max_ngram_size - 1 if e is not None else 0
+        self.pad_id = e.pad_id if e is not None else 0
+
+    @torch.no_grad()
+    def execute(self, seqs: list[Sequence], counts: list[int]) -> StepResult:
+        """Compute counts[b] pending tokens of each seqs[b] (KV blocks already allocated); writes their K/V and
+        advances each sequence's short-conv lookback (not num_computed: the caller commits that)."""
+        model = self.model
+        t0 = time.perf_counter()
+        layout = build_layout(seqs, counts, self.block_size, self.device)
+        tickets = {layer: self.sources[layer].prefetch(ids) for layer, ids in self.row_ids(seqs, counts).items()}
+        t1 = time.perf_counter()
+        stall: dict[int, float] = {}
+        try:
+            cos, sin = model.rope_cos[layout.positions], model.rope_sin[layout.positions]  # [N, hd/2]
+            x = model.tok_emb(layout.ids)  # [N, d]
+            for i, block in enumerate(model.blocks):
+                if block.engram is not None:
+                    w0 = time.perf_counter()
+                    rows = tickets.pop(i).wait()
+                    stall[i] = time.perf_counter() - w0
+                    x = x + self.engram(i, block.engram, x, rows.to(self.device), seqs, layout).to(x.dtype)
+                x = x + self.attention(i, block.attn, block.attn_norm(x), cos, sin, layout)
+                x = x + block.mlp(block.mlp_norm(x))
+            h = model.norm(x[layout.last])  # [B, d]
+            logits = model.lm_head(h) if model.lm_head is not None else F.linear(h, model.tok_emb.weight)
+        finally:
+            for ticket in tickets.values():  # only after an error: abandon the fetches nobody will wait for
+                ticket.cancel()
+        total_stall = sum(stall.values())
+        return StepResult(logits.float(), total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall)
+
+    def row_ids(self, seqs: list[Sequence], counts: list[int]) -> dict[int, np.ndarray]:
+        """{layer: int64 [N, H]} for the step's flat tokens, each chunk hashed after its sequence's lookback."""
+        hasher = self.model.hasher
+        if hasher is None:
+            return {}
+        k, n_total = self.lookback, sum(counts)
+        offs = np.cumsum([0, *counts])
+        out: dict[int, np.ndarray] = {}
+        by_len: dict[int, list[int]] = {}
+        for b, c in enumerate(counts):
+            by_len.setdefault(c, []).append(b)
+        for c, members in by_len.items():  # one hashing call per chunk length
+            chunk = np.array([seqs[b].token_ids[seqs[b].num_computed:seqs[b].num_computed + c] for b in members],
+                             dtype=np.int64)
+            hist = [seqs[b].history(k) for b in members]
+            hist = np.array([[self.pad_id] * (k - len(h)) + h for h in hist], dtype=np.int64).reshape(len(members), k)
+            for layer, ids in hasher.row_ids_with_history(chunk, hist).items():  # [G, c, H]
+                dst = out.setdefault(layer, np.empty((n_total, ids.shape[-1]), dtype=np.int64))
+                for g, b in enumerate(members):
+                    dst[offs[b]:offs[b + 1]] = ids[g]
+        return out
+
+    def attention(self, layer: int, attn: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  layout: StepLayout) -> torch.Tensor:
+        """h [N, d] -> attention output [N, d]; the new keys/values are written to their slots first."""
+        n, nh, nkv, hd = h.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
+        q = apply_rope(attn.wq(h).view(1, n, nh, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, nh, hd]
+        k = apply_rope(attn.wk(h).view(1, n, nkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc[layout.slots] = k.to(kc.dtype)
+        vc[layout.slots] = attn.wv(h).view(n, nkv, hd).to(vc.dtype)
+        out = torch.empty_like(q)
+        for g in layout.groups:
+            qp = q.new_zeros(len(g.members), g.t_max, nh, hd)
+            qp[g.seq, g.col] = q[g.rows]
+            keys, values = kc[g.key_slots].transpose(1, 2), vc[g.key_slots].transpose(1, 2)  # [Bg, nkv, P, hd]
+            y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=True)
+            out[g.rows] = y.transpose(1, 2)[g.seq, g.col]
+        return attn.wo(out.reshape(n, nh * hd))
+
+    def engram(self, layer: int, engram: Engram, x: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence],
+               layout: StepLayout) -> torch.Tensor:
+        """x [N, d], rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence after its lookback."""
+        hidden, r = x[None, :, None, :], rows[None]  # [1, N, 1, d], [1, N, H, D]
+        gates = engram.gates(hidden, rows=r)  # [1, N, 1]
+        e = r.to(engram.value_proj.weight).flatten(-2)
+        value = (gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2))[0]  # [N, 1, d]
+        if engram.short_conv is None:
+            return value[:, 0]
+        w = (engram.config.conv_kernel - 1) * engram.config.max_ngram_size
+        out = value.clone()
+        for g in layout.groups:
+            zeros = value.new_zeros(w, *value.shape[1:])  # a zero lookback = the conv's own left padding
+            ctx = value.new_zeros(len(g.members), w + g.t_max, *value.shape[1:])  # [Bg, W + T, 1, d]
+            ctx[:, :w] = torch.stack([seqs[b].conv.get(layer, zeros) for b in g.members])
+            ctx[g.seq, w + g.col] = value[g.rows]
+            out[g.rows] += engram.short_conv(ctx)[g.seq, w + g.col]
+            keep = g.counts[:, None] + torch.arange(w, device=ctx.device)[None, :]  # [Bg, W]: the last W of each
+            lookback = ctx[torch.arange(len(g.members), device=ctx.device)[:, None], keep]
+            for j, b in enumerate(g.members):
+                seqs[b].conv[layer] = lookback[j]
+        return out[:, 0]

@@ -1,0 +1,107 @@
+"""Continuous batching: each step fills a token budget with decodes first, then prefill chunks, preempting
+the most recently arrived unscheduled sequence (freeing its KV blocks, to be recomputed) when blocks run out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tiergram.engine.block_manager import BlockManager
+from tiergram.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: sequences and how many of their pending tokens to compute, in batch order."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+
+
+class Scheduler:
+    """FCFS waiting queue + running list over a BlockManager, under a per-step token budget."""
+
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order
+        self.num_preemptions = 0
+        self.last: list[tuple[str, int, bool]] = []  # the last step: (request_id, tokens, was a prefill chunk)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's sequences and token counts; allocates their KV blocks."""
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # running sequences: decodes (one pending token) first, then unfinished prefills, each in arrival order
+        queue = [s for s in self.running if s.num_pending == 1] + [s for s in self.running if s.num_pending > 1]
+        i = 0
+        while i < len(queue) and budget > 0:
+            seq = queue[i]
+            n = min(seq.num_pending, budget)
+            while not self.blocks.ensure(seq.block_table, seq.num_computed + n):
+                victim = max(queue[i:], key=lambda s: s.arrival)  # youngest not yet scheduled, maybe seq itself
+                queue.remove(victim)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, n)
+                budget -= n
+                i += 1
+        # new or resumed sequences, while budget, sequence slots and blocks last (none after a preemption)
+        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        self.running.sort(key=lambda s: s.arrival)
+        self.last = [(s.request_id, n, s.num_pending > 1 or n > 1)
+                     for s, n in zip(batch.seqs, batch.num_new, strict=True)]
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free its blocks and state; it goes to the front of the waiting queue (earliest arrival first)."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.reset()
+        seq.status = Status.WAITING
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark seq finished, drop it from whichever queue holds it, free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)

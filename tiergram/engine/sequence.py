@@ -1,0 +1,74 @@
+"""A request as the engine tracks it: its tokens, how many are in the KV cache, its blocks and lookbacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tiergram.engine.config import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class Sequence:
+    """One request. token_ids = prompt + outputs; the first num_computed of them have K/V in the cache."""
+
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    arrival: int  # admission order: lower runs first and is preempted last
+    max_tokens: int  # params.max_tokens clamped to the model length
+    generator: torch.Generator | None = None  # sampling RNG (temperature > 0)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)  # KV block ids, position p in block p // block_size
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # per Engram layer: short-conv lookback [W, 1, d]
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache: the rest of the prompt (prefill) or the last sampled token (decode)."""
+        return self.num_tokens - self.num_computed
+
+    def history(self, k: int) -> list[int]:
+        """The hashing lookback: up to k token ids just before the next uncomputed one."""
+        return self.token_ids[max(0, self.num_computed - k):self.num_computed]
+
+    def reset(self) -> None:
+        """Forget everything computed (preemption): the tokens are recomputed when the sequence resumes."""
+        self.num_computed = 0
+        self.block_table = []
+        self.conv = {}
+
+    def output(self, new: list[int]) -> RequestOutput:
+        """This step's RequestOutput with the new tokens."""
+        return RequestOutput(self.request_id, new, self.status is Status.FINISHED, self.finish_reason,
+                             self.prompt_len, self.num_tokens - self.prompt_len)

@@ -1,0 +1,76 @@
+"""Engram tables for the engine: exported into the model directory on first use, opened per placement."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiergram.engine.config import Placement
+from tiergram.model.checkpoint import CONFIG, EXPORT_SUBDIR, WEIGHTS, read_config
+from tiergram.model.export import export_model, table_filename
+from tiergram.store import TieredTable
+from tiergram.store.device_table import DeviceTable
+
+
+def export_dir_for(model_dir: Path, layers: list[int], codecs: set[str]) -> Path:
+    """The directory holding the weights and a table file per layer and codec, exporting what is missing.
+
+    An exported directory is used as it is; a training directory gets DIR/export, (re)exported under a lock
+    when a codec's files are missing or older than the trained weights.
+    """
+    config = read_config(model_dir)
+    if config.get("tables") is not None:
+        missing = [table_filename(layer, c) for c in sorted(codecs) for layer in layers
+                   if not (model_dir / table_filename(layer, c)).is_file()]
+        if missing:
+            raise ValueError(f"{model_dir} is an exported model without {', '.join(missing)}: export its training "
+                             "directory with that codec, or pick a placement codec it has")
+        return model_dir
+    out = model_dir / EXPORT_SUBDIR
+    out.mkdir(exist_ok=True)
+    trained = (model_dir / WEIGHTS).stat().st_mtime_ns
+    with open(out / ".engine-export.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another engine exporting the same directory waits here
+        for codec in sorted(codecs):
+            files = [out / table_filename(layer, codec) for layer in layers] + [out / WEIGHTS, out / CONFIG]
+            if not all(f.is_file() and f.stat().st_mtime_ns >= trained for f in files):
+                export_model(model_dir, codec, out, progress=False)
+    return out
+
+
+def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
+    """A row source for one layer: DeviceTable resident on the device, or TieredTable on host / file."""
+    if placement.kind == "device":
+        return DeviceTable(path, device=device, tier="device")
+    if placement.kind == "host":
+        return TieredTable(path, tier="host")
+    return TieredTable(path, tier="file", cache_bytes=placement.cache_bytes, cache_policy=placement.cache_policy,
+                       file_mode=placement.file_mode)
+
+
+def device_bytes(source: Any, placement: Placement) -> int:
+    """Device memory a table occupies: its encoded data region when device-placed, else 0."""
+    return int(source.manifest.data_bytes) if placement.kind == "device" else 0
+
+
+def table_stats(sources: dict[int, Any], placements: dict[int, Placement]) -> dict[str, Any]:
+    """{cache_hit_rate, cache_hits, cache_probes, bytes_read {tier: n}, pages_read, per_layer} over every table."""
+    total: dict[str, int] = {}
+    hits = probed = pages = 0
+    per_layer = {}
+    for layer, source in sources.items():
+        s = source.stats()
+        for tier, n in s["bytes_read"].items():
+            total[tier] = total.get(tier, 0) + n
+        pages += s["pages_read"]
+        if "cache" in s:
+            hits, probed = hits + s["hits"], probed + s["hits"] + s["misses"]
+        p = placements[layer]
+        per_layer[layer] = {"placement": p.kind, "codec": p.codec, "cache_bytes": p.cache_bytes,
+                            "hit_rate": s["hit_rate"] if "cache" in s else None, "lookups": s["lookups"],
+                            "bytes_read": s["bytes_read"], "pages_read": s["pages_read"]}
+    return {"cache_hit_rate": hits / probed if probed else None, "cache_hits": hits, "cache_probes": probed,
+            "bytes_read": total, "pages_read": pages, "per_layer": per_layer}
