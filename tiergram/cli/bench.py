@@ -80,6 +80,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--json", action="store_true", help="print one JSON object")
     pf.set_defaults(func=cmd_prefetch)
 
+    sv = bsub.add_parser("serve", help="throughput vs interactivity of the real HTTP server per table placement "
+                                       "(closed-loop streaming clients, pareto fronts, acceptance ratios)")
+    sv.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (its tables are exported on first use)")
+    sv.add_argument("--placements", type=_names, default=("device", "host", "file"),
+                    help="comma-separated: device, host, file")
+    sv.add_argument("--input-len", type=int, default=128, help="prompt tokens: uniform in [0.8 L, L]")
+    sv.add_argument("--output-len", type=int, default=32, help="output tokens: uniform in [0.8 L, L]")
+    sv.add_argument("--max-concurrency", type=int, default=64, help="highest concurrency (also capped by the engine)")
+    sv.add_argument("--requests-per-user", type=int, default=10,
+                    help="measured requests per point: this x concurrency")
+    sv.add_argument("--warmup-per-user", type=int, default=2, help="warm-up requests per point = this x concurrency")
+    sv.add_argument("--device-memory", type=_size, default=None,
+                    help="device memory budget of every server, e.g. 64M (a small one makes resident tables bind)")
+    sv.add_argument("--cache-fraction", type=float, default=0.10,
+                    help="file placement: host cache per layer as a fraction of that layer's table")
+    sv.add_argument("--cache-policy", default="lookahead", choices=["lookahead", "lru", "lfu"])
+    sv.add_argument("--max-num-seqs", type=int, default=64)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=512)
+    sv.add_argument("--source", default="auto", choices=["auto", "corpus", "stdlib"],
+                    help="replayed text: the corpus test split (auto: when built), or the Python stdlib source")
+    sv.add_argument("--corpus", default=None, help="corpus folder (default: the cache's corpus)")
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")
+    sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
+    sv.add_argument("--json", action="store_true", help="print one JSON object")
+    sv.set_defaults(func=cmd_serve)
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -93,6 +120,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _size(text: str) -> int:
+    from tiergram.cli.serve import byte_size
+
+    return byte_size(text)
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
@@ -145,4 +178,19 @@ def cmd_cache(args: argparse.Namespace) -> int:
                                  window=args.window, seed=args.seed, plot=args.plot)
     res = cache.run(cfg, progress=not args.json)
     print(cache.to_json(res) if args.json else cache.to_text(res))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tiergram.bench import serve
+
+    cfg = serve.SweepConfig(
+        model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
+        max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
+        warmup_per_user=args.warmup_per_user, device_memory=args.device_memory, cache_fraction=args.cache_fraction,
+        cache_policy=args.cache_policy, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
+        plot=args.plot, markdown=args.markdown)
+    res = serve.run(cfg, progress=not args.json)
+    print(serve.to_json(res) if args.json else serve.to_text(res))
     return 0

@@ -1,0 +1,64 @@
+"""`tiergram bench serve`: a tiny real sweep (subprocess servers, streaming HTTP clients) and its pieces."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_server import make_tiny_model
+
+from tiergram.bench.serve import Point, Trace, levels, pareto
+from tiergram.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("sweep-model"))
+
+
+def point(c: int, tput: float, inter: float) -> Point:
+    nan = float("nan")
+    return Point("host", c, 10, 1.0, tput, tput, nan, nan, nan, nan, 1000 / inter, nan, nan, nan, nan, inter, inter,
+                 None, 0.0)
+
+
+def test_levels_and_pareto():
+    assert levels(64, 64) == [1, 2, 4, 8, 16, 32, 64]
+    assert levels(6, 64) == [1, 2, 4, 6] and levels(64, 3) == [1, 2, 3] and levels(0, 8) == [1]
+    pts = [point(1, 100, 50), point(2, 180, 45), point(4, 170, 30), point(8, 300, 20)]
+    assert [p.concurrency for p in pareto(pts)] == [1, 2, 8]  # c=4 is beaten by c=2 on both axes
+
+
+def test_trace_lengths_and_windows():
+    tokens = np.arange(10_000)
+    reqs = Trace(tokens, 50, 10, seed=0).take(20)
+    assert all(40 <= len(r.prompt) <= 50 and 8 <= len(r.output) <= 10 for r in reqs)
+    assert reqs[0].output[0] == reqs[0].prompt[-1] + 1  # the output continues the text the prompt cut
+    assert reqs[1].prompt[0] == reqs[0].output[-1] + 1
+    again = Trace(tokens, 50, 10, seed=0).take(20)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]  # every placement replays the same requests
+
+
+def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
+    png, md = tmp_path / "fronts.png", tmp_path / "table.md"
+    rc = main(["bench", "serve", str(model_dir), "--placements", "device,host,file", "--input-len", "24",
+               "--output-len", "6", "--max-concurrency", "2", "--requests-per-user", "3", "--warmup-per-user", "1",
+               "--source", "stdlib", "--plot", str(png), "--markdown", str(md), "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert {(p["placement"], p["concurrency"]) for p in res["points"]} == {
+        (pl, c) for pl in ("device", "host", "file") for c in (1, 2)}
+    for p in res["points"]:
+        for key in ("throughput_tok_s", "ttft_p90_ms", "itl_p90_ms", "interactivity_p90", "e2e_p99_ms"):
+            assert p[key] > 0, (key, p)
+        assert p["requests"] == 3 * p["concurrency"]
+        assert (p["engram_cache_hit_rate"] is not None) == (p["placement"] == "file")
+    assert set(res["fronts"]) == {"device", "host", "file"} and all(res["fronts"].values())
+    checks = res["checks"]
+    assert set(checks["host_vs_device"]["ratios"]) == {"1", "2"} and "passed" in checks["host_vs_device"]
+    assert set(checks["file_vs_host"]["ratios"]) == {"1", "2"} and checks["file_vs_host"]["cache_fraction"] == 0.1
+    assert checks["budget"]["binds"] is False
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = md.read_text()
+    assert table.startswith("| placement | concurrency | throughput tok/s") and table.count("\n") == 2 + 6

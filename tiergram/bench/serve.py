@@ -1,0 +1,560 @@
+"""`tiergram bench serve`: throughput against interactivity of the real server, per table placement.
+
+The InferenceX method: for each placement a real `tiergram serve` process is started on a free loopback
+port, and a closed loop of `c` streaming HTTP clients (httpx, async) runs at c = 1, 2, 4, ... up to the
+engine's limit (max_num_seqs, or the sequences the K/V budget holds). Each point runs 2c warm-up requests,
+then 10c measured ones. Input and output lengths are drawn uniformly from [0.8 L, L]; prompts and outputs
+are replayed from held-out real text (the corpus's test split, or the Python stdlib's source), the output
+forced token by token from the trace, so every placement serves the same tokens.
+
+Per point: TTFT, inter-token latency (ITL) and end-to-end latency p50/p90/p99 as the client sees them,
+interactivity (tokens/s per user = 1000 / ITL ms; `interactivity_p90` = 1000 / ITL p90), total throughput
+(prompt + output tokens per second of the measured phase), and from /metrics deltas the Engram cache hit
+rate and the exposed prefetch stall. Per placement the pareto front keeps the points no other point beats
+on both throughput and interactivity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiergram.bench.common import cache_dir
+
+PLACEMENTS = ("device", "host", "file")
+HOST_TARGET, FILE_TARGET = 0.97, 0.90
+
+
+@dataclass
+class SweepConfig:
+    """What to sweep and how the load is shaped."""
+
+    model_dir: str
+    placements: tuple[str, ...] = PLACEMENTS
+    input_len: int = 128
+    output_len: int = 32
+    max_concurrency: int = 64
+    requests_per_user: int = 10  # measured requests per point = this x concurrency
+    warmup_per_user: int = 2  # warm-up requests per point = this x concurrency
+    device_memory: int | None = None  # device memory budget of the engine (bytes)
+    cache_fraction: float = 0.10  # file placement: host cache per layer, as a fraction of that layer's table
+    cache_policy: str = "lookahead"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    source: str = "auto"  # auto (corpus test split if built, else stdlib), corpus, stdlib
+    corpus: str | None = None
+    seed: int = 0
+    startup_timeout_s: float = 300.0
+    plot: str | None = None
+    markdown: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.placements if p not in PLACEMENTS]
+        if bad or not self.placements:
+            raise ValueError(f"unknown placements {bad} (valid: {', '.join(PLACEMENTS)})")
+        if self.input_len < 1 or self.output_len < 1 or self.max_concurrency < 1:
+            raise ValueError("input_len, output_len and max_concurrency must be >= 1")
+        if not 0 < self.cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
+
+
+@dataclass
+class Point:
+    """One placement at one concurrency."""
+
+    placement: str
+    concurrency: int
+    requests: int
+    duration_s: float
+    throughput_tok_s: float
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    itl_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p90_ms: float
+    e2e_p99_ms: float
+    interactivity_p50: float
+    interactivity_p90: float
+    engram_cache_hit_rate: float | None
+    exposed_stall_s: float
+    engram_bytes_read: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SweepResult:
+    """Every point, the fronts, the per-placement server facts and the acceptance checks."""
+
+    config: SweepConfig
+    source: str
+    points: list[Point]
+    fronts: dict[str, list[int]]  # placement -> concurrencies on its pareto front
+    servers: dict[str, dict[str, Any]]
+    checks: dict[str, Any]
+    seconds: float
+    plot: str | None = None
+
+
+# ------------------------------------------------------------------------------------------------ the trace
+
+def _stdlib_texts() -> Iterator[str]:
+    """The Python standard library's source files (tests and site-packages left out), in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if not {"test", "tests", "site-packages"} & set(path.relative_to(root).parts):
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
+                 ) -> tuple[np.ndarray, str]:
+    """At least `need` tokens of held-out text (documents joined by <|endoftext|>), and where they came from."""
+    from tiergram.corpus import EOT, corpus_dir, load_split
+
+    folder = Path(corpus) if corpus else corpus_dir()
+    use_corpus = source == "corpus" or (source == "auto" and (folder / "test.jsonl").is_file())
+    if source not in ("auto", "corpus", "stdlib"):
+        raise ValueError(f"unknown trace source {source!r} (valid: auto, corpus, stdlib)")
+    texts = (doc.text for doc in load_split(folder, "test")) if use_corpus else _stdlib_texts()
+    what = f"corpus test split ({folder})" if use_corpus else "Python stdlib source"
+    eot = tokenizer.token_to_id(EOT)
+    parts: list[np.ndarray] = []
+    have = 0
+    for text in texts:
+        ids = tokenizer.encode(text).ids + ([eot] if eot is not None else [])
+        parts.append(np.asarray(ids, dtype=np.int64))
+        have += len(ids)
+        if have >= need:
+            break
+    if not have:
+        raise ValueError(f"no text in the {what}")
+    return np.concatenate(parts), what
+
+
+@dataclass
+class TraceRequest:
+    """A prompt and the output the server is made to produce."""
+
+    prompt: list[int]
+    output: list[int]
+
+
+class Trace:
+    """Requests cut from a token stream: lengths uniform in [0.8 L, L], consecutive windows of the text."""
+
+    def __init__(self, tokens: np.ndarray, input_len: int, output_len: int, seed: int) -> None:
+        self.tokens, self.input_len, self.output_len = tokens, input_len, output_len
+        self.rng = np.random.default_rng(seed)
+        self.cursor = 0
+
+    def take(self, n: int) -> list[TraceRequest]:
+        """The next n requests."""
+        out = []
+        for _ in range(n):
+            li = int(self.rng.integers(max(1, int(0.8 * self.input_len)), self.input_len + 1))
+            lo = int(self.rng.integers(max(1, int(0.8 * self.output_len)), self.output_len + 1))
+            if self.cursor + li + lo > len(self.tokens):
+                self.cursor = 0
+            w = self.tokens[self.cursor:self.cursor + li + lo].tolist()
+            self.cursor += li + lo
+            out.append(TraceRequest(w[:li], w[li:]))
+        return out
+
+
+# --------------------------------------------------------------------------------------------- the server
+
+class ServerProcess:
+    """`tiergram serve` in a subprocess on a free loopback port; stopped with SIGTERM (drained)."""
+
+    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int) -> None:
+        cmd = [sys.executable, "-m", "tiergram", "serve", cfg.model_dir, "--placement", placement,
+               "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
+               "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+               "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
+               "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
+        if cfg.device_memory is not None:
+            cmd += ["--device-memory", str(cfg.device_memory)]
+        self.cmd, self.timeout = cmd, cfg.startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerProcess:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
+        if " on http://" not in line:
+            self.proc.wait(10)
+            raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{line}{self.proc.stderr.read()}")
+        self.url = line.strip().rsplit(" on ", 1)[1]
+        _wait_healthy(self.url, self.timeout)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _wait_healthy(url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout:.0f} s")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics samples."""
+    import httpx
+
+    from tiergram.server.metrics import parse
+
+    return parse(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+# ---------------------------------------------------------------------------------------------- the client
+
+@dataclass
+class Timing:
+    """What one streamed request looked like from the client."""
+
+    ttft_s: float
+    gaps_s: list[float]  # one per output token after the first
+    e2e_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> Timing:
+    """Send one streaming completion (the output forced from the trace) and time its tokens."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": len(req.output), "forced_tokens": req.output,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, last, gaps, got = None, 0.0, [], 0
+    usage: dict[str, int] = {}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"server error mid-stream: {obj['error']}")
+            usage = obj.get("usage") or usage
+            n = sum(len(c.get("token_ids") or []) for c in obj.get("choices", []))
+            if not n:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                gaps += [0.0] * (n - 1)  # several tokens in the first chunk: no gap to measure between them
+            else:
+                gaps += [(now - last) / n] * n
+            last, got = now, got + n
+    end = time.perf_counter()
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    return Timing(first - t0, gaps, end - t0, usage.get("prompt_tokens", len(req.prompt)),
+                  usage.get("completion_tokens", got))
+
+
+async def closed_loop(url: str, model: str, requests: list[TraceRequest], concurrency: int) -> tuple[list[Timing],
+                                                                                                     float]:
+    """c users each sending their next request as soon as the previous one ends; (timings, wall seconds)."""
+    import httpx
+
+    pending = list(reversed(requests))
+    timings: list[Timing] = []
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0)) as client:
+        async def user() -> None:
+            while pending:
+                timings.append(await one_request(client, url, model, pending.pop()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        return timings, time.perf_counter() - t0
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def summarize(placement: str, concurrency: int, timings: list[Timing], wall_s: float, before: dict[str, float],
+              after: dict[str, float]) -> Point:
+    """A point's statistics from its measured requests and the /metrics samples around them."""
+    ttft = [t.ttft_s * 1e3 for t in timings]
+    itl = [g * 1e3 for t in timings for g in t.gaps_s]
+    e2e = [t.e2e_s * 1e3 for t in timings]
+    out_tokens = sum(t.output_tokens for t in timings)
+    tokens = out_tokens + sum(t.prompt_tokens for t in timings)
+    lookups = _delta(after, before, "tiergram_engram_cache_probes_total")
+    if lookups > 0:
+        hit = _delta(after, before, "tiergram_engram_cache_hits_total") / lookups
+    else:
+        hit = None  # no cache (or nothing probed): no hit rate
+    tiers = {k.split('tier="')[1].rstrip('"}'): _delta(after, before, k) for k in after
+             if k.startswith("tiergram_engram_bytes_read_total{")}
+    itl50, itl90 = _pct(itl, 50), _pct(itl, 90)
+    return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
+                 throughput_tok_s=tokens / wall_s, output_tok_s=out_tokens / wall_s,
+                 ttft_p50_ms=_pct(ttft, 50), ttft_p90_ms=_pct(ttft, 90), ttft_p99_ms=_pct(ttft, 99),
+                 itl_p50_ms=itl50, itl_p90_ms=itl90, itl_p99_ms=_pct(itl, 99),
+                 e2e_p50_ms=_pct(e2e, 50), e2e_p90_ms=_pct(e2e, 90), e2e_p99_ms=_pct(e2e, 99),
+                 interactivity_p50=1000 / itl50 if itl50 > 0 else float("nan"),
+                 interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
+                 engram_cache_hit_rate=hit,
+                 exposed_stall_s=_delta(after, before, "tiergram_engram_exposed_stall_seconds_total"),
+                 engram_bytes_read=tiers)
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+def levels(limit: int, max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... up to min(limit, max_concurrency), ending at that cap."""
+    cap = max(1, min(limit, max_concurrency))
+    out = [1]
+    while out[-1] * 2 <= cap:
+        out.append(out[-1] * 2)
+    return out if out[-1] == cap else [*out, cap]
+
+
+def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
+    """Bytes of each Engram layer's table file (exported first, as the engine would, when missing)."""
+    from tiergram.engine.tables import export_dir_for
+    from tiergram.model.checkpoint import read_config
+    from tiergram.model.export import table_filename
+
+    engram = read_config(model_dir)["model"].get("engram")
+    if not engram:
+        raise ValueError(f"{model_dir} has no Engram layers: there is no table to place")
+    src = export_dir_for(Path(model_dir), sorted(engram["layers"]), {codec})
+    return [(src / table_filename(layer, codec)).stat().st_size for layer in sorted(engram["layers"])]
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both throughput and interactivity (sorted by concurrency)."""
+    def beaten(p: Point) -> bool:
+        return any(q.throughput_tok_s >= p.throughput_tok_s and q.interactivity_p90 >= p.interactivity_p90
+                   and (q.throughput_tok_s > p.throughput_tok_s or q.interactivity_p90 > p.interactivity_p90)
+                   for q in points)
+    return sorted((p for p in points if not beaten(p)), key=lambda p: p.concurrency)
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
+    """Sweep every placement; the result holds the points, fronts and checks (plot/markdown written if asked)."""
+    from tiergram.model.checkpoint import load_tokenizer_of
+
+    t_start = time.perf_counter()
+    tokenizer = load_tokenizer_of(cfg.model_dir)
+    if tokenizer is None:
+        raise ValueError(f"{cfg.model_dir} has no tokenizer.json to tokenize the trace with")
+    max_levels = levels(cfg.max_num_seqs, cfg.max_concurrency)
+    per_user = cfg.requests_per_user + cfg.warmup_per_user
+    need = sum(per_user * c for c in max_levels) * (cfg.input_len + cfg.output_len)
+    tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
+    _log(progress, f"trace: {len(tokens)} tokens of the {source}")
+    # the cache is per layer (one Placement serves every layer): a fraction of the smallest layer's table
+    cache_bytes = int(cfg.cache_fraction * min(layer_table_bytes(cfg.model_dir)))
+    points: list[Point] = []
+    servers: dict[str, dict[str, Any]] = {}
+    for placement in cfg.placements:
+        trace = Trace(tokens, cfg.input_len, cfg.output_len, cfg.seed)  # every placement replays the same text
+        cb = cache_bytes if placement == "file" else 0
+        _log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
+        with ServerProcess(cfg, placement, cb, max_waiting=max(256, 2 * cfg.max_concurrency)) as server:
+            import httpx
+
+            health = httpx.get(f"{server.url}/health", timeout=30).json()
+            blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
+            limit = min(cfg.max_num_seqs, int(health["kv_blocks_total"]) // blocks_per_seq)
+            servers[placement] = {"kv_blocks_total": health["kv_blocks_total"], "concurrency_limit": limit,
+                                  "cache_bytes": cb, "model": health["model"]}
+            if limit < 1:
+                _log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
+                               "sequence; skipped")
+                continue
+            for c in levels(limit, cfg.max_concurrency):
+                warm = trace.take(cfg.warmup_per_user * c)
+                measured = trace.take(cfg.requests_per_user * c)
+                asyncio.run(closed_loop(server.url, health["model"], warm, c))
+                before = scrape(server.url)
+                timings, wall = asyncio.run(closed_loop(server.url, health["model"], measured, c))
+                p = summarize(placement, c, timings, wall, before, scrape(server.url))
+                points.append(p)
+                hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
+                _log(progress, f"[{placement}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
+                               f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
+                               f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}")
+    fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in cfg.placements}
+    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0)
+    res.checks = checks(res)
+    res.seconds = round(time.perf_counter() - t_start, 1)
+    res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "serve-sweep.png"))
+    if cfg.markdown:
+        Path(cfg.markdown).write_text(to_markdown(res))
+    return res
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+def _by_c(res: SweepResult, placement: str) -> dict[int, Point]:
+    return {p.concurrency: p for p in res.points if p.placement == placement}
+
+
+def _ratios(res: SweepResult, num: str, den: str) -> dict[int, float]:
+    a, b = _by_c(res, num), _by_c(res, den)
+    return {c: a[c].throughput_tok_s / b[c].throughput_tok_s for c in sorted(set(a) & set(b))}
+
+
+def checks(res: SweepResult) -> dict[str, Any]:
+    """The acceptance checks, as measured ratios (no check is run without both of its placements)."""
+    out: dict[str, Any] = {}
+    limits = {p: s["concurrency_limit"] for p, s in res.servers.items()}
+    if "device" in limits and "host" in limits:
+        r = _ratios(res, "host", "device")
+        out["host_vs_device"] = {"ratios": r, "target": HOST_TARGET,
+                                 "passed": bool(r) and min(r.values()) >= HOST_TARGET,
+                                 "memory_binds": limits["device"] < limits["host"]}
+        offloaded = [p.throughput_tok_s for p in res.points if p.placement == "host"]
+        resident = [p.throughput_tok_s for p in res.points if p.placement == "device"]
+        if offloaded and resident:
+            out["budget"] = {"binds": limits["device"] < limits["host"], "device_limit": limits["device"],
+                             "host_limit": limits["host"], "host_max_tok_s": max(offloaded),
+                             "device_max_tok_s": max(resident), "ratio": max(offloaded) / max(resident)}
+    if "file" in limits and "host" in limits:
+        r = _ratios(res, "file", "host")
+        out["file_vs_host"] = {"ratios": r, "target": FILE_TARGET, "passed": bool(r) and min(r.values()) >= FILE_TARGET,
+                               "cache_fraction": res.config.cache_fraction,
+                               "cache_bytes": res.servers["file"]["cache_bytes"]}
+    return out
+
+
+def checks_text(res: SweepResult) -> str:
+    """The acceptance checks in words, with the measured ratios."""
+    ck, lines = res.checks, ["acceptance checks (ratios of throughput measured in this run):"]
+
+    def rs(r: dict[int, float]) -> str:
+        return ", ".join(f"c={c} {v:.3f}" for c, v in r.items()) or "no common concurrency"
+
+    if "host_vs_device" in ck:
+        h = ck["host_vs_device"]
+        note = " (the device budget binds: compared where both ran)" if h["memory_binds"] else ""
+        lines.append(f"  host >= {h['target']:.0%} of resident (device) at every concurrency{note}: "
+                     f"{'PASS' if h['passed'] else 'FAIL'} [{rs(h['ratios'])}]")
+    if "budget" in ck:
+        b = ck["budget"]
+        if b["binds"]:
+            lines.append(f"  binding device budget: resident reaches c={b['device_limit']}, host c={b['host_limit']}; "
+                         f"front max throughput host {b['host_max_tok_s']:.1f} vs resident {b['device_max_tok_s']:.1f}"
+                         f" tok/s = {b['ratio']:.3f}x ({100 * (b['ratio'] - 1):+.1f}%)")
+        else:
+            lines.append(f"  device budget does not bind (both reach c={b['device_limit']}); max throughput host/"
+                         f"resident = {b['ratio']:.3f}; pass --device-memory to make it bind")
+    if "file_vs_host" in ck:
+        f = ck["file_vs_host"]
+        lines.append(f"  file (host cache {f['cache_fraction']:.0%} of the table, {f['cache_bytes']} B) >= "
+                     f"{f['target']:.0%} of host at every concurrency: {'PASS' if f['passed'] else 'FAIL'} "
+                     f"[{rs(f['ratios'])}]")
+    if len(lines) == 1:
+        lines.append("  none (they need device+host or host+file placements)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+def plot(res: SweepResult, path: Path) -> Path:
+    """Throughput against interactivity: every point faint, each placement's front as a line, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    for placement in res.config.placements:
+        pts = sorted((p for p in res.points if p.placement == placement), key=lambda p: p.concurrency)
+        if not pts:
+            continue
+        front = [p for p in pts if p.concurrency in res.fronts.get(placement, [])]
+        line, = ax.plot([p.interactivity_p90 for p in front], [p.throughput_tok_s for p in front], marker="o",
+                        label=f"{placement} (front)")
+        ax.scatter([p.interactivity_p90 for p in pts], [p.throughput_tok_s for p in pts], color=line.get_color(),
+                   alpha=0.35, s=18)
+        for p in front:
+            ax.annotate(str(p.concurrency), (p.interactivity_p90, p.throughput_tok_s), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("interactivity (tokens/s per user, at ITL p90)")
+    ax.set_ylabel("throughput (tokens/s, prompt + output)")
+    ax.set_title(f"{Path(res.config.model_dir).name}: input {res.config.input_len}, output {res.config.output_len}"
+                 " (labels: concurrency)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def to_markdown(res: SweepResult) -> str:
+    """A markdown table of every point (front points marked)."""
+    head = ("| placement | concurrency | throughput tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
+            "E2E p90 ms | tok/s/user p90 | cache hit | stall s | front |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for p in res.points:
+        hit = "-" if p.engram_cache_hit_rate is None else f"{100 * p.engram_cache_hit_rate:.1f}%"
+        front = "yes" if p.concurrency in res.fronts.get(p.placement, []) else ""
+        lines.append(f"| {p.placement} | {p.concurrency} | {p.throughput_tok_s:.1f} | {p.ttft_p50_ms:.1f} / "
+                     f"{p.ttft_p90_ms:.1f} / {p.ttft_p99_ms:.1f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} / "
+                     f"{p.itl_p99_ms:.1f} | {p.e2e_p90_ms:.0f} | {p.interactivity_p90:.1f} | {hit} | "
+                     f"{p.exposed_stall_s:.3f} | {front} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(res: SweepResult) -> str:
+    """One JSON object: points, fronts, checks, servers, config."""
+    obj = {"points": [asdict(p) for p in res.points], "fronts": res.fronts, "checks": res.checks,
+           "servers": res.servers, "source": res.source, "seconds": res.seconds, "plot": res.plot,
+           "config": asdict(res.config)}
+    return json.dumps(obj, indent=2, default=str)
+
+
+def to_text(res: SweepResult) -> str:
+    """The table, the checks and where the plot is."""
+    return "\n".join([f"trace: {res.source}", to_markdown(res).rstrip(), checks_text(res), f"plot: {res.plot}"])

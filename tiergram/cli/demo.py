@@ -1,0 +1,113 @@
+"""`tiergram demo`: the whole path on a fresh machine: corpus, a trained Engram LM, its table files, and a
+serving sweep over device / host / file placements ending with the table, the acceptance ratios and the plot.
+
+Everything is cached under $TIERGRAM_CACHE (default ~/.cache/tiergram): a second run reuses the corpus, the
+tokenizer and the model and only repeats the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+MODEL_NAME = "demo-small"
+CODEC = "fp8_e4m3"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="build the corpus, train (or reuse) the default model, export its tables and "
+                                    "run a short serving sweep over device/host/file placements")
+    p.add_argument("--minutes-train", type=float, default=None,
+                   help="training budget of the default model on first use (default 4; --quick: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: 1-minute model, shorter requests, concurrency up to 4, 5 requests per user")
+    p.add_argument("--retrain", action="store_true", help="train the default model again even if one is cached")
+    p.add_argument("--no-binding-budget", action="store_true",
+                   help="give every server the default device budget (by default the budget is sized so the "
+                        "resident tables halve the K/V room, as HBM would)")
+    p.add_argument("--out", default=None, help="folder for sweep.json, sweep.md and sweep.png (default: the cache)")
+    p.set_defaults(func=cmd_demo)
+
+
+def _stage(n: int, title: str, t0: float) -> None:
+    print(f"\n== [{n}/4] {title}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def _trained(model_dir: Path) -> bool:
+    """Whether model_dir holds a finished training run."""
+    config = model_dir / "config.json"
+    return config.is_file() and bool((json.loads(config.read_text()).get("training") or {}).get("finished"))
+
+
+def ensure_model(model_dir: Path, minutes: float, retrain: bool) -> Path:
+    """The default model: reused when trained, resumed when interrupted, else trained for `minutes`."""
+    import shutil
+
+    from tiergram.model.train import TrainConfig, train
+
+    if retrain and model_dir.exists():
+        shutil.rmtree(model_dir)
+    if _trained(model_dir):
+        steps = json.loads((model_dir / "config.json").read_text())["training"]["steps"]
+        print(f"reusing the trained model at {model_dir} ({steps} steps; --retrain to train again)")
+        return model_dir
+    if (model_dir / "checkpoint.pt").is_file():
+        print(f"resuming the interrupted training run in {model_dir}")
+        train(TrainConfig.load(model_dir), resume=True)
+        return model_dir
+    print(f"training the `small` preset for {minutes:g} min into {model_dir}")
+    train(TrainConfig(out=str(model_dir), config="small", minutes=minutes, warmup_steps=20, eval_tokens=16384,
+                      checkpoint_every=100))
+    return model_dir
+
+
+def binding_budget(model_dir: Path, seqs: int, seq_tokens: int, max_num_seqs: int) -> int:
+    """A device budget that leaves K/V room for `seqs` sequences of seq_tokens when the tables are resident."""
+    from tiergram.engine import EngineConfig, LLMEngine
+
+    with LLMEngine(EngineConfig(str(model_dir), "device", max_num_seqs=max_num_seqs)) as engine:
+        b = engine.budget
+    blocks = max(seqs * -(-seq_tokens // b.block_size), b.blocks_per_seq)  # the engine needs one full-length one
+    return b.weights_bytes + b.device_table_bytes + b.activation_bytes + blocks * b.block_bytes
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tiergram.bench import serve as sweep
+    from tiergram.bench.common import cache_dir
+    from tiergram.corpus import build_corpus, train_tokenizer
+
+    t0 = time.perf_counter()
+    minutes = args.minutes_train if args.minutes_train is not None else (1.0 if args.quick else 4.0)
+    _stage(1, "corpus and tokenizer (built once, then reused)", t0)
+    corpus = build_corpus(progress=True)
+    print(f"corpus at {corpus}; tokenizer at {train_tokenizer(corpus)}", flush=True)
+
+    _stage(2, "the default Engram model", t0)
+    model_dir = ensure_model(cache_dir("models") / MODEL_NAME, minutes, args.retrain)
+
+    _stage(3, f"table files ({CODEC}, one per Engram layer)", t0)
+    sizes = sweep.layer_table_bytes(str(model_dir), CODEC)
+    print(f"{len(sizes)} tables, {sum(sizes) / 2**20:.1f} MiB in all, in {model_dir / 'export'}")
+
+    _stage(4, "serving sweep: device (resident) vs host (DRAM) vs file (SSD + 10% host cache)", t0)
+    input_len, output_len, max_c, per_user, warm = (64, 16, 4, 5, 1) if args.quick else (128, 32, 8, 10, 2)
+    out = Path(args.out) if args.out else cache_dir("demo")
+    out.mkdir(parents=True, exist_ok=True)
+    budget = None
+    if not args.no_binding_budget:
+        budget = binding_budget(model_dir, max(1, max_c // 2), input_len + output_len, 64)
+        print(f"device budget {budget / 2**20:.1f} MiB: resident tables leave K/V room for {max(1, max_c // 2)} "
+              f"requests, offloaded ones for more", flush=True)
+    cfg = sweep.SweepConfig(model_dir=str(model_dir), input_len=input_len, output_len=output_len,
+                            max_concurrency=max_c, requests_per_user=per_user, warmup_per_user=warm,
+                            device_memory=budget, plot=str(out / "sweep.png"), markdown=str(out / "sweep.md"))
+    res = sweep.run(cfg, progress=True)
+    (out / "sweep.json").write_text(sweep.to_json(res))
+    print()
+    print(sweep.to_text(res))
+    print(f"json: {out / 'sweep.json'}\nmarkdown: {out / 'sweep.md'}")
+    print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s. Serve the model yourself with\n"
+          f"  tiergram serve {model_dir} --placement host")
+    return 0

@@ -1,0 +1,78 @@
+"""`tiergram serve MODEL_DIR`: the OpenAI-compatible HTTP server (docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+PLACEMENTS = ("device", "host", "file")
+CACHE_POLICIES = ("lookahead", "lru", "lfu")
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'1048576', '512M', '1.5G', '64KiB' -> bytes (K, M, G, T are powers of 1024)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 1048576, 512M or 2G, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative size, got {text!r}")
+    return int(value)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options shared by `serve` (placement, memory budget, batching, queue)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--placement", default="host", choices=PLACEMENTS,
+                   help="where the Engram tables live: device (resident), host (DRAM) or file (SSD)")
+    g.add_argument("--cache-bytes", type=byte_size, default=0, help="hot-row cache of the file placement, e.g. 64M")
+    g.add_argument("--cache-policy", default="lookahead", choices=CACHE_POLICIES)
+    g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
+                   help="table file codec (exported on first use)")
+    g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ...")
+    g.add_argument("--device-memory", type=byte_size, default=None,
+                   help="device memory budget for weights, resident tables, activations and K/V, e.g. 4G "
+                        "(default: CUDA's free memory; on the CPU $TIERGRAM_DEVICE_BYTES or 2G)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per K/V block")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one step at most")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-waiting", type=int, default=256, help="waiting requests at most; more are answered 429")
+
+
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig the options describe."""
+    from tiergram.engine import EngineConfig, Placement
+
+    placement = Placement(kind=args.placement, cache_bytes=args.cache_bytes, cache_policy=args.cache_policy,
+                          codec=args.codec)
+    return EngineConfig(model_dir=args.model_dir, placement=placement, device=args.device,
+                        device_memory_bytes=args.device_memory, block_size=args.block_size,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, max_waiting=args.max_waiting)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (completions, chat, "
+                                     "streaming, /metrics)")
+    p.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (host/file need its exported tables)")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed when listening)")
+    s.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds SIGTERM waits for in-flight requests before exiting")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tiergram.engine import LLMEngine
+    from tiergram.server import serve
+
+    engine = LLMEngine(engine_config(args))
+    return serve(engine, host=args.host, port=args.port, log_level=args.log_level,
+                 drain_timeout_s=args.drain_timeout, model_name=args.served_model_name)

@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, server-sent events, draining on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tiergram.engine import LLMEngine, QueueFullError
+from tiergram.server.async_engine import AsyncEngine, EngineDeadError
+from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
+from tiergram.server.protocol import APIError, Detokenizer, GenerationRequest, bad, chunk, parse_request, response
+from tiergram.server.protocol import usage_chunk as make_usage_chunk
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client has gone
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine, metrics, and the drain flag."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    draining: bool = False
+    in_flight: int = 0
+    started: float = 0.0
+
+
+class _CountStatus:
+    """ASGI middleware counting answered requests by endpoint and HTTP status."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_counting(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.count_request(path if path in ENDPOINTS else "other", status)
+
+
+class _EventStream(StreamingResponse):
+    """A streaming response that always runs its cleanup, even when the client left before the first byte."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Generation:
+    """One request's life in the server: engine outputs -> text deltas, timing metrics, cleanup."""
+
+    def __init__(self, state: ServerState, req: GenerationRequest, arrival: float) -> None:
+        self.state, self.req, self.arrival = state, req, arrival
+        self.detok = Detokenizer(state.tokenizer, req.stop)
+        self.token_ids: list[int] = []
+        self.prompt_tokens = len(req.prompt_token_ids)
+        self.last_t: float | None = None
+        self.finish_reason: str | None = None
+        self.closed = False
+
+    def consume(self, out: Any) -> tuple[str, list[int]]:
+        """Apply one RequestOutput: (text delta, new token ids); sets finish_reason when it ends."""
+        now = time.perf_counter()
+        new = list(out.new_token_ids)
+        if new:
+            if self.last_t is None:
+                self.state.metrics.observe_first_token(now - self.arrival)
+            else:
+                self.state.metrics.observe_tokens(now - self.last_t, len(new))
+            self.last_t = now
+        self.token_ids += new
+        text = self.detok.push(new, final=out.finished)
+        if out.finished:
+            self.finish_reason = out.finish_reason or "stop"
+            self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        elif self.detok.stopped:  # a stop string: end the request here
+            self.state.engine.abort(self.req.request_id)
+            self.finish_reason = "stop"
+        return text, new
+
+    def close(self) -> None:
+        """Once: abort the request if it did not finish, record it, release the in-flight slot."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.finish_reason is None:
+            self.state.engine.abort(self.req.request_id)
+        self.state.metrics.observe_finished(self.finish_reason or "abort", time.perf_counter() - self.arrival,
+                                            self.prompt_tokens, len(self.token_ids))
+        self.state.in_flight -= 1
+
+
+async def _next(q: asyncio.Queue) -> Any:
+    """The next output, re-raising an engine failure."""
+    item = await q.get()
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+async def _stream(gen: _Generation, q: asyncio.Queue) -> AsyncIterator[str]:
+    """Server-sent events of one request: chunks, (usage), [DONE]."""
+    first = True
+    try:
+        while gen.finish_reason is None:
+            out = await _next(q)
+            text, new = gen.consume(out)
+            if text or new or gen.finish_reason is not None:
+                yield sse(chunk(gen.req, text, new, gen.finish_reason, role=first))
+                first = False
+        if gen.req.include_usage:
+            yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids)))
+    except EngineDeadError as e:
+        yield sse(APIError(500, str(e), "server_error").body())
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict[str, Any] | None:
+    """Wait for the whole generation; None when the client disconnected first (the request is aborted)."""
+    getter: asyncio.Future | None = None
+    check_at = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while gen.finish_reason is None:
+            if getter is None:
+                getter = asyncio.ensure_future(_next(q))
+            done, _ = await asyncio.wait({getter}, timeout=max(0.0, check_at - time.monotonic()))
+            if done:
+                out, getter = getter.result(), None
+                gen.consume(out)
+            if time.monotonic() >= check_at:
+                if await request.is_disconnected():
+                    return None
+                check_at = time.monotonic() + DISCONNECT_POLL_S
+        return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens)
+    except EngineDeadError as e:
+        raise APIError(500, str(e), "server_error") from None
+    finally:
+        if getter is not None:
+            getter.cancel()
+        gen.close()
+
+
+def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving an engine (its thread starts and stops with the app's lifespan)."""
+    aengine = AsyncEngine(engine)
+    tok = engine.tokenizer
+    state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=model_name or engine.model_name,
+                        max_model_len=int(engine.max_model_len),
+                        vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.started = time.time()
+        aengine.start()
+        try:
+            yield
+        finally:
+            aengine.stop()
+
+    app = FastAPI(title="tiergram", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tiergram = state
+    app.add_middleware(_CountStatus, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if e.status_code == 404 else None
+        return JSONResponse(APIError(e.status_code, str(e.detail), "invalid_request_error", None, code).body(),
+                            status_code=e.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not aengine.alive:
+            return JSONResponse({"status": "error", "error": repr(aengine.error)}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        m = aengine.snapshot
+        return JSONResponse({"status": "ok", "model": state.model_name, "max_model_len": state.max_model_len,
+                             "kv_blocks_total": m.kv_blocks_total, "num_running": m.num_running,
+                             "num_waiting": m.num_waiting})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started),
+                                            "owned_by": "tiergram", "max_model_len": state.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = state.metrics.render(aengine.snapshot, in_flight=state.in_flight, draining=state.draining,
+                                    cache_counts=aengine.cache_counts)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    async def generate(kind: str, request: Request) -> Response:
+        arrival = time.perf_counter()
+        if state.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests", "server_error",
+                           code="draining")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad("the request body is not valid JSON") from None
+        req = parse_request(kind, body, model_name=state.model_name, tokenizer=tok,
+                            max_model_len=state.max_model_len, vocab_size=state.vocab_size)
+        state.in_flight += 1
+        gen = _Generation(state, req, arrival)
+        try:
+            q = await aengine.add(req.request_id, req.prompt_token_ids, req.params)
+        except QueueFullError as e:
+            gen.finish_reason = "rejected"
+            gen.close()
+            raise APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
+                           code="queue_full") from None
+        except ValueError as e:
+            gen.finish_reason = "rejected"
+            gen.close()
+            raise bad(str(e)) from None
+        except EngineDeadError as e:
+            gen.finish_reason = "rejected"
+            gen.close()
+            raise APIError(503, str(e), "server_error") from None
+        except BaseException:
+            gen.close()
+            raise
+        if req.stream:
+            return _EventStream(_stream(gen, q), gen.close)
+        result = await _collect(gen, q, request)
+        if result is None:
+            return Response(status_code=499)  # client closed the request (nobody reads this)
+        return JSONResponse(result)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate("chat", request)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------- running it
+
+def _draining_server_class() -> type:
+    """uvicorn.Server whose first SIGTERM drains (503 to new requests, in-flight ones finish) then exits 0."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: Any, state: ServerState, drain_timeout_s: float) -> None:
+            super().__init__(config)
+            self.state, self.drain_timeout_s = state, drain_timeout_s
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig == signal.SIGTERM and not self.state.draining and not self.should_exit:
+                self.state.draining = True
+                threading.Thread(target=self._drain, name="tiergram-drain", daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
+
+        def _drain(self) -> None:
+            deadline = time.monotonic() + self.drain_timeout_s
+            while self.state.in_flight > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.should_exit = True
+
+    return DrainingServer
+
+
+def serve(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          drain_timeout_s: float = 60.0, model_name: str | None = None) -> int:
+    """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening)."""
+    import uvicorn
+
+    app = create_app(engine, model_name=model_name)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on such sockets, and without it Nagle holds
+    # each streamed chunk for the client's delayed ACK (~40 ms) on keep-alive connections
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections queue from now on, answered once the app has started
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, lifespan="on")
+    server = _draining_server_class()(config, app.state.tiergram, drain_timeout_s)
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"tiergram serve: {app.state.tiergram.model_name} on http://{shown}:{bound}", flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sock.close()
+        engine.close()
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,197 @@
+"""AsyncEngine: one background thread steps an LLMEngine; asyncio handlers add requests and read outputs.
+
+Requests and aborts reach the engine thread through a thread-safe inbox; each request's outputs reach its
+asyncio.Queue through loop.call_soon_threadsafe. Only the engine thread touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tiergram.engine import LLMEngine, SamplingParams
+
+SNAPSHOT_EVERY_S = 0.02  # engine metrics are snapshotted at most this often while busy (always when idle)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (an error in a step, or shutdown); no more outputs will come."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        """Hand an output (or an exception) to the request's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None) -> None:
+    """Settle an acceptance future from the engine thread."""
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
+
+
+def cache_counts(engine: LLMEngine) -> tuple[int, int]:
+    """(hits, probes) of every Engram table's hot-row cache: counts, so a client can take interval hit rates."""
+    hits = probes = 0
+    for source in getattr(engine, "sources", {}).values():
+        s = source.stats()
+        if "cache" in s:
+            hits, probes = hits + int(s["hits"]), probes + int(s["hits"]) + int(s["misses"])
+    return hits, probes
+
+
+class AsyncEngine:
+    """An LLMEngine driven by a background thread, for asyncio callers."""
+
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopping = False
+        self._closed = False  # set (under _lock) once the engine thread refuses new work
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # the exception that stopped the engine thread
+        self.snapshot: Any = engine.metrics()  # the latest EngineMetrics (read by /metrics)
+        self.cache_counts: tuple[int, int] = cache_counts(engine)  # Engram cache (hits, probes) so far
+        self._snapshot_t = time.perf_counter()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tiergram-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (requests still running are failed) and wait for it."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Submit a request; returns the queue its RequestOutputs arrive on.
+
+        Raises what LLMEngine.add_request raises (ValueError, QueueFullError), or EngineDeadError."""
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        out: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self._thread is None or self._closed or self._stopping:
+                raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
+            self._inbox.put(("add", request_id, prompt_token_ids, params, _Stream(loop, out), accepted))
+        self._wake.set()
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its K/V blocks are freed by the engine thread); no-op when it has finished."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------------------------- engine thread
+
+    def _handle_inbox(self) -> bool:
+        """Apply queued adds and aborts; whether there were any."""
+        handled = False
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return handled
+            handled = True
+            if cmd[0] == "add":
+                _, rid, ids, params, stream, accepted = cmd
+                try:
+                    self.engine.add_request(rid, ids, params)
+                except Exception as e:  # ValueError, QueueFullError: the handler turns them into 4xx
+                    _resolve(stream.loop, accepted, e)
+                    continue
+                self._streams[rid] = stream
+                _resolve(stream.loop, accepted, None)
+            else:
+                rid = cmd[1]
+                if self._streams.pop(rid, None) is not None:
+                    self.engine.abort_request(rid)
+
+    def _take_snapshot(self, force: bool) -> None:
+        now = time.perf_counter()
+        if force or now - self._snapshot_t >= SNAPSHOT_EVERY_S:
+            self.snapshot = self.engine.metrics()
+            self.cache_counts = cache_counts(self.engine)
+            self._snapshot_t = now
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                changed = self._handle_inbox()
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        stream = self._streams.get(out.request_id)
+                        if stream is None:
+                            continue
+                        if out.finished:
+                            del self._streams[out.request_id]
+                        stream.put(out)
+                    self._take_snapshot(force=changed)
+                else:
+                    self._take_snapshot(force=True)
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # a failed step: every waiting request gets the error
+            self.error = e
+        finally:
+            self._fail_all(self.error)
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        """End every open request (engine stopped) and refuse the queued ones."""
+        err = EngineDeadError(f"the engine stopped: {error!r}" if error else "the server is shutting down")
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                pass
+            stream.put(err)
+        self._streams.clear()
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _resolve(cmd[4].loop, cmd[5], err)
