@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Command-group modules under tiergram.cli; each defines register(subparsers).
-COMMAND_MODULES = ["table", "bench", "corpus", "model", "serve", "demo"]
+COMMAND_MODULES = ["table", "bench", "corpus", "model", "serve", "study", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

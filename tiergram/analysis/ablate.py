@@ -1,0 +1,271 @@
+"""Ablation: Engram switched off in prefill only, decode only, both, or neither.
+
+Teacher-forced definition. Each evaluation window of n input positions (tiergram.model.evaluate) is split
+into a "prefill" part, positions 0 .. n//2 - 1, and a "decode" part, positions n//2 .. n-1. Engram off in a
+part means every Engram layer's gated value and output are zero at that part's positions (the position
+adds nothing to the residual stream and nothing to the short conv's input), which is exactly what a cached
+forward with engram_enabled=False for that chunk does. Two losses are reported: over all positions, and
+over the predictions made at decode positions only (the tokens a generation would produce, given a
+prefilled context). "none" is the plain forward and "both" is engram_enabled=False.
+
+Generation definition. Doctest tasks (tiergram.analysis.doctest_task): the prompt is prefilled in one
+forward with Engram on or off, then greedy decoding runs one token per forward with Engram on or off. The
+first answer token comes from the prefill's logits, so "off in decode" leaves it untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tiergram.analysis.doctest_task import DoctestTask, answer_of, is_finished
+from tiergram.analysis.stats import Estimate, mean_estimate, paired_ratio_delta, ratio_estimate
+from tiergram.analysis.trace import EngramHooks, Window, batches
+from tiergram.corpus import CATEGORIES
+from tiergram.model.model import EngramLM
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where Engram is switched off."""
+
+    name: str
+    prefill_on: bool
+    decode_on: bool
+
+
+SETTINGS = (Setting("none", True, True), Setting("prefill", False, True), Setting("decode", True, False),
+            Setting("both", False, False))
+
+
+@dataclass
+class LossResult:
+    """Teacher-forced losses of one setting: per category and overall, all positions and decode positions."""
+
+    setting: str
+    all_positions: dict[str, Estimate]
+    decode_positions: dict[str, Estimate]
+    delta_all: dict[str, Estimate]  # vs "none", paired over documents
+    delta_decode: dict[str, Estimate]
+
+
+@dataclass
+class GenerationResult:
+    """Exact match of one setting on the doctest tasks."""
+
+    setting: str
+    exact_match: Estimate
+    delta_vs_none: Estimate  # paired over tasks
+    mean_generated_tokens: float
+    answers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AblationReport:
+    """Both measurements for the four settings, and the prefill-vs-decode comparison."""
+
+    model: str
+    split: str
+    loss: list[LossResult]
+    generation: list[GenerationResult]
+    prefill_minus_decode: dict[str, Estimate]  # loss(prefill off) - loss(decode off), decode positions
+    tasks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def keep_mask(lengths: list[int], t: int, setting: Setting) -> torch.Tensor:
+    """Bool [B, T]: True where Engram stays on for windows of these lengths."""
+    pos = torch.arange(t)[None, :]
+    half = torch.tensor([n // 2 for n in lengths])[:, None]
+    prefill = pos < half
+    return torch.where(prefill, setting.prefill_on, setting.decode_on)
+
+
+@torch.no_grad()
+def setting_losses(model: EngramLM, x: torch.Tensor, y: torch.Tensor, lengths: list[int],
+                   setting: Setting) -> torch.Tensor:
+    """Per-position next-token loss [B, T] (float64, 0 at padding) with Engram off where the setting says."""
+    device = next(model.parameters()).device
+    if setting.prefill_on and setting.decode_on:
+        logits, _ = model(x.to(device))
+    elif not setting.prefill_on and not setting.decode_on:
+        logits, _ = model(x.to(device), engram_enabled=False)
+    else:
+        keep = keep_mask(lengths, x.shape[1], setting).to(device)
+        hooks = EngramHooks(record=False, keep={layer: keep for layer in model.engram_layers})
+        with hooks.installed(model):
+            logits, _ = model(x.to(device))
+    loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
+    return loss.double().cpu()
+
+
+@dataclass
+class LossSums:
+    """Per-document loss sums of each setting and token counts; row 0: all positions, row 1: decode positions."""
+
+    sums: dict[str, np.ndarray]  # setting -> [2, documents]
+    counts: np.ndarray  # [2, documents]
+    doc_category: list[str]
+
+    def groups(self) -> dict[str, np.ndarray]:
+        """{category | 'all': bool mask over documents}."""
+        cats = np.array(self.doc_category)
+        out = {c: cats == c for c in CATEGORIES if (cats == c).any()}
+        out["all"] = cats != ""
+        return out
+
+    def delta(self, a: str, b: str, row: int = 1) -> dict[str, Estimate]:
+        """loss(b) - loss(a) per category, paired over documents."""
+        return {cat: paired_ratio_delta(self.sums[a][row, m], self.sums[b][row, m], self.counts[row, m])
+                for cat, m in self.groups().items() if self.counts[row, m].sum() > 0}
+
+    def results(self) -> list[LossResult]:
+        """A LossResult per setting (deltas against the first setting)."""
+        base = next(iter(self.sums))
+        out = []
+        for name, sm in self.sums.items():
+            est = [{cat: ratio_estimate(sm[k, m], self.counts[k, m]) for cat, m in self.groups().items()
+                    if self.counts[k, m].sum() > 0} for k in (0, 1)]
+            out.append(LossResult(name, est[0], est[1], self.delta(base, name, 0), self.delta(base, name, 1)))
+        return out
+
+
+@torch.no_grad()
+def ablate_loss(model: EngramLM, windows: list[Window], *, batch_size: int = 8,
+                settings: tuple[Setting, ...] = SETTINGS, progress: bool = False) -> LossSums:
+    """Teacher-forced per-document loss sums of each setting."""
+    from tqdm import tqdm
+
+    model.eval()
+    n_docs = max(w.doc for w in windows) + 1
+    doc_category = [""] * n_docs
+    for w in windows:
+        doc_category[w.doc] = w.category
+    sums = {s.name: np.zeros((2, n_docs)) for s in settings}
+    counts = np.zeros((2, n_docs))
+    for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="ablate", unit="batch", disable=not progress):
+        lengths = [len(windows[i].inputs) for i in idx]
+        decode = ~keep_mask(lengths, x.shape[1], Setting("", True, False)).numpy()
+        valid = (y != -100).numpy()
+        for j, i in enumerate(idx):
+            counts[0, windows[i].doc] += valid[j].sum()
+            counts[1, windows[i].doc] += (valid[j] & decode[j]).sum()
+        for s in settings:
+            loss = setting_losses(model, x, y, lengths, s).numpy() * valid
+            for j, i in enumerate(idx):
+                sums[s.name][0, windows[i].doc] += loss[j].sum()
+                sums[s.name][1, windows[i].doc] += loss[j][decode[j]].sum()
+    return LossSums(sums, counts, doc_category)
+
+
+@torch.no_grad()
+def greedy(model: EngramLM, prompt: list[int], max_new: int, setting: Setting, tokenizer: Any,
+           eot: int | None, indent: int) -> tuple[list[int], str]:
+    """Greedy continuation: prefill with Engram per setting.prefill_on, decode per setting.decode_on."""
+    device = next(model.parameters()).device
+    logits, past = model(torch.tensor([prompt], device=device), use_cache=True, engram_enabled=setting.prefill_on)
+    out: list[int] = []
+    for _ in range(max_new):
+        token = int(logits[0, -1].argmax())
+        if token == eot:
+            break
+        out.append(token)
+        if is_finished(tokenizer.decode(out)) or len(prompt) + len(out) >= model.config.max_seq:
+            break
+        logits, past = model(torch.tensor([[token]], device=device), past, engram_enabled=setting.decode_on)
+    return out, answer_of(tokenizer.decode(out), indent)
+
+
+def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, max_new: int = 16,
+                      settings: tuple[Setting, ...] = SETTINGS, progress: bool = False) -> list[GenerationResult]:
+    """Exact match of each setting on the tasks, with task-bootstrap intervals."""
+    from tqdm import tqdm
+
+    from tiergram.corpus import EOT
+
+    eot = tokenizer.token_to_id(EOT)
+    budget = model.config.max_seq - max_new - 1
+    prompts = []
+    for t in tasks:
+        ids = tokenizer.encode(t.prompt).ids
+        prompts.append(([eot] if eot is not None else []) + ids[max(0, len(ids) - budget + 1):])
+    hits = {s.name: np.zeros(len(tasks)) for s in settings}
+    results = []
+    for s in settings:
+        answers, n_gen = [], []
+        for k, (t, p) in enumerate(tqdm(list(zip(tasks, prompts, strict=True)), desc=f"generate ({s.name} off)",
+                                        disable=not progress)):
+            ids, answer = greedy(model, p, max_new, s, tokenizer, eot, t.indent)
+            hits[s.name][k] = float(answer == t.expected)
+            answers.append(answer)
+            n_gen.append(len(ids))
+        results.append(GenerationResult(s.name, mean_estimate(hits[s.name]),
+                                        mean_estimate(hits[s.name] - hits[settings[0].name]),
+                                        float(np.mean(n_gen)) if n_gen else 0.0, answers))
+    return results
+
+
+def ablate(model: EngramLM, windows: list[Window], tokenizer: Any, tasks: list[DoctestTask], *,
+           model_name: str = "", split: str = "", batch_size: int = 8, max_new: int = 16,
+           progress: bool = False) -> AblationReport:
+    """Both measurements for the four settings."""
+    sums = ablate_loss(model, windows, batch_size=batch_size, progress=progress)
+    gen = ablate_generation(model, tokenizer, tasks, max_new=max_new, progress=progress) if tasks else []
+    return AblationReport(model=model_name, split=split, loss=sums.results(), generation=gen,
+                          prefill_minus_decode=sums.delta("decode", "prefill", 1), tasks=len(tasks))
+
+
+def _est(e: Estimate, signed: bool = False) -> str:
+    fmt = "{:+.4f}" if signed else "{:.4f}"
+    return f"{fmt.format(e.value)} [{fmt.format(e.ci95[0])}, {fmt.format(e.ci95[1])}]"
+
+
+def verdict(report: AblationReport) -> str:
+    """One sentence: does switching Engram off in prefill hurt decode-position loss more than in decode?"""
+    d = report.prefill_minus_decode.get("all")
+    if d is None:
+        return "no decode positions were scored"
+    if d.ci95[0] > 0:
+        return (f"prefill matters more here: Engram off in prefill raises the decode-position loss by {d.value:+.4f} "
+                "nats more than off in decode (95% interval above zero)")
+    if d.ci95[1] < 0:
+        return (f"decode matters more here: Engram off in decode raises the decode-position loss by {-d.value:+.4f} "
+                "nats more than off in prefill (95% interval below zero)")
+    return f"no significant difference between prefill and decode here ({_est(d, True)} nats)"
+
+
+def to_markdown(report: AblationReport) -> str:
+    """The ablation tables."""
+    names = {"none": "none (plain)", "prefill": "prefill only", "decode": "decode only", "both": "both (no Engram)"}
+    lines = [f"# Engram ablation: {report.model}", "",
+             f"Split `{report.split}`. Teacher-forced: each window's first half is the prefill, its second half the "
+             "decode; Engram off = its output and value zeroed at those positions. Loss in nats/token, 95% "
+             "document-bootstrap intervals; Δ against \"none\", paired.", ""]
+    cats = [c for c in [*CATEGORIES, "all"] if c in report.loss[0].decode_positions]
+    for title, attr, dattr in (("decode positions", "decode_positions", "delta_decode"),
+                               ("all positions", "all_positions", "delta_all")):
+        lines += [f"## Loss on {title}", "", "| Engram off in | " + " | ".join(cats) + " | Δ all |",
+                  "|---|" + "---|" * (len(cats) + 1)]
+        for r in report.loss:
+            vals = [_est(getattr(r, attr)[c]) for c in cats]
+            lines.append(f"| {names.get(r.setting, r.setting)} | " + " | ".join(vals)
+                         + f" | {_est(getattr(r, dattr)['all'], True)} |")
+        lines.append("")
+    lines += ["Prefill vs decode (decode-position loss, off-in-prefill minus off-in-decode): " +
+              ", ".join(f"{c} {_est(e, True)}" for c, e in report.prefill_minus_decode.items()) + ".", "",
+              f"**{verdict(report)}.**", ""]
+    if report.generation:
+        lines += [f"## Generation: {report.tasks} stdlib doctest outputs (held-out splits), greedy, exact match", "",
+                  "| Engram off in | exact match | Δ vs none | mean generated tokens |", "|---|---|---|---|"]
+        for g in report.generation:
+            lines.append(f"| {names.get(g.setting, g.setting)} | {_est(g.exact_match)} | "
+                         f"{_est(g.delta_vs_none, True)} | {g.mean_generated_tokens:.1f} |")
+        lines.append("")
+    return "\n".join(lines)

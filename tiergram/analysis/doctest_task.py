@@ -1,0 +1,137 @@
+"""A generation task from the standard library's doctests: predict a short snippet's printed output.
+
+Tasks come only from held-out splits (validation, test) of the corpus, from the Python standard library
+sources (`python-stdlib` modules and their `python-docs` pages, which the corpus splits by module, so a
+module and its documentation always share a split). Each `>>>` example whose expected output is at most
+20 characters becomes a task: the prompt is the example with the examples before it in the same
+uninterrupted session (up to a few, with their outputs), exactly as written in the file, up to the end of
+its last source line (not the newline: the tokenizer merges a newline with the next line's indentation, so
+the model writes it), and the answer is the expected output. Examples whose source and output also occur
+in the training split are dropped (the task would test recall of training text).
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tiergram.corpus import load_split, read_manifest
+
+SOURCES = ("python-stdlib", "python-docs")
+HELD_OUT = ("validation", "test")
+
+
+@dataclass
+class DoctestTask:
+    """One example: the prompt text, the expected output (no trailing newline), where it came from."""
+
+    split: str
+    origin: str  # the corpus source: python-stdlib or python-docs
+    path: str
+    line: int  # 0-based line of the example in the document
+    code: str  # the example's source code
+    prompt: str  # ends with the example's last source line, without its newline (the model writes it)
+    expected: str
+    indent: int  # the example's indentation (output lines carry it too)
+
+
+def _render(example: doctest.Example, with_output: bool) -> str:
+    """An example as it appears in a file, indented."""
+    pad = " " * example.indent
+    src = example.source.rstrip("\n").split("\n")
+    lines = [pad + ">>> " + src[0]] + [pad + "... " + s for s in src[1:]]
+    if with_output and example.want:
+        lines += [pad + w for w in example.want.rstrip("\n").split("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def sessions(text: str) -> list[list[doctest.Example]]:
+    """The document's examples, grouped into sessions: runs with only blank text between them."""
+    try:
+        parts = doctest.DocTestParser().parse(text)
+    except ValueError:  # malformed examples somewhere in the document: skip it
+        return []
+    out: list[list[doctest.Example]] = [[]]
+    for part in parts:
+        if isinstance(part, doctest.Example):
+            out[-1].append(part)
+        elif part.strip() and out[-1]:
+            out.append([])
+    return [s for s in out if s]
+
+
+def document_tasks(text: str, split: str, origin: str, path: str, *, max_output_chars: int = 20,
+                   max_context_examples: int = 4) -> list[DoctestTask]:
+    """The tasks of one document."""
+    tasks = []
+    for session in sessions(text):
+        for i, ex in enumerate(session):
+            want = ex.want.rstrip("\n")
+            if not want.strip() or len(want) > max_output_chars or ex.exc_msg is not None:
+                continue
+            context = "".join(_render(e, True) for e in session[max(0, i - max_context_examples):i])
+            tasks.append(DoctestTask(split=split, origin=origin, path=path, line=ex.lineno, code=ex.source.strip(),
+                                     prompt=context + _render(ex, False).rstrip("\n"), expected=want,
+                                     indent=ex.indent))
+    return tasks
+
+
+def training_examples(corpus: str | os.PathLike, sources: Iterable[str] = SOURCES) -> set[tuple[str, str]]:
+    """(source, output) of every example in the training split's documents of these sources."""
+    keep = set(sources)
+    out = set()
+    for doc in load_split(corpus, "train"):
+        if doc.source in keep:
+            for session in sessions(doc.text):
+                out.update((e.source.strip(), e.want.strip()) for e in session)
+    return out
+
+
+def extract_tasks(corpus: str | os.PathLike, splits: Iterable[str] = HELD_OUT, *, max_output_chars: int = 20,
+                  max_context_examples: int = 4, drop_seen_in_training: bool = True) -> list[DoctestTask]:
+    """Doctest tasks from the held-out splits' standard-library documents (never the training split)."""
+    splits = list(splits)
+    bad = [s for s in splits if s not in HELD_OUT]
+    if bad:
+        raise ValueError(f"doctest tasks come only from held-out splits {HELD_OUT}, not {bad}")
+    manifest = read_manifest(corpus)
+    stdlib = manifest.get("python_stdlib", {}).get("splits", {})
+    trained_paths = set(stdlib.get("train", []))
+    tasks = []
+    for split in splits:
+        for doc in load_split(corpus, split):
+            if doc.source not in SOURCES:
+                continue
+            if doc.source == "python-stdlib" and (doc.path in trained_paths or
+                                                   (stdlib and doc.path not in stdlib.get(split, []))):
+                raise ValueError(f"{doc.path} is in the {split} split but the manifest does not list it there")
+            tasks += document_tasks(doc.text, split, doc.source, doc.path, max_output_chars=max_output_chars,
+                                    max_context_examples=max_context_examples)
+    if drop_seen_in_training and tasks:
+        seen = training_examples(corpus)
+        tasks = [t for t in tasks if (t.code, t.expected.strip()) not in seen]
+    return tasks
+
+
+def _output_lines(text: str) -> list[str]:
+    """Generated text after the end of the source line (the prompt stops before its newline)."""
+    return text.split("\n")[1:]
+
+
+def answer_of(text: str, indent: int) -> str:
+    """The output in generated text: lines after the source line, up to a blank line or the next `>>>`,
+    with the example's indentation removed."""
+    lines = []
+    for line in _output_lines(text):
+        if not line.strip() or line.lstrip().startswith(">>>"):
+            break
+        lines.append(line[indent:] if line[:indent].strip() == "" else line)
+    return "\n".join(lines).rstrip()
+
+
+def is_finished(text: str) -> bool:
+    """Whether generated text has reached the end of the output: a finished blank line, or a `>>>` line."""
+    lines = _output_lines(text)
+    return any(not s.strip() for s in lines[:-1]) or any(s.lstrip().startswith(">>>") for s in lines)

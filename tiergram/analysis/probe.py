@@ -1,0 +1,174 @@
+"""Gate probe: which n-grams open each Engram layer's gate, in which kind of text.
+
+Every position's gate (per hyper-connection branch) is attributed to each n-gram ending there: for every
+order n in 2..max_ngram_size, the last n compressed token ids (left-padded with the pad id at a window's
+start, as the hashing does). An n-gram's mean gate is the mean over its occurrences; so for every layer,
+branch and order, the attribution counts add up to the number of positions probed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tiergram.analysis.trace import Trace
+from tiergram.corpus import CATEGORIES
+
+PAD_TEXT = "<pad>"
+
+
+@dataclass
+class NgramGate:
+    """One n-gram's gate statistics in one layer and branch."""
+
+    order: int
+    text: str  # the original tokens of its first occurrence (compression merges case/whitespace variants)
+    compressed: list[int]
+    count: int
+    mean_gate: float
+    category_share: dict[str, float]
+    examples: list[str]  # decoded text around occurrences, the n-gram in ⟦ ⟧
+
+
+@dataclass
+class LayerProbe:
+    """Gate summary and the highest/lowest mean-gate n-grams of one layer and branch."""
+
+    layer: int
+    branch: int
+    mean_gate: float
+    quantiles: dict[str, float]  # p01, p10, p50, p90, p99
+    mean_gate_by_category: dict[str, float]
+    attributed: dict[int, int]  # order -> attributed occurrences (= positions)
+    distinct: dict[int, int]  # order -> distinct n-grams
+    top: dict[int, list[NgramGate]] = field(default_factory=dict)  # order -> highest mean gate first
+    bottom: dict[int, list[NgramGate]] = field(default_factory=dict)  # order -> lowest mean gate first
+
+
+@dataclass
+class ProbeReport:
+    """The whole probe: per layer and branch, over a corpus split."""
+
+    model: str
+    split: str
+    positions: int
+    min_count: int
+    layers: list[LayerProbe]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+@dataclass
+class NgramTable:
+    """The distinct n-grams of one order in a trace: keys [U, n], inverse [N], counts [U]."""
+
+    keys: np.ndarray
+    inverse: np.ndarray
+    counts: np.ndarray
+
+
+def ngram_table(tr: Trace, order: int) -> NgramTable:
+    """Group the trace's positions by the n-gram of this order that ends at them."""
+    keys, inverse, counts = np.unique(tr.context[:, -order:], axis=0, return_inverse=True, return_counts=True)
+    return NgramTable(keys, inverse.reshape(-1), counts)
+
+
+def _render(tokenizer: Any, ids: Any) -> str:
+    """Decode ids keeping special tokens visible."""
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False) if len(ids) else ""
+
+
+def example(tokenizer: Any, tr: Trace, i: int, order: int, before: int = 10, after: int = 3) -> str:
+    """The text around position i: `…before⟦n-gram⟧after…`."""
+    inputs = tr.windows[int(tr.window[i])].inputs
+    p = int(tr.pos[i])
+    start = p - order + 1
+    pads = PAD_TEXT * max(0, -start)
+    gram = pads + _render(tokenizer, inputs[max(0, start):p + 1])
+    return (_render(tokenizer, inputs[max(0, start - before):max(0, start)]) + "⟦" + gram + "⟧"
+            + _render(tokenizer, inputs[p + 1:p + 1 + after]))
+
+
+def _ngram_gate(tokenizer: Any, tr: Trace, table: NgramTable, u: int, order: int, mean: float,
+                n_examples: int) -> NgramGate:
+    where = np.flatnonzero(table.inverse == u)
+    first = int(where[0])
+    inputs = tr.windows[int(tr.window[first])].inputs
+    p = int(tr.pos[first])
+    text = PAD_TEXT * max(0, order - 1 - p) + _render(tokenizer, inputs[max(0, p - order + 1):p + 1])
+    cats = np.bincount(tr.category[where], minlength=len(CATEGORIES)) / len(where)
+    return NgramGate(order=order, text=text, compressed=[int(v) for v in table.keys[u]], count=int(len(where)),
+                     mean_gate=float(mean), category_share={c: float(s) for c, s in zip(CATEGORIES, cats, strict=True)},
+                     examples=[example(tokenizer, tr, int(i), order) for i in where[:n_examples]])
+
+
+def probe_layer(tr: Trace, tokenizer: Any, layer: int, branch: int, tables: dict[int, NgramTable], *,
+                min_count: int = 5, top: int = 30, n_examples: int = 3) -> LayerProbe:
+    """Gate summary and top/bottom n-grams of one layer and branch."""
+    g = tr.gates[layer][:, branch].astype(np.float64)
+    qs = np.quantile(g, [0.01, 0.1, 0.5, 0.9, 0.99])
+    by_cat = {c: float(g[tr.category == k].mean()) for k, c in enumerate(CATEGORIES) if (tr.category == k).any()}
+    out = LayerProbe(layer=layer, branch=branch, mean_gate=float(g.mean()),
+                     quantiles={f"p{int(q * 100):02d}": float(v) for q, v in zip([0.01, 0.1, 0.5, 0.9, 0.99], qs,
+                                                                               strict=True)},
+                     mean_gate_by_category=by_cat, attributed={}, distinct={})
+    for order, table in tables.items():
+        sums = np.bincount(table.inverse, weights=g, minlength=len(table.counts))
+        means = sums / table.counts
+        out.attributed[order] = int(table.counts.sum())
+        out.distinct[order] = len(table.counts)
+        eligible = np.flatnonzero(table.counts >= min_count)
+        ranked = eligible[np.argsort(-means[eligible], kind="stable")]
+        out.top[order] = [_ngram_gate(tokenizer, tr, table, int(u), order, means[u], n_examples) for u in ranked[:top]]
+        out.bottom[order] = [_ngram_gate(tokenizer, tr, table, int(u), order, means[u], n_examples)
+                             for u in ranked[::-1][:top]]
+    return out
+
+
+def probe(tr: Trace, tokenizer: Any, *, model: str = "", split: str = "", min_count: int = 5, top: int = 30,
+          n_examples: int = 3) -> ProbeReport:
+    """Probe every Engram layer and branch of a trace."""
+    max_n = tr.context.shape[1]
+    tables = {order: ngram_table(tr, order) for order in range(2, max_n + 1)}
+    layers = [probe_layer(tr, tokenizer, layer, b, tables, min_count=min_count, top=top, n_examples=n_examples)
+              for layer in tr.layers for b in range(tr.gates[layer].shape[1])]
+    return ProbeReport(model=model, split=split, positions=tr.n, min_count=min_count, layers=layers)
+
+
+def _cell(text: str, limit: int = 90) -> str:
+    """Text safe inside a markdown table cell: visible whitespace, escaped pipes, shortened."""
+    text = text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "⏎").replace("\t", "⇥")
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return "`" + text.replace("`", "ˋ") + "`"
+
+
+def to_markdown(report: ProbeReport) -> str:
+    """The probe as a markdown report."""
+    lines = [f"# Gate probe: {report.model}", "",
+             f"Split `{report.split}`, {report.positions} positions; n-grams need at least {report.min_count} "
+             "occurrences; text is the first occurrence's tokens (the hashing merges case and whitespace variants); "
+             "⏎ is a newline.", ""]
+    for lp in report.layers:
+        lines += [f"## Layer {lp.layer}, branch {lp.branch}", "",
+                  f"Mean gate {lp.mean_gate:.4f}; quantiles " +
+                  ", ".join(f"{k} {v:.4f}" for k, v in lp.quantiles.items()) + "; by category " +
+                  ", ".join(f"{k} {v:.4f}" for k, v in lp.mean_gate_by_category.items()) + ".", ""]
+        for order in lp.top:
+            lines.append(f"Order {order}: {lp.distinct[order]} distinct n-grams over {lp.attributed[order]} positions.")
+            lines.append("")
+            for title, rows in (("highest", lp.top[order]), ("lowest", lp.bottom[order])):
+                lines += [f"### Layer {lp.layer}, order {order}: {title} mean gate", "",
+                          "| # | n-gram | count | mean gate | code | prose | boilerplate | example |",
+                          "|---|---|---|---|---|---|---|---|"]
+                for r, ng in enumerate(rows, 1):
+                    s = ng.category_share
+                    lines.append(f"| {r} | {_cell(ng.text, 40)} | {ng.count} | {ng.mean_gate:.4f} | "
+                                 f"{s.get('code', 0):.2f} | {s.get('prose', 0):.2f} | "
+                                 f"{s.get('boilerplate-heavy', 0):.2f} | "
+                                 f"{_cell(ng.examples[0]) if ng.examples else ''} |")
+                lines.append("")
+    return "\n".join(lines)

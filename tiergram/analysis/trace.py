@@ -1,0 +1,202 @@
+"""Run a model over a corpus split and record, per position, each Engram layer's gates and row ids.
+
+The positions are those of the held-out evaluation (tiergram.model.evaluate): each document is
+<|endoftext|> + its tokens, cut into windows of max_seq inputs that each start a fresh sequence (so the
+n-grams at a window's first positions are left-padded with the pad id, exactly as the model hashes them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tiergram.corpus import CATEGORIES
+from tiergram.model.evaluate import EvalDoc, _windows, eval_documents
+from tiergram.model.model import EngramLM
+
+
+@dataclass
+class Window:
+    """One evaluation window: the model's inputs and their next-token targets."""
+
+    doc: int  # index into the document list
+    category: str
+    inputs: np.ndarray  # int64 [T]
+    targets: np.ndarray  # int64 [T]
+
+
+def make_windows(docs: list[EvalDoc], seq_len: int) -> list[Window]:
+    """The evaluation windows of documents, in document order."""
+    return [Window(d, docs[d].category, w[:-1].copy(), w[1:].copy()) for d, w in _windows(docs, seq_len)
+            if len(w) > 1]
+
+
+def load_windows(model: EngramLM, corpus: str | os.PathLike, split: str, tokenizer: Any,
+                 max_tokens_per_category: int | None, seed: int = 0) -> tuple[list[EvalDoc], list[Window]]:
+    """(documents, windows) of a split, capped per category as in evaluate()."""
+    docs = eval_documents(corpus, split, tokenizer, max_tokens_per_category=max_tokens_per_category, seed=seed)
+    if not docs:
+        raise ValueError(f"the {split} split of {corpus} has no documents")
+    return docs, make_windows(docs, model.config.max_seq)
+
+
+def batches(windows: list[Window], batch_size: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """(window indices, inputs [B, T] zero-padded, targets [B, T] with -100 padding), similar lengths together."""
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i].inputs))
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        t = max(len(windows[i].inputs) for i in idx)
+        x = torch.zeros(len(idx), t, dtype=torch.int64)
+        y = torch.full((len(idx), t), -100, dtype=torch.int64)
+        for j, i in enumerate(idx):
+            n = len(windows[i].inputs)
+            x[j, :n] = torch.from_numpy(windows[i].inputs)
+            y[j, :n] = torch.from_numpy(windows[i].targets)
+        yield idx, x, y
+
+
+# ------------------------------------------------------------------------------------------ Engram hooks
+
+def masked_engram(engram: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor,
+                  keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Engram.forward with its output zeroed where keep [B, T] is False -> (out [B, T, hc, d], gates [B, T, hc]).
+
+    A switched-off position contributes no value to the short conv and gets no output, which is what
+    skipping the layer at that position in a cached forward does (engram_enabled=False for a chunk).
+    """
+    gates = engram.gates(hidden, rows=rows)
+    w = engram.value_proj.weight
+    value = gates.unsqueeze(-1) * engram.value_proj(rows.to(w).flatten(-2)).unsqueeze(2)
+    if keep is not None:
+        value = value * keep[:, :, None, None].to(value)
+    out = value if engram.short_conv is None else value + engram.short_conv(value)
+    if keep is not None:
+        out = out * keep[:, :, None, None].to(out)
+    return out, gates
+
+
+@dataclass
+class EngramHooks:
+    """Forward hooks on every Engram layer: record its gates, and zero its output where `keep` is False."""
+
+    record: bool = True
+    record_query: bool = False  # also keep each layer's gate query (the normalised hidden state)
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> bool [B, T]; absent: all on
+    gates: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, T, hc] of the last forward
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, T, hc, d] of the last forward
+
+    @contextmanager
+    def installed(self, model: EngramLM) -> Iterator[EngramHooks]:
+        """Hooks in place for the duration of the block (full-sequence forwards only, no K/V cache)."""
+        handles = [model.blocks[layer].engram.register_forward_hook(self._hook(layer), with_kwargs=True)
+                   for layer in model.engram_layers]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, layer: int):
+        def hook(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs["hidden"]
+            rows = kwargs.get("rows")
+            if rows is None:
+                rows = module.table(kwargs["row_ids"])
+            if self.record_query:
+                self.queries[layer] = torch.stack([module.norm2[i](hidden[:, :, i, :].to(module.value_proj.weight))
+                                                   for i in range(hidden.shape[2])], dim=2).detach()
+            keep = self.keep.get(layer)
+            if keep is None:
+                if self.record:
+                    self.gates[layer] = module.gates(hidden, rows=rows).detach()
+                return None
+            out, gates = masked_engram(module, hidden, rows, keep)
+            if self.record:
+                self.gates[layer] = gates.detach()
+            return out
+        return hook
+
+
+# ------------------------------------------------------------------------------------------------ traces
+
+@dataclass
+class Trace:
+    """Per-position records of a run, flat over all N positions of all windows."""
+
+    windows: list[Window]
+    layers: list[int]
+    window: np.ndarray  # int32 [N]: the position's window
+    pos: np.ndarray  # int32 [N]: position in the window
+    category: np.ndarray  # int8 [N]: index into CATEGORIES
+    context: np.ndarray  # int64 [N, max_n]: compressed ids ending at the position, oldest first (pad-padded)
+    loss: np.ndarray  # float32 [N]: next-token loss at the position
+    gates: dict[int, np.ndarray]  # layer -> float32 [N, hc]
+    row_ids: dict[int, np.ndarray]  # layer -> int64 [N, H]
+    query_mean: dict[int, np.ndarray]  # layer -> float32 [hc, d]: mean gate query over the positions
+
+    @property
+    def n(self) -> int:
+        """Number of positions."""
+        return len(self.pos)
+
+    def window_starts(self) -> dict[int, int]:
+        """{window: index of its first position in the flat arrays}."""
+        first = np.flatnonzero(self.pos == 0)
+        return {int(self.window[i]): int(i) for i in first}
+
+
+def compressed_context(model: EngramLM, x: np.ndarray) -> np.ndarray:
+    """Compressed ids [B, T, max_n] of the n-gram ending at each position (oldest first), pad-padded."""
+    h = model.hasher
+    k = h.max_ngram_size
+    c = h.compress(x)
+    full = np.concatenate([np.full((c.shape[0], k - 1), h.compressed_pad_id, dtype=np.int64), c], axis=1)
+    return np.stack([full[:, j:j + c.shape[1]] for j in range(k)], axis=-1)
+
+
+@torch.no_grad()
+def trace(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progress: bool = False) -> Trace:
+    """Run the model over windows (Engram on) and record gates, row ids, n-gram contexts and losses."""
+    if not model.engram_layers:
+        raise ValueError("the model has no Engram layers to trace")
+    from tqdm import tqdm
+
+    model.eval()
+    device = next(model.parameters()).device
+    hooks = EngramHooks(record=True, record_query=True)
+    qsum = {layer: 0.0 for layer in model.engram_layers}
+    parts: dict[str, list] = {k: [] for k in ("window", "pos", "context", "loss")}
+    gates: dict[int, list] = {layer: [] for layer in model.engram_layers}
+    rows: dict[int, list] = {layer: [] for layer in model.engram_layers}
+    with hooks.installed(model):
+        for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="trace", unit="batch", disable=not progress):
+            logits, _ = model(x.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
+            row_ids = model.engram_row_ids(x)
+            ctx = compressed_context(model, x.numpy())
+            for j, i in enumerate(idx):
+                n = len(windows[i].inputs)
+                parts["window"].append(np.full(n, i, dtype=np.int32))
+                parts["pos"].append(np.arange(n, dtype=np.int32))
+                parts["context"].append(ctx[j, :n])
+                parts["loss"].append(loss[j, :n].float().cpu().numpy())
+                for layer in model.engram_layers:
+                    gates[layer].append(hooks.gates[layer][j, :n].float().cpu().numpy())
+                    rows[layer].append(row_ids[layer][j, :n].cpu().numpy())
+                    qsum[layer] = qsum[layer] + hooks.queries[layer][j, :n].double().sum(0).cpu().numpy()
+    window = np.concatenate(parts["window"])
+    cat_index = {c: i for i, c in enumerate(CATEGORIES)}
+    category = np.array([cat_index[windows[i].category] for i in window], dtype=np.int8)
+    return Trace(windows=windows, layers=list(model.engram_layers), window=window,
+                 pos=np.concatenate(parts["pos"]), category=category, context=np.concatenate(parts["context"]),
+                 loss=np.concatenate(parts["loss"]), gates={k: np.concatenate(v) for k, v in gates.items()},
+                 row_ids={k: np.concatenate(v) for k, v in rows.items()},
+                 query_mean={k: (v / len(window)).astype(np.float32) for k, v in qsum.items()})
+

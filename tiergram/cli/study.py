@@ -1,0 +1,176 @@
+"""`tiergram probe | ablate | analyze | predictor`: study what an Engram model's memory holds (docs/findings.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TIERS = ("memory", "host", "file")
+
+
+def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) -> None:
+    p.add_argument("dir", help="model directory")
+    p.add_argument("--split", default=split, choices=["validation", "test"], help=f"corpus split (default {split})")
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens per category {what} (0: the whole split; default {max_tokens})")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--tier", default="memory", choices=TIERS, help="where the tables are read from")
+    p.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("probe", help="which n-grams open each Engram layer's gate, with category and examples")
+    _common(p, "validation", 32768, "to probe")
+    p.add_argument("--min-count", type=int, default=5, help="occurrences an n-gram needs to be ranked")
+    p.add_argument("--top", type=int, default=30, help="n-grams listed per layer and order, highest and lowest")
+    p.set_defaults(func=cmd_probe)
+
+    a = sub.add_parser("ablate", help="Engram off in prefill only / decode only / both / neither: loss and "
+                                      "stdlib doctest generation")
+    _common(a, "test", 8192, "for the teacher-forced loss")
+    a.add_argument("--doctest-splits", default="validation,test",
+                   help="held-out splits the doctest tasks come from (default validation,test)")
+    a.add_argument("--max-new", type=int, default=16, help="generated tokens per doctest task at most")
+    a.add_argument("--no-generation", action="store_true", help="teacher-forced loss only")
+    a.set_defaults(func=cmd_ablate)
+
+    z = sub.add_parser("analyze", help="capacity accounting: rows touched per category, hotness vs gate")
+    _common(z, "validation", 0, "hashed for the accounting")
+    z.add_argument("--gate-tokens", type=int, default=16384,
+                   help="tokens per category run through the model for the gates (default 16384)")
+    z.add_argument("--plot", metavar="PATH", help="hexbin PNG of access count vs mean gate")
+    z.set_defaults(func=cmd_analyze)
+
+    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces and measure the "
+                                         "reads-skipped vs loss trade-off")
+    _common(r, "test", 3072, "evaluated")
+    r.add_argument("--fit-split", default="validation", choices=["validation", "test"],
+                   help="split whose gate traces fit the predictor (default validation)")
+    r.add_argument("--fit-tokens", type=int, default=8192, help="tokens per category to fit on (0: all)")
+    r.add_argument("--rates", default="0.3,0.5,0.7", help="target skip rates, thresholds set on the fit split")
+    r.add_argument("--methods", default="predictor,sketch-only,oracle,random,cold",
+                   help="predictor, sketch-only, oracle, random, cold (comma separated)")
+    r.add_argument("--sketch-width", type=int, default=2**16, help="count-min sketch cells per row (power of 2)")
+    r.add_argument("--save", metavar="PATH", help="write the fitted SkipPredictor (.npz)")
+    r.add_argument("--plot", metavar="PATH", help="trade-off curve PNG")
+    r.set_defaults(func=cmd_predictor)
+
+
+def _load(args: argparse.Namespace):
+    """(model, tokenizer, corpus dir) from the common arguments."""
+    import torch  # noqa: F401  (loaded before the model modules)
+
+    from tiergram.corpus import corpus_dir
+    from tiergram.model.checkpoint import load_pretrained
+    from tiergram.model.train import pick_device
+
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=pick_device(args.device))
+    if tokenizer is None:
+        raise ValueError(f"{args.dir} has no tokenizer.json")
+    if not model.engram_layers:
+        raise ValueError(f"{args.dir} has no Engram layers to study")
+    return model, tokenizer, Path(args.corpus) if args.corpus else corpus_dir()
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> None:
+    """Write --json / --markdown, or print the markdown."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown)
+    else:
+        print(markdown)
+    for name in ("json", "markdown", "plot", "save"):
+        if getattr(args, name, None):
+            print(f"wrote {getattr(args, name)}", file=sys.stderr)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from tiergram.analysis.probe import probe, to_markdown
+    from tiergram.analysis.trace import load_windows, trace
+
+    model, tokenizer, corpus = _load(args)
+    _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
+    tr = trace(model, windows, batch_size=args.batch_size, progress=not args.quiet)
+    report = probe(tr, tokenizer, model=str(args.dir), split=args.split, min_count=args.min_count, top=args.top)
+    _emit(args, report.to_dict(), to_markdown(report))
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from tiergram.analysis.ablate import ablate, to_markdown
+    from tiergram.analysis.doctest_task import extract_tasks
+    from tiergram.analysis.trace import load_windows
+
+    model, tokenizer, corpus = _load(args)
+    _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
+    tasks = [] if args.no_generation else extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
+    report = ablate(model, windows, tokenizer, tasks, model_name=str(args.dir), split=args.split,
+                    batch_size=args.batch_size, max_new=args.max_new, progress=not args.quiet)
+    result = report.to_dict()
+    result["doctest_tasks"] = [vars(t) for t in tasks]
+    _emit(args, result, to_markdown(report))
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from tiergram.analysis.capacity import analyze, plot, to_markdown
+    from tiergram.analysis.trace import load_windows, trace
+
+    model, tokenizer, corpus = _load(args)
+    _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
+    tr = None
+    if args.gate_tokens:
+        _, gate_windows = load_windows(model, corpus, args.split, tokenizer, args.gate_tokens)
+        tr = trace(model, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
+    report, points = analyze(model, windows, tr, model_name=str(args.dir), split=args.split)
+    if args.plot and points:
+        plot(points, args.plot)
+    _emit(args, report.to_dict(), to_markdown(report))
+    return 0
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not vals or any(not 0 < v < 1 for v in vals):
+        raise ValueError(f"--rates must lie strictly between 0 and 1, got {text!r}")
+    return vals
+
+
+def cmd_predictor(args: argparse.Namespace) -> int:
+    from tiergram.analysis.skipping import METHODS, plot, skip_study, to_markdown
+    from tiergram.analysis.trace import load_windows, trace
+
+    rates = _floats(args.rates)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"unknown --methods {bad} (valid: {', '.join(METHODS)})")
+    if "predictor" not in methods:
+        methods = ("predictor", *methods)
+    if args.fit_split == args.split:
+        raise ValueError("--fit-split and --split must differ: the predictor is evaluated on held-out text")
+    model, tokenizer, corpus = _load(args)
+    _, fit_windows = load_windows(model, corpus, args.fit_split, tokenizer, args.fit_tokens or None)
+    _, eval_windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
+    fit = trace(model, fit_windows, batch_size=args.batch_size, progress=not args.quiet)
+    held = trace(model, eval_windows, batch_size=args.batch_size, progress=not args.quiet)
+    report, predictor = skip_study(model, fit, held, rates=rates, methods=methods, batch_size=args.batch_size,
+                                   sketch_width=args.sketch_width, model_name=str(args.dir),
+                                   fit_split=args.fit_split, eval_split=args.split, progress=not args.quiet)
+    if args.save:
+        predictor.save(args.save)
+    if args.plot:
+        plot(report, args.plot)
+    _emit(args, report.to_dict(), to_markdown(report))
+    return 0
