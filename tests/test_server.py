@@ -49,9 +49,11 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def running(model_dir: Path, placement: Placement | str = "host", **engine_kw):
+def running(model_dir: Path, placement: Placement | str = "host", hook=None, **engine_kw):
     """A real LLMEngine behind uvicorn on a free loopback port, in a thread; yields the base URL."""
     engine = LLMEngine(EngineConfig(str(model_dir), placement, **engine_kw))
+    if hook is not None:
+        hook(engine)
     app = create_app(engine)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
@@ -268,6 +270,27 @@ def test_client_disconnect_aborts_and_frees_kv(url):
     wait_for(lambda: metrics(url)["tiergram_num_requests_running"] == 0)
     m = metrics(url)
     assert m["tiergram_kv_blocks_used"] == 0 and m['tiergram_request_finished_total{reason="abort"}'] >= 2
+
+
+def test_engine_failure_is_a_500_and_unhealthy(model_dir):
+    def break_after(engine: LLMEngine, n: int = 3) -> None:
+        real, calls = engine.step, []
+
+        def step():
+            calls.append(1)
+            if len(calls) > n:
+                raise RuntimeError("injected step failure")
+            return real()
+        engine.step = step
+
+    with running(model_dir, hook=break_after) as base:
+        evs = stream(base, "/v1/completions", prompt=PROMPT, max_tokens=50, ignore_eos=True)
+        assert "injected step failure" in evs[-2]["error"]["message"] and evs[-1] == "[DONE]"
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and "injected" in health.json()["error"]
+        r = complete(base, prompt=PROMPT, max_tokens=2)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert metrics(base)['tiergram_request_finished_total{reason="error"}'] == 1
 
 
 def test_greedy_output_identical_across_placements(model_dir):

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -194,14 +195,20 @@ class ServerProcess:
         self.url = ""
 
     def __enter__(self) -> ServerProcess:
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        self.log = tempfile.TemporaryFile(mode="w+")  # stderr: a file, so a chatty server never blocks on a pipe
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
-        if " on http://" not in line:
-            self.proc.wait(10)
-            raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{line}{self.proc.stderr.read()}")
-        self.url = line.strip().rsplit(" on ", 1)[1]
-        _wait_healthy(self.url, self.timeout)
+        try:
+            line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
+            if " on http://" not in line:
+                self.proc.wait(10)
+                self.log.seek(0)
+                raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{line}{self.log.read()}")
+            self.url = line.strip().rsplit(" on ", 1)[1]
+            _wait_healthy(self.url, self.timeout, self.proc)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -212,20 +219,21 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
 
 
-def _wait_healthy(url: str, timeout: float) -> None:
+def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"the server at {url} did not become healthy in {timeout:.0f} s")
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout:.0f} s (exit status {proc.poll()})")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -382,6 +390,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     from tiergram.model.checkpoint import load_tokenizer_of
 
     t_start = time.perf_counter()
+    # the cache is per layer (one Placement serves every layer): a fraction of the smallest layer's table
+    cache_bytes = int(cfg.cache_fraction * min(layer_table_bytes(cfg.model_dir)))  # (exports when needed)
     tokenizer = load_tokenizer_of(cfg.model_dir)
     if tokenizer is None:
         raise ValueError(f"{cfg.model_dir} has no tokenizer.json to tokenize the trace with")
@@ -390,8 +400,6 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     need = sum(per_user * c for c in max_levels) * (cfg.input_len + cfg.output_len)
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
     _log(progress, f"trace: {len(tokens)} tokens of the {source}")
-    # the cache is per layer (one Placement serves every layer): a fraction of the smallest layer's table
-    cache_bytes = int(cfg.cache_fraction * min(layer_table_bytes(cfg.model_dir)))
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
     for placement in cfg.placements:

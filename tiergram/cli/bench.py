@@ -191,6 +191,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_policy=args.cache_policy, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
         plot=args.plot, markdown=args.markdown)
-    res = serve.run(cfg, progress=not args.json)
+    try:
+        res = serve.run(cfg, progress=not args.json)
+    except RuntimeError as e:  # a server that did not start, or a request that failed: say which, no traceback
+        import sys
+
+        print(f"tiergram: error: {e}", file=sys.stderr)
+        return 1
     print(serve.to_json(res) if args.json else serve.to_text(res))
     return 0

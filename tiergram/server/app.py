@@ -130,6 +130,11 @@ class _Generation:
                                             self.prompt_tokens, len(self.token_ids))
         self.state.in_flight -= 1
 
+    def fail(self, reason: str) -> None:
+        """Close a request the engine never accepted (counted under `reason`, not in the latency histograms)."""
+        self.finish_reason = reason
+        self.close()
+
 
 async def _next(q: asyncio.Queue) -> Any:
     """The next output, re-raising an engine failure."""
@@ -152,6 +157,7 @@ async def _stream(gen: _Generation, q: asyncio.Queue) -> AsyncIterator[str]:
         if gen.req.include_usage:
             yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids)))
     except EngineDeadError as e:
+        gen.finish_reason = "error"
         yield sse(APIError(500, str(e), "server_error").body())
     finally:
         gen.close()
@@ -176,6 +182,7 @@ async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict
                 check_at = time.monotonic() + DISCONNECT_POLL_S
         return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens)
     except EngineDeadError as e:
+        gen.finish_reason = "error"
         raise APIError(500, str(e), "server_error") from None
     finally:
         if getter is not None:
@@ -252,20 +259,17 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
         try:
             q = await aengine.add(req.request_id, req.prompt_token_ids, req.params)
         except QueueFullError as e:
-            gen.finish_reason = "rejected"
-            gen.close()
+            gen.fail("rejected")
             raise APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
                            code="queue_full") from None
         except ValueError as e:
-            gen.finish_reason = "rejected"
-            gen.close()
+            gen.fail("rejected")
             raise bad(str(e)) from None
         except EngineDeadError as e:
-            gen.finish_reason = "rejected"
-            gen.close()
+            gen.fail("rejected")
             raise APIError(503, str(e), "server_error") from None
         except BaseException:
-            gen.close()
+            gen.fail("abort")
             raise
         if req.stream:
             return _EventStream(_stream(gen, q), gen.close)

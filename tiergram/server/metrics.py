@@ -107,9 +107,11 @@ class ServerMetrics:
             self.itl.observe(gap_s / n, n)
 
     def observe_finished(self, reason: str, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        """A generation ended; only completed ones (length, stop) enter the end-to-end histogram."""
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
-            self.e2e.observe(e2e_s)
+            if reason in ("length", "stop"):
+                self.e2e.observe(e2e_s)
             self.prompt_tokens += prompt_tokens
             self.generation_tokens += output_tokens
 
