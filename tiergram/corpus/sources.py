@@ -119,6 +119,22 @@ def _apt_candidate(package: str) -> str | None:
     return m.group(1) if m and m.group(1) != "(none)" else None
 
 
+_apt_refreshed = False
+
+
+def _refresh_apt_lists() -> bool:
+    """Run `apt-get update` once per process when root (a fresh machine has no package lists yet)."""
+    global _apt_refreshed
+    if _apt_refreshed or os.geteuid() != 0:
+        return False
+    _apt_refreshed = True
+    try:
+        _run(["apt-get", "update", "-q"])
+    except SourceUnavailable:
+        return False
+    return True
+
+
 def apt_package(candidates: list[str], workdir: Path) -> tuple[str, str, Path, int]:
     """Download (once) and unpack the first existing package: (name, version, root, .deb bytes)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +144,8 @@ def apt_package(candidates: list[str], workdir: Path) -> tuple[str, str, Path, i
             if shutil.which(tool) is None:
                 raise SourceUnavailable(f"{tool} not found (not a Debian-like system)")
         found = [c for c in candidates if _apt_candidate(c)]
+        if not found and _refresh_apt_lists():
+            found = [c for c in candidates if _apt_candidate(c)]
         if not found:
             raise SourceUnavailable(f"no apt candidate for {' or '.join(candidates)} (run `apt-get update`?)")
         _run(["apt-get", "download", "-q", found[0]], cwd=workdir)
