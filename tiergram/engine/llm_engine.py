@@ -95,7 +95,7 @@ class LLMEngine:
                                                                             self.model.buffers()))
         return plan_budget(
             total, weights_bytes=weights,
-            device_table_bytes=sum(device_bytes(self.sources[i], p) for i, p in self.placements.items()),
+            device_table_bytes=sum(device_bytes(self.sources[i], p, self.device) for i, p in self.placements.items()),
             activation_bytes=activation_bytes(mconfig, max_num_batched_tokens=c.max_num_batched_tokens,
                                               max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len,
                                               dtype=dtype),

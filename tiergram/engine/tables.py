@@ -42,18 +42,25 @@ def export_dir_for(model_dir: Path, layers: list[int], codecs: set[str]) -> Path
 
 
 def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
-    """A row source for one layer: DeviceTable resident on the device, or TieredTable on host / file."""
+    """A row source for one layer: DeviceTable resident on the device; on a GPU, host / file tables are read by
+    the UVA kernel (pinned host memory) behind an HBM cache of `cache_bytes`; on the CPU, TieredTable."""
     if placement.kind == "device":
         return DeviceTable(path, device=device, tier="device")
+    if device.type == "cuda":
+        return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
+                           cache_policy=placement.cache_policy, file_mode=placement.file_mode)
     if placement.kind == "host":
         return TieredTable(path, tier="host")
     return TieredTable(path, tier="file", cache_bytes=placement.cache_bytes, cache_policy=placement.cache_policy,
                        file_mode=placement.file_mode)
 
 
-def device_bytes(source: Any, placement: Placement) -> int:
-    """Device memory a table occupies: its encoded data region when device-placed, else 0."""
-    return int(source.manifest.data_bytes) if placement.kind == "device" else 0
+def device_bytes(source: Any, placement: Placement, device: torch.device) -> int:
+    """Device memory a table occupies: its encoded data region when device-placed; on a GPU the HBM cache in front
+    of a host / file table; else 0."""
+    if placement.kind == "device":
+        return int(source.manifest.data_bytes)
+    return int(placement.cache_bytes) if device.type == "cuda" else 0
 
 
 def table_stats(sources: dict[int, Any], placements: dict[int, Placement]) -> dict[str, Any]:
