@@ -51,13 +51,16 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
 
 
 def pick_backend(device: torch.device, backend: str = "auto") -> str:
-    """'triton' or 'torch' for `device`; RuntimeError if 'triton' is asked for and cannot run."""
+    """'triton' or 'torch' for `device` ('auto': Triton on CUDA only — the interpreter is for testing the kernel,
+    asked for explicitly); RuntimeError if 'triton' is asked for and cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r} (valid: {', '.join(BACKENDS)})")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return "torch"
     ok, why = triton_usable(device)
     if backend == "triton" and not ok:
         raise RuntimeError(why)
-    return "triton" if ok and backend != "torch" else "torch"
+    return "triton" if ok else "torch"
 
 
 def check_ids(ids: Ids, head_rows: np.ndarray) -> None:
