@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from tiergram.analysis.ablate import SETTINGS, Setting, ablate, ablate_loss, keep_mask, setting_losses
+from tiergram.analysis.ablate import (
+    SETTINGS,
+    Setting,
+    ablate,
+    ablate_loss,
+    answer_losses,
+    keep_mask,
+    setting_losses,
+    task_ids,
+)
 from tiergram.analysis.capacity import analyze, rankdata, spearman
 from tiergram.analysis.doctest_task import answer_of, document_tasks, extract_tasks, is_finished
 from tiergram.analysis.predictor import SkipPredictor, fit_predictor
@@ -132,12 +141,12 @@ def test_masked_forward_matches_the_switches(setup):
     # prefill off in teacher forcing = a cached forward with Engram off for the first half, on for the second
     _, past = model(x[:, :20], use_cache=True, engram_enabled=False)
     second, _ = model(x[:, 20:], past)
-    prefill_off = keep_mask([40, 40], 40, SETTINGS[1])
+    prefill_off = keep_mask([20, 20], 40, SETTINGS[1])
     hooks = EngramHooks(record=False, keep={layer: prefill_off for layer in model.engram_layers})
     with hooks.installed(model):
         masked, _ = model(x)
     torch.testing.assert_close(masked[:, 20:], second, rtol=1e-4, atol=1e-4)
-    loss = setting_losses(model, x, y, [40, 40], Setting("decode", True, False))
+    loss = setting_losses(model, x, y, [20, 20], Setting("decode", True, False))
     assert loss.shape == (2, 40) and loss[:, -1].eq(0).all()
 
 
@@ -149,6 +158,18 @@ def test_ablate_report_with_generation(setup):
     assert [g.setting for g in report.generation] == [s.name for s in SETTINGS]
     assert all(0 <= g.exact_match.value <= 1 and g.mean_generated_tokens <= 4 for g in report.generation)
     assert set(report.prefill_minus_decode) >= {"all"}
+    assert report.generation[0].answer_loss_delta.value == 0 and report.answer_prefill_minus_decode is not None
+    # the answer loss with Engram off everywhere is the plain Engram-off loss of the answer tokens
+    sums, counts = answer_losses(model, tok, tasks)
+    for k, t in enumerate(tasks):
+        prompt, answer = task_ids(tok, t, model.config.max_seq)
+        seq = torch.tensor([prompt + answer])
+        for name, enabled in (("none", True), ("both", False)):
+            with torch.no_grad():
+                logits, _ = model(seq[:, :-1], engram_enabled=enabled)
+            nll = torch.nn.functional.cross_entropy(logits[0, len(prompt) - 1:], seq[0, len(prompt):], reduction="sum")
+            assert sums[name][k] == pytest.approx(float(nll), rel=1e-5)
+        assert counts[k] == len(answer) and tok.decode(answer).startswith("\n")
 
 
 # --------------------------------------------------------------------------------------------- doctests

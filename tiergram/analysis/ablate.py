@@ -61,6 +61,8 @@ class GenerationResult:
     exact_match: Estimate
     delta_vs_none: Estimate  # paired over tasks
     mean_generated_tokens: float
+    answer_loss: Estimate | None = None  # teacher-forced nats per answer token, prompt = prefill
+    answer_loss_delta: Estimate | None = None  # vs none, paired over tasks
     answers: list[str] = field(default_factory=list)
 
 
@@ -74,22 +76,21 @@ class AblationReport:
     generation: list[GenerationResult]
     prefill_minus_decode: dict[str, Estimate]  # loss(prefill off) - loss(decode off), decode positions
     tasks: int
+    answer_prefill_minus_decode: Estimate | None = None  # the same on the doctest answers
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return asdict(self)
 
 
-def keep_mask(lengths: list[int], t: int, setting: Setting) -> torch.Tensor:
-    """Bool [B, T]: True where Engram stays on for windows of these lengths."""
-    pos = torch.arange(t)[None, :]
-    half = torch.tensor([n // 2 for n in lengths])[:, None]
-    prefill = pos < half
-    return torch.where(prefill, setting.prefill_on, setting.decode_on)
+def keep_mask(prefill: list[int], t: int, setting: Setting) -> torch.Tensor:
+    """Bool [B, T]: True where Engram stays on, for rows whose first prefill[b] positions are the prefill."""
+    is_prefill = torch.arange(t)[None, :] < torch.tensor(prefill)[:, None]
+    return torch.where(is_prefill, setting.prefill_on, setting.decode_on)
 
 
 @torch.no_grad()
-def setting_losses(model: EngramLM, x: torch.Tensor, y: torch.Tensor, lengths: list[int],
+def setting_losses(model: EngramLM, x: torch.Tensor, y: torch.Tensor, prefill: list[int],
                    setting: Setting) -> torch.Tensor:
     """Per-position next-token loss [B, T] (float64, 0 at padding) with Engram off where the setting says."""
     device = next(model.parameters()).device
@@ -98,7 +99,7 @@ def setting_losses(model: EngramLM, x: torch.Tensor, y: torch.Tensor, lengths: l
     elif not setting.prefill_on and not setting.decode_on:
         logits, _ = model(x.to(device), engram_enabled=False)
     else:
-        keep = keep_mask(lengths, x.shape[1], setting).to(device)
+        keep = keep_mask(prefill, x.shape[1], setting).to(device)
         hooks = EngramHooks(record=False, keep={layer: keep for layer in model.engram_layers})
         with hooks.installed(model):
             logits, _ = model(x.to(device))
@@ -151,14 +152,14 @@ def ablate_loss(model: EngramLM, windows: list[Window], *, batch_size: int = 8,
     sums = {s.name: np.zeros((2, n_docs)) for s in settings}
     counts = np.zeros((2, n_docs))
     for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="ablate", unit="batch", disable=not progress):
-        lengths = [len(windows[i].inputs) for i in idx]
-        decode = ~keep_mask(lengths, x.shape[1], Setting("", True, False)).numpy()
+        prefill = [len(windows[i].inputs) // 2 for i in idx]
+        decode = ~keep_mask(prefill, x.shape[1], Setting("", True, False)).numpy()
         valid = (y != -100).numpy()
         for j, i in enumerate(idx):
             counts[0, windows[i].doc] += valid[j].sum()
             counts[1, windows[i].doc] += (valid[j] & decode[j]).sum()
         for s in settings:
-            loss = setting_losses(model, x, y, lengths, s).numpy() * valid
+            loss = setting_losses(model, x, y, prefill, s).numpy() * valid
             for j, i in enumerate(idx):
                 sums[s.name][0, windows[i].doc] += loss[j].sum()
                 sums[s.name][1, windows[i].doc] += loss[j][decode[j]].sum()
@@ -212,14 +213,58 @@ def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask],
     return results
 
 
+def task_ids(tokenizer: Any, task: DoctestTask, budget: int) -> tuple[list[int], list[int]]:
+    """(prompt ids with a leading <|endoftext|>, cut to fit the budget, answer ids): the answer is the newline
+    the prompt stops before plus the indented expected output, tokenized on its own (BPE splits there)."""
+    from tiergram.corpus import EOT
+
+    eot = tokenizer.token_to_id(EOT)
+    pad = " " * task.indent
+    answer = tokenizer.encode("\n" + "\n".join(pad + line for line in task.expected.split("\n"))).ids
+    ids = tokenizer.encode(task.prompt).ids
+    keep = max(1, budget - len(answer) - 1)
+    return ([eot] if eot is not None else []) + ids[max(0, len(ids) - keep):], answer
+
+
+@torch.no_grad()
+def answer_losses(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, batch_size: int = 8,
+                  settings: tuple[Setting, ...] = SETTINGS) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """({setting: summed answer-token loss per task}, answer tokens per task), teacher-forced, with the
+    prompt as the prefill and the answer as the decode."""
+    pairs = [task_ids(tokenizer, t, model.config.max_seq) for t in tasks]
+    sums = {s.name: np.zeros(len(tasks)) for s in settings}
+    counts = np.array([len(a) for _, a in pairs], dtype=np.float64)
+    for b in range(0, len(tasks), batch_size):
+        chunk = pairs[b:b + batch_size]
+        t = max(len(p) + len(a) for p, a in chunk) - 1
+        x = torch.zeros(len(chunk), t, dtype=torch.int64)
+        y = torch.full((len(chunk), t), -100, dtype=torch.int64)
+        for j, (p, a) in enumerate(chunk):
+            seq = torch.tensor(p + a)
+            x[j, :len(seq) - 1] = seq[:-1]
+            y[j, len(p) - 1:len(seq) - 1] = seq[len(p):]  # only the answer tokens are scored
+        prefill = [len(p) for p, _ in chunk]
+        for s in settings:
+            loss = setting_losses(model, x, y, prefill, s).numpy()
+            sums[s.name][b:b + len(chunk)] = loss.sum(1)
+    return sums, counts
+
+
 def ablate(model: EngramLM, windows: list[Window], tokenizer: Any, tasks: list[DoctestTask], *,
            model_name: str = "", split: str = "", batch_size: int = 8, max_new: int = 16,
            progress: bool = False) -> AblationReport:
     """Both measurements for the four settings."""
     sums = ablate_loss(model, windows, batch_size=batch_size, progress=progress)
     gen = ablate_generation(model, tokenizer, tasks, max_new=max_new, progress=progress) if tasks else []
-    return AblationReport(model=model_name, split=split, loss=sums.results(), generation=gen,
-                          prefill_minus_decode=sums.delta("decode", "prefill", 1), tasks=len(tasks))
+    report = AblationReport(model=model_name, split=split, loss=sums.results(), generation=gen,
+                            prefill_minus_decode=sums.delta("decode", "prefill", 1), tasks=len(tasks))
+    if tasks:
+        asums, acounts = answer_losses(model, tokenizer, tasks, batch_size=batch_size)
+        for g in gen:
+            g.answer_loss = ratio_estimate(asums[g.setting], acounts)
+            g.answer_loss_delta = paired_ratio_delta(asums["none"], asums[g.setting], acounts)
+        report.answer_prefill_minus_decode = paired_ratio_delta(asums["decode"], asums["prefill"], acounts)
+    return report
 
 
 def _est(e: Estimate, signed: bool = False) -> str:
@@ -262,10 +307,19 @@ def to_markdown(report: AblationReport) -> str:
               ", ".join(f"{c} {_est(e, True)}" for c, e in report.prefill_minus_decode.items()) + ".", "",
               f"**{verdict(report)}.**", ""]
     if report.generation:
-        lines += [f"## Generation: {report.tasks} stdlib doctest outputs (held-out splits), greedy, exact match", "",
-                  "| Engram off in | exact match | Δ vs none | mean generated tokens |", "|---|---|---|---|"]
+        lines += [f"## Generation: {report.tasks} stdlib doctest outputs (held-out splits)", "",
+                  "Greedy generation with the prompt prefilled, scored by exact match; and the teacher-forced loss "
+                  "of the answer tokens with the prompt as prefill and the answer as decode (nats/token, intervals "
+                  "over tasks).", "",
+                  "| Engram off in | exact match | Δ vs none | mean generated tokens | answer loss | Δ vs none |",
+                  "|---|---|---|---|---|---|"]
         for g in report.generation:
+            al = "" if g.answer_loss is None else _est(g.answer_loss)
+            ad = "" if g.answer_loss_delta is None else _est(g.answer_loss_delta, True)
             lines.append(f"| {names.get(g.setting, g.setting)} | {_est(g.exact_match)} | "
-                         f"{_est(g.delta_vs_none, True)} | {g.mean_generated_tokens:.1f} |")
+                         f"{_est(g.delta_vs_none, True)} | {g.mean_generated_tokens:.1f} | {al} | {ad} |")
         lines.append("")
+        if report.answer_prefill_minus_decode is not None:
+            lines += ["Answer loss, off-in-prefill minus off-in-decode: "
+                      f"{_est(report.answer_prefill_minus_decode, True)}.", ""]
     return "\n".join(lines)
