@@ -155,7 +155,8 @@ class SkipPredictor:
     @classmethod
     def load(cls, path: str | os.PathLike) -> SkipPredictor:
         """Read a predictor written by save()."""
-        z = np.load(path)
+        with np.load(path) as npz:
+            z = {k: npz[k] for k in npz.files}
         meta = json.loads(bytes(z["meta"]).decode())
         layers = {}
         for key, info in meta["layers"].items():
