@@ -94,6 +94,42 @@ class Placement:
 
 
 @dataclass
+class DegradePolicy:
+    """Under I/O pressure skip Engram reads before letting steps stall (docs/engine.md, "Degrade policy").
+
+    The engine keeps a moving average of the exposed prefetch stall per step. At or over stall_bound_s it goes
+    to level 1 (decode positions read no rows: Engram-off there), and after window_steps more steps still over
+    it to level 2 (prefill positions the predictor marks useless are skipped too; needs predictor_path). Below
+    stall_bound_s * recover_factor for window_steps steps at a level, it steps back down one level.
+    """
+
+    stall_bound_s: float | None = None  # None: off (level 0 always); 0: always over
+    window_steps: int = 8  # steps in the moving average, and the least steps spent at a level before leaving it
+    recover_factor: float = 0.5  # step down below bound * recover_factor
+    predictor_path: str | None = None  # a SkipPredictor .npz (tiergram predictor --save); None: no level 2
+
+    def __post_init__(self) -> None:
+        if self.stall_bound_s is not None and not self.stall_bound_s >= 0:
+            raise ValueError(f"DegradePolicy.stall_bound_s must be >= 0 or None (off), got {self.stall_bound_s}")
+        _positive_int("degrade.window_steps", self.window_steps)
+        if not 0 <= self.recover_factor <= 1:
+            raise ValueError(f"DegradePolicy.recover_factor must lie in [0, 1], got {self.recover_factor}")
+        if self.predictor_path is not None:
+            self.predictor_path = str(self.predictor_path)
+
+    @classmethod
+    def from_any(cls, obj: DegradePolicy | dict[str, Any] | None) -> DegradePolicy:
+        """A DegradePolicy from itself, a dict of its fields, or None (off)."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, DegradePolicy):
+            return obj
+        if isinstance(obj, dict):
+            return cls(**obj)
+        raise ValueError(f"degrade is a DegradePolicy, a dict or None, got {type(obj).__name__}")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs; placement and the device budget are configuration, not code."""
 
@@ -110,6 +146,7 @@ class EngineConfig:
     max_waiting: int = 256  # bounded waiting queue: add_request raises QueueFullError beyond
     num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
     eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
+    degrade: DegradePolicy = field(default_factory=DegradePolicy)  # off unless degrade.stall_bound_s is set
 
     def __post_init__(self) -> None:
         self.model_dir = str(self.model_dir)
@@ -117,6 +154,7 @@ class EngineConfig:
             self.placement = {int(k): Placement.from_any(v) for k, v in self.placement.items()}
         else:
             self.placement = Placement.from_any(self.placement)
+        self.degrade = DegradePolicy.from_any(self.degrade)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))
         if isinstance(self.max_waiting, bool) or int(self.max_waiting) != self.max_waiting or self.max_waiting < 0:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from tiergram.engine.block_manager import BlockManager
 from tiergram.engine.budget import Budget, activation_bytes, budget_bytes, kv_block_bytes, plan_budget
 from tiergram.engine.config import EngineConfig, Placement, SamplingParams
+from tiergram.engine.degrade import Degrader
 from tiergram.engine.metrics import EngineMetrics
 from tiergram.engine.model_runner import ModelRunner
 from tiergram.engine.sampler import sample
@@ -56,6 +57,7 @@ class LLMEngine:
         try:
             self.model = self._load(model_dir, mconfig, layers)
             self.budget: Budget = self._plan(total, mconfig)
+            self.degrader = Degrader(config.degrade)  # loads the skip predictor, if the policy names one
         except BaseException:
             self.close()
             raise
@@ -65,7 +67,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.budget.kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.sources, self.budget.kv_blocks, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.sources, self.budget.kv_blocks, config.block_size, self.device,
+                                  self.degrader)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
         self._lock = threading.Lock()
@@ -184,6 +187,7 @@ class LLMEngine:
             m["hash"] += result.hash_s
             for layer, s in result.stall_by_layer.items():
                 self._stall_by_layer[layer] += s
+            self.degrader.observe(result.stall_s, result.skipped_rows)  # the level the next step runs at
             m["last_time"] = time.perf_counter() - t0
             m["time"] += m["last_time"]
         return outputs
@@ -253,7 +257,8 @@ class LLMEngine:
                 last_step_stall_s=m["last_stall"], step_time_s=m["time"], last_step_time_s=m["last_time"],
                 budget=self.budget.as_dict(), prompt_tokens=m["prompt"], generation_tokens=m["generated"],
                 computed_tokens=m["computed"], num_finished=m["finished"], hash_time_s=m["hash"],
-                stall_by_layer_s=dict(self._stall_by_layer))
+                stall_by_layer_s=dict(self._stall_by_layer), degrade_level=self.degrader.level,
+                skipped_rows=self.degrader.skipped_rows, degrade_steps=dict(self.degrader.level_steps))
 
     def close(self) -> None:
         """Stop the tables' prefetch workers and release their tiers."""

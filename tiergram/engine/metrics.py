@@ -1,4 +1,4 @@
-"""Engine counters: queues, KV usage, preemptions, Engram reads, stall and step time."""
+"""Engine counters: queues, KV usage, preemptions, Engram reads, stall, step time and the degrade level."""
 
 from __future__ import annotations
 
@@ -29,3 +29,6 @@ class EngineMetrics:
     num_finished: int = 0
     hash_time_s: float = 0.0  # total: hashing row ids and starting prefetches at step entry
     stall_by_layer_s: dict[int, float] = field(default_factory=dict)  # total per Engram layer
+    degrade_level: int = 0  # the degrade policy's level now: 0 normal, 1 decode reads skipped, 2 + predicted
+    skipped_rows: int = 0  # Engram rows the degrade policy did not fetch (total)
+    degrade_steps: dict[int, int] = field(default_factory=dict)  # steps run at each degrade level

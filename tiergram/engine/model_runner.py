@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tiergram.engine.degrade import Degrader
 from tiergram.engine.layout import StepLayout, build_layout
 from tiergram.engine.sequence import Sequence
 from tiergram.engram import Engram
@@ -32,14 +33,16 @@ class StepResult:
     hash_s: float  # hashing + starting the prefetches
     forward_s: float  # the rest of the forward
     stall_by_layer: dict[int, float] = field(default_factory=dict)
+    skipped_rows: int = 0  # rows the degrade policy did not fetch (positions skipped x H, over the layers)
 
 
 class ModelRunner:
     """Owns the KV pool [n_layers, blocks * block_size, n_kv, hd] and runs steps with a model's modules."""
 
     def __init__(self, model: EngramLM, sources: dict[int, Any], num_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, degrader: Degrader | None = None) -> None:
         self.model = model
+        self.degrader = degrader  # the degrade policy: which positions skip their reads (None: none)
         self.sources = sources  # {layer: TieredTable | DeviceTable}: prefetch(row ids [N, H]) -> Ticket
         self.block_size = block_size
         self.device = device
@@ -59,7 +62,10 @@ class ModelRunner:
         model = self.model
         t0 = time.perf_counter()
         layout = build_layout(seqs, counts, self.block_size, self.device)
-        tickets = {layer: self.sources[layer].prefetch(ids) for layer, ids in self.row_ids(seqs, counts).items()}
+        row_ids = self.row_ids(seqs, counts)
+        keep = self.keep_masks(seqs, counts, row_ids)  # {layer: bool [N]} where the degrade policy skips reads
+        tickets = {layer: self.sources[layer].prefetch(ids if layer not in keep else ids[keep[layer]])
+                   for layer, ids in row_ids.items() if layer not in keep or keep[layer].any()}
         t1 = time.perf_counter()
         stall: dict[int, float] = {}
         try:
@@ -68,9 +74,13 @@ class ModelRunner:
             for i, block in enumerate(model.blocks):
                 if block.engram is not None:
                     w0 = time.perf_counter()
-                    rows = tickets.pop(i).wait()
+                    rows = tickets.pop(i).wait() if i in tickets else None
                     stall[i] = time.perf_counter() - w0
-                    x = x + self.engram(i, block.engram, x, rows.to(self.device), seqs, layout).to(x.dtype)
+                    mask = None
+                    if i in keep:  # skipped positions: zero rows, and a mask that zeroes their output
+                        rows = self.scatter_rows(block.engram, keep[i], rows)
+                        mask = torch.from_numpy(keep[i]).to(self.device, x.dtype)
+                    x = x + self.engram(i, block.engram, x, rows.to(self.device), seqs, layout, mask).to(x.dtype)
                 x = x + self.attention(i, block.attn, block.attn_norm(x), cos, sin, layout)
                 x = x + block.mlp(block.mlp_norm(x))
             h = model.norm(x[layout.last])  # [B, d]
@@ -79,7 +89,34 @@ class ModelRunner:
             for ticket in tickets.values():  # only after an error: abandon the fetches nobody will wait for
                 ticket.cancel()
         total_stall = sum(stall.values())
-        return StepResult(logits.float(), total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall)
+        skipped = sum(int((~k).sum()) * row_ids[layer].shape[1] for layer, k in keep.items())
+        return StepResult(logits.float(), total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall,
+                          skipped)
+
+    def keep_masks(self, seqs: list[Sequence], counts: list[int], row_ids: dict[int, np.ndarray]
+                   ) -> dict[int, np.ndarray]:
+        """{layer: bool [N], False = skip the position's reads} for the layers where the degrader skips any."""
+        if self.degrader is None or self.degrader.level == 0 or not row_ids:
+            return {}
+        positions = np.concatenate([np.arange(s.num_computed, s.num_computed + c) for s, c in zip(seqs, counts,
+                                                                                                   strict=True)])
+        decode = positions >= np.repeat([s.prompt_len for s in seqs], counts)  # generated tokens' positions
+        keep = {}
+        for layer, ids in row_ids.items():
+            skip = self.degrader.skip_positions(layer, ids, positions, decode)
+            if skip is not None:
+                keep[layer] = ~skip
+        return keep
+
+    @staticmethod
+    def scatter_rows(engram: Engram, keep: np.ndarray, fetched: torch.Tensor | None) -> torch.Tensor:
+        """Rows [N, H, D]: the fetched ones at the kept positions, zeros at the skipped ones."""
+        c = engram.config
+        dtype = fetched.dtype if fetched is not None else engram.value_proj.weight.dtype
+        rows = torch.zeros(len(keep), c.n_heads, c.dim, dtype=dtype, device=getattr(fetched, "device", None))
+        if fetched is not None:
+            rows[torch.from_numpy(keep).to(rows.device)] = fetched
+        return rows
 
     def row_ids(self, seqs: list[Sequence], counts: list[int]) -> dict[int, np.ndarray]:
         """{layer: int64 [N, H]} for the step's flat tokens, each chunk hashed after its sequence's lookback."""
@@ -122,12 +159,17 @@ class ModelRunner:
         return attn.wo(out.reshape(n, nh * hd))
 
     def engram(self, layer: int, engram: Engram, x: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence],
-               layout: StepLayout) -> torch.Tensor:
-        """x [N, d], rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence after its lookback."""
+               layout: StepLayout, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, d], rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence after its lookback.
+
+        mask [N] (1 keep, 0 skipped) zeroes the skipped positions' value (as the short conv sees it) and output.
+        """
         hidden, r = x[None, :, None, :], rows[None]  # [1, N, 1, d], [1, N, H, D]
         gates = engram.gates(hidden, rows=r)  # [1, N, 1]
         e = r.to(engram.value_proj.weight).flatten(-2)
         value = (gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2))[0]  # [N, 1, d]
+        if mask is not None:
+            value = value * mask.to(value.dtype)[:, None, None]
         if engram.short_conv is None:
             return value[:, 0]
         w = (engram.config.conv_kernel - 1) * engram.config.max_ngram_size
@@ -142,4 +184,6 @@ class ModelRunner:
             lookback = ctx[torch.arange(len(g.members), device=ctx.device)[:, None], keep]
             for j, b in enumerate(g.members):
                 seqs[b].conv[layer] = lookback[j]
+        if mask is not None:
+            out = out * mask.to(out.dtype)[:, None, None]
         return out[:, 0]

@@ -159,6 +159,8 @@ def engine_lines(m: Any) -> list[str]:
          (m.budget or {}).get("kv_blocks_affordable", 0)),
         ("tiergram_device_table_bytes", "Engram table bytes resident in device memory.",
          (m.budget or {}).get("device_table_bytes", 0)),
+        ("tiergram_degrade_level", "Degrade level: 0 normal, 1 decode Engram reads skipped, 2 also predicted-useless "
+         "prefill reads.", getattr(m, "degrade_level", 0)),
     ]
     lines: list[str] = []
     for name, help_, value in gauges:
@@ -172,12 +174,17 @@ def engine_lines(m: Any) -> list[str]:
         ("tiergram_engine_step_seconds_total", "Wall time inside steps that ran the model.", m.step_time_s),
         ("tiergram_engine_computed_tokens_total", "Tokens run through the model (recomputation included).",
          m.computed_tokens),
+        ("tiergram_engram_skipped_rows_total", "Engram rows the degrade policy did not fetch.",
+         getattr(m, "skipped_rows", 0)),
     ]
     for name, help_, value in counters:
         lines += _family(name, "counter", help_, [({}, float(value or 0))])
     tiers = sorted((engram.get("bytes_read") or {}).items())
     lines += _family("tiergram_engram_bytes_read_total", "counter", "Engram table bytes read, by tier.",
                      [({"tier": t}, float(v)) for t, v in tiers])
+    levels = sorted((getattr(m, "degrade_steps", None) or {}).items())
+    lines += _family("tiergram_degrade_steps_total", "counter", "Engine steps run at each degrade level.",
+                     [({"level": str(k)}, float(v)) for k, v in levels])
     return lines
 
 
