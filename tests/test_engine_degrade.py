@@ -17,13 +17,7 @@ from tiergram.model.checkpoint import load_pretrained
 from tiergram.model.generate import generate
 from tiergram.server.metrics import engine_lines, parse
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import cache_dir
+from tiergram.bench.common import cache_dir, save_figure
 from tiergram.cache.policies import belady_hit_rate
 from tiergram.cache.row_cache import RowCache
 from tiergram.hashing import NgramHasher, build_compression
@@ -382,11 +382,7 @@ def plot(res: CacheBenchResult, path: Path) -> Path:
                  f"{res.config.window}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def to_json(res: CacheBenchResult) -> str:

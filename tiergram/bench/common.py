@@ -58,3 +58,14 @@ def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random
         # scatter ranks over the table so hot rows are not adjacent (n-gram hashes are spread out)
         return ((ranks * 2654435761 + 12345) % rows).astype(np.int64)
     raise ValueError(f"unknown id distribution {dist!r} (valid: uniform, zipf)")
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

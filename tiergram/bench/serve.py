@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import cache_dir
+from tiergram.bench.common import cache_dir, save_figure
 
 PLACEMENTS = ("device", "host", "file")
 HOST_TARGET, FILE_TARGET = 0.97, 0.90
@@ -533,11 +533,7 @@ def plot(res: SweepResult, path: Path) -> Path:
                  " (labels: concurrency)", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def to_markdown(res: SweepResult) -> str:
