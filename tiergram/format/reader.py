@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,23 +57,10 @@ class TableFile:
             out = np.empty(m.data_bytes, dtype=np.uint8)
         if out.dtype != np.uint8 or out.size != m.data_bytes:
             raise ValueError(f"buffer must be uint8 [{m.data_bytes}], got {out.dtype} [{out.size}]")
-        bad: list[int] = []
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.data_offset)
-            bar = tqdm(total=m.n_pages, unit="page", unit_scale=True, disable=not progress,
-                       desc=f"loading {self.path.name}")
-            for p0 in range(0, m.n_pages, _CHUNK_PAGES):
-                n = min(_CHUNK_PAGES, m.n_pages - p0)
-                chunk = out[p0 * m.page_size:(p0 + n) * m.page_size]
-                got = f.readinto(memoryview(chunk))
-                while got < chunk.size:
-                    more = f.readinto(memoryview(chunk)[got:])
-                    if not more:
-                        raise TableFormatError(f"{self.path}: short read at page {p0 + got // m.page_size}")
-                    got += more
-                bad += _native.verify_pages(chunk, m.page_size, p0)
-                bar.update(n)
-            bar.close()
+        ps = m.page_size
+        bad, missing = self._scan(lambda p0, n: out[p0 * ps:(p0 + n) * ps], "loading", progress)
+        if missing is not None:
+            raise TableFormatError(f"{self.path}: short read at page {missing}")
         if bad:
             raise TableFormatError(f"{self.path}: {len(bad)} corrupt page(s), checksum mismatch at "
                                    f"page {_page_list(bad)}")
@@ -81,23 +69,44 @@ class TableFile:
     def verify(self, *, progress: bool = False) -> list[int]:
         """Check every page's trailer; returns the indices of bad pages (empty when sound)."""
         m = self.manifest
-        bad: list[int] = []
         buf = np.empty(_CHUNK_PAGES * m.page_size, dtype=np.uint8)
-        with open(self.path, "rb", buffering=0) as f:
+        bad, missing = self._scan(lambda p0, n: buf[: n * m.page_size], "verifying", progress)
+        if missing is not None:  # the file shrank since open: every page from there on is bad
+            bad += range(missing, m.n_pages)
+        return sorted(bad)
+
+    def _scan(self, buffer_for: Callable[[int, int], np.ndarray], verb: str,
+              progress: bool) -> tuple[list[int], int | None]:
+        """Read the data region a chunk at a time into buffer_for(first page, pages) and verify every page:
+        (bad page indices, first page the file ended before — None when it holds them all)."""
+        m = self.manifest
+        bad: list[int] = []
+        with open(self.path, "rb", buffering=0) as f, tqdm(
+                total=m.n_pages, unit="page", unit_scale=True, disable=not progress,
+                desc=f"{verb} {self.path.name}") as bar:
             f.seek(self.data_offset)
-            bar = tqdm(total=m.n_pages, unit="page", unit_scale=True, disable=not progress,
-                       desc=f"verifying {self.path.name}")
             for p0 in range(0, m.n_pages, _CHUNK_PAGES):
                 n = min(_CHUNK_PAGES, m.n_pages - p0)
-                chunk = buf[: n * m.page_size]
-                got = f.readinto(memoryview(chunk))
-                if got != chunk.size:
-                    bad += list(range(p0 + got // m.page_size, p0 + n))
-                    chunk = chunk[: got // m.page_size * m.page_size]
-                bad += _native.verify_pages(chunk, m.page_size, p0)
+                chunk = buffer_for(p0, n)
+                got = _read_fully(f, chunk)
+                whole = got // m.page_size
+                bad += _native.verify_pages(chunk[: whole * m.page_size], m.page_size, p0)
                 bar.update(n)
-            bar.close()
-        return sorted(bad)
+                if got < chunk.size:
+                    return bad, p0 + whole
+        return bad, None
+
+
+def _read_fully(f, buf: np.ndarray) -> int:
+    """readinto until buf is full or the file ends; returns the bytes read."""
+    view = memoryview(buf)
+    got = 0
+    while got < buf.size:
+        more = f.readinto(view[got:])
+        if not more:
+            break
+        got += more
+    return got
 
 
 def _page_list(pages: list[int], limit: int = 20) -> str:
