@@ -139,14 +139,18 @@ __attribute__((target("avx2"))) void fp8_row_avx2(const uint8_t *row, uint64_t d
     const __m256 scale_lo = _mm256_set1_ps(two_steps ? ue8m0_scale(e) : 1.0f);
     // fp8 has 4 significant bits, so with e >= 10 (no float32 subnormals) bf16 is the exact upper half
     const bool exact_bf16 = e >= 10;
-    for (uint64_t k = 0; k < 32; k += 8) {
-      const __m256 v = fp8x8_to_f32(row + 32 * b + k, scale_hi, scale_lo, two_steps);
-      if (out_f32) {
-        _mm256_storeu_ps(out_f32 + 32 * b + k, v);
-      } else {
-        const __m128i h = exact_bf16 ? f32x8_high_halves(v) : f32x8_to_bf16(v);
-        _mm_storeu_si128(reinterpret_cast<__m128i *>(out_bf16 + 32 * b + k), h);
-      }
+    // separate loops, not a select inside one: both sides are pure, so the compiler would compute both
+    if (out_f32) {
+      for (uint64_t k = 0; k < 32; k += 8)
+        _mm256_storeu_ps(out_f32 + 32 * b + k, fp8x8_to_f32(row + 32 * b + k, scale_hi, scale_lo, two_steps));
+    } else if (exact_bf16) {
+      for (uint64_t k = 0; k < 32; k += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(out_bf16 + 32 * b + k),
+                         f32x8_high_halves(fp8x8_to_f32(row + 32 * b + k, scale_hi, scale_lo, two_steps)));
+    } else {
+      for (uint64_t k = 0; k < 32; k += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(out_bf16 + 32 * b + k),
+                         f32x8_to_bf16(fp8x8_to_f32(row + 32 * b + k, scale_hi, scale_lo, two_steps)));
     }
   }
 }
