@@ -238,6 +238,40 @@ def test_cached_gather_hits_misses_and_fill(regions, codec, dtype):
     assert torch.equal(ref_cache, cache)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "tensor"])
+def test_cached_gather_without_fill_writes_nothing(regions, as_tensor):
+    """fill=None: misses are read from the table and the cache is left alone (the kernel once wrote each miss into
+    cache row `id`, out of bounds for a cache smaller than a head). Slots given as tensors are accepted too."""
+    r = regions[("fp8_e4m3", 32)]
+    cache = torch.zeros((64, r.layout.row_bytes), dtype=torch.uint8, device=DEV)  # > any id: a stray write lands
+    cache[:2] = 9
+    ids = random_ids(5, seed=11)
+    slots = np.full(15, -1, np.int64)
+    slots[[2, 6]] = [0, 1]
+    arg = torch.from_numpy(slots).to(DEV) if as_tensor else slots
+    got = gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, arg, block_rows=4,
+                                backend="triton")
+    want = r.expect(ids + OFFSETS, torch.float32).reshape(15, 32)
+    want[[2, 6]] = r.codec.decode(np.full((2, r.layout.row_bytes), 9, np.uint8), 32, torch.float32)
+    assert_bits(got.reshape(15, 32), want)
+    assert bool((cache[:2] == 9).all()) and not bool(cache[2:].any())
+    if as_tensor:
+        fill = torch.full((15,), -1, dtype=torch.int64, device=DEV)
+        fill[0] = 5
+        gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, arg, fill, backend="triton")
+        assert np.array_equal(cache[5].cpu().numpy(), r.rows[ids[0, 0] + OFFSETS[0]])
+
+
+def test_cuda_device_without_index_is_the_current_gpu(monkeypatch):
+    """device='cuda' must compare equal to the tensors' cuda:N, or every check of a device refuses them."""
+    from tiergram.kernels.gather import _kernel_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _kernel_device("cuda", None, None, None) == torch.device("cuda", 0)
+    assert _kernel_device(torch.device("cuda", 0), None, None, None) == torch.device("cuda", 0)
+    assert _kernel_device(None, None, np.zeros((1, 3)), torch.empty(1)) == torch.device("cpu")
+
+
 def test_cached_gather_refuses_bad_slots(regions):
     r = regions[("bf16", 32)]
     cache = torch.zeros((4, r.layout.row_bytes), dtype=torch.uint8, device=DEV)

@@ -79,7 +79,7 @@ def check_ids(ids: Ids, head_rows: np.ndarray) -> None:
 
 def check_slots(slots: Ids, capacity: int, n: int, name: str) -> None:
     """ValueError unless slots hold n values in -1 .. capacity-1."""
-    if slots.numel() if isinstance(slots, torch.Tensor) else slots.size != n:
+    if (slots.numel() if isinstance(slots, torch.Tensor) else slots.size) != n:
         raise ValueError(f"{name} must hold one slot per id ({n}), got shape {list(slots.shape)}")
     if n == 0:
         return
@@ -172,10 +172,13 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
         return
     br = block_rows or default_block_rows(layout.dim)
     bd = _next_pow2(layout.dim)
+    slots = slots if slots is not None else ids  # unread without a cache
+    # the kernel writes a row to its fill slot where fill >= 0 and slots < 0: without fill, slots stands in for it
+    # (never both), not the ids, which are >= 0 and would send every miss into cache row `id`
+    fill = fill if fill is not None else slots
     with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
         _kernels().gather_kernel[(-(-n // br),)](
-            data, ids, head_offsets, out, cache if cache is not None else data,
-            slots if slots is not None else ids, fill if fill is not None else ids,
+            data, ids, head_offsets, out, cache if cache is not None else data, slots, fill,
             n, h, layout.rows_per_page, layout.page_size, layout.row_bytes,
             D=layout.dim, BLOCK_D=bd, BLOCK_S=max(1, bd // 32), BLOCK_R=br, CODEC=layout.codec_id,
             ALIGN=layout.align, HAS_CACHE=cache is not None, OUT_BF16=out.dtype == torch.bfloat16,
@@ -183,13 +186,21 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
 
 
 def _kernel_device(device, out, ids, data) -> torch.device:
-    """The device the kernel runs on: given, else out's, else the ids', else the data's."""
+    """The device the kernel runs on: given, else out's, else the ids', else the data's ('cuda' gets its index,
+    the current GPU, so that it compares equal to the device of the tensors made there)."""
+    dev = None
     if device is not None:
-        return torch.device(device)
-    for t in (out, ids, data):
-        if isinstance(t, torch.Tensor):
-            return t.device
-    raise ValueError("no device to run on")
+        dev = torch.device(device)
+    else:
+        for t in (out, ids, data):
+            if isinstance(t, torch.Tensor):
+                dev = t.device
+                break
+    if dev is None:
+        raise ValueError("no device to run on")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _check_ids_array(ids: Ids, h: int) -> Ids:
