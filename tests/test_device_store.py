@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import CancelledError
 
 import torch
@@ -231,6 +232,32 @@ def test_gpu_prefetch_overlaps_on_a_side_stream(tables):
         doubled = rows * 2  # queued on the caller's stream after the event
         assert same(doubled, t.expect(ids) * 2)
         assert dt.pinned.registered and dt.pinned.tensor.is_pinned()
+
+
+@gpu_only
+def test_gpu_ids_on_the_device_may_be_dropped_after_prefetch(tables, monkeypatch):
+    """The side stream reads GPU ids after prefetch returns: the caller's stream must not get their memory back
+    (and overwrite it) before then. A sleep queued before the launch holds the read back."""
+    import tiergram.kernels.gather as gather
+
+    launch = gather.launch_unchecked
+
+    def late_launch(*a, **kw):
+        torch.cuda._sleep(200_000_000)  # on the side stream, the current one in the worker
+        launch(*a, **kw)
+
+    monkeypatch.setattr(gather, "launch_unchecked", late_launch)
+    t = tables["fp8_e4m3"]
+    with open_table(t, "host") as dt:
+        ids = draw((512,), seed=9)
+        dev_ids = torch.from_numpy(ids).to(DEV)
+        tk = dt.prefetch(dev_ids)
+        tk._future.result()  # enqueued; the worker dropped its reference
+        time.sleep(0.05)
+        del dev_ids
+        junk = torch.zeros(ids.shape, dtype=torch.int64, device=DEV)  # same size, the caller's stream: id 0
+        assert same(tk.wait(), t.expect(ids))
+        del junk
 
 
 @gpu_only

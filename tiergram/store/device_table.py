@@ -171,10 +171,13 @@ class DeviceTable:
             with torch.cuda.device(self.device) if self._cuda else nullcontext(), stream_ctx:
                 if ready is not None:
                     self._stream.wait_event(ready)
+                if self._cuda:  # memory the caller's stream owns, used here: not reused before this stream is past it
+                    out.record_stream(self._stream)
+                    if isinstance(ids, torch.Tensor):  # the caller may drop its ids once prefetch returns
+                        ids.record_stream(self._stream)
                 self._fetch(ids, out.view(-1, self.num_heads, self.dim), uniq, batch)
                 if not self._cuda:
                     return out, None
-                out.record_stream(self._stream)
                 done = torch.cuda.Event()
                 done.record(self._stream)
                 return out, done

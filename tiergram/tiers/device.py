@@ -15,6 +15,7 @@ import torch
 from tiergram import _native
 from tiergram.cache import RowCache
 from tiergram.format import TableFile
+from tiergram.kernels.gather import _to_device
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: visible to every context
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: mapped into the device address space (UVA)
@@ -200,10 +201,8 @@ class DeviceRowCache(RowCache):
 
     def set_tags(self, slots: np.ndarray, keys: np.ndarray) -> None:
         """Record on the device which key each filled slot holds (call on the stream of the filling launch)."""
-        if slots.size:
-            idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device, non_blocking=True)
-            val = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64)).to(self.device, non_blocking=True)
-            self.tags.index_copy_(0, idx, val)
+        if slots.size:  # through pinned memory: a non_blocking copy from pageable memory may wait for the stream
+            self.tags.index_copy_(0, _to_device(slots, self.device), _to_device(keys, self.device))
 
     def check_device_tags(self) -> None:
         """Assert the device tag array matches the host index (tests)."""
