@@ -5,7 +5,9 @@
 #   3. python -m tiergram.bench.gpu --json: pinned H2D and D2D copy limits, UVA / resident / HBM-cache gather
 #      bandwidth, the DeviceTable step, end-to-end decode when a model is given ($TIERGRAM_MODEL).
 # Figures: $OUT/gpu_check.json when $OUT is set, else build/gpu_check.json; the log sits next to them.
-# Exit status: 0 when the tests pass and the benchmark ran; the first failing step's status otherwise.
+# Exit status: 0 when the tests pass and every measurement ran; the first failing step's status otherwise
+# (124: a step ran out of time). Each step has a timeout, all of them together $TOTAL_TIMEOUT seconds; the
+# benchmark rewrites its JSON after every measurement, so a run cut short keeps what it measured.
 # GPU_CHECK_DRY_RUN=1 runs the plumbing on a CPU-only machine: no install, interpreted tests, a tiny benchmark.
 set -euo pipefail
 
@@ -14,14 +16,18 @@ DEST="${OUT:-build}"
 mkdir -p "$DEST"
 LOG="$DEST/gpu_check.log"
 : >"$LOG"
-PY="${PYTHON:-python}"
-INSTALL_TIMEOUT="${INSTALL_TIMEOUT:-200}"
+INSTALL_TIMEOUT="${INSTALL_TIMEOUT:-150}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-150}"
-BENCH_TIMEOUT="${BENCH_TIMEOUT:-180}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"
+TOTAL_TIMEOUT="${TOTAL_TIMEOUT:-470}"  # every step's timeout is cut to what is left of this (seconds)
+export PYTHONUNBUFFERED=1
 
 say() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 run() {  # run TIMEOUT CMD...: CMD under a timeout, its output to the terminal and the log; returns its status
     local t="$1"; shift
+    local left=$((TOTAL_TIMEOUT - SECONDS - 12))
+    if [ "$left" -lt "$t" ]; then t="$left"; fi
+    if [ "$t" -le 0 ]; then say "no time left for: $*"; return 124; fi
     set +e
     timeout --kill-after=10 "$t" "$@" 2>&1 | tee -a "$LOG"
     local rc="${PIPESTATUS[0]}"
@@ -29,9 +35,19 @@ run() {  # run TIMEOUT CMD...: CMD under a timeout, its output to the terminal a
     return "$rc"
 }
 
+# the interpreter: $PYTHON, else the first of python3 / python that imports torch (a GPU image may have no
+# `python`, or one without torch)
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    for cand in python3 python; do
+        if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import torch' >/dev/null 2>&1; then PY="$cand"; break; fi
+    done
+    PY="${PY:-python3}"
+fi
+
 DRY="${GPU_CHECK_DRY_RUN:-0}"
 BENCH_ARGS=()
-say "python: $($PY -c 'import sys; print(sys.version.split()[0])')"
+say "python: $PY $($PY -c 'import sys; print(sys.version.split()[0])' 2>&1)"
 if [ "$DRY" = 1 ]; then
     say "dry run: CPU only, no install, tiny benchmark"
     BENCH_ARGS=(--device cpu --small --backend torch)
@@ -47,7 +63,9 @@ if [ "$DRY" != 1 ]; then
 fi
 
 # 1. install: the dev extra when triton is missing; offline machines keep what they have (--no-deps retry)
+# (--no-build-isolation: scikit-build-core, nanobind, cmake and ninja must be installed already; nothing is fetched)
 install_rc=0
+with_deps=0
 if [ "$DRY" = 1 ]; then
     say "dry run: using the installed package"
 elif $PY -c 'import triton' 2>/dev/null; then
@@ -55,9 +73,10 @@ elif $PY -c 'import triton' 2>/dev/null; then
     run "$INSTALL_TIMEOUT" $PY -m pip install --no-build-isolation --no-deps -e . || install_rc=$?
 else
     say "installing with the dev extra (triton)"
+    with_deps=1
     run "$INSTALL_TIMEOUT" $PY -m pip install --no-build-isolation -e '.[dev]' || install_rc=$?
 fi
-if [ "$install_rc" -ne 0 ]; then
+if [ "$install_rc" -ne 0 ] && [ "$with_deps" = 1 ]; then  # the same command again would fail the same way
     say "install failed ($install_rc); retrying without dependencies"
     install_rc=0
     run "$INSTALL_TIMEOUT" $PY -m pip install --no-build-isolation --no-deps -e . || install_rc=$?
@@ -71,8 +90,9 @@ fi
 unset TRITON_INTERPRET
 say "tests"
 tests_rc=0
-run "$TEST_TIMEOUT" $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_device_store.py \
-    || tests_rc=$?
+# -v names each test as it starts, and faulthandler dumps every thread's stack after 60 s: a hang is located
+run "$TEST_TIMEOUT" $PY -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 --durations=5 \
+    tests/test_kernels.py tests/test_device_store.py || tests_rc=$?
 say "tests finished with status $tests_rc"
 
 # 3. the benchmark (runs even when a test failed: its figures still say something)

@@ -282,3 +282,28 @@ def test_gpu_bench_code_paths_on_cpu(tmp_path):
     assert "pinned H2D" in gpu.summary(report)
     assert gpu.main(["--device", "cpu", "--small", "--backend", "torch", "--out", str(tmp_path / "r.json")]) == 0
     assert (tmp_path / "r.json").is_file()
+
+
+def test_gpu_bench_reports_a_failed_measurement_and_goes_on(tmp_path, monkeypatch):
+    """One call on a GPU machine: a measurement that raises (e.g. registration refused) must not lose the others,
+    and the JSON is written after every measurement (a run killed by its timeout keeps what it measured)."""
+    import json
+
+    from tiergram.bench import gpu
+
+    def refuse(*a, **kw):
+        raise RuntimeError("cudaHostRegister failed")
+
+    monkeypatch.setattr(gpu, "PinnedHost", refuse)
+    monkeypatch.setattr(gpu, "store_step", refuse)
+    seen = []
+    cfg = gpu.GpuBenchConfig(device="cpu", table_mib=1, positions=16, copy_mib=1, cache_rows=256, reps=1,
+                             store_rows=64, store_steps=2, backend="torch")
+    report = gpu.run(cfg, progress=lambda r: seen.append(sorted(r)))
+    assert report["device_gather"]["GBps"] > 0 and report["pinned_h2d_GBps"] > 0 and "skipped" in report["decode"]
+    assert set(report["errors"]) == {"uva_gather", "hbm_cache_gather", "hbm_cache_mixed", "store_step"}
+    assert "cudaHostRegister failed" in report["uva_gather"]["error"] and len(seen) >= 3
+    assert "uva_gather: registering the table failed" in gpu.summary(report)
+    out = tmp_path / "r.json"
+    assert gpu.main(["--device", "cpu", "--small", "--backend", "torch", "--out", str(out)]) == 1
+    assert "store_step" in json.loads(out.read_text())["errors"]

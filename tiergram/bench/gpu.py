@@ -192,39 +192,77 @@ def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
     return result
 
 
-def run(cfg: GpuBenchConfig) -> dict:
-    """Every measurement; figures in GB/s (1e9 bytes/s) and ratios against the limits above."""
+def run(cfg: GpuBenchConfig, progress: Callable[[dict], object] | None = None) -> dict:
+    """Every measurement; figures in GB/s (1e9 bytes/s) and ratios against the limits above.
+
+    A measurement that raises is reported as {"error": ...} (and under "errors") and the others still run;
+    `progress(report)` is called after each one, so a run stopped part way keeps what it measured.
+    """
     dev = resolve_device(cfg.device)
     report: dict = {"config": asdict(cfg), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                    "backend": pick_backend(dev, cfg.backend), "torch": torch.__version__}
-    report.update(copy_limits(cfg, dev))
+                    "backend": pick_backend(dev, cfg.backend), "torch": torch.__version__, "errors": {}}
+
+    def section(key: str, fn: Callable[[], dict], merge: bool = False) -> dict | None:
+        try:
+            result = fn()
+        except Exception as e:  # a benchmark reports what it could not measure and goes on
+            report["errors"][key] = f"{type(e).__name__}: {e}"
+            report[key] = {"error": report["errors"][key]}
+            result = None
+        else:
+            if merge:
+                report.update(result)
+            else:
+                report[key] = result
+        if progress is not None:
+            progress(report)
+        return result
+
+    def per(value: float, limit: str) -> float | None:
+        return value / report[limit] if report.get(limit) else None
+
+    section("copy_limits", lambda: copy_limits(cfg, dev), merge=True)
     region = Region(cfg)
     report["table_bytes"] = int(region.data.nbytes)
     configs = [(br, nw) for br in (4, 8, 16, 32) for nw in (4, 8)] if dev.type == "cuda" else [(8, 4)]
-    pinned = PinnedHost(region.data, dev)
+
+    def device_gather() -> dict:
+        g = gather_sweep(region, torch.from_numpy(region.data).to(dev), dev, cfg, configs)
+        return {**g, "moved_ratio_to_d2d": per(g["moved_GBps"], "d2d_copy_GBps")}
+
+    section("device_gather", device_gather)
     try:
-        uva = gather_sweep(region, pinned.tensor, dev, cfg, configs)
-        uva["ratio_to_pinned_h2d"] = uva["GBps"] / report["pinned_h2d_GBps"]
-        uva["target"] = UVA_TARGET
-        uva["meets_target"] = uva["ratio_to_pinned_h2d"] >= UVA_TARGET
-        report["uva_gather"] = uva
-        resident = torch.from_numpy(region.data).to(dev)
-        dev_g = gather_sweep(region, resident, dev, cfg, configs)
-        dev_g["moved_ratio_to_d2d"] = dev_g["moved_GBps"] / report["d2d_copy_GBps"]
-        report["device_gather"] = dev_g
-        del resident
-        hits = gather_sweep(region, pinned.tensor, dev, cfg, configs, **cache_args(region, cfg, dev, 1.0))
-        hits["moved_ratio_to_d2d"] = hits["moved_GBps"] / report["d2d_copy_GBps"]
-        report["hbm_cache_gather"] = hits
-        mixed = gather_sweep(region, pinned.tensor, dev, cfg, configs,
-                             **cache_args(region, cfg, dev, cfg.mixed_hit_rate))
-        mixed["hit_rate"] = cfg.mixed_hit_rate
-        mixed["speedup_vs_uva"] = mixed["GBps"] / uva["GBps"]
-        report["hbm_cache_mixed"] = mixed
-    finally:
-        pinned.close()
-    report["store_step"] = store_step(cfg, dev)
-    report["decode"] = decode_throughput(cfg, dev)
+        pinned = PinnedHost(region.data, dev)
+    except Exception as e:  # no UVA figures; the rest still runs
+        why = f"registering the table failed: {type(e).__name__}: {e}"
+        for key in ("uva_gather", "hbm_cache_gather", "hbm_cache_mixed"):
+            report["errors"][key] = why
+            report[key] = {"error": why}
+        pinned = None
+    if pinned is not None:
+        host = pinned.tensor
+        try:
+            def uva_gather() -> dict:
+                g = gather_sweep(region, host, dev, cfg, configs)
+                r = per(g["GBps"], "pinned_h2d_GBps")
+                return {**g, "ratio_to_pinned_h2d": r, "target": UVA_TARGET,
+                        "meets_target": r is not None and r >= UVA_TARGET}
+
+            def cache_gather(hit_rate: float) -> dict:
+                g = gather_sweep(region, host, dev, cfg, configs, **cache_args(region, cfg, dev, hit_rate))
+                return {**g, "moved_ratio_to_d2d": per(g["moved_GBps"], "d2d_copy_GBps")}
+
+            def mixed_gather() -> dict:
+                g = cache_gather(cfg.mixed_hit_rate)
+                return {**g, "hit_rate": cfg.mixed_hit_rate, "speedup_vs_uva": g["GBps"] / uva["GBps"] if uva else None}
+
+            uva = section("uva_gather", uva_gather)
+            section("hbm_cache_gather", lambda: cache_gather(1.0))
+            section("hbm_cache_mixed", mixed_gather)
+        finally:
+            pinned.close()
+    section("store_step", lambda: store_step(cfg, dev))
+    section("decode", lambda: decode_throughput(cfg, dev))
     return report
 
 
@@ -235,15 +273,22 @@ def default_out() -> Path:
 
 def summary(r: dict) -> str:
     """A few human lines."""
-    lines = [f"device {r['device']} ({r['backend']}): pinned H2D {r['pinned_h2d_GBps']:.1f} GB/s, "
-             f"D2D {r['d2d_copy_GBps']:.1f} GB/s"]
+    lines = [f"device {r['device']} ({r['backend']}): pinned H2D {r.get('pinned_h2d_GBps', float('nan')):.1f} GB/s, "
+             f"D2D {r.get('d2d_copy_GBps', float('nan')):.1f} GB/s"]
     for key in ("uva_gather", "device_gather", "hbm_cache_gather", "hbm_cache_mixed"):
-        g = r[key]
+        g = r.get(key, {"error": "not measured"})
+        if "error" in g:
+            lines.append(f"{key}: {g['error']}")
+            continue
         extra = (f", {g['ratio_to_pinned_h2d']:.0%} of pinned H2D (target {UVA_TARGET:.0%})"
-                 if key == "uva_gather" else "")
+                 if key == "uva_gather" and g.get("ratio_to_pinned_h2d") is not None else "")
         lines.append(f"{key}: {g['GBps']:.1f} GB/s of rows, {g['rows_per_s'] / 1e6:.1f} M rows/s{extra}")
-    lines.append(f"store step: {r['store_step']['ms_per_step']:.2f} ms per {r['store_step']['positions']} positions")
-    lines.append(f"decode: {r['decode']}")
+    st = r.get("store_step", {"error": "not measured"})
+    lines.append(f"store step: {st['error']}" if "error" in st else
+                 f"store step: {st['ms_per_step']:.2f} ms per {st['positions']} positions")
+    lines.append(f"decode: {r.get('decode')}")
+    if r.get("errors"):
+        lines.append(f"errors: {r['errors']}")
     return "\n".join(lines)
 
 
@@ -262,13 +307,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = GpuBenchConfig.small(a.device) if a.small else GpuBenchConfig(device=a.device)
     cfg.model, cfg.backend = a.model, a.backend
-    report = run(cfg)
-    report["notes"] = dict(n.split("=", 1) for n in a.note if "=" in n)
+    notes = dict(n.split("=", 1) for n in a.note if "=" in n)
     out = a.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2) if a.json else summary(report))
+
+    def write(report: dict) -> None:  # after every measurement: a run killed part way keeps the figures so far
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps({**report, "notes": notes}, indent=2, default=str) + "\n")
+        tmp.replace(out)
+
+    report = run(cfg, progress=write)
+    report["notes"] = notes
+    write(report)
+    print(json.dumps(report, indent=2, default=str) if a.json else summary(report))
     print(f"written to {out}", file=sys.stderr)
+    if report["errors"]:
+        print(f"measurements that failed: {', '.join(report['errors'])}", file=sys.stderr)
+        return 1
     return 0
 
 
