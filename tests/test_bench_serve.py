@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from test_server import make_tiny_model
 
-from tiergram.bench.serve import Point, Trace, levels, pareto
+from tiergram.bench.serve import Point, Round, Timing, Trace, levels, pareto, summarize
 from tiergram.cli import main
 
 
@@ -44,6 +44,7 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     png, md = tmp_path / "fronts.png", tmp_path / "table.md"
     rc = main(["bench", "serve", str(model_dir), "--placements", "device,host,file", "--input-len", "24",
                "--output-len", "6", "--max-concurrency", "2", "--requests-per-user", "3", "--warmup-per-user", "1",
+               "--rounds", "2",
                "--source", "stdlib", "--plot", str(png), "--markdown", str(md), "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
@@ -52,13 +53,39 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     for p in res["points"]:
         for key in ("throughput_tok_s", "ttft_p90_ms", "itl_p90_ms", "interactivity_p90", "e2e_p99_ms"):
             assert p[key] > 0, (key, p)
-        assert p["requests"] == 3 * p["concurrency"]
+        assert p["requests"] == 3 * p["concurrency"] * 2  # 3 per user in each of 2 rounds
+        assert len(p["throughput_rounds"]) == 2 and p["throughput_tok_s"] == pytest.approx(
+            float(np.median(p["throughput_rounds"])), rel=1e-3)
         assert (p["engram_cache_hit_rate"] is not None) == (p["placement"] == "file")
+        assert (p["file_pages_per_s"] > 0) == (p["placement"] == "file")  # a 10% cache misses: pages are read
     assert set(res["fronts"]) == {"device", "host", "file"} and all(res["fronts"].values())
     checks = res["checks"]
     assert set(checks["host_vs_device"]["ratios"]) == {"1", "2"} and "passed" in checks["host_vs_device"]
     assert set(checks["file_vs_host"]["ratios"]) == {"1", "2"} and checks["file_vs_host"]["cache_fraction"] == 0.1
     assert checks["budget"]["binds"] is False
+    assert set(res["disk_pages_per_s"]) == {"before", "after"} and min(res["disk_pages_per_s"].values()) > 0
+    assert set(checks["file_vs_host"]["file_pages_per_s"]) == {"1", "2"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = md.read_text()
     assert table.startswith("| placement | concurrency | throughput tok/s") and table.count("\n") == 2 + 6
+
+
+def test_summarize_takes_the_median_round_and_pools_the_rest():
+    def timings(n: int, prompt: int, out: int) -> list[Timing]:
+        return [Timing(0.01, [0.002] * (out - 1), 0.05, prompt, out) for _ in range(n)]
+
+    def metrics(probes: float, hits: float, file_bytes: float) -> dict[str, float]:
+        return {"tiergram_engram_cache_probes_total": probes, "tiergram_engram_cache_hits_total": hits,
+                'tiergram_engram_bytes_read_total{tier="file"}': file_bytes}
+
+    zero = metrics(0, 0, 0)
+    rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10)),  # 100 tok/s
+              Round(timings(4, 20, 5), 0.5, zero, metrics(100, 50, 4096 * 20)),  # 200 tok/s
+              Round(timings(4, 20, 5), 2.0, zero, metrics(200, 40, 4096 * 5))]  # 50 tok/s
+    p = summarize("file", 4, rounds)
+    assert p.throughput_rounds == [100.0, 200.0, 50.0] and p.throughput_tok_s == 100.0  # the median, not the mean
+    assert p.output_tok_s == pytest.approx(20.0)  # the output share (5 of 25 tokens) of that throughput
+    assert p.requests == 12 and p.duration_s == 3.5
+    assert p.engram_cache_hit_rate == pytest.approx(120 / 400)  # counters summed over the rounds
+    assert p.file_pages_per_s == pytest.approx(35 / 3.5)
+    assert p.itl_p90_ms == pytest.approx(2.0) and p.ttft_p50_ms == pytest.approx(10.0)

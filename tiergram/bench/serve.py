@@ -1,17 +1,20 @@
 """`tiergram bench serve`: throughput against interactivity of the real server, per table placement.
 
-The InferenceX method: for each placement a real `tiergram serve` process is started on a free loopback
-port, and a closed loop of `c` streaming HTTP clients (httpx, async) runs at c = 1, 2, 4, ... up to the
-engine's limit (max_num_seqs, or the sequences the K/V budget holds). Each point runs 2c warm-up requests,
-then 10c measured ones. Input and output lengths are drawn uniformly from [0.8 L, L]; prompts and outputs
-are replayed from held-out real text (the corpus's test split, or the Python stdlib's source), the output
-forced token by token from the trace, so every placement serves the same tokens.
+The InferenceX method: for each placement a real `tiergram serve` process is started on a free loopback port,
+and a closed loop of `c` streaming HTTP clients (httpx, async) runs at c = 1, 2, 4, ... up to the engine's
+limit (max_num_seqs, or the sequences the K/V budget holds). Each point runs 2c warm-up requests, then 3
+rounds of 4c measured ones; in each round the placements take turns (in rotating order) on the same requests,
+and a point's throughput is its median round, so a drift of this machine's speed (other jobs, a throttled
+disk) cannot favour the placement measured first. Input and output lengths are drawn uniformly from [0.8 L,
+L]; prompts and outputs are replayed from held-out real text (the corpus's test split, or the Python stdlib's
+source), the output forced token by token from the trace, so every placement serves the same tokens.
 
 Per point: TTFT, inter-token latency (ITL) and end-to-end latency p50/p90/p99 as the client sees them,
 interactivity (tokens/s per user = 1000 / ITL ms; `interactivity_p90` = 1000 / ITL p90), total throughput
 (prompt + output tokens per second of the measured phase), and from /metrics deltas the Engram cache hit
-rate and the exposed prefetch stall. Per placement the pareto front keeps the points no other point beats
-on both throughput and interactivity.
+rate, the exposed prefetch stall and the file tier's page reads per second, which the checks set against the
+disk's own limit (the native reader at queue depth 128) measured before and after the sweep. Per placement
+the pareto front keeps the points no other point beats on both throughput and interactivity.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,11 +51,12 @@ class SweepConfig:
     input_len: int = 128
     output_len: int = 32
     max_concurrency: int = 64
-    requests_per_user: int = 10  # measured requests per point = this x concurrency
-    warmup_per_user: int = 2  # warm-up requests per point = this x concurrency
+    requests_per_user: int = 4  # measured requests per point and round = this x concurrency
+    warmup_per_user: int = 2  # warm-up requests per point = this x concurrency (before the first round)
+    rounds: int = 3  # interleaved rounds per point: each placement in turn serves the same requests
     device_memory: int | None = None  # device memory budget of the engine (bytes)
     cache_fraction: float = 0.10  # file placement: host cache per layer, as a fraction of that layer's table
-    cache_policy: str = "lookahead"
+    cache_policy: str = "lru"  # the engine announces one step ahead: lookahead adds cost, not hits
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
@@ -66,8 +71,10 @@ class SweepConfig:
         bad = [p for p in self.placements if p not in PLACEMENTS]
         if bad or not self.placements:
             raise ValueError(f"unknown placements {bad} (valid: {', '.join(PLACEMENTS)})")
-        if self.input_len < 1 or self.output_len < 1 or self.max_concurrency < 1:
-            raise ValueError("input_len, output_len and max_concurrency must be >= 1")
+        if min(self.input_len, self.output_len, self.max_concurrency, self.requests_per_user, self.rounds) < 1:
+            raise ValueError("input_len, output_len, max_concurrency, requests_per_user and rounds must be >= 1")
+        if self.warmup_per_user < 0:
+            raise ValueError(f"warmup_per_user must be >= 0, got {self.warmup_per_user}")
         if not 0 < self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
 
@@ -96,6 +103,8 @@ class Point:
     engram_cache_hit_rate: float | None
     exposed_stall_s: float
     engram_bytes_read: dict[str, float] = field(default_factory=dict)
+    throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
+    file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
 
 
 @dataclass
@@ -109,6 +118,7 @@ class SweepResult:
     servers: dict[str, dict[str, Any]]
     checks: dict[str, Any]
     seconds: float
+    disk_pages_per_s: dict[str, float] = field(default_factory=dict)  # the disk's limit before/after the sweep
     plot: str | None = None
 
 
@@ -319,32 +329,49 @@ def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def summarize(placement: str, concurrency: int, timings: list[Timing], wall_s: float, before: dict[str, float],
-              after: dict[str, float]) -> Point:
-    """A point's statistics from its measured requests and the /metrics samples around them."""
+@dataclass
+class Round:
+    """One placement's share of one round: its requests' timings, the wall time, /metrics around it."""
+
+    timings: list[Timing]
+    wall_s: float
+    before: dict[str, float]
+    after: dict[str, float]
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.output_tokens + t.prompt_tokens for t in self.timings)
+
+
+def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: int = 4096) -> Point:
+    """A point from its rounds: throughput is the median round's; latencies pool every request; counters sum."""
+    timings = [t for r in rounds for t in r.timings]
+    wall_s = sum(r.wall_s for r in rounds)
     ttft = [t.ttft_s * 1e3 for t in timings]
     itl = [g * 1e3 for t in timings for g in t.gaps_s]
     e2e = [t.e2e_s * 1e3 for t in timings]
-    out_tokens = sum(t.output_tokens for t in timings)
-    tokens = out_tokens + sum(t.prompt_tokens for t in timings)
-    lookups = _delta(after, before, "tiergram_engram_cache_probes_total")
-    if lookups > 0:
-        hit = _delta(after, before, "tiergram_engram_cache_hits_total") / lookups
-    else:
-        hit = None  # no cache (or nothing probed): no hit rate
-    tiers = {k.split('tier="')[1].rstrip('"}'): _delta(after, before, k) for k in after
-             if k.startswith("tiergram_engram_bytes_read_total{")}
+    per_round = [r.tokens / r.wall_s for r in rounds]
+    out_share = sum(t.output_tokens for t in timings) / max(1, sum(r.tokens for r in rounds))
+
+    def total(key: str) -> float:
+        return sum(_delta(r.after, r.before, key) for r in rounds)
+
+    lookups = total("tiergram_engram_cache_probes_total")
+    hit = total("tiergram_engram_cache_hits_total") / lookups if lookups > 0 else None  # None: no cache
+    keys = {k for r in rounds for k in r.after if k.startswith("tiergram_engram_bytes_read_total{")}
+    tiers = {k.split('tier="')[1].rstrip('"}'): total(k) for k in sorted(keys)}
     itl50, itl90 = _pct(itl, 50), _pct(itl, 90)
+    throughput = float(np.median(per_round))
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
-                 throughput_tok_s=tokens / wall_s, output_tok_s=out_tokens / wall_s,
+                 throughput_tok_s=throughput, output_tok_s=throughput * out_share,
                  ttft_p50_ms=_pct(ttft, 50), ttft_p90_ms=_pct(ttft, 90), ttft_p99_ms=_pct(ttft, 99),
                  itl_p50_ms=itl50, itl_p90_ms=itl90, itl_p99_ms=_pct(itl, 99),
                  e2e_p50_ms=_pct(e2e, 50), e2e_p90_ms=_pct(e2e, 90), e2e_p99_ms=_pct(e2e, 99),
                  interactivity_p50=1000 / itl50 if itl50 > 0 else float("nan"),
                  interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
-                 engram_cache_hit_rate=hit,
-                 exposed_stall_s=_delta(after, before, "tiergram_engram_exposed_stall_seconds_total"),
-                 engram_bytes_read=tiers)
+                 engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
+                 engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
+                 file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0)
 
 
 # ----------------------------------------------------------------------------------------------- the sweep
@@ -358,8 +385,8 @@ def levels(limit: int, max_concurrency: int) -> list[int]:
     return out if out[-1] == cap else [*out, cap]
 
 
-def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
-    """Bytes of each Engram layer's table file (exported first, as the engine would, when missing)."""
+def layer_tables(model_dir: str, codec: str = "fp8_e4m3") -> list[Path]:
+    """Each Engram layer's table file (exported first, as the engine would, when missing)."""
     from tiergram.engine.tables import export_dir_for
     from tiergram.model.checkpoint import read_config
     from tiergram.model.export import table_filename
@@ -368,7 +395,24 @@ def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
     if not engram:
         raise ValueError(f"{model_dir} has no Engram layers: there is no table to place")
     src = export_dir_for(Path(model_dir), sorted(engram["layers"]), {codec})
-    return [(src / table_filename(layer, codec)).stat().st_size for layer in sorted(engram["layers"])]
+    return [src / table_filename(layer, codec) for layer in sorted(engram["layers"])]
+
+
+def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
+    """Bytes of each Engram layer's table file."""
+    return [path.stat().st_size for path in layer_tables(model_dir, codec)]
+
+
+def disk_limit(path: Path, seconds: float = 1.0) -> float:
+    """Random 4 KiB-page reads per second the disk gives the native reader at queue depth 128 (O_DIRECT)."""
+    from tiergram.bench.file_lookup import LimitReader
+    from tiergram.format import TableFile
+
+    reader = LimitReader(TableFile.open(path), 128)
+    try:
+        return reader.segment(seconds).figures()["pages_per_s"]
+    finally:
+        reader.close()
 
 
 def pareto(points: list[Point]) -> list[Point]:
@@ -386,29 +430,40 @@ def _log(progress: bool, msg: str) -> None:
 
 
 def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
-    """Sweep every placement; the result holds the points, fronts and checks (plot/markdown written if asked)."""
+    """Sweep every placement; the result holds the points, fronts and checks (plot/markdown written if asked).
+
+    Every placement's server runs from the start; at each concurrency the placements take turns, round by round
+    (the order rotating), on the same requests, so that a drift of the machine's speed hits them all alike.
+    """
+    import httpx
+
     from tiergram.model.checkpoint import load_tokenizer_of
 
     t_start = time.perf_counter()
+    tables = layer_tables(cfg.model_dir)  # (exports when needed)
     # the cache is per layer (one Placement serves every layer): a fraction of the smallest layer's table
-    cache_bytes = int(cfg.cache_fraction * min(layer_table_bytes(cfg.model_dir)))  # (exports when needed)
+    cache_bytes = int(cfg.cache_fraction * min(path.stat().st_size for path in tables))
     tokenizer = load_tokenizer_of(cfg.model_dir)
     if tokenizer is None:
         raise ValueError(f"{cfg.model_dir} has no tokenizer.json to tokenize the trace with")
     max_levels = levels(cfg.max_num_seqs, cfg.max_concurrency)
-    per_user = cfg.requests_per_user + cfg.warmup_per_user
+    per_user = cfg.requests_per_user * cfg.rounds + cfg.warmup_per_user
     need = sum(per_user * c for c in max_levels) * (cfg.input_len + cfg.output_len)
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
     _log(progress, f"trace: {len(tokens)} tokens of the {source}")
+    disk: dict[str, float] = {}
+    if "file" in cfg.placements:
+        disk["before"] = disk_limit(tables[0])
+        _log(progress, f"disk limit (native reader, QD128, O_DIRECT): {disk['before']:.0f} pages/s")
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
-    for placement in cfg.placements:
-        trace = Trace(tokens, cfg.input_len, cfg.output_len, cfg.seed)  # every placement replays the same text
-        cb = cache_bytes if placement == "file" else 0
-        _log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
-        with ServerProcess(cfg, placement, cb, max_waiting=max(256, 2 * cfg.max_concurrency)) as server:
-            import httpx
-
+    live: dict[str, tuple[str, str, list[int]]] = {}  # placement -> (url, model name, its concurrency levels)
+    with ExitStack() as stack:
+        for placement in cfg.placements:
+            cb = cache_bytes if placement == "file" else 0
+            _log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
+            waiting = max(256, 2 * cfg.max_concurrency)
+            server = stack.enter_context(ServerProcess(cfg, placement, cb, max_waiting=waiting))
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
             limit = min(cfg.max_num_seqs, int(health["kv_blocks_total"]) // blocks_per_seq)
@@ -418,20 +473,35 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 _log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
                                "sequence; skipped")
                 continue
-            for c in levels(limit, cfg.max_concurrency):
-                warm = trace.take(cfg.warmup_per_user * c)
-                measured = trace.take(cfg.requests_per_user * c)
-                asyncio.run(closed_loop(server.url, health["model"], warm, c))
-                before = scrape(server.url)
-                timings, wall = asyncio.run(closed_loop(server.url, health["model"], measured, c))
-                p = summarize(placement, c, timings, wall, before, scrape(server.url))
+            live[placement] = (server.url, health["model"], levels(limit, cfg.max_concurrency))
+        trace = Trace(tokens, cfg.input_len, cfg.output_len, cfg.seed)
+        for c in sorted({c for _, _, lv in live.values() for c in lv}):
+            members = [pl for pl, (_, _, lv) in live.items() if c in lv]
+            warm = trace.take(cfg.warmup_per_user * c)
+            rounds: dict[str, list[Round]] = {pl: [] for pl in members}
+            for pl in members:
+                asyncio.run(closed_loop(live[pl][0], live[pl][1], warm, c))
+            for r in range(cfg.rounds):
+                requests = trace.take(cfg.requests_per_user * c)  # every placement serves the same ones
+                for pl in members[r % len(members):] + members[:r % len(members)]:
+                    url, model, _ = live[pl]
+                    before = scrape(url)
+                    timings, wall = asyncio.run(closed_loop(url, model, requests, c))
+                    rounds[pl].append(Round(timings, wall, before, scrape(url)))
+            for pl in members:
+                p = summarize(pl, c, rounds[pl])
                 points.append(p)
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
-                _log(progress, f"[{placement}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
+                reads = f", {p.file_pages_per_s:.0f} pages/s" if pl == "file" else ""
+                _log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
-                               f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}")
+                               f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
+    if disk:
+        disk["after"] = disk_limit(tables[0])
+        _log(progress, f"disk limit after the sweep: {disk['after']:.0f} pages/s")
+    points.sort(key=lambda p: (cfg.placements.index(p.placement), p.concurrency))
     fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in cfg.placements}
-    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0)
+    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk)
     res.checks = checks(res)
     res.seconds = round(time.perf_counter() - t_start, 1)
     res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "serve-sweep.png"))
@@ -470,7 +540,9 @@ def checks(res: SweepResult) -> dict[str, Any]:
         r = _ratios(res, "file", "host")
         out["file_vs_host"] = {"ratios": r, "target": FILE_TARGET, "passed": bool(r) and min(r.values()) >= FILE_TARGET,
                                "cache_fraction": res.config.cache_fraction,
-                               "cache_bytes": res.servers["file"]["cache_bytes"]}
+                               "cache_bytes": res.servers["file"]["cache_bytes"],
+                               "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, "file").items()},
+                               "disk_pages_per_s": res.disk_pages_per_s}
     return out
 
 
@@ -500,6 +572,9 @@ def checks_text(res: SweepResult) -> str:
         lines.append(f"  file (host cache {f['cache_fraction']:.0%} of the table, {f['cache_bytes']} B) >= "
                      f"{f['target']:.0%} of host at every concurrency: {'PASS' if f['passed'] else 'FAIL'} "
                      f"[{rs(f['ratios'])}]")
+        reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
+        disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
+        lines.append(f"    file tier reads, pages/s: {reads}; the disk's limit (QD128), pages/s: {disk} the sweep")
     if len(lines) == 1:
         lines.append("  none (they need device+host or host+file placements)")
     return "\n".join(lines)
@@ -539,7 +614,7 @@ def plot(res: SweepResult, path: Path) -> Path:
 def to_markdown(res: SweepResult) -> str:
     """A markdown table of every point (front points marked)."""
     head = ("| placement | concurrency | throughput tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
-            "E2E p90 ms | tok/s/user p90 | cache hit | stall s | front |")
+            "E2E p90 ms | tok/s/user p90 | cache hit | file pages/s | stall s | front |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for p in res.points:
         hit = "-" if p.engram_cache_hit_rate is None else f"{100 * p.engram_cache_hit_rate:.1f}%"
@@ -547,13 +622,14 @@ def to_markdown(res: SweepResult) -> str:
         lines.append(f"| {p.placement} | {p.concurrency} | {p.throughput_tok_s:.1f} | {p.ttft_p50_ms:.1f} / "
                      f"{p.ttft_p90_ms:.1f} / {p.ttft_p99_ms:.1f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} / "
                      f"{p.itl_p99_ms:.1f} | {p.e2e_p90_ms:.0f} | {p.interactivity_p90:.1f} | {hit} | "
-                     f"{p.exposed_stall_s:.3f} | {front} |")
+                     f"{p.file_pages_per_s:.0f} | {p.exposed_stall_s:.3f} | {front} |")
     return "\n".join(lines) + "\n"
 
 
 def to_json(res: SweepResult) -> str:
     """One JSON object: points, fronts, checks, servers, config."""
     obj = {"points": [asdict(p) for p in res.points], "fronts": res.fronts, "checks": res.checks,
+           "disk_pages_per_s": res.disk_pages_per_s,
            "servers": res.servers, "source": res.source, "seconds": res.seconds, "plot": res.plot,
            "config": asdict(res.config)}
     return json.dumps(obj, indent=2, default=str)

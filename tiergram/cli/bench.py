@@ -88,14 +88,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--input-len", type=int, default=128, help="prompt tokens: uniform in [0.8 L, L]")
     sv.add_argument("--output-len", type=int, default=32, help="output tokens: uniform in [0.8 L, L]")
     sv.add_argument("--max-concurrency", type=int, default=64, help="highest concurrency (also capped by the engine)")
-    sv.add_argument("--requests-per-user", type=int, default=10,
-                    help="measured requests per point: this x concurrency")
+    sv.add_argument("--requests-per-user", type=int, default=4,
+                    help="measured requests per point and round: this x concurrency")
     sv.add_argument("--warmup-per-user", type=int, default=2, help="warm-up requests per point = this x concurrency")
+    sv.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds per point: the placements take turns on the same requests")
     sv.add_argument("--device-memory", type=_size, default=None,
                     help="device memory budget of every server, e.g. 64M (a small one makes resident tables bind)")
     sv.add_argument("--cache-fraction", type=float, default=0.10,
                     help="file placement: host cache per layer as a fraction of that layer's table")
-    sv.add_argument("--cache-policy", default="lookahead", choices=["lookahead", "lru", "lfu"])
+    sv.add_argument("--cache-policy", default="lru", choices=["lru", "lookahead", "lfu"])
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-num-batched-tokens", type=int, default=512)
     sv.add_argument("--source", default="auto", choices=["auto", "corpus", "stdlib"],
@@ -187,7 +189,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = serve.SweepConfig(
         model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
         max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
-        warmup_per_user=args.warmup_per_user, device_memory=args.device_memory, cache_fraction=args.cache_fraction,
+        warmup_per_user=args.warmup_per_user, rounds=args.rounds, device_memory=args.device_memory,
+        cache_fraction=args.cache_fraction,
         cache_policy=args.cache_policy, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
         plot=args.plot, markdown=args.markdown)

@@ -92,7 +92,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{len(sizes)} tables, {sum(sizes) / 2**20:.1f} MiB in all, in {model_dir / 'export'}")
 
     _stage(4, "serving sweep: device (resident) vs host (DRAM) vs file (SSD + 10% host cache)", t0)
-    input_len, output_len, max_c, per_user, warm = (64, 16, 4, 5, 1) if args.quick else (128, 32, 16, 10, 2)
+    input_len, output_len, max_c, per_user, warm = (64, 16, 4, 2, 1) if args.quick else (128, 32, 16, 4, 2)
     out = Path(args.out) if args.out else cache_dir("demo")
     out.mkdir(parents=True, exist_ok=True)
     budget = None

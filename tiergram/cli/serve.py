@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 PLACEMENTS = ("device", "host", "file")
-CACHE_POLICIES = ("lookahead", "lru", "lfu")
+CACHE_POLICIES = ("lru", "lookahead", "lfu")
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--placement", default="host", choices=PLACEMENTS,
                    help="where the Engram tables live: device (resident), host (DRAM) or file (SSD)")
     g.add_argument("--cache-bytes", type=byte_size, default=0, help="hot-row cache of the file placement, e.g. 64M")
-    g.add_argument("--cache-policy", default="lookahead", choices=CACHE_POLICIES)
+    g.add_argument("--cache-policy", default="lru", choices=CACHE_POLICIES)
     g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
                    help="table file codec (exported on first use)")
     g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ...")

@@ -62,7 +62,7 @@ class Placement:
 
     kind: str  # "device" (resident in compute-device memory), "host" (DRAM), "file" (SSD, O_DIRECT)
     cache_bytes: int = 0  # file only: host cache of encoded rows
-    cache_policy: str = "lookahead"  # file only: lru | lfu | lookahead
+    cache_policy: str = "lru"  # file only: lru | lfu | lookahead (the engine announces one step ahead only)
     codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
 
