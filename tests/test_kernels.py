@@ -286,6 +286,62 @@ def test_cached_gather_refuses_bad_slots(regions):
         gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache[:, 1:], np.full(6, -1))
 
 
+# --- compiled for a GPU, without one -------------------------------------------------------------------
+
+_COMPILE_SM90 = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tiergram.kernels import RowLayout
+from tiergram.kernels.gather import _next_pow2, default_block_rows
+from tiergram.kernels.triton_kernels import gather_kernel
+
+names = gather_kernel.arg_names
+done = 0
+for codec, dim in [("fp32", 64), ("bf16", 24), ("int8", 33), ("fp8_e4m3", 256), ("fp8_e4m3", 96)]:
+    for packed in (False, True):  # a table's pages; a staging buffer (rows_per_page 1, one head: constexpr 1s)
+        rb = RowLayout.packed(codec, dim).row_bytes
+        lay = RowLayout.packed(codec, dim) if packed else RowLayout(codec, dim, rb, (4096 - 8) // rb, 4096)
+        for cache, bf16 in [(False, True), (True, True)] + ([] if packed else [(False, False), (True, False)]):
+            sig = {p: "*u8" if p in ("data", "cache") else "*i64" for p in names[:7]}
+            sig["out"] = "*bf16" if bf16 else "*fp32"
+            ints = dict(n_rows=1000, n_heads=1 if packed else 3, rows_per_page=lay.rows_per_page,
+                        page_size=lay.page_size, row_bytes=lay.row_bytes)
+            bd = _next_pow2(dim)
+            consts = dict(D=dim, BLOCK_D=bd, BLOCK_S=max(1, bd // 32), BLOCK_R=default_block_rows(dim),
+                          CODEC=lay.codec_id, ALIGN=lay.align, HAS_CACHE=cache, OUT_BF16=bf16)
+            consts.update({k: v for k, v in ints.items() if v == 1})
+            sig.update({k: "i32" for k, v in ints.items() if v != 1})
+            sig.update({k: "constexpr" for k in consts})
+            attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
+            src = ASTSource(fn=gather_kernel, signature=sig, attrs=attrs,
+                            constexprs={(names.index(k),): v for k, v in consts.items()})
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            assert "ld.global" in k.asm["ptx"]
+            done += 1
+print("compiled", done)
+"""
+
+
+@pytest.mark.skipif(GPU, reason="on a GPU every test above compiles the kernel for real")
+def test_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter accepts code the compiler refuses (types, layouts, constexpr use): compile every codec,
+    with and without the cache, both outputs, page and packed layouts (fewer), for an H100/H200 target (PTX, then ptxas
+    as Triton ships it), so a compile error shows up here rather than in the one GPU run."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), TRITON_DEFAULT_FP_FUSION="1")
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {e}")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "compiled 30" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 # --- GPU only -------------------------------------------------------------------------------------------
 
 
