@@ -133,6 +133,8 @@ class DeviceTable:
     def close(self) -> None:
         """Finish queued work, unregister host memory, release the tier."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._cuda:  # kernels still queued read the tier and write the cache: done before either is freed
+            self._stream.synchronize()
         if self.pinned is not None:
             self.pinned.close()
         self.tier.close()
