@@ -284,3 +284,18 @@ def test_lookahead_victim_skips_pinned_idle_keys_once():
     assert set(cache.index) == set(range(50)) | set(range(100, 350))  # the furthest-needed keys left
     cache.unpin(pins)
     cache.check_invariants()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@SETTINGS
+@given(capacity=st.integers(1, 6), admitted=st.lists(st.integers(0, N_KEYS - 1), unique=True, max_size=8),
+       asked=st.lists(st.integers(0, N_KEYS - 1), max_size=12))
+def test_missing_names_exactly_the_absent_keys_and_changes_nothing(policy, capacity, admitted, asked):
+    cache = RowCache(capacity, ROW_BYTES, policy)
+    cache.admit(np.array(admitted, dtype=np.int64), rows_of(admitted))
+    before = (dict(cache.index), vars(cache.counters).copy(), cache.pins.copy())
+    got = cache.missing(np.array(asked, dtype=np.int64))
+    assert got.tolist() == [k for k in asked if k not in cache.index]
+    assert (dict(cache.index), vars(cache.counters), cache.pins.tolist()) == (before[0], before[1],
+                                                                                before[2].tolist())
+    cache.check_invariants()

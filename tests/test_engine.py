@@ -194,6 +194,62 @@ def test_decode_and_prefill_share_a_step(model_dir):
     assert [got["a"], got["b"]] == [expected(model_dir, [a], 10)[0], expected(model_dir, [b], 4)[0]]
 
 
+def test_prefill_ahead_guesses_the_next_steps_prompt_chunks(model_dir):
+    a, b, c = prompts_of(5, 30, 12, seed=13)
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=8192), max_num_batched_tokens=8) as eng:
+        eng.add_request("a", a, SamplingParams(max_tokens=10, ignore_eos=True))
+        eng.step()  # a's prompt is in: it decodes from now on
+        for rid, p in (("b", b), ("c", c)):
+            eng.add_request(rid, p, SamplingParams(max_tokens=2, ignore_eos=True))
+        sched, seqs = eng.scheduler, eng._seqs
+        assert sched.prefill_ahead({}) == [(seqs["b"], 0, 7)]  # the next step: a's decode and 7 tokens of b
+        assert sched.prefill_ahead({}) == []  # a window is handed out once
+        eng.step()  # runs that step, and reads b's next window (7..14) behind it
+        assert seqs["b"].num_computed == 7 and seqs["b"].warmed_to == 14
+        assert sched.prefill_ahead({}) == []
+        assert sched.prefill_ahead({"a": 1, "b": 7}) == [(seqs["b"], 14, 21)]  # after a step that runs 7..14
+        assert sched.prefill_ahead({"a": 1, "b": 19}) == [(seqs["b"], 26, 30), (seqs["c"], 0, 3)]  # c fills the rest
+        seqs["b"].reset()  # a preempted sequence is warmed again from its start
+        assert seqs["b"].warmed_to == 0
+
+
+def test_read_ahead_fills_the_cache_and_changes_no_token(model_dir):
+    placement = Placement("file", codec="fp32", cache_bytes=16384)
+    want = expected(model_dir, PROMPTS)
+    stats = {}
+    for read_ahead in (True, False):
+        with engine(model_dir, placement, max_num_batched_tokens=16, read_ahead=read_ahead) as eng:
+            assert eng.generate(PROMPTS, GREEDY) == want
+            stats[read_ahead] = eng.metrics().engram
+    on, off = stats[True], stats[False]
+    assert on["warmed_rows"] > 0 and off["warmed_rows"] == 0
+    assert on["cache_hit_rate"] > off["cache_hit_rate"]  # the warmed prompt rows are hits when their step comes
+    assert on["per_layer"][0]["warmed_rows"] > 0 and on["per_layer"][1]["warmed_rows"] > 0
+
+
+def test_read_ahead_of_an_arriving_prompt_only_while_a_step_runs(model_dir):
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=16384), max_num_batched_tokens=8) as eng:
+        [prompt] = prompts_of(20, seed=17)
+        def flush_tickets():  # each table's worker runs in order: a lookup queued now ends after the warm-ups
+            return [src.prefetch([[0] * src.num_heads]) for src in eng.sources.values()]
+
+        flush = flush_tickets()
+
+        def warmed() -> int:
+            for ticket in flush:
+                ticket.wait(30)
+            return eng.metrics().engram["warmed_rows"]
+
+        eng.read_ahead(prompt)  # idle: the next step fetches it itself
+        assert warmed() == 0
+        eng._inflight = {"other": 1}  # as while a step runs
+        eng.read_ahead(prompt + [V + 5])  # bad input is add_request's to refuse: nothing read
+        eng.read_ahead(prompt)
+        flush = flush_tickets()
+        assert warmed() > 0  # the first chunk (8 tokens) of each layer's rows
+        eng._inflight = {}
+
+
 def test_preemption_under_a_tiny_kv_budget_still_gives_the_right_tokens(model_dir):
     prompts = prompts_of(9, 6, 8, 7, seed=3)
     # 5 blocks of 4 tokens: one max-length sequence (20 tokens) fits, four sequences of ~17 do not

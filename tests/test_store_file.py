@@ -584,3 +584,33 @@ def test_staging_buffer_is_per_thread(table, host):
     finally:
         store.close()
 
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_warm_reads_rows_into_the_cache_ahead_of_their_lookup(table, host, policy):
+    store = open_file_store(table, "direct", policy, cache_rows=200, row_bytes=66)
+    try:
+        ids = stat_batches(7, 1)[0]
+        n_unique = np.unique(ids + store.table.head_offsets).size
+        assert store.warm(ids).wait(30) is None
+        s = store.stats()
+        assert s["warmed_rows"] == n_unique and s["lookups"] == 0 and store.cache.counters.probes == 0
+        assert s["pages_read"] > 0 and s["bytes_read"]["file"] == s["pages_read"] * store.manifest.page_size
+        pages = s["pages_read"]
+        assert store.warm(ids).wait(30) is None and store.stats()["pages_read"] == pages  # all resident: no reads
+        assert_same(store.lookup(ids), host.lookup(ids))
+        s = store.stats()
+        assert s["hits"] == n_unique and s["misses"] == 0 and s["pages_read"] == pages  # every row from the cache
+        with pytest.raises(IndexError, match="head 1"):  # a bad id fails in the caller, as prefetch does
+            store.warm(np.array([[0, HEAD_ROWS[1], 0]]))
+        assert_clean(store)
+    finally:
+        store.close()
+
+
+def test_warm_without_a_cache_does_nothing(table):
+    store = open_file_store(table, "direct")
+    try:
+        assert store.warm(stat_batches(7, 1)[0]) is None and store.stats()["pages_read"] == 0
+    finally:
+        store.close()

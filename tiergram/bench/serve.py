@@ -57,6 +57,7 @@ class SweepConfig:
     device_memory: int | None = None  # device memory budget of the engine (bytes)
     cache_fraction: float = 0.10  # file placement: host cache per layer, as a fraction of that layer's table
     cache_policy: str = "lru"  # the engine announces one step ahead: lookahead adds cost, not hits
+    read_ahead: bool = True  # file placement: prompt rows read into the cache before their step
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
@@ -198,6 +199,8 @@ class ServerProcess:
                "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
                "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
+        if not cfg.read_ahead:
+            cmd.append("--no-read-ahead")
         if cfg.device_memory is not None:
             cmd += ["--device-memory", str(cfg.device_memory)]
         self.cmd, self.timeout = cmd, cfg.startup_timeout_s

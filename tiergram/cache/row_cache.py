@@ -94,6 +94,13 @@ class RowCache:
             self.counters.hits += int(hit.sum())
         return slots
 
+    def missing(self, keys: np.ndarray) -> np.ndarray:
+        """The keys of int64 [n] not resident now (no pins taken, nothing counted, the policy not told)."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        with self._lock:
+            index = self.index
+            return keys[[key not in index for key in keys.tolist()]] if keys.size else keys
+
     def admit(self, keys: np.ndarray, rows: np.ndarray) -> int:
         """Offer missed keys [n] with their encoded rows uint8 [n, row_bytes]; returns how many entered."""
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)

@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="where the Engram tables live: device (resident), host (DRAM) or file (SSD)")
     g.add_argument("--cache-bytes", type=byte_size, default=0, help="hot-row cache of the file placement, e.g. 64M")
     g.add_argument("--cache-policy", default="lru", choices=CACHE_POLICIES)
+    g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
+                   help="do not read the next step's prompt rows into the file placement's cache ahead of time")
     g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
                    help="table file codec (exported on first use)")
     g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ...")
@@ -51,7 +53,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=args.device,
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, max_waiting=args.max_waiting)
+                        max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -147,6 +147,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
     eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
     degrade: DegradePolicy = field(default_factory=DegradePolicy)  # off unless degrade.stall_bound_s is set
+    # read the rows of the next step's prompt chunks into the file tier's cache during this step (and a new
+    # request's while the step it arrived in runs): prefill rows are known before their step is scheduled
+    read_ahead: bool = True
 
     def __post_init__(self) -> None:
         self.model_dir = str(self.model_dir)

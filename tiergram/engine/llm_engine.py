@@ -76,6 +76,8 @@ class LLMEngine:
         self._m = {"steps": 0, "stall": 0.0, "last_stall": 0.0, "time": 0.0, "last_time": 0.0, "hash": 0.0,
                    "prompt": 0, "generated": 0, "computed": 0, "finished": 0}
         self._stall_by_layer = dict.fromkeys(self.placements, 0.0)
+        self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
+        self._read_ahead = config.read_ahead and self.runner.can_warm
 
     def _load(self, model_dir: Path, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
@@ -143,6 +145,17 @@ class LLMEngine:
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
             self._m["prompt"] += len(prompt)
+            if self._read_ahead and self._inflight:  # a step runs now: read this prompt's rows while it does
+                self.runner.warm([(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)])
+
+    def read_ahead(self, prompt_token_ids: list[int]) -> None:
+        """From any thread, before add_request: if a step runs now, start reading the rows of the prompt's first
+        chunk into the file caches, so the step that prefills it finds them there (a no-op otherwise)."""
+        if not (self._read_ahead and self._inflight):
+            return
+        chunk = [int(t) for t in prompt_token_ids[:self.config.max_num_batched_tokens]]
+        if chunk and all(0 <= t < self.vocab_size for t in chunk):  # bad input is add_request's to refuse
+            self.runner.warm([(chunk, 0, len(chunk))])
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort"."""
@@ -166,9 +179,16 @@ class LLMEngine:
         with self._lock:
             outputs, self._aborted = self._aborted, []
             batch = self.scheduler.schedule()
+            self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
+            ahead = [(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)] \
+                if self._read_ahead and batch.seqs else []
         if not batch.seqs:
             return outputs
-        result = self.runner.execute(batch.seqs, batch.num_new)
+        try:
+            result = self.runner.execute(batch.seqs, batch.num_new, ahead)
+        finally:
+            with self._lock:
+                self._inflight = {}
         done = [s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new, strict=True)]
         to_sample = [s for s, d in zip(batch.seqs, done, strict=True) if d]
         sampled = sample(result.logits[torch.tensor(done, device=result.logits.device)], to_sample)

@@ -55,10 +55,38 @@ class ModelRunner:
         self.lookback = e.max_ngram_size - 1 if e is not None else 0
         self.pad_id = e.pad_id if e is not None else 0
 
+    @property
+    def can_warm(self) -> bool:
+        """True if any Engram table has a cache that rows can be read into ahead of their step."""
+        return self.model.hasher is not None and bool(self._warmable())
+
+    def _warmable(self) -> dict[int, Any]:
+        return {layer: src for layer, src in self.sources.items()
+                if getattr(src, "cache", None) is not None and hasattr(src, "warm")}
+
+    def warm(self, windows: list[tuple[list[int], int, int]]) -> None:
+        """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (behind the
+        prefetches already queued); what is not read in time is simply fetched by its step."""
+        targets = self._warmable()
+        if not windows or not targets or self.model.hasher is None:
+            return
+        k, parts = self.lookback, {layer: [] for layer in targets}
+        for tokens, start, end in windows:
+            chunk = np.asarray([tokens[start:end]], dtype=np.int64)
+            hist = list(tokens[max(0, start - k):start])
+            hist = np.asarray([[self.pad_id] * (k - len(hist)) + hist], dtype=np.int64).reshape(1, k)
+            for layer, ids in self.model.hasher.row_ids_with_history(chunk, hist).items():  # [1, T, H]
+                if layer in parts:
+                    parts[layer].append(ids[0])
+        for layer, ids in parts.items():
+            targets[layer].warm(np.concatenate(ids))
+
     @torch.no_grad()
-    def execute(self, seqs: list[Sequence], counts: list[int]) -> StepResult:
+    def execute(self, seqs: list[Sequence], counts: list[int],
+                ahead: list[tuple[list[int], int, int]] | None = None) -> StepResult:
         """Compute counts[b] pending tokens of each seqs[b] (KV blocks already allocated); writes their K/V and
-        advances each sequence's short-conv lookback (not num_computed: the caller commits that)."""
+        advances each sequence's short-conv lookback (not num_computed: the caller commits that). `ahead`: prompt
+        windows of the next step, read into the caches behind this step's prefetches (see `warm`)."""
         model = self.model
         t0 = time.perf_counter()
         layout = build_layout(seqs, counts, self.block_size, self.device)
@@ -66,6 +94,7 @@ class ModelRunner:
         keep = self.keep_masks(seqs, counts, row_ids)  # {layer: bool [N]} where the degrade policy skips reads
         tickets = {layer: self.sources[layer].prefetch(ids if layer not in keep else ids[keep[layer]])
                    for layer, ids in row_ids.items() if layer not in keep or keep[layer].any()}
+        self.warm(ahead or [])
         t1 = time.perf_counter()
         stall: dict[int, float] = {}
         try:

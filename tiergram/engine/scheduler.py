@@ -80,6 +80,28 @@ class Scheduler:
                      for s, n in zip(batch.seqs, batch.num_new, strict=True)]
         return batch
 
+    def prefill_ahead(self, inflight: dict[str, int]) -> list[tuple[Sequence, int, int]]:
+        """Prompt windows [(seq, start, end)] the next step will most likely prefill, less what was warmed before.
+
+        `inflight` is the step being run ({request_id: tokens}): the next one starts after it. The guess follows
+        schedule(): decodes take a token each, then running prefills and the waiting queue fill the budget in order.
+        Each window returned moves its sequence's `warmed_to`, so a window is only ever returned once.
+        """
+        starts = [(seq, seq.num_computed + inflight.get(seq.request_id, 0)) for seq in self.running]
+        budget = self.max_num_batched_tokens - sum(1 for seq, start in starts if start >= seq.prompt_len)
+        out = []
+        for seq, start in [*starts, *((seq, seq.num_computed) for seq in self.waiting)]:
+            if budget <= 0:
+                break
+            if start >= seq.prompt_len:
+                continue
+            end = min(seq.prompt_len, start + budget)
+            budget -= end - start
+            if max(start, seq.warmed_to) < end:
+                out.append((seq, max(start, seq.warmed_to), end))
+                seq.warmed_to = end
+        return out
+
     def _preempt(self, seq: Sequence) -> None:
         """Free its blocks and state; it goes to the front of the waiting queue (earliest arrival first)."""
         self.running.remove(seq)

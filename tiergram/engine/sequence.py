@@ -44,6 +44,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # KV block ids, position p in block p // block_size
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # per Engram layer: short-conv lookback [W, 1, d]
     finish_reason: str | None = None
+    warmed_to: int = 0  # prompt tokens before this have had their Engram rows read ahead into the caches
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +68,7 @@ class Sequence:
         self.num_computed = 0
         self.block_table = []
         self.conv = {}
+        self.warmed_to = 0
 
     def output(self, new: list[int]) -> RequestOutput:
         """This step's RequestOutput with the new tokens."""

@@ -105,6 +105,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         out: asyncio.Queue = asyncio.Queue()
+        self.engine.read_ahead(prompt_token_ids)  # its rows are read while the step in flight runs
         with self._lock:
             if self._thread is None or self._closed or self._stopping:
                 raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")

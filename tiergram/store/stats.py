@@ -21,6 +21,7 @@ class StoreStats:
     misses: np.ndarray = field(init=False)  # unique ids read from the tier below, per head
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     pages_read: int = 0
+    warmed_rows: int = 0  # rows read into the cache ahead of their lookup (TieredTable.warm)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -40,6 +41,14 @@ class StoreStats:
                 self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + int(n)
             self.pages_read += pages
 
+    def record_warm(self, rows: int, tier_bytes: dict[str, int], pages: int) -> None:
+        """Add one read-ahead: rows admitted to the cache, bytes per tier and pages it read."""
+        with self._lock:
+            self.warmed_rows += rows
+            for tier, n in tier_bytes.items():
+                self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + int(n)
+            self.pages_read += pages
+
     def snapshot(self) -> dict:
         """Totals, per-head lists and derived ratios (hit rate, read amplification)."""
         with self._lock:
@@ -54,6 +63,7 @@ class StoreStats:
                 "misses": int(self.misses.sum()),
                 "hit_rate": int(self.hits.sum()) / probed if probed else None,
                 "pages_read": self.pages_read,
+                "warmed_rows": self.warmed_rows,
                 "bytes_read": dict(self.bytes_by_tier),
                 # None without file reads to count (mmap: the kernel's page faults are not seen)
                 "read_amplification": file_bytes / needed if needed and file_bytes else None,

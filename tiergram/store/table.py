@@ -84,6 +84,29 @@ class TieredTable:
         retire = (lambda: self.cache.retire(batch)) if self.cache is not None else (lambda: None)
         return Ticket(self._executor.submit(run), cancelled, retire)
 
+    def warm(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | None:
+        """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, behind the
+        prefetches already queued; None when there is no cache. Advisory: a lookup re-reads whatever a failed or
+        cancelled warm-up left out (and raises any read error itself)."""
+        if self.cache is None:
+            return None
+        flat = _as_ids(row_ids, self.num_heads).reshape(-1, self.num_heads)
+        self.tier.check_ids(flat)
+        keys = np.unique(flat + self._offsets)
+        cancelled = threading.Event()
+
+        def run() -> None:
+            if cancelled.is_set():
+                raise CancelledError
+            m, miss = self.manifest, self.cache.missing(keys)
+            if miss.size:
+                buf, offsets, pages = self.tier.read_rows(miss)
+                raw = np.empty((miss.size, m.row_bytes), dtype=np.uint8)
+                _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
+                self.stats_.record_warm(self.cache.admit(miss, raw), {"file": pages * m.page_size}, pages)
+
+        return Ticket(self._executor.submit(run), cancelled, lambda: None)
+
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
         snap = self.stats_.snapshot()
