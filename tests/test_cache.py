@@ -67,6 +67,19 @@ class Harness:
             return ok
 
         policy.victim, policy.admit = checked_victim, checked_admit
+        if hasattr(policy, "victims"):  # LRU's one-pass form
+            victims = policy.victims
+
+            def checked_victims(count, pinned):
+                vs = victims(count, pinned)
+                assert len(vs) <= count and len(set(vs)) == len(vs)
+                for v in vs:
+                    assert cache.pins[cache.index[v]] == 0, f"victim {v} is pinned"
+                unpinned = [k for k in policy._order if not pinned(k)]
+                assert vs == unpinned[:count], "not the least recently used unpinned keys"
+                return vs
+
+            policy.victims = checked_victims
 
     def probe(self, keys: list[int], batch: int | None) -> np.ndarray:
         slots = self.cache.probe(np.array(keys, dtype=np.int64), batch)

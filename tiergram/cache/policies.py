@@ -44,6 +44,16 @@ class LRUPolicy:
         """The least recently used unpinned key (None if every key is pinned)."""
         return next((k for k in self._order if not pinned(k)), None)
 
+    def victims(self, count: int, pinned: Pinned) -> list[int]:
+        """Up to `count` unpinned keys, least recently used first, in one pass (a whole admit's victims)."""
+        out: list[int] = []
+        for k in self._order:
+            if len(out) == count:
+                break
+            if not pinned(k):
+                out.append(k)
+        return out
+
 
 class LFUPolicy:
     """Least frequently used with frequency admission: a miss enters only if used more than its victim.

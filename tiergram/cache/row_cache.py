@@ -54,9 +54,6 @@ class RowCache:
     def __len__(self) -> int:
         return len(self.index)
 
-    def _pinned(self, key: int) -> bool:
-        return self.pins[self.index[key]] > 0
-
     def announce(self, keys: np.ndarray) -> int | None:
         """Tell a lookahead policy a batch of keys that a later probe will ask for; returns the batch id."""
         extend = getattr(self.policy, "extend_future", None)
@@ -107,33 +104,51 @@ class RowCache:
         if rows.shape != (keys.size, self.row_bytes):
             raise ValueError(f"rows must be uint8 [{keys.size}, {self.row_bytes}], got {rows.dtype} {rows.shape}")
         policy, index = self.policy, self.index
-        entered = 0
         with self._lock:
-            # pins only change in probe/unpin, so one count serves the whole call
-            all_pinned = int(np.count_nonzero(self.pins)) == self.capacity
-            for i, key in enumerate(keys.tolist()):
-                if key in index:
-                    continue  # another lookup admitted it meanwhile
-                if self._free:
-                    slot = self._free.pop()
-                elif all_pinned:  # no victim can exist: skip the policy's scan of every slot
-                    self.counters.rejected += 1
-                    continue
-                else:
-                    victim = policy.victim(self._pinned)
+            fresh: dict[int, int] = {}  # key -> its position in keys: new keys, first occurrence (another lookup
+            for i, key in enumerate(keys.tolist()):  # may have admitted some meanwhile)
+                if key not in index:
+                    fresh.setdefault(key, i)
+            placed: dict[int, int] = {}  # slot -> position of the row it gets (copied at the end, in one go)
+            todo = list(fresh.items())
+            for key, i in todo[:len(self._free)]:
+                slot = self._free.pop()
+                index[key], placed[slot] = slot, i
+                policy.insert(key)
+            rest = todo[len(placed):]
+            # pins only change in probe/unpin (under the lock), so one look serves the whole call
+            pinned_keys = set(self.slot_key[self.pins > 0].tolist()) if rest else set()
+            pinned = pinned_keys.__contains__
+            if rest and len(pinned_keys) == self.capacity:  # no victim can exist
+                self.counters.rejected += len(rest)
+            elif rest and hasattr(policy, "victims"):  # LRU: every victim in one pass, none of this call's keys
+                victims = policy.victims(len(rest), pinned)
+                self.counters.rejected += len(rest) - len(victims)
+                for (key, i), victim in zip(rest, victims, strict=False):
+                    self._replace(victim, key, i, placed)
+            else:
+                for key, i in rest:
+                    victim = policy.victim(pinned)
                     if victim is None or not policy.admit(key, victim):
                         self.counters.rejected += 1
-                        continue
-                    slot = index.pop(victim)
-                    policy.remove(victim)
-                    self.counters.evicted += 1
-                self.rows[slot] = rows[i]
-                self.slot_key[slot] = key
-                index[key] = slot
-                policy.insert(key)
-                entered += 1
+                    else:
+                        self._replace(victim, key, i, placed)
+            if placed:
+                slots = np.fromiter(placed, dtype=np.int64, count=len(placed))
+                pos = np.fromiter(placed.values(), dtype=np.int64, count=len(placed))
+                self.rows[slots] = rows[pos]
+                self.slot_key[slots] = keys[pos]
+            entered = sum(1 for key in fresh if key in index)
             self.counters.admitted += entered
         return entered
+
+    def _replace(self, victim: int, key: int, i: int, placed: dict[int, int]) -> None:
+        """Evict victim and give its slot to key (whose row is at position i); lock held."""
+        slot = self.index.pop(victim)
+        self.policy.remove(victim)
+        self.counters.evicted += 1
+        self.index[key], placed[slot] = slot, i
+        self.policy.insert(key)
 
     def unpin(self, slots: np.ndarray) -> None:
         """Release the pins a probe took (pass the probe's slots; misses (-1) are ignored)."""
