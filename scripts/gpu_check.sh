@@ -3,7 +3,8 @@
 #   1. install the package (native core built) with the dev extra (triton) where needed,
 #   2. run the accelerator tests compiled on the GPU (tests/test_kernels.py, tests/test_device_store.py),
 #   3. python -m tiergram.bench.gpu --json: pinned H2D and D2D copy limits, UVA / resident / HBM-cache gather
-#      bandwidth, the DeviceTable step, end-to-end decode when a model is given ($TIERGRAM_MODEL).
+#      bandwidth, the DeviceTable step, end-to-end engine throughput with the tables resident / pinned host / file
+#      (the default model's geometry with random weights, or the trained model $TIERGRAM_MODEL names).
 # Figures: $OUT/gpu_check.json when $OUT is set, else build/gpu_check.json; the log sits next to them.
 # Exit status: 0 when the tests pass and every measurement ran; the first failing step's status otherwise
 # (124: a step ran out of time). Each step has a timeout, all of them together $TOTAL_TIMEOUT seconds; the
