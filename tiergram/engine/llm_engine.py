@@ -153,8 +153,12 @@ class LLMEngine:
         chunk into the file caches, so the step that prefills it finds them there (a no-op otherwise)."""
         if not (self._read_ahead and self._inflight):
             return
-        chunk = [int(t) for t in prompt_token_ids[:self.config.max_num_batched_tokens]]
-        if chunk and all(0 <= t < self.vocab_size for t in chunk):  # bad input is add_request's to refuse
+        try:
+            ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            return  # bad input is add_request's to refuse, with the message it deserves
+        if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
+            chunk = ids[:self.config.max_num_batched_tokens]
             self.runner.warm([(chunk, 0, len(chunk))])
 
     def abort_request(self, request_id: str) -> None:

@@ -49,6 +49,9 @@ class TieredTable:
         self.stats_ = StoreStats(m.n_heads, m.row_bytes)
         self._offsets = self.table.head_offsets
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
+        # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
+        self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
+            if self.cache is not None else None
 
     @property
     def num_heads(self) -> int:
@@ -85,10 +88,11 @@ class TieredTable:
         return Ticket(self._executor.submit(run), cancelled, retire)
 
     def warm(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | None:
-        """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, behind the
-        prefetches already queued; None when there is no cache. Advisory: a lookup re-reads whatever a failed or
-        cancelled warm-up left out (and raises any read error itself)."""
-        if self.cache is None:
+        """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, on a worker of
+        their own (beside the prefetches, never in front of them); None when there is no cache. Advisory: a lookup
+        re-reads whatever a failed, cancelled or not yet finished warm-up left out (and raises any read error
+        itself)."""
+        if self.cache is None or self._warm_executor is None:
             return None
         flat = _as_ids(row_ids, self.num_heads).reshape(-1, self.num_heads)
         self.tier.check_ids(flat)
@@ -105,7 +109,7 @@ class TieredTable:
                 _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
                 self.stats_.record_warm(self.cache.admit(miss, raw), {"file": pages * m.page_size}, pages)
 
-        return Ticket(self._executor.submit(run), cancelled, lambda: None)
+        return Ticket(self._warm_executor.submit(run), cancelled, lambda: None)
 
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
@@ -122,6 +126,8 @@ class TieredTable:
     def close(self) -> None:
         """Stop the prefetch worker and release the tier."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._warm_executor is not None:
+            self._warm_executor.shutdown(wait=True, cancel_futures=True)
         self.tier.close()
 
     # -- internals -------------------------------------------------------------------------------------
