@@ -314,3 +314,39 @@ def test_gpu_bench_reports_a_failed_measurement_and_goes_on(tmp_path, monkeypatc
     out = tmp_path / "r.json"
     assert gpu.main(["--device", "cpu", "--small", "--backend", "torch", "--out", str(out)]) == 1
     assert "store_step" in json.loads(out.read_text())["errors"]
+
+
+@gpu_only
+def test_gpu_engine_gives_the_cpu_engines_tokens_from_every_placement(tmp_path, monkeypatch):
+    """LLMEngine on the GPU, which no CPU test runs: tables resident, in pinned host memory (UVA) and on file behind
+    an HBM cache give the CPU engine's greedy tokens (the same fp8 rows), also with the degrade policy skipping
+    decode reads; the KV pool is capped at what the sequences can use although the budget is the free GPU memory."""
+    from test_engine import PROMPTS, make_model_dir
+
+    from tiergram.engine import DegradePolicy, EngineConfig, LLMEngine, Placement, SamplingParams
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # the short conv in full fp32, as on the CPU
+    model_dir = make_model_dir(tmp_path / "model")
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(device: str, placement: Placement, degrade: DegradePolicy | None = None):
+        cfg = EngineConfig(str(model_dir), placement, device=device, max_num_seqs=4, max_num_batched_tokens=16,
+                           degrade=degrade)
+        with LLMEngine(cfg) as eng:
+            return eng.generate(PROMPTS, greedy), eng.metrics(), eng
+
+    want = run("cpu", Placement("device"))[0]
+    for name, placement in {"device": Placement("device"), "host": Placement("host"),
+                            "file": Placement("file", cache_bytes=8192)}.items():
+        got, m, eng = run("cuda", placement)
+        assert got == want, name
+        assert eng.device == DEV and eng.runner.k_cache.device == DEV
+        assert m.budget["kv_blocks"] == 4 * m.budget["blocks_per_seq"] < m.budget["kv_blocks_affordable"]
+        assert set(m.engram["bytes_read"]) == ({"cache", "file"} if name == "file" else {name}), name
+        assert (m.engram["cache_hit_rate"] is not None) == (name == "file"), name
+    skip = DegradePolicy(stall_bound_s=0.0)  # always over the bound: decode positions read no rows
+    cpu_tokens, (gpu_tokens, m, _) = run("cpu", Placement("host"), skip)[0], run("cuda", Placement("host"), skip)
+    assert gpu_tokens == cpu_tokens and m.skipped_rows > 0
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, top_k=5, seed=7, ignore_eos=True)
+    with LLMEngine(EngineConfig(str(model_dir), Placement("host"), device="cuda")) as eng:
+        assert eng.generate(PROMPTS[:2], sampled) == eng.generate(PROMPTS[:2], sampled)

@@ -343,6 +343,42 @@ def test_seeded_sampling_is_reproducible(model_dir):
     assert runs[0][0] != expected(model_dir, [prompt])[0]
 
 
+# ------------------------------------------------------------------------------------------------ devices
+
+def test_no_step_mixes_gpu_and_host_tensors_as_run_on_cuda(model_dir, monkeypatch):
+    """The engine's CUDA path without a GPU: tables opened as on CUDA (DeviceTable for every placement) and tensors
+    tracked by a virtual CUDA device; no op may mix the GPU's tensors with the host's (degrade masks, sampling,
+    short-conv lookbacks, KV slots and attention masks included). The prefetch workers' threads are not seen."""
+    from virtual_cuda import VirtualCuda
+
+    import tiergram.engine.llm_engine as llm_engine
+    from tiergram.engine import DegradePolicy
+    from tiergram.store.device_table import DeviceTable
+
+    probe = VirtualCuda()
+    with probe:  # the tracker itself works: what is computed from a device tensor is one, and a host mask is caught
+        (~(torch.zeros(2, 3, device="cpu")[0] + 1).bool()).float() * torch.ones(3)
+    assert [what for what, _op, _where in probe.flags] == ["GPU and host tensors in one op"]
+
+    def open_as_on_cuda(path, placement, device):
+        return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
+                           cache_policy=placement.cache_policy, file_mode=placement.file_mode)
+
+    monkeypatch.setattr(llm_engine, "open_table", open_as_on_cuda)
+    sampled = SamplingParams(max_tokens=4, temperature=1.0, top_k=5, top_p=0.9, seed=3, ignore_eos=True)
+    for placement, degrade in ((Placement("device"), None), (Placement("host"), DegradePolicy(stall_bound_s=0.0)),
+                               (Placement("file", cache_bytes=8192), None)):
+        mode = VirtualCuda()
+        with mode:
+            with engine(model_dir, placement, max_num_batched_tokens=16, degrade=degrade) as eng:
+                eng.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+                eng.generate(PROMPTS[:2], sampled)
+                m = eng.metrics()
+        assert mode.gpu(eng.runner.k_cache) and mode.gpu(eng.model.tok_emb.weight) and m.generation_tokens == 24
+        assert degrade is None or m.skipped_rows > 0
+        assert not mode.flags, (placement.kind, dict(mode.flags))
+
+
 # ------------------------------------------------------------------------------------------------- budget
 
 def test_device_placement_costs_kv_blocks(model_dir):
