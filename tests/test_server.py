@@ -309,9 +309,17 @@ def test_greedy_output_identical_across_placements(model_dir):
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
 
+def test_serve_refuses_negative_torch_threads(model_dir):
+    from tiergram.cli import main
+
+    with pytest.raises(SystemExit, match="--torch-threads must be >= 0, got -1"):
+        main(["serve", str(model_dir), "--torch-threads", "-1"])
+
+
 def test_sigterm_drains_then_exits_zero(model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "tiergram", "serve", str(model_dir), "--port", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--log-level", "warning", "--torch-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()

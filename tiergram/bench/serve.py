@@ -58,6 +58,7 @@ class SweepConfig:
     cache_fraction: float = 0.10  # file placement: host cache per layer, as a fraction of that layer's table
     cache_policy: str = "lru"  # the engine announces one step ahead: lookahead adds cost, not hits
     read_ahead: bool = True  # file placement: prompt rows read into the cache before their step
+    torch_threads: int = 0  # each server's torch CPU threads (0: torch's default)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
@@ -74,8 +75,9 @@ class SweepConfig:
             raise ValueError(f"unknown placements {bad} (valid: {', '.join(PLACEMENTS)})")
         if min(self.input_len, self.output_len, self.max_concurrency, self.requests_per_user, self.rounds) < 1:
             raise ValueError("input_len, output_len, max_concurrency, requests_per_user and rounds must be >= 1")
-        if self.warmup_per_user < 0:
-            raise ValueError(f"warmup_per_user must be >= 0, got {self.warmup_per_user}")
+        if self.warmup_per_user < 0 or self.torch_threads < 0:
+            raise ValueError(f"warmup_per_user and torch_threads must be >= 0, got {self.warmup_per_user}, "
+                             f"{self.torch_threads}")
         if not 0 < self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
 
@@ -201,6 +203,8 @@ class ServerProcess:
                "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
         if not cfg.read_ahead:
             cmd.append("--no-read-ahead")
+        if cfg.torch_threads:
+            cmd += ["--torch-threads", str(cfg.torch_threads)]
         if cfg.device_memory is not None:
             cmd += ["--device-memory", str(cfg.device_memory)]
         self.cmd, self.timeout = cmd, cfg.startup_timeout_s

@@ -98,6 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--cache-fraction", type=float, default=0.10,
                     help="file placement: host cache per layer as a fraction of that layer's table")
     sv.add_argument("--cache-policy", default="lru", choices=["lru", "lookahead", "lfu"])
+    sv.add_argument("--torch-threads", type=int, default=0, help="each server's torch CPU threads (0: default)")
     sv.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                     help="file placement: no read-ahead of prompt rows into the cache (to measure what it gives)")
     sv.add_argument("--max-num-seqs", type=int, default=64)
@@ -193,7 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
         warmup_per_user=args.warmup_per_user, rounds=args.rounds, device_memory=args.device_memory,
         cache_fraction=args.cache_fraction,
-        cache_policy=args.cache_policy, read_ahead=args.read_ahead, max_num_seqs=args.max_num_seqs,
+        cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
         plot=args.plot, markdown=args.markdown)
     try:

@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one step at most")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-waiting", type=int, default=256, help="waiting requests at most; more are answered 429")
+    g.add_argument("--torch-threads", type=int, default=0,
+                   help="threads for torch's CPU ops (0: torch's default, one per core); on a small CPU box, fewer "
+                        "than the cores leaves one to the HTTP server and the Engram reads")
 
 
 def engine_config(args: argparse.Namespace):
@@ -72,9 +75,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
     from tiergram.engine import LLMEngine
     from tiergram.server import serve
 
+    if args.torch_threads < 0:
+        raise SystemExit(f"tiergram serve: error: --torch-threads must be >= 0, got {args.torch_threads}")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     engine = LLMEngine(engine_config(args))
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level,
                  drain_timeout_s=args.drain_timeout, model_name=args.served_model_name)
