@@ -65,8 +65,8 @@ class ModelRunner:
                 if getattr(src, "cache", None) is not None and hasattr(src, "warm")}
 
     def warm(self, windows: list[tuple[list[int], int, int]]) -> None:
-        """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (behind the
-        prefetches already queued); what is not read in time is simply fetched by its step."""
+        """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (on each
+        table's warm-up worker, beside its prefetches); what is not read in time is simply fetched by its step."""
         targets = self._warmable()
         if not windows or not targets or self.model.hasher is None:
             return
@@ -86,7 +86,7 @@ class ModelRunner:
                 ahead: list[tuple[list[int], int, int]] | None = None) -> StepResult:
         """Compute counts[b] pending tokens of each seqs[b] (KV blocks already allocated); writes their K/V and
         advances each sequence's short-conv lookback (not num_computed: the caller commits that). `ahead`: prompt
-        windows of the next step, read into the caches behind this step's prefetches (see `warm`)."""
+        windows of the next step, read into the caches once this step's prefetches are queued (see `warm`)."""
         model = self.model
         t0 = time.perf_counter()
         layout = build_layout(seqs, counts, self.block_size, self.device)
