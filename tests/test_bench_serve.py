@@ -58,6 +58,7 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
             float(np.median(p["throughput_rounds"])), rel=1e-3)
         assert (p["engram_cache_hit_rate"] is not None) == (p["placement"] == "file")
         assert (p["file_pages_per_s"] > 0) == (p["placement"] == "file")  # a 10% cache misses: pages are read
+        assert p["cpu_ms_per_token"] > 0  # the server's process_cpu_seconds_total moved
     assert set(res["fronts"]) == {"device", "host", "file"} and all(res["fronts"].values())
     checks = res["checks"]
     assert set(checks["host_vs_device"]["ratios"]) == {"1", "2"} and "passed" in checks["host_vs_device"]
@@ -65,6 +66,7 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     assert checks["budget"]["binds"] is False
     assert set(res["disk_pages_per_s"]) == {"before", "after"} and min(res["disk_pages_per_s"].values()) > 0
     assert set(checks["file_vs_host"]["file_pages_per_s"]) == {"1", "2"}
+    assert set(checks["file_vs_host"]["cpu_per_token_vs_host"]) == {"1", "2"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = md.read_text()
     assert table.startswith("| placement | concurrency | throughput tok/s") and table.count("\n") == 2 + 6
@@ -74,12 +76,12 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     def timings(n: int, prompt: int, out: int) -> list[Timing]:
         return [Timing(0.01, [0.002] * (out - 1), 0.05, prompt, out) for _ in range(n)]
 
-    def metrics(probes: float, hits: float, file_bytes: float) -> dict[str, float]:
+    def metrics(probes: float, hits: float, file_bytes: float, cpu: float = 0.0) -> dict[str, float]:
         return {"tiergram_engram_cache_probes_total": probes, "tiergram_engram_cache_hits_total": hits,
-                'tiergram_engram_bytes_read_total{tier="file"}': file_bytes}
+                'tiergram_engram_bytes_read_total{tier="file"}': file_bytes, "process_cpu_seconds_total": cpu}
 
     zero = metrics(0, 0, 0)
-    rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10)),  # 100 tok/s
+    rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10, cpu=0.6)),  # 100 tok/s
               Round(timings(4, 20, 5), 0.5, zero, metrics(100, 50, 4096 * 20)),  # 200 tok/s
               Round(timings(4, 20, 5), 2.0, zero, metrics(200, 40, 4096 * 5))]  # 50 tok/s
     p = summarize("file", 4, rounds)
@@ -89,3 +91,4 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     assert p.engram_cache_hit_rate == pytest.approx(120 / 400)  # counters summed over the rounds
     assert p.file_pages_per_s == pytest.approx(35 / 3.5)
     assert p.itl_p90_ms == pytest.approx(2.0) and p.ttft_p50_ms == pytest.approx(10.0)
+    assert p.cpu_ms_per_token == pytest.approx(1e3 * 0.6 / 300)  # CPU over every round's 3 x 100 tokens

@@ -108,6 +108,7 @@ class Point:
     engram_bytes_read: dict[str, float] = field(default_factory=dict)
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
     file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
+    cpu_ms_per_token: float = 0.0  # the server process's CPU time (all threads) per token served
 
 
 @dataclass
@@ -378,7 +379,8 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
                  engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
-                 file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0)
+                 file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
+                 cpu_ms_per_token=1e3 * total("process_cpu_seconds_total") / max(1, sum(r.tokens for r in rounds)))
 
 
 # ----------------------------------------------------------------------------------------------- the sweep
@@ -500,6 +502,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 points.append(p)
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
                 reads = f", {p.file_pages_per_s:.0f} pages/s" if pl == "file" else ""
+                reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token"
                 _log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
                                f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
@@ -523,9 +526,10 @@ def _by_c(res: SweepResult, placement: str) -> dict[int, Point]:
     return {p.concurrency: p for p in res.points if p.placement == placement}
 
 
-def _ratios(res: SweepResult, num: str, den: str) -> dict[int, float]:
+def _ratios(res: SweepResult, num: str, den: str, field: str = "throughput_tok_s") -> dict[int, float]:
+    """A point field of one placement over another's, at each concurrency both ran (and den's is non-zero)."""
     a, b = _by_c(res, num), _by_c(res, den)
-    return {c: a[c].throughput_tok_s / b[c].throughput_tok_s for c in sorted(set(a) & set(b))}
+    return {c: getattr(a[c], field) / getattr(b[c], field) for c in sorted(set(a) & set(b)) if getattr(b[c], field)}
 
 
 def checks(res: SweepResult) -> dict[str, Any]:
@@ -549,6 +553,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
                                "cache_fraction": res.config.cache_fraction,
                                "cache_bytes": res.servers["file"]["cache_bytes"],
                                "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, "file").items()},
+                               "cpu_per_token_vs_host": _ratios(res, "file", "host", "cpu_ms_per_token"),
                                "disk_pages_per_s": res.disk_pages_per_s}
     return out
 
@@ -582,6 +587,7 @@ def checks_text(res: SweepResult) -> str:
         reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
         lines.append(f"    file tier reads, pages/s: {reads}; the disk's limit (QD128), pages/s: {disk} the sweep")
+        lines.append(f"    server CPU per token, file / host: {rs(f['cpu_per_token_vs_host'])}")
     if len(lines) == 1:
         lines.append("  none (they need device+host or host+file placements)")
     return "\n".join(lines)
@@ -621,7 +627,7 @@ def plot(res: SweepResult, path: Path) -> Path:
 def to_markdown(res: SweepResult) -> str:
     """A markdown table of every point (front points marked)."""
     head = ("| placement | concurrency | throughput tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
-            "E2E p90 ms | tok/s/user p90 | cache hit | file pages/s | stall s | front |")
+            "E2E p90 ms | tok/s/user p90 | cache hit | file pages/s | stall s | CPU ms/token | front |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for p in res.points:
         hit = "-" if p.engram_cache_hit_rate is None else f"{100 * p.engram_cache_hit_rate:.1f}%"
@@ -629,7 +635,7 @@ def to_markdown(res: SweepResult) -> str:
         lines.append(f"| {p.placement} | {p.concurrency} | {p.throughput_tok_s:.1f} | {p.ttft_p50_ms:.1f} / "
                      f"{p.ttft_p90_ms:.1f} / {p.ttft_p99_ms:.1f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} / "
                      f"{p.itl_p99_ms:.1f} | {p.e2e_p90_ms:.0f} | {p.interactivity_p90:.1f} | {hit} | "
-                     f"{p.file_pages_per_s:.0f} | {p.exposed_stall_s:.3f} | {front} |")
+                     f"{p.file_pages_per_s:.0f} | {p.exposed_stall_s:.3f} | {p.cpu_ms_per_token:.2f} | {front} |")
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +177,8 @@ def engine_lines(m: Any) -> list[str]:
          m.computed_tokens),
         ("tiergram_engram_skipped_rows_total", "Engram rows the degrade policy did not fetch.",
          getattr(m, "skipped_rows", 0)),
+        ("process_cpu_seconds_total", "CPU time of the server process, every thread, user + system.",
+         time.process_time()),
     ]
     for name, help_, value in counters:
         lines += _family(name, "counter", help_, [({}, float(value or 0))])
