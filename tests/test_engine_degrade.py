@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_engine import GREEDY, PROMPTS, engine, make_model_dir
+from test_engine import GREEDY, PROMPTS, engine, finish_warmups, make_model_dir
 
 from tiergram.analysis.predictor import LayerModel, SkipPredictor
-from tiergram.engine import DegradePolicy, EngineConfig, SamplingParams
+from tiergram.engine import DegradePolicy, EngineConfig, Placement, SamplingParams
 from tiergram.engine.degrade import Degrader
 from tiergram.model.checkpoint import load_pretrained
 from tiergram.model.generate import generate
@@ -159,3 +159,21 @@ def test_policy_config():
     for _ in range(20):
         d.observe(10.0, 0)
     assert d.level == 0 and d.level_steps[0] == 20
+
+
+def test_no_read_ahead_while_degraded(model_dir):
+    placement = Placement("file", codec="fp32", cache_bytes=16384)
+    with engine(model_dir, placement, max_num_batched_tokens=16, degrade=DegradePolicy(stall_bound_s=0.0)) as eng:
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(str(i), p, GREEDY)
+        eng.step()  # at level 0: the next step's prompt rows are read ahead; a bound of 0 then lifts the level
+        finish_warmups(eng)
+        first = eng.metrics().engram["warmed_rows"]
+        assert first > 0 and eng.metrics().degrade_level == 1
+        eng._inflight = {"0": 1}  # as while a step runs: an arriving prompt is not read ahead either
+        eng.read_ahead(PROMPTS[3])
+        eng._inflight = {}
+        while eng.has_unfinished():  # the prompts take several 16-token steps, none of which reads ahead
+            eng.step()
+        finish_warmups(eng)
+        assert eng.metrics().engram["warmed_rows"] == first

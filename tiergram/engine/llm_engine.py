@@ -145,13 +145,13 @@ class LLMEngine:
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
             self._m["prompt"] += len(prompt)
-            if self._read_ahead and self._inflight:  # a step runs now: read this prompt's rows while it does
+            if self._reading_ahead() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
                 self.runner.warm([(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)])
 
     def read_ahead(self, prompt_token_ids: list[int]) -> None:
         """From any thread, before add_request: if a step runs now, start reading the rows of the prompt's first
         chunk into the file caches, so the step that prefills it finds them there (a no-op otherwise)."""
-        if not (self._read_ahead and self._inflight):
+        if not (self._reading_ahead() and self._inflight):
             return
         try:
             ids = [int(t) for t in prompt_token_ids]
@@ -160,6 +160,10 @@ class LLMEngine:
         if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
             chunk = ids[:self.config.max_num_batched_tokens]
             self.runner.warm([(chunk, 0, len(chunk))])
+
+    def _reading_ahead(self) -> bool:
+        """Read-ahead is on and the degrade policy is at level 0: under stall pressure no speculative reads."""
+        return self._read_ahead and self.degrader.level == 0
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort"."""
@@ -185,7 +189,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
             ahead = [(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)] \
-                if self._read_ahead and batch.seqs else []
+                if self._reading_ahead() and batch.seqs else []
         if not batch.seqs:
             return outputs
         try:
