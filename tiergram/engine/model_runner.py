@@ -97,13 +97,14 @@ class ModelRunner:
         self.warm(ahead or [])
         t1 = time.perf_counter()
         stall: dict[int, float] = {}
+        gpu_waits: dict[int, tuple[Any, Any]] = {}  # CUDA: events around each wait on the compute stream
         try:
             cos, sin = model.rope_cos[layout.positions], model.rope_sin[layout.positions]  # [N, hd/2]
             x = model.tok_emb(layout.ids)  # [N, d]
             for i, block in enumerate(model.blocks):
                 if block.engram is not None:
                     w0 = time.perf_counter()
-                    rows = tickets.pop(i).wait() if i in tickets else None
+                    rows = self._wait(tickets.pop(i), i, gpu_waits) if i in tickets else None
                     stall[i] = time.perf_counter() - w0
                     mask = None
                     if i in keep:  # skipped positions: zero rows, and a mask that zeroes their output
@@ -117,10 +118,25 @@ class ModelRunner:
         finally:
             for ticket in tickets.values():  # only after an error: abandon the fetches nobody will wait for
                 ticket.cancel()
+        for i, (before, after) in gpu_waits.items():  # the time the compute stream itself sat waiting on the rows
+            after.synchronize()  # the step's logits are read right after this anyway
+            stall[i] += before.elapsed_time(after) / 1e3
         total_stall = sum(stall.values())
         skipped = sum(int((~k).sum()) * row_ids[layer].shape[1] for layer, k in keep.items())
         return StepResult(logits.float(), total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall,
                           skipped)
+
+    def _wait(self, ticket: Any, layer: int, gpu_waits: dict[int, tuple[Any, Any]]) -> torch.Tensor:
+        """The ticket's rows. On CUDA a device table's wait only orders the compute stream after the fetch, so the
+        exposed stall is on the GPU: timing events around the wait measure it (read after the step's forward)."""
+        if self.device.type != "cuda":
+            return ticket.wait()
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        rows = ticket.wait()
+        after.record()
+        gpu_waits[layer] = (before, after)
+        return rows
 
     def keep_masks(self, seqs: list[Sequence], counts: list[int], row_ids: dict[int, np.ndarray]
                    ) -> dict[int, np.ndarray]:
