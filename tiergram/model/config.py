@@ -1,4 +1,4 @@
-"""ModelConfig: the reference Engram LM's geometry, with the `small` and `tiny` presets."""
+"""ModelConfig: the reference Engram LM's geometry, with the `small`, `tiny`, `small-moe` and `tiny-moe` presets."""
 
 from __future__ import annotations
 
@@ -27,6 +27,22 @@ class EngramSettings:
 
 
 @dataclass
+class MoESettings:
+    """Mixture-of-experts FFNs (tiergram.model.moe): which blocks route, how many experts, how wide."""
+
+    layers: list[int] = field(default_factory=lambda: [1, 2, 3])  # blocks whose FFN is an MoE
+    n_experts: int = 8  # routed experts per MoE block
+    top_k: int = 2  # experts each token is sent to
+    expert_ffn: int = 176  # SwiGLU hidden width of each routed expert
+    shared_ffn: int = 0  # SwiGLU hidden width of the always-on shared expert (0: none)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss added to the LM loss in training
+
+    def expert_params(self, d_model: int) -> int:
+        """Routed-expert parameters over all MoE blocks (the sparse FFN parameters; router and shared excluded)."""
+        return len(self.layers) * self.n_experts * 3 * d_model * self.expert_ffn
+
+
+@dataclass
 class ModelConfig:
     """A decoder-only LM: RMSNorm, RoPE, GQA attention, SwiGLU MLP, optional Engram layers."""
 
@@ -41,10 +57,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True  # the LM head reuses the token embedding matrix
     engram: EngramSettings | None = field(default_factory=EngramSettings)
+    moe: MoESettings | None = None  # None: every block has a dense SwiGLU of width ffn
 
     def __post_init__(self) -> None:
         if isinstance(self.engram, dict):
             self.engram = EngramSettings(**self.engram)
+        if isinstance(self.moe, dict):
+            self.moe = MoESettings(**self.moe)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "max_seq"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -63,14 +82,25 @@ class ModelConfig:
                                  f"2..{e.max_ngram_size}), got {e.engram_vocab_size}")
             if not 0 <= e.pad_id < self.vocab_size:
                 raise ValueError(f"engram.pad_id {e.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+        m = self.moe
+        if m is not None:
+            if not m.layers or len(set(m.layers)) != len(m.layers) or min(m.layers) < 0 \
+                    or max(m.layers) >= self.n_layers:
+                raise ValueError(f"moe.layers must be distinct block indices in 0..{self.n_layers - 1}, got {m.layers}")
+            if not 1 <= m.top_k <= m.n_experts or m.expert_ffn < 1 or m.shared_ffn < 0:
+                raise ValueError(f"moe needs 1 <= top_k <= n_experts and expert_ffn >= 1, got top_k {m.top_k}, "
+                                 f"n_experts {m.n_experts}, expert_ffn {m.expert_ffn}, shared_ffn {m.shared_ffn}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form (config.json)."""
-        return dataclasses.asdict(self)
+        """JSON-serialisable form (config.json); a dense model has no `moe` key, as before MoE existed."""
+        out = dataclasses.asdict(self)
+        if out["moe"] is None:
+            del out["moe"]
+        return out
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> ModelConfig:
@@ -99,11 +129,24 @@ def tiny_config(vocab_size: int = 512) -> ModelConfig:
     )
 
 
-PRESETS = {"small": small_config, "tiny": tiny_config}
+def small_moe_config(vocab_size: int = 16384) -> ModelConfig:
+    """The small preset with MoE FFNs in blocks 1-3: 8 routed experts of width 176, top-2, plus a shared expert of
+    width 176 (active FFN width 528 vs the dense 688); Engram at blocks 1 and 2 as in small."""
+    return dataclasses.replace(small_config(vocab_size), moe=MoESettings(layers=[1, 2, 3], n_experts=8, top_k=2,
+                                                                         expert_ffn=176, shared_ffn=176))
+
+
+def tiny_moe_config(vocab_size: int = 512) -> ModelConfig:
+    """The tiny preset with an MoE FFN in block 1: 4 experts of width 48, top-2, a shared expert of width 48."""
+    return dataclasses.replace(tiny_config(vocab_size), moe=MoESettings(layers=[1], n_experts=4, top_k=2,
+                                                                        expert_ffn=48, shared_ffn=48))
+
+
+PRESETS = {"small": small_config, "tiny": tiny_config, "small-moe": small_moe_config, "tiny-moe": tiny_moe_config}
 
 
 def preset(name: str, vocab_size: int) -> ModelConfig:
-    """A named preset (small | tiny) for a tokenizer of vocab_size ids."""
+    """A named preset (small | tiny | small-moe | tiny-moe) for a tokenizer of vocab_size ids."""
     if name not in PRESETS:
         raise ValueError(f"unknown model config {name!r} (valid: {', '.join(PRESETS)})")
     return PRESETS[name](vocab_size)

@@ -20,6 +20,7 @@ from torch import nn
 from tiergram.engram import Engram, EngramConfig, RMSNorm, RowSourceTable
 from tiergram.hashing import NgramHasher
 from tiergram.model.config import ModelConfig
+from tiergram.model.moe import make_ffn
 
 
 def make_hasher(config: ModelConfig, *, tokenizer=None, compression=None) -> NgramHasher:
@@ -181,6 +182,7 @@ class EngramLM(nn.Module):
                                     norm_eps=config.norm_eps)
                 engram = Engram(ecfg, tables.get(i))
             blocks.append(Block(config, engram))
+            blocks[-1].mlp = make_ffn(config, i, blocks[-1].mlp)  # an MoE where config.moe routes block i
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
