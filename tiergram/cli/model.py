@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     budget = t.add_mutually_exclusive_group()
     budget.add_argument("--tokens", type=_count, help="token budget, e.g. 3M")
     budget.add_argument("--minutes", type=float, help="wall-clock budget")
-    t.add_argument("--config", default="small", choices=["small", "tiny"], help="model preset (default small)")
+    t.add_argument("--config", default="small", choices=["small", "tiny", "small-moe", "tiny-moe"],
+                   help="model preset (default small; *-moe: MoE FFNs, docs/model.md)")
     t.add_argument("--no-engram", action="store_true", help="the same backbone without Engram layers")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt with its saved settings")

@@ -26,6 +26,7 @@ from tiergram.model.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoi
 from tiergram.model.config import ModelConfig, preset
 from tiergram.model.data import WindowSampler, tokenize_split
 from tiergram.model.model import EngramLM, make_hasher
+from tiergram.model.moe import aux_loss as moe_aux_loss
 
 LOG = "train_log.jsonl"
 PROBE_STEPS = (2, 10)  # a time budget sizes the schedule from the mean time of these steps of the first run
@@ -36,7 +37,7 @@ class TrainConfig:
     """A training run's settings (saved in the checkpoint; a resumed run uses the saved ones)."""
 
     out: str
-    config: str = "small"  # model preset: small | tiny
+    config: str = "small"  # model preset: small | tiny | small-moe | tiny-moe
     engram: bool = True  # False: the same backbone without Engram layers
     seed: int = 0
     tokens: int | None = None  # token budget (training tokens, B*T per step) ...
@@ -123,8 +124,9 @@ def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
-          evaluate_at_end: bool = True) -> dict[str, Any]:
+          evaluate_at_end: bool = True, model_config: ModelConfig | None = None) -> dict[str, Any]:
     """Train (or resume) into cfg.out; stop_after ends this run after that many steps (with a checkpoint).
+    model_config replaces the preset's geometry (e.g. the allocation sweep's); a resume must pass the same one.
 
     Returns {'steps', 'tokens', 'loss' (mean of the last 20 steps), 'elapsed_s', 'finished', 'eval'}.
     """
@@ -143,7 +145,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     corpus = Path(cfg.corpus) if cfg.corpus else corpus_dir()
     tok_path = corpus / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path)
-    mconfig = model_config_for(cfg, tokenizer)
+    mconfig = model_config if model_config is not None else model_config_for(cfg, tokenizer)
 
     torch.manual_seed(cfg.seed)
     hasher = make_hasher(mconfig, tokenizer=tokenizer) if mconfig.engram is not None else None
@@ -206,10 +208,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
             with autocast:
                 logits, _ = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            balance = moe_aux_loss(model)  # MoE load-balancing term (None for a dense model); not in the logged loss
             adamw.zero_grad(set_to_none=True)
             if sparse is not None:
                 sparse.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss if balance is None else loss + balance).backward()
             dense = [p for g in adamw.param_groups for p in g["params"] if p.grad is not None]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(dense, cfg.grad_clip))
             adamw.step()
