@@ -23,7 +23,6 @@ from tiergram.analysis.capacity import analyze, rankdata, spearman
 from tiergram.analysis.doctest_task import answer_of, document_tasks, extract_tasks, is_finished
 from tiergram.analysis.predictor import SkipPredictor, fit_predictor
 from tiergram.analysis.probe import probe
-from tiergram.analysis.sketch import CountMinSketch
 from tiergram.analysis.skipping import skip_losses, skip_study
 from tiergram.analysis.trace import EngramHooks, batches, load_windows, trace
 from tiergram.cli import main
@@ -37,6 +36,7 @@ from tiergram.corpus import (
     train_tokenizer,
 )
 from tiergram.corpus.sources import python_group, stdlib_root
+from tiergram.engram.sketch import CountMinSketch
 from tiergram.model import EngramLM, tiny_config
 from tiergram.model.checkpoint import save_pretrained
 from tiergram.model.evaluate import evaluate

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.corpus import CATEGORIES
-from tiergram.model.evaluate import EvalDoc, _windows, eval_documents
+from tiergram.model.evaluate import EvalDoc, document_windows, eval_documents
 from tiergram.model.model import EngramLM
 
 
@@ -34,7 +34,7 @@ class Window:
 
 def make_windows(docs: list[EvalDoc], seq_len: int) -> list[Window]:
     """The evaluation windows of documents, in document order."""
-    return [Window(d, docs[d].category, w[:-1].copy(), w[1:].copy()) for d, w in _windows(docs, seq_len)
+    return [Window(d, docs[d].category, w[:-1].copy(), w[1:].copy()) for d, w in document_windows(docs, seq_len)
             if len(w) > 1]
 
 

@@ -21,7 +21,7 @@ class Degrader:
         self.policy = policy
         self.predictor = predictor  # a SkipPredictor (predict_skip) or None: level 1 at most
         if predictor is None and policy.predictor_path is not None:
-            from tiergram.analysis.predictor import SkipPredictor  # the analysis package only when asked for
+            from tiergram.engram.skip import SkipPredictor  # loaded only when a policy names one
             self.predictor = SkipPredictor.load(policy.predictor_path)
         self.level = 0
         self.stalls: deque[float] = deque(maxlen=policy.window_steps)

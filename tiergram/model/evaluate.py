@@ -68,7 +68,7 @@ def eval_documents(corpus: str | os.PathLike, split: str, tokenizer: Any, *,
     return out
 
 
-def _windows(docs: list[EvalDoc], seq_len: int) -> list[tuple[int, np.ndarray]]:
+def document_windows(docs: list[EvalDoc], seq_len: int) -> list[tuple[int, np.ndarray]]:
     """(document index, tokens [<= seq_len + 1]) windows; consecutive windows overlap by one token."""
     out = []
     for d, doc in enumerate(docs):
@@ -83,7 +83,7 @@ def score_documents(model: EngramLM, docs: list[EvalDoc], *, batch_size: int = 1
     """Fill each document's loss_sum and count (summed next-token cross-entropy, in nats)."""
     model.eval()
     device = next(model.parameters()).device
-    windows = _windows(docs, model.config.max_seq)
+    windows = document_windows(docs, model.config.max_seq)
     windows.sort(key=lambda w: -len(w[1]))  # similar lengths together: little padding
     for i in tqdm(range(0, len(windows), batch_size), desc="eval", unit="batch", disable=not progress):
         batch = windows[i:i + batch_size]
