@@ -1,0 +1,378 @@
+"""The step model of the planner: what one serving step costs per placement, and what caps concurrency.
+
+Plain dataclasses and functions, no I/O: `predict_point` turns a model, a machine, a placement and a workload
+into one predicted point (throughput, interactivity, the step's cost terms, what binds). The equations are in
+docs/planner.md; every name here follows them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+PLACEMENT_KINDS = ("device", "host", "file")
+
+
+@dataclass(frozen=True)
+class EngramGeometry:
+    """The Engram tables: which blocks read them, rows per token, bytes per row, rows per table."""
+
+    layers: tuple[int, ...]  # block indices (0-based) with an Engram layer
+    heads: int  # rows each token reads per Engram layer (all n-gram orders together)
+    row_bytes: int  # one encoded row on disk / in memory
+    rows_per_layer: int  # rows of one layer's table
+    dim: int  # values per row once dequantized
+    out_bytes: int = 4  # bytes per dequantized value handed to the layer (fp32 on a CPU, bf16 on a GPU)
+
+    @property
+    def rows_per_token(self) -> int:
+        return len(self.layers) * self.heads
+
+    @property
+    def table_bytes(self) -> int:
+        """All layers' tables, encoded."""
+        return len(self.layers) * self.rows_per_layer * self.row_bytes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the planner sees it: compute and bytes per token, KV per token, Engram geometry."""
+
+    name: str
+    n_layers: int  # transformer blocks
+    active_params: float  # parameters each token multiplies (MoE: the activated ones)
+    weight_bytes: float  # all weights resident on the device (Engram tables excluded)
+    active_weight_bytes: float  # weight bytes one token touches (dense: weight_bytes; MoE: activated experts)
+    kv_bytes_per_token: float  # K/V cache bytes of one token of context, all layers
+    engram: EngramGeometry
+    activation_bytes: float = 0.0  # device reserve for one step's activations
+    hit_rate_curve: tuple[tuple[float, float], ...] = ()  # (host cache fraction of the table, hit rate)
+
+    @property
+    def flops_per_token(self) -> float:
+        """2 FLOPs (multiply + add) per active parameter."""
+        return 2.0 * self.active_params
+
+    @property
+    def hide_fraction(self) -> float:
+        """Share of a step's backbone compute that runs before the first Engram layer (embedding ≈ free)."""
+        return min(self.engram.layers) / self.n_layers
+
+    def hit_rate(self, cache_fraction: float) -> float:
+        """Hit rate of a host cache holding `cache_fraction` of the table (log-linear in the measured curve)."""
+        return interpolate(self.hit_rate_curve, cache_fraction, log_x=True) if self.hit_rate_curve else 0.0
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """The NVMe drives: random 4 KiB reads per second per drive at each queue depth, and CPU per page read."""
+
+    drives: int
+    iops_curve: tuple[tuple[float, float], ...]  # (queue depth per drive, pages/s per drive), increasing depth
+    page_bytes: int = 4096
+    cpu_s_per_page: float = 0.0  # host CPU seconds per page read (submit, complete, verify, copy out)
+    threads: int = 1  # reader threads the CPU seconds spread over
+
+    def pages_per_s(self, queue_depth: float) -> float:
+        """Pages/s of all drives with `queue_depth` reads in flight, spread evenly over the drives."""
+        return self.drives * interpolate(self.iops_curve, max(1.0, queue_depth / self.drives), log_x=True)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A machine: the device (HBM or, on a CPU-only machine, a budget of host memory), host DRAM, link, disks."""
+
+    name: str
+    kind: str  # "gpu": device and host are separate, joined by the link; "cpu": one pool of cores does everything
+    device_memory_bytes: float  # what weights + device tables + activations + KV may use
+    device_bw: float  # device memory bandwidth, bytes/s
+    compute_flops: float  # sustained backbone FLOP/s (peak × the efficiency stated in the spec)
+    step_overhead_s: float  # fixed cost of one step (scheduler, launches, sampling)
+    per_seq_s: float  # cost per running sequence per step (sampling, streaming, bookkeeping)
+    host_memory_bytes: float  # host DRAM the server may use
+    host_bw: float  # host DRAM bandwidth, bytes/s
+    gather_rows_s: float  # host gather + dequant rate, rows/s (cpu: native threads on these cores)
+    link_bw: float  # host -> device bytes/s (PCIe / NVLink-C2C); 0 on a CPU-only machine
+    disk: DiskSpec
+    per_token_s: float = 0.0  # measured backbone seconds per token (cpu calibration); 0: from compute_flops
+    request_overhead_s: float = 0.0  # per request: HTTP, tokenizing, admission (one user's gap between requests)
+    device_gather_rows_s: float = 0.0  # gather from a device-resident table, rows/s (0: free against compute)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the tables live: device, host (DRAM), file (NVMe behind a host cache); KV optionally in host DRAM."""
+
+    kind: str
+    cache_fraction: float = 0.0  # file: host cache as a fraction of the table
+    hit_rate: float | None = None  # file: the cache hit rate; None: from the model's hit-rate curve
+    kv_offload: bool = False  # K/V past the device's room lives in host DRAM, streamed over the link every step
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLACEMENT_KINDS:
+            raise ValueError(f"unknown placement {self.kind!r} (valid: {', '.join(PLACEMENT_KINDS)})")
+        if not 0.0 <= self.cache_fraction <= 1.0:
+            raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
+        if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
+
+    @property
+    def label(self) -> str:
+        name = self.kind + (f" {self.cache_fraction:.0%} cache" if self.kind == "file" else "")
+        return name + (" + KV offload" if self.kv_offload else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The closed loop: c users, each sending its next request when the last one ends."""
+
+    input_len: float  # mean prompt tokens
+    output_len: float  # mean output tokens (>= 1)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    max_input_len: int | None = None  # longest prompt (KV sized for it); None: input_len
+    max_output_len: int | None = None
+    queue_depth: int = 128  # reads in flight the file tier keeps
+    host_reserve_bytes: float = 0.0  # host DRAM the planner must leave alone (OS, other processes)
+
+    @property
+    def seq_tokens(self) -> int:
+        """The KV tokens one sequence holds at its end."""
+        return int(math.ceil((self.max_input_len or self.input_len) + (self.max_output_len or self.output_len)))
+
+
+@dataclass
+class Point:
+    """One predicted point: a placement at a concurrency."""
+
+    placement: str
+    concurrency: int
+    step_s: float
+    throughput_tok_s: float  # prompt + output tokens per second
+    interactivity: float  # output tokens per second per user (1 / ITL)
+    binding: str  # the term that sets the step time
+    terms: dict[str, float] = field(default_factory=dict)  # seconds per step of each cost term
+    hit_rate: float | None = None
+
+
+@dataclass
+class Limit:
+    """The concurrency where a placement stops, and why."""
+
+    concurrency: int
+    binding: str  # "device memory", "host memory", "max_num_seqs"
+    device_bytes_per_seq: float
+    host_bytes_per_seq: float
+
+
+def interpolate(curve: tuple[tuple[float, float], ...], x: float, log_x: bool = False) -> float:
+    """Piecewise-linear y(x) through the curve's points (in log x when asked), flat outside them."""
+    if not curve:
+        raise ValueError("an empty curve cannot be interpolated")
+    pts = sorted(curve)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    f = math.log if log_x else float
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x0 <= x <= x1:
+            t = 0.0 if x1 == x0 else (f(x) - f(x0)) / (f(x1) - f(x0))
+            return y0 + t * (y1 - y0)
+    return pts[-1][1]
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+def kv_bytes_per_seq(model: ModelSpec, wl: Workload) -> float:
+    """K/V bytes one running sequence holds at its end (rounded up to whole blocks)."""
+    return math.ceil(wl.seq_tokens / wl.block_size) * wl.block_size * model.kv_bytes_per_token
+
+
+def fixed_memory(model: ModelSpec, placement: Placement) -> tuple[float, float]:
+    """(device bytes, host bytes) that do not grow with concurrency: weights, tables, cache, activations."""
+    table = model.engram.table_bytes
+    device = model.weight_bytes + model.activation_bytes + (table if placement.kind == "device" else 0.0)
+    host = table if placement.kind == "host" else placement.cache_fraction * table if placement.kind == "file" else 0
+    return device, float(host)
+
+
+def kv_room(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement) -> tuple[float, float]:
+    """(device bytes, host bytes) left for K/V once the fixed bytes are placed (host: 0 without KV offload)."""
+    dev_fixed, host_fixed = fixed_memory(model, placement)
+    dev = max(0.0, hw.device_memory_bytes - dev_fixed)
+    host = max(0.0, hw.host_memory_bytes - wl.host_reserve_bytes - host_fixed) if placement.kv_offload else 0.0
+    return dev, host
+
+
+def concurrency_limit(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement) -> Limit:
+    """The most sequences the device budget, host DRAM and max_num_seqs allow; which of them binds.
+
+    With KV offload, sequences whose K/V does not fit the device room live in host DRAM (streamed each step).
+    """
+    dev_fixed, host_fixed = fixed_memory(model, placement)
+    per_seq = kv_bytes_per_seq(model, wl)
+    dev_room, host_room = kv_room(model, hw, wl, placement)
+    caps = {"max_num_seqs": wl.max_num_seqs}
+    if dev_fixed > hw.device_memory_bytes:
+        caps["device memory"] = 0
+    if host_fixed > hw.host_memory_bytes - wl.host_reserve_bytes:
+        caps["host memory"] = 0
+    memory = int(dev_room // per_seq) + int(host_room // per_seq)
+    caps.setdefault("host memory" if placement.kv_offload else "device memory", memory)
+    binding = min(caps, key=lambda k: (caps[k], k != "max_num_seqs"))
+    return Limit(caps[binding], binding, per_seq, per_seq if placement.kv_offload else 0.0)
+
+
+# ------------------------------------------------------------------------------------------------- step
+
+def _shared(own: float, other: float) -> float:
+    """Finish time of a transfer of `own` seconds sharing a link equally with one of `other` seconds."""
+    return own + min(own, other)
+
+
+def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int
+               ) -> tuple[float, dict[str, float], str, float | None]:
+    """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
+    g = model.engram
+    tokens = tokens_per_step(wl, c)
+    lo = max(1.0, wl.output_len)
+    context = wl.input_len + lo / 2.0  # mean tokens of KV each sequence's attention reads
+    rows = tokens * g.rows_per_token
+    terms: dict[str, float] = {}
+    # backbone compute
+    if hw.per_token_s > 0:
+        compute = tokens * hw.per_token_s
+    else:
+        flops = tokens * model.flops_per_token / hw.compute_flops
+        weights = min(model.weight_bytes, tokens * model.active_weight_bytes) / hw.device_bw
+        kv_read = c * context * model.kv_bytes_per_token / hw.device_bw  # offloaded K/V is copied in, then read
+        compute = max(flops, weights + kv_read)
+    terms["compute"] = compute
+    terms["overhead"] = hw.step_overhead_s + c * hw.per_seq_s
+    # Engram rows: where they come from
+    hit = None
+    dram_bytes = link_bytes = 0.0
+    cpu_fetch = io_wait = 0.0
+    if placement.kind == "device":
+        if hw.device_gather_rows_s > 0:
+            terms["engram gather"] = rows / hw.device_gather_rows_s
+    elif placement.kind == "host":
+        dram_bytes = rows * g.row_bytes
+        if hw.kind == "gpu":
+            link_bytes = rows * g.row_bytes  # UVA gather: the encoded rows cross the link, dequant on the GPU
+        else:
+            cpu_fetch = rows / hw.gather_rows_s
+    else:
+        hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
+        misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
+        io_wait = misses / hw.disk.pages_per_s(wl.queue_depth)
+        cpu_fetch = misses * hw.disk.cpu_s_per_page / hw.disk.threads + rows / hw.gather_rows_s
+        dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
+        if hw.kind == "gpu":
+            link_bytes = rows * g.row_bytes
+            cpu_fetch = misses * hw.disk.cpu_s_per_page / hw.disk.threads  # the GPU gathers from pinned memory
+    kv_link = 0.0
+    if placement.kv_offload:  # the sequences past the device's K/V room stream their K/V in every step
+        dev_room = kv_room(model, hw, wl, placement)[0]
+        spilled = max(0.0, c - dev_room // kv_bytes_per_seq(model, wl))
+        kv_link = spilled * context * model.kv_bytes_per_token
+    kv_dram = kv_link
+    hide = model.hide_fraction * compute
+    if hw.kind == "gpu":
+        link_s = _shared(link_bytes / hw.link_bw, kv_link / hw.link_bw) if link_bytes else 0.0
+        dram_s = _shared(dram_bytes / hw.host_bw, kv_dram / hw.host_bw) if dram_bytes else 0.0
+        fetch = max(link_s, dram_s, io_wait, cpu_fetch)
+        terms["engram fetch"] = fetch
+        terms["engram exposed"] = max(0.0, fetch - hide)
+        terms["kv link"] = kv_link / hw.link_bw if kv_link else 0.0
+        step = max(compute + terms["engram exposed"], (link_bytes + kv_link) / hw.link_bw if hw.link_bw else 0.0,
+                   (dram_bytes + kv_dram) / hw.host_bw) + terms["overhead"]
+    else:
+        # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
+        terms["engram cpu"] = cpu_fetch
+        terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch)
+        step = compute + cpu_fetch + terms["engram exposed"] + terms["overhead"] + terms.get("engram gather", 0.0)
+        dram_s = (dram_bytes + kv_dram) / hw.host_bw
+        step = max(step, dram_s)
+    terms = {k: v for k, v in terms.items() if v > 0}
+    binding = _binding(terms, placement)
+    return step, terms, binding, hit
+
+
+def _binding(terms: dict[str, float], placement: Placement) -> str:
+    """The cost term that sets the step: compute (with its fixed overhead) against the exposed fetch and KV."""
+    backbone = terms.get("compute", 0.0) + terms.get("overhead", 0.0)
+    fetch = terms.get("engram exposed", 0.0) + terms.get("engram cpu", 0.0)
+    candidates = {"compute": backbone, "kv link": terms.get("kv link", 0.0)}
+    source = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}[placement.kind]
+    candidates[source] = fetch
+    return max(candidates, key=lambda k: candidates[k])
+
+
+def steps_per_request(wl: Workload, c: int) -> float:
+    """Steps one request spends in the engine: its prefill plus L_out - 1 decodes, or more when the step token
+    budget cannot take every prompt and decode of a round at once."""
+    lo = max(1.0, wl.output_len)
+    return max(lo, c * (wl.input_len + lo - 1.0) / wl.max_num_batched_tokens)
+
+
+def tokens_per_step(wl: Workload, c: int) -> float:
+    """Mean tokens one step computes with c closed-loop users: each request's tokens spread over its steps."""
+    return c * (wl.input_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c)
+
+
+def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> Point:
+    """Throughput and interactivity of c closed-loop users: each request costs L_out steps of c sequences."""
+    if c < 1:
+        raise ValueError(f"concurrency must be >= 1, got {c}")
+    step, terms, binding, hit = step_terms(model, hw, wl, placement, c)
+    lo = max(1.0, wl.output_len)
+    steps = steps_per_request(wl, c)
+    cycle = steps * step + hw.request_overhead_s
+    throughput = c * (wl.input_len + lo) / cycle
+    itl = step * steps / lo  # a sequence gets one token per step, fewer when prefill chunks fill the budget
+    return Point(placement.label, c, step, throughput, 1.0 / itl, binding, terms, hit)
+
+
+def levels(limit: int, max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... up to min(limit, max_concurrency), ending at that cap (as `bench serve` sweeps)."""
+    cap = min(limit, max_concurrency)
+    if cap < 1:
+        return []
+    out = [1]
+    while out[-1] * 2 <= cap:
+        out.append(out[-1] * 2)
+    return out if out[-1] == cap else [*out, cap]
+
+
+@dataclass
+class Front:
+    """A placement's predicted sweep: its points, its concurrency limit, and its pareto front."""
+
+    placement: Placement
+    limit: Limit
+    points: list[Point]
+
+    @property
+    def pareto(self) -> list[Point]:
+        """The points no other point beats on both throughput and interactivity."""
+        def beaten(p: Point) -> bool:
+            return any(q.throughput_tok_s >= p.throughput_tok_s and q.interactivity >= p.interactivity
+                       and (q.throughput_tok_s > p.throughput_tok_s or q.interactivity > p.interactivity)
+                       for q in self.points)
+        return [p for p in self.points if not beaten(p)]
+
+
+def predict_front(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement,
+                  max_concurrency: int = 1 << 16) -> Front:
+    """Every concurrency level up to the placement's limit (or max_concurrency)."""
+    limit = concurrency_limit(model, hw, wl, placement)
+    pts = [predict_point(model, hw, wl, placement, c) for c in levels(limit.concurrency, max_concurrency)]
+    return Front(placement, limit, pts)
+
+
+def with_hit_rate(placement: Placement, hit_rate: float) -> Placement:
+    """The same placement with its cache hit rate given."""
+    return replace(placement, hit_rate=hit_rate)

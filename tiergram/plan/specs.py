@@ -1,0 +1,292 @@
+"""Hardware and model specs: small TOML files, validated field by field, every figure with its source.
+
+A spec names a file (`path/to/x.toml`), a spec shipped in tiergram/plan/specs/ (`h200`), or the machine spec that
+`tiergram plan calibrate` wrote into the cache (`this-machine`). A model may also be a trained model directory:
+its spec is derived from its config.json and table files. Errors name the file, the field and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from tiergram.plan.model import DiskSpec, EngramGeometry, HardwareSpec, ModelSpec
+
+SPEC_DIR = Path(__file__).parent / "specs"
+GB = 1e9
+
+
+class SpecError(ValueError):
+    """A spec file that cannot be used: the message names the file, the field and the problem."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One TOML field: how to read it into the dataclass."""
+
+    key: str  # name in the file
+    attr: str  # dataclass attribute
+    scale: float = 1.0  # file unit -> dataclass unit
+    required: bool = True
+    kind: str = "number"  # number | int | str | curve | ints
+    minimum: float = 0.0  # numbers must be >= this (and > 0 when positive)
+    positive: bool = False
+
+
+HARDWARE_FIELDS = (
+    Field("name", "name", kind="str"),
+    Field("kind", "kind", kind="str"),
+    Field("device_memory_gb", "device_memory_bytes", GB, positive=True),
+    Field("device_bw_gbps", "device_bw", GB, positive=True),
+    Field("compute_tflops", "compute_flops", 1e12, positive=True),
+    Field("step_overhead_us", "step_overhead_s", 1e-6),
+    Field("per_seq_us", "per_seq_s", 1e-6),
+    Field("per_token_us", "per_token_s", 1e-6, required=False),
+    Field("request_overhead_ms", "request_overhead_s", 1e-3, required=False),
+    Field("host_memory_gb", "host_memory_bytes", GB, positive=True),
+    Field("host_bw_gbps", "host_bw", GB, positive=True),
+    Field("gather_mrows_s", "gather_rows_s", 1e6, positive=True),
+    Field("device_gather_mrows_s", "device_gather_rows_s", 1e6, required=False),
+    Field("link_gbps", "link_bw", GB),
+)
+DISK_FIELDS = (
+    Field("drives", "drives", kind="int", positive=True),
+    Field("page_bytes", "page_bytes", kind="int", positive=True, required=False),
+    Field("cpu_us_per_page", "cpu_s_per_page", 1e-6),
+    Field("threads", "threads", kind="int", positive=True, required=False),
+    Field("iops_curve", "iops_curve", kind="curve"),
+)
+MODEL_FIELDS = (
+    Field("name", "name", kind="str"),
+    Field("n_layers", "n_layers", kind="int", positive=True),
+    Field("active_params_b", "active_params", 1e9, positive=True),
+    Field("weight_gb", "weight_bytes", GB, positive=True),
+    Field("active_weight_gb", "active_weight_bytes", GB, positive=True),
+    Field("kv_bytes_per_token", "kv_bytes_per_token", positive=True),
+    Field("activation_gb", "activation_bytes", GB, required=False),
+    Field("hit_rate_curve", "hit_rate_curve", kind="curve", required=False),
+)
+ENGRAM_FIELDS = (
+    Field("layers", "layers", kind="ints"),
+    Field("heads", "heads", kind="int", positive=True),
+    Field("row_bytes", "row_bytes", kind="int", positive=True),
+    Field("rows_per_layer", "rows_per_layer", kind="int", positive=True),
+    Field("dim", "dim", kind="int", positive=True),
+    Field("out_bytes", "out_bytes", kind="int", positive=True, required=False),
+)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read the spec: {e.strerror}") from None
+
+
+def _value(path: Path, table: str, f: Field, raw: Any) -> Any:
+    where = f"{path}: [{table}] field `{f.key}`"
+    if f.kind == "str":
+        if not isinstance(raw, str) or not raw:
+            raise SpecError(f"{where}: expected a non-empty string, got {raw!r}")
+        return raw
+    if f.kind == "ints":
+        if not isinstance(raw, list) or not raw or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                            for x in raw):
+            raise SpecError(f"{where}: expected a non-empty list of integers >= 0, got {raw!r}")
+        return tuple(raw)
+    if f.kind == "curve":
+        ok = isinstance(raw, list) and raw and all(
+            isinstance(p, list) and len(p) == 2 and all(_is_number(x) for x in p) for p in raw)
+        if not ok:
+            raise SpecError(f"{where}: expected a list of [x, y] number pairs, got {raw!r}")
+        pts = tuple((float(x), float(y)) for x, y in raw)
+        if any(x <= 0 or y < 0 for x, y in pts):
+            raise SpecError(f"{where}: x must be > 0 and y >= 0 in every pair, got {raw!r}")
+        if [x for x, _ in pts] != sorted({x for x, _ in pts}):
+            raise SpecError(f"{where}: x must increase strictly from pair to pair, got {raw!r}")
+        return pts
+    if not _is_number(raw) or (f.kind == "int" and not float(raw).is_integer()):
+        what = "an integer" if f.kind == "int" else "a number"
+        raise SpecError(f"{where}: expected {what}, got {raw!r}")
+    v = float(raw)
+    if not math.isfinite(v) or v < f.minimum or (f.positive and v <= 0):
+        raise SpecError(f"{where}: must be {'> 0' if f.positive else '>= 0'} and finite, got {raw!r}")
+    return int(v) if f.kind == "int" else v * f.scale
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _fields(path: Path, table: str, obj: Any, fields: tuple[Field, ...], sources: dict[str, Any],
+            prefix: str = "", sub: tuple[str, ...] = ()) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise SpecError(f"{path}: [{table}] must be a table")
+    known = {f.key for f in fields} | set(sub)
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise SpecError(f"{path}: [{table}] has unknown field(s) {unknown} (known: {sorted(known)})")
+    out = {}
+    for f in fields:
+        if f.key not in obj:
+            if f.required:
+                raise SpecError(f"{path}: [{table}] misses the required field `{f.key}`")
+            continue
+        out[f.attr] = _value(path, table, f, obj[f.key])
+        if f.kind != "str" and f"{prefix}{f.key}" not in sources:
+            raise SpecError(f"{path}: [sources] has no entry for `{prefix}{f.key}`: every figure says where it "
+                            "comes from (a datasheet or paper, 'measured by ...', or 'assumed: why')")
+    return out
+
+
+def _sources(path: Path, data: dict[str, Any]) -> dict[str, str]:
+    src = data.get("sources", {})
+    if not isinstance(src, dict) or not all(isinstance(v, str) and v.strip() for v in src.values()):
+        raise SpecError(f"{path}: [sources] must map field names to non-empty strings")
+    return src
+
+
+def load_hardware(spec: str | Path) -> HardwareSpec:
+    """A hardware spec from a TOML file or a spec name; SpecError names the file, field and problem."""
+    path = resolve(spec, "hardware")
+    data = _read(path)
+    if "hardware" not in data:
+        raise SpecError(f"{path}: no [hardware] table (is this a model spec?)")
+    sources = _sources(path, data)
+    hw = _fields(path, "hardware", data["hardware"], HARDWARE_FIELDS, sources, sub=("disk",))
+    if hw["kind"] not in ("gpu", "cpu"):
+        raise SpecError(f"{path}: [hardware] field `kind`: must be 'gpu' or 'cpu', got {hw['kind']!r}")
+    if hw["kind"] == "gpu" and hw["link_bw"] <= 0:
+        raise SpecError(f"{path}: [hardware] field `link_gbps`: a gpu needs a host link > 0")
+    if "disk" not in data["hardware"]:
+        raise SpecError(f"{path}: [hardware] misses the [hardware.disk] table")
+    disk = _fields(path, "hardware.disk", data["hardware"]["disk"], DISK_FIELDS, sources, prefix="disk.")
+    return HardwareSpec(**hw, disk=DiskSpec(**disk))
+
+
+def load_model(spec: str | Path) -> ModelSpec:
+    """A model spec from a TOML file, a spec name, or a trained model directory."""
+    p = Path(spec)
+    if p.is_dir():
+        return model_from_dir(p)
+    path = resolve(spec, "model")
+    data = _read(path)
+    if "model" not in data:
+        raise SpecError(f"{path}: no [model] table (is this a hardware spec?)")
+    sources = _sources(path, data)
+    m = _fields(path, "model", data["model"], MODEL_FIELDS, sources, sub=("engram",))
+    if "engram" not in data["model"]:
+        raise SpecError(f"{path}: [model] misses the [model.engram] table")
+    e = _fields(path, "model.engram", data["model"]["engram"], ENGRAM_FIELDS, sources, prefix="engram.")
+    if max(e["layers"]) >= m["n_layers"]:
+        raise SpecError(f"{path}: [model.engram] field `layers`: {list(e['layers'])} must lie in "
+                        f"0..{m['n_layers'] - 1} (n_layers = {m['n_layers']})")
+    if m["active_weight_bytes"] > m["weight_bytes"]:
+        raise SpecError(f"{path}: [model] field `active_weight_gb`: larger than weight_gb")
+    for name, v in m.get("hit_rate_curve", ()):
+        if v > 1:
+            raise SpecError(f"{path}: [model] field `hit_rate_curve`: hit rate {v} at {name} is above 1")
+    return ModelSpec(**m, engram=EngramGeometry(**e))
+
+
+def resolve(spec: str | Path, what: str) -> Path:
+    """The TOML file a spec argument names: a path, a shipped spec, or the calibrated one in the cache."""
+    p = Path(spec)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise SpecError(f"{p}: no such {what} spec file")
+        return p
+    for cand in (SPEC_DIR / f"{spec}.toml", calibrated_path() if str(spec) == "this-machine" else None):
+        if cand is not None and cand.is_file():
+            return cand
+    if str(spec) == "this-machine":
+        raise SpecError(f"no calibrated spec at {calibrated_path()}: run `tiergram plan calibrate` first")
+    names = sorted(x.stem for x in SPEC_DIR.glob("*.toml"))
+    raise SpecError(f"no {what} spec named {spec!r} (shipped: {', '.join(names)}; or a .toml path)")
+
+
+def calibrated_path() -> Path:
+    """Where `tiergram plan calibrate` writes this machine's spec by default."""
+    from tiergram.bench.common import cache_dir
+
+    return cache_dir("plan") / "this-machine.toml"
+
+
+def shipped() -> list[str]:
+    """Names of the specs that ship with tiergram."""
+    return sorted(x.stem for x in SPEC_DIR.glob("*.toml"))
+
+
+# ------------------------------------------------------------------------------------ a trained model dir
+
+def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 16, max_num_seqs: int = 64,
+                   max_num_batched_tokens: int = 512) -> ModelSpec:
+    """The spec of a trained tiergram model: counted weights, its K/V and activation bytes, its tables' geometry."""
+    from tiergram.engine.budget import activation_bytes
+    from tiergram.model.checkpoint import read_config
+    from tiergram.model.config import ModelConfig
+
+    try:
+        cfg_obj = read_config(str(model_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise SpecError(f"{model_dir}: not a tiergram model directory ({e})") from None
+    cfg = ModelConfig.from_dict(cfg_obj["model"])
+    e = cfg.engram
+    if e is None:
+        raise SpecError(f"{model_dir}: the model has no Engram layers: nothing to place")
+    import torch
+
+    elem = 4  # the engine runs float32 on a CPU
+    hd = cfg.head_dim
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * elem
+    params = _backbone_params(cfg)
+    act = activation_bytes(cfg, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                           max_model_len=cfg.max_seq, dtype=torch.float32)
+    rows = params["rows"]
+    row_bytes = e.dim + e.dim // 32 if codec == "fp8_e4m3" else e.dim * 4
+    hit = _hit_curve(model_dir)
+    return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(params["active"]),
+                     weight_bytes=float(params["bytes"]), active_weight_bytes=float(params["active"] * elem),
+                     kv_bytes_per_token=float(kv), engram=EngramGeometry(tuple(sorted(e.layers)), e.n_heads,
+                                                                          row_bytes, rows, e.dim, elem),
+                     activation_bytes=float(act), hit_rate_curve=hit)
+
+
+def _backbone_params(cfg: Any) -> dict[str, int]:
+    """Weights the engine holds on the device (tables excluded), the parameters a token multiplies, table rows."""
+    import torch
+
+    from tiergram.model.model import EngramLM
+
+    with torch.device("meta"):
+        model = EngramLM(cfg)
+    total = active = rows = 0
+    for name, p in model.named_parameters():
+        if ".table." in name:
+            rows = max(rows, p.shape[0])  # one layer's table: every head's rows stacked
+            continue
+        total += p.numel()
+        if name.startswith("tok_emb"):
+            continue  # an embedding lookup multiplies nothing (the tied LM head is added below)
+        active += p.numel()
+    if cfg.tie_embeddings:
+        active += cfg.vocab_size * cfg.d_model
+    if cfg.moe is not None:
+        m = cfg.moe
+        active -= len(m.layers) * (m.n_experts - m.top_k) * 3 * cfg.d_model * m.expert_ffn
+    return {"bytes": total * 4, "active": active, "rows": rows}
+
+
+def _hit_curve(model_dir: Path) -> tuple[tuple[float, float], ...]:
+    """A hit-rate curve measured for this model (plan/hit_rate.json beside it), if there is one."""
+    f = model_dir / "plan" / "hit_rate.json"
+    if not f.is_file():
+        return ()
+    return tuple((float(x), float(y)) for x, y in json.loads(f.read_text())["curve"])
