@@ -1,0 +1,558 @@
+"""Mooncake tier: a table's pages as objects in Mooncake Store, fetched into registered buffers and verified.
+
+One object per page (`tiergram/<name>/p<page>`), the header and manifest in `tiergram/<name>/manifest`, written
+last by `push_table` as the commit marker. A read fetches every distinct page it needs in one `batch_get_into`
+into a registered, page-aligned staging buffer, then checks each page's trailer (index and CRC-32C) with the
+same native check the file reader uses: a remote store is trusted less than a local disk. Any page that cannot
+be read correctly raises `PageReadError` naming the table, the page and Mooncake's error code, within the
+tier's timeout — never wrong rows. docs/remote.md explains the deployment and the measurements behind the
+object granularity.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tiergram import _native
+from tiergram.format import TableFile, TableFormatError
+from tiergram.format.header import unpack_header
+from tiergram.tiers.aligned import aligned_empty
+from tiergram.tiers.file import FileTier
+
+PageReadError = _native.PageReadError
+URI_SCHEME = "mooncake://"
+KEY_PREFIX = "tiergram"
+DEFAULT_TIMEOUT_S = 10.0  # a dead master blocks a call ~4.3 s before Mooncake answers -900
+MAX_KEYS_PER_CALL = 4096  # keys per batch call (bounds one call's time and its buffer)
+PUSH_CHUNK_PAGES = 1024
+# Without these, a batch of more than ~1,024 keys wedges the client for 60 s and breaks it (measured, 0.3.13).
+ENV_DEFAULTS = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+# Mooncake's ErrorCode values (mooncake-store types.h); the Python binding returns them as plain ints.
+MOONCAKE_ERRORS = {
+    -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT", -700: "INVALID_WRITE",
+    -701: "INVALID_READ", -702: "INVALID_REPLICA", -703: "REPLICA_IS_NOT_READY", -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED", -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
+}
+OBJECT_NOT_FOUND = -704
+CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # our own 'code' for a page that arrived but fails its trailer
+TIMEOUT = "TIMEOUT"  # our own 'code' for a call that did not return in time
+
+
+def error_name(code: int | str) -> str:
+    """'-704 OBJECT_NOT_FOUND' for a Mooncake code, the name itself for tiergram's own codes."""
+    if isinstance(code, str):
+        return code
+    return f"{code} {MOONCAKE_ERRORS.get(code, 'UNKNOWN')}"
+
+
+def manifest_key(name: str) -> str:
+    """The key of a table's manifest object (the commit marker)."""
+    return f"{KEY_PREFIX}/{name}/manifest"
+
+
+def page_key(name: str, page: int) -> str:
+    """The key of one page object."""
+    return f"{KEY_PREFIX}/{name}/p{page}"
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """('HOST:PORT', name) of 'mooncake://HOST:PORT/NAME'; ValueError names what is wrong."""
+    if not uri.startswith(URI_SCHEME):
+        raise ValueError(f"{uri!r} is not a Mooncake table URI (expected mooncake://HOST:PORT/NAME)")
+    rest = uri[len(URI_SCHEME):]
+    master, _, name = rest.partition("/")
+    check_master(master)
+    if not name or "/" in name:
+        raise ValueError(f"{uri!r}: the table name must be one non-empty path segment")
+    return master, name
+
+
+def check_master(master: str) -> None:
+    """ValueError unless master is HOST:PORT with a port in 1..65535."""
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"master address {master!r} must be HOST:PORT")
+
+
+def table_uri(master: str, name: str) -> str:
+    """'mooncake://HOST:PORT/NAME'."""
+    return f"{URI_SCHEME}{master}/{name}"
+
+
+def _import_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ImportError(f"the mooncake tier needs Mooncake Store: pip install 'tiergram[remote]' "
+                          f"(and apt-get install libibverbs1); import failed: {e}") from None
+    return MooncakeDistributedStore
+
+
+def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: int = 0,
+            buffer_bytes: int = 64 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE") -> Any:
+    """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT.
+
+    segment_bytes is the memory this process lends the store (0: it only reads and writes, holds nothing).
+    ConnectionError names the master and Mooncake's code when setup fails.
+    """
+    check_master(master)
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    store = _import_store()()
+    rc = store.setup(local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, "", master)
+    if rc != 0:
+        raise ConnectionError(f"Mooncake setup against master {master} failed: {error_name(rc)}")
+    return store
+
+
+def replicate_config(replicas: int = 1, *, hard_pin: bool = True) -> Any:
+    """A ReplicateConfig with `replicas` copies, hard-pinned so the master never evicts a table's pages."""
+    from mooncake.store import ReplicateConfig
+    cfg = ReplicateConfig()
+    cfg.replica_num = int(replicas)
+    cfg.with_hard_pin = hard_pin
+    return cfg
+
+
+class _Caller:
+    """Runs store calls on a worker thread so that each returns or fails within `timeout_s`.
+
+    A call that overruns is abandoned: its worker is left to finish alone (Mooncake cannot cancel it) and a
+    fresh worker serves the next call.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-mooncake")
+        self._lock = threading.Lock()
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            pool = self._pool
+        fut = pool.submit(fn, *args)
+        try:
+            return fut.result(self.timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-mooncake")
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def fetch_manifest(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
+    """(TableManifest, data_offset) of the table `name` in the store; FileNotFoundError when it is not there."""
+    caller = _Caller(timeout_s)
+    try:
+        key = manifest_key(name)
+        try:
+            size = caller(store.get_size, key)
+        except FutureTimeout:
+            raise TimeoutError(f"Mooncake did not answer for {key} within {timeout_s:g} s") from None
+        if size == OBJECT_NOT_FOUND or size == 0:
+            raise FileNotFoundError(f"Mooncake holds no table {name!r} (no {key}; push it with "
+                                    f"`tiergram table push`)")
+        if size < 0:
+            raise ConnectionError(f"Mooncake could not size {key}: {error_name(size)}")
+        blob = caller(store.get, key)
+    finally:
+        caller.close()
+    return parse_manifest_blob(bytes(blob), f"mooncake:{name}")
+
+
+def manifest_blob(table: TableFile) -> bytes:
+    """The manifest object of a table: its file size (u64 LE), then the file's bytes up to data_offset."""
+    with open(table.path, "rb") as f:
+        head = f.read(table.data_offset)
+    return struct.pack("<Q", table.data_offset + table.manifest.data_bytes) + head
+
+
+def parse_manifest_blob(blob: bytes, where: str) -> tuple[Any, int]:
+    """(TableManifest, data_offset) of a manifest object, with every check a table file gets at open."""
+    if len(blob) < 8:
+        raise TableFormatError(f"{where}: manifest object of {len(blob)} bytes is too short")
+    (file_bytes,) = struct.unpack_from("<Q", blob)
+    fd = os.memfd_create("tiergram-manifest")
+    try:
+        os.write(fd, blob[8:])
+        manifest, data_offset = unpack_header(fd, where, file_bytes)
+    finally:
+        os.close(fd)
+    if len(blob) - 8 != data_offset:
+        raise TableFormatError(f"{where}: manifest object holds {len(blob) - 8} header bytes, data_offset "
+                               f"says {data_offset}")
+    return manifest, data_offset
+
+
+@dataclass
+class RemoteCounters:
+    """Running totals of one mooncake tier's reads."""
+
+    rows: int = 0
+    calls: int = 0  # batch_get_into calls
+    pages_read: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    errors: int = 0  # pages that failed (after the retry), whether or not a fallback served them
+    checksum_failures: int = 0
+    retries: int = 0
+    fallback_pages: int = 0  # pages the local fallback file served
+    latencies: deque = field(default_factory=lambda: deque(maxlen=4096))  # seconds per call, the latest
+
+
+class MooncakeTier:
+    """Rows of a table held in Mooncake Store, one object per page; offers the FileTier interface.
+
+    `fallback`: a local copy of the same table file; pages Mooncake cannot serve are read from it (counted in
+    stats as fallback_pages) instead of raising.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, store: Any, table_name: str, *, manifest: Any, data_offset: int, master: str = "",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, fallback: str | os.PathLike | None = None,
+                 owns_store: bool = False) -> None:
+        self.store = store
+        self.table_name = table_name
+        self.master = master
+        self.manifest = m = manifest
+        self.table = TableFile(Path(table_uri(master, table_name) if master else table_name), m, data_offset)
+        self.head_offsets = self.table.head_offsets
+        self.head_rows = self.table.head_rows
+        self.timeout_s = timeout_s
+        self.counters = RemoteCounters()
+        self._owns_store = owns_store
+        self._prefix = f"{KEY_PREFIX}/{table_name}/p"
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._registered: list[np.ndarray] = []  # every staging buffer registered with the store
+        self._abandoned: list[np.ndarray] = []  # buffers a failed transfer may still write: never reused
+        self._caller = _Caller(timeout_s)
+        self.fallback: FileTier | None = None
+        if fallback is not None:
+            local = TableFile.open(fallback)
+            if local.manifest != m:
+                raise ValueError(f"fallback {fallback} is not the table {table_name!r}: manifests differ")
+            self.fallback = FileTier(local, mode="buffered")
+
+    @classmethod
+    def open(cls, uri: str, *, local_hostname: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
+             fallback: str | os.PathLike | None = None, store: Any = None) -> MooncakeTier:
+        """Open 'mooncake://HOST:PORT/NAME' (connecting a client unless `store` is given)."""
+        master, name = parse_uri(uri)
+        owns = store is None
+        if store is None:
+            store = connect(master, local_hostname=local_hostname)
+        try:
+            manifest, data_offset = fetch_manifest(store, name, timeout_s=timeout_s)
+        except BaseException:
+            if owns:
+                store.close()
+            raise
+        return cls(store, name, manifest=manifest, data_offset=data_offset, master=master, timeout_s=timeout_s,
+                   fallback=fallback, owns_store=owns)
+
+    @property
+    def backend(self) -> str:
+        return "mooncake"
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
+        _native.check_ids(ids, self.head_rows)
+
+    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
+
+        The buffer is this thread's registered staging buffer: decode from it before this thread's next call.
+        """
+        m = self.manifest
+        rows = np.asarray(rows, dtype=np.int64)
+        page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
+        pages, which = np.unique(page_of_row, return_inverse=True)
+        buf = self.read_pages(pages)
+        with self._lock:
+            self.counters.rows += rows.size
+        return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes].
+
+        Returns (the sorted distinct global rows read, pages read).
+        """
+        self.check_ids(ids)
+        glob = (ids + self.head_offsets).reshape(-1)
+        uniq, inverse = np.unique(glob, return_inverse=True)
+        buf, offsets, pages = self.read_rows(uniq)
+        m = self.manifest
+        _native.decode_at(buf, offsets[inverse.reshape(-1)], m.codec_id, m.dim, out)
+        return uniq, pages
+
+    def read_pages(self, pages: np.ndarray) -> np.ndarray:
+        """The verified pages int64 [M] (distinct) as uint8 [M * page_size], page i at i * page_size."""
+        ps = self.manifest.page_size
+        pages = np.asarray(pages, dtype=np.int64)
+        buf = self._staging(pages.size * ps)
+        failed: dict[int, int | str] = {}  # position in pages -> code
+        for lo in range(0, pages.size, MAX_KEYS_PER_CALL):
+            failed.update(self._get(pages, lo, min(lo + MAX_KEYS_PER_CALL, pages.size), buf))
+        retry = [i for i, code in failed.items() if code in (CHECKSUM_MISMATCH, -703)]
+        if retry and getattr(self._local, "staging", None) is not None:
+            # one more try for a page that may come right (a transient fault, a bit flipped in flight), unless a
+            # transfer may still write into this buffer (it was abandoned) or the call timed out
+            with self._lock:
+                self.counters.retries += len(retry)
+            again = self._get_positions(pages, sorted(retry), buf)
+            for i in retry:
+                failed.pop(i)
+            failed.update(again)
+        if failed:
+            with self._lock:
+                self.counters.errors += len(failed)
+            if self.fallback is None:
+                raise self._error(pages, failed)
+            self._from_fallback(pages, sorted(failed), buf)
+        return buf
+
+    def _error(self, pages: np.ndarray, failed: dict[int, int | str]) -> OSError:
+        """PageReadError for the first failed page, with .table, .page and .mooncake_code set."""
+        pos, code = min(failed.items())
+        page = int(pages[pos])
+        what = {CHECKSUM_MISMATCH: "arrived but fails its checksum (CHECKSUM_MISMATCH)",
+                TIMEOUT: f"Mooncake did not answer within {self.timeout_s:g} s (TIMEOUT)"}.get(
+            code, f"Mooncake error {error_name(code)}")
+        more = f"; {len(failed) - 1} more page(s) failed" if len(failed) > 1 else ""
+        err = PageReadError(errno.ETIMEDOUT if code == TIMEOUT else errno.EIO,
+                            f"mooncake table {self.table_name!r}: page {page} (key {self._prefix}{page}) could not "
+                            f"be read: {what}{more}")
+        err.table, err.page, err.mooncake_code = self.table_name, page, code
+        return err
+
+    def stats(self) -> dict:
+        """Remote reads: calls, pages, bytes, seconds, latency p50/p99 (ms) of the recent calls, faults."""
+        with self._lock:
+            c = self.counters
+            lat = np.asarray(c.latencies, dtype=np.float64)
+            return {"master": self.master, "table": self.table_name, "calls": c.calls, "pages_read": c.pages_read,
+                    "bytes_read": c.bytes_read, "seconds": c.seconds,
+                    "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
+                    "latency_ms_p99": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
+                    "errors": c.errors, "checksum_failures": c.checksum_failures, "retries": c.retries,
+                    "fallback_pages": c.fallback_pages}
+
+    def close(self) -> None:
+        """Unregister the staging buffers, close the fallback and (when this tier made it) the client."""
+        self._caller.close()
+        for buf in self._registered:
+            if not any(buf is a for a in self._abandoned):
+                try:
+                    self.store.unregister_buffer(buf.ctypes.data)
+                except Exception:  # noqa: BLE001 - a dead client cannot unregister; the process frees the memory
+                    pass
+        self._registered.clear()
+        self._local = threading.local()
+        if self.fallback is not None:
+            self.fallback.close()
+        if self._owns_store:
+            self.store.close()
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _get(self, pages: np.ndarray, lo: int, hi: int, buf: np.ndarray) -> dict[int, int | str]:
+        """Fetch pages[lo:hi] into their slots of buf and verify them; {position: code} of the failures."""
+        return self._get_positions(pages, list(range(lo, hi)), buf)
+
+    def _get_positions(self, pages: np.ndarray, positions: Sequence[int], buf: np.ndarray) -> dict[int, int | str]:
+        ps = self.manifest.page_size
+        base = buf.ctypes.data
+        keys = [f"{self._prefix}{int(pages[i])}" for i in positions]
+        ptrs = [base + i * ps for i in positions]
+        t0 = time.perf_counter()
+        try:
+            codes = self._caller(self.store.batch_get_into, keys, ptrs, [ps] * len(keys))
+        except FutureTimeout:
+            self._abandon(buf)
+            return {i: TIMEOUT for i in positions}
+        dt = time.perf_counter() - t0
+        failed: dict[int, int | str] = {}
+        ok_pages = 0
+        for i, code in zip(positions, codes, strict=True):
+            if code != ps:
+                failed[i] = int(code) if code < 0 else -800  # a short object is a transfer fault
+                if code < 0 and code not in (OBJECT_NOT_FOUND, -703, -900, -901, -200):
+                    self._abandon(buf)  # a failed transfer may still land in the buffer later
+                continue
+            if _native.verify_pages(buf[i * ps:(i + 1) * ps], ps, int(pages[i])):
+                failed[i] = CHECKSUM_MISMATCH
+                with self._lock:
+                    self.counters.checksum_failures += 1
+                continue
+            ok_pages += 1
+        with self._lock:
+            c = self.counters
+            c.calls += 1
+            c.pages_read += ok_pages
+            c.bytes_read += ok_pages * ps
+            c.seconds += dt
+            c.latencies.append(dt)
+        return failed
+
+    def _from_fallback(self, pages: np.ndarray, positions: list[int], buf: np.ndarray) -> None:
+        assert self.fallback is not None and self.fallback.reader is not None
+        ps = self.manifest.page_size
+        want = pages[positions]
+        tmp = aligned_empty(want.size * ps)
+        self.fallback.reader.read_pages(np.ascontiguousarray(want), tmp)  # verified; raises PageReadError itself
+        for k, i in enumerate(positions):
+            buf[i * ps:(i + 1) * ps] = tmp[k * ps:(k + 1) * ps]
+        with self._lock:
+            self.counters.fallback_pages += len(positions)
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """This thread's registered, page-aligned staging buffer of at least nbytes (grown by doubling)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.size < nbytes:
+            size = max(nbytes, 2 * buf.size if buf is not None else 1 << 20)
+            buf = aligned_empty(size)
+            rc = self.store.register_buffer(buf.ctypes.data, buf.nbytes)
+            if rc != 0:
+                raise PageReadError(errno.EIO, f"mooncake table {self.table_name!r}: could not register a "
+                                               f"{size}-byte staging buffer: Mooncake {error_name(rc)}")
+            with self._lock:
+                self._registered.append(buf)
+            self._local.staging = buf
+        return buf[:nbytes]
+
+    def _abandon(self, buf: np.ndarray) -> None:
+        """Never hand this thread's staging buffer out again: a transfer may still be writing into it."""
+        staging = getattr(self._local, "staging", None)
+        if staging is not None:
+            with self._lock:
+                self._abandoned.append(staging)
+            self._local.staging = None
+
+
+def push_table(path: str | os.PathLike, master: str, name: str | None = None, *, replace: bool = False,
+               replicas: int = 1, progress: bool = True, store: Any = None,
+               timeout_s: float = 60.0) -> str:
+    """Put a table file into Mooncake Store as `name` (default: the file's stem); returns its URI.
+
+    Each page is verified before it is sent. The data objects go first and the manifest object last, as the
+    commit marker: a reader never sees a half-written table. An existing copy is refused (FileExistsError)
+    unless replace=True, which removes its marker first, then its pages.
+    """
+    table = TableFile.open(path)
+    m = table.manifest
+    name = name or Path(path).stem
+    if "/" in name or not name:
+        raise ValueError(f"table name {name!r} must be one non-empty path segment")
+    owns = store is None
+    if store is None:
+        store = connect(master)
+    caller = _Caller(timeout_s)
+    try:
+        mk = manifest_key(name)
+        exists = caller(store.is_exist, mk)
+        if exists < 0:
+            raise ConnectionError(f"Mooncake could not check {mk}: {error_name(exists)}")
+        if exists == 1:
+            if not replace:
+                raise FileExistsError(f"Mooncake at {master} already holds table {name!r} "
+                                      f"(pass --replace to overwrite it)")
+            old, _ = fetch_manifest(store, name, timeout_s=timeout_s)
+            rc = caller(store.remove, mk, True)  # the marker goes first: readers stop opening the old copy
+            if rc not in (0, OBJECT_NOT_FOUND):
+                raise ConnectionError(f"could not remove {mk}: {error_name(rc)}")
+            _remove_pages(store, caller, name, old.n_pages)
+        # pages left by an interrupted push (no marker) would make every put fail with OBJECT_ALREADY_EXISTS
+        _remove_pages(store, caller, name, m.n_pages)
+        _put_pages(store, caller, table, name, replicas, progress)
+        rc = caller(store.put, mk, manifest_blob(table), replicate_config(replicas))
+        if rc != 0:
+            _remove_pages(store, caller, name, m.n_pages)
+            raise ConnectionError(f"could not write {mk}: {error_name(rc)}")
+    finally:
+        caller.close()
+        if owns:
+            store.close()
+    return table_uri(master, name)
+
+
+def remove_table(store: Any, name: str, *, timeout_s: float = 60.0) -> bool:
+    """Remove table `name` (marker first, then pages); False when it was not there."""
+    caller = _Caller(timeout_s)
+    try:
+        try:
+            manifest, _ = fetch_manifest(store, name, timeout_s=timeout_s)
+        except FileNotFoundError:
+            return False
+        caller(store.remove, manifest_key(name), True)
+        _remove_pages(store, caller, name, manifest.n_pages)
+        return True
+    finally:
+        caller.close()
+
+
+def table_keys(name: str, n_pages: int) -> list[str]:
+    """Every key of a table: the manifest first, then the pages."""
+    return [manifest_key(name)] + [page_key(name, p) for p in range(n_pages)]
+
+
+def _remove_pages(store: Any, caller: _Caller, name: str, n_pages: int) -> None:
+    for lo in range(0, n_pages, MAX_KEYS_PER_CALL):
+        keys = [page_key(name, p) for p in range(lo, min(lo + MAX_KEYS_PER_CALL, n_pages))]
+        codes = caller(store.batch_remove, keys, True)
+        bad = [(k, c) for k, c in zip(keys, codes, strict=True) if c not in (0, OBJECT_NOT_FOUND)]
+        if bad:
+            raise ConnectionError(f"could not remove {bad[0][0]}: {error_name(bad[0][1])}")
+
+
+def _put_pages(store: Any, caller: _Caller, table: TableFile, name: str, replicas: int, progress: bool) -> None:
+    m = table.manifest
+    ps = m.page_size
+    buf = aligned_empty(PUSH_CHUNK_PAGES * ps)
+    rc = store.register_buffer(buf.ctypes.data, buf.nbytes)
+    if rc != 0:
+        raise ConnectionError(f"could not register the push buffer: {error_name(rc)}")
+    cfg = replicate_config(replicas)
+    try:
+        with open(table.path, "rb", buffering=0) as f, tqdm(total=m.n_pages, unit="page", unit_scale=True,
+                                                             disable=not progress, desc=f"pushing {name}") as bar:
+            f.seek(table.data_offset)
+            for p0 in range(0, m.n_pages, PUSH_CHUNK_PAGES):
+                n = min(PUSH_CHUNK_PAGES, m.n_pages - p0)
+                chunk = buf[: n * ps]
+                if f.readinto(memoryview(chunk)) != chunk.size:
+                    raise TableFormatError(f"{table.path}: short read at page {p0}")
+                bad = _native.verify_pages(chunk, ps, p0)
+                if bad:
+                    raise TableFormatError(f"{table.path}: page {bad[0]} fails its checksum; not pushed")
+                keys = [page_key(name, p) for p in range(p0, p0 + n)]
+                codes = caller(store.batch_put_from, keys, [buf.ctypes.data + i * ps for i in range(n)],
+                               [ps] * n, cfg)
+                failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
+                if failed:
+                    _remove_pages(store, caller, name, m.n_pages)
+                    raise ConnectionError(f"could not write {failed[0][0]} ({len(failed)} page(s) failed): "
+                                          f"Mooncake {error_name(failed[0][1])}")
+                bar.update(n)
+    finally:
+        store.unregister_buffer(buf.ctypes.data)
