@@ -1,4 +1,5 @@
-"""`tiergram probe | ablate | analyze | predictor`: study what an Engram model's memory holds (docs/findings.md)."""
+"""`tiergram probe | ablate | analyze | predictor | compare-layers | sweep-allocation`: study what an Engram model's
+memory holds and what it changes (docs/findings.md)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--save", metavar="PATH", help="write the fitted SkipPredictor (.npz)")
     r.add_argument("--plot", metavar="PATH", help="trade-off curve PNG")
     r.set_defaults(func=cmd_predictor)
+
+    c = sub.add_parser("compare-layers", help="linear CKA between every layer of model A and every layer of model B "
+                                              "on the same tokens (heat map + JSON)")
+    c.add_argument("a", help="model directory A (rows of the matrix)")
+    c.add_argument("b", help="model directory B (columns), with the same tokenizer")
+    c.add_argument("--split", default="validation", choices=["validation", "test"])
+    c.add_argument("--max-tokens", type=int, default=8192, help="tokens per category (0: the whole split)")
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
+    c.add_argument("--device", default="auto")
+    c.add_argument("--plot", metavar="PATH", help="heat map PNG")
+    c.add_argument("--json", metavar="PATH", help="write the CKA matrix and alignment as JSON")
+    c.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
+    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_compare_layers)
 
 
 def _load(args: argparse.Namespace):
@@ -173,4 +189,27 @@ def cmd_predictor(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, args.plot)
     _emit(args, report.to_dict(), to_markdown(report))
+    return 0
+
+
+def cmd_compare_layers(args: argparse.Namespace) -> int:
+    from tiergram.analysis.cka import compare_layers, plot, to_markdown
+    from tiergram.analysis.trace import load_windows
+    from tiergram.corpus import corpus_dir
+    from tiergram.model.checkpoint import load_pretrained
+    from tiergram.model.train import pick_device
+
+    device = pick_device(args.device)
+    a, tok_a = load_pretrained(args.a, device=device)
+    b, tok_b = load_pretrained(args.b, device=device)
+    if tok_a is None or tok_b is None or tok_a.to_str() != tok_b.to_str():
+        raise ValueError(f"{args.a} and {args.b} must both have the same tokenizer.json (CKA compares the models on "
+                         "the same tokens)")
+    corpus = Path(args.corpus) if args.corpus else corpus_dir()
+    _, windows = load_windows(a, corpus, args.split, tok_a, args.max_tokens or None)
+    result = compare_layers(a, b, windows, batch_size=args.batch_size, model_a=str(args.a), model_b=str(args.b),
+                            split=args.split, progress=not args.quiet)
+    if args.plot:
+        plot(result, args.plot)
+    _emit(args, result.to_dict(), to_markdown(result))
     return 0

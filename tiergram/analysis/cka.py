@@ -1,0 +1,205 @@
+"""Layer similarity between two models on the same tokens: linear CKA between every pair of residual-stream states.
+
+Linear CKA (Kornblith et al. 2019) of X [n, p] and Y [n, q], columns centred over the n positions:
+    CKA(X, Y) = ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F)
+It is 1 for X = Y, invariant to orthogonal transforms and isotropic scaling of either side (not to arbitrary
+invertible maps), and 0 when the centred features are orthogonal. Layer k of a model is its residual stream
+after k blocks (k = 0: the token embeddings), so a model of L blocks has L + 1 states.
+
+The summary follows the Engram paper's layer-alignment reading: for each layer j of model A, the layer of B it
+matches best (argmax) and a soft alignment index, the CKA-weighted mean index of B's top-3 matches. A soft index
+above j says A's layer j looks like a *deeper* layer of B. The positions are split in two halves (alternate
+windows) and the CKA recomputed on each, so the spread between halves shows which differences are sampling noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiergram.analysis.trace import Window, batches
+from tiergram.model.model import EngramLM
+
+TOP = 3  # B layers averaged in the soft alignment index
+
+
+def linear_cka(x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor) -> float:
+    """Linear CKA of x [n, p] and y [n, q] (the same n positions; float64 inside) -> a value in [0, 1]."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    y = torch.as_tensor(y, dtype=torch.float64)
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"CKA needs [n, p] and [n, q] over the same positions, got {tuple(x.shape)}, {tuple(y.shape)}")
+    return cka_from_cross(*cross_products([x], [y]))[0, 0]
+
+
+def cross_products(xs: list[torch.Tensor], ys: list[torch.Tensor]
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Centred Frobenius products of states xs[i] [n, p], ys[j] [n, q] -> (||Y_j^T X_i||^2 [I, J], ||X_i^T X_i|| [I],
+    ||Y_j^T Y_j|| [J])."""
+    xs = [x - x.mean(0, keepdim=True) for x in xs]
+    ys = [y - y.mean(0, keepdim=True) for y in ys]
+    cross = np.array([[float((y.T @ x).square().sum()) for y in ys] for x in xs])
+    nx = np.array([float(torch.linalg.matrix_norm(x.T @ x)) for x in xs])
+    ny = np.array([float(torch.linalg.matrix_norm(y.T @ y)) for y in ys])
+    return cross, nx, ny
+
+
+def cka_from_cross(cross: np.ndarray, nx: np.ndarray, ny: np.ndarray) -> np.ndarray:
+    """CKA matrix [I, J] from cross_products' output (0 where a state is constant)."""
+    denom = nx[:, None] * ny[None, :]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(denom > 0, cross / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+@contextmanager
+def residual_states(model: EngramLM) -> Iterator[list[torch.Tensor | None]]:
+    """Forward hooks keeping the residual stream after the embedding and after each block of the last forward:
+    states[k] [B, T, d] for k = 0..L."""
+    states: list[torch.Tensor | None] = [None] * (len(model.blocks) + 1)
+
+    def keep(k: int):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            states[k] = out.detach()
+        return hook
+
+    handles = [model.tok_emb.register_forward_hook(keep(0))]
+    handles += [b.register_forward_hook(keep(i + 1)) for i, b in enumerate(model.blocks)]
+    try:
+        yield states
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def collect_states(model: EngramLM, windows: list[Window], *, batch_size: int = 8,
+                   progress: bool = False) -> tuple[list[torch.Tensor], np.ndarray]:
+    """(states [L+1] of float64 [n, d] over every valid position of the windows, in window order of `batches`;
+    window index [n] of each position)."""
+    from tqdm import tqdm
+
+    model.eval()
+    device = next(model.parameters()).device
+    parts: list[list[torch.Tensor]] = [[] for _ in range(len(model.blocks) + 1)]
+    owner: list[np.ndarray] = []
+    with residual_states(model) as states:
+        for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="layer states", unit="batch",
+                              disable=not progress):
+            model(x.to(device))
+            valid = (y != -100).to(device)
+            for k, s in enumerate(states):
+                parts[k].append(s[valid].double().cpu())
+            owner.append(np.repeat(np.array(idx), valid.sum(1).cpu().numpy()))
+    return [torch.cat(p) for p in parts], np.concatenate(owner)
+
+
+@dataclass
+class LayerComparison:
+    """CKA between every layer of A (rows) and of B (columns), with the alignment summary."""
+
+    model_a: str
+    model_b: str
+    split: str
+    positions: int
+    cka: list[list[float]]  # [La + 1][Lb + 1]; layer k = residual stream after k blocks
+    half_spread: float  # max |CKA(half 1) - CKA(half 2)| over all pairs: the sampling noise scale
+    best_match: list[int]  # per A layer: the B layer of highest CKA
+    soft_index: list[float]  # per A layer: CKA-weighted mean index of B's top-3 matches
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def alignment(cka: np.ndarray, top: int = TOP) -> tuple[list[int], list[float]]:
+    """(argmax B layer per A layer, soft alignment index per A layer: CKA-weighted mean of the top-`top` B layers)."""
+    best = [int(i) for i in cka.argmax(1)]
+    soft = []
+    for row in cka:
+        idx = np.argsort(-row)[:min(top, len(row))]
+        w = row[idx]
+        soft.append(float((w * idx).sum() / w.sum()) if w.sum() > 0 else float("nan"))
+    return best, soft
+
+
+def compare_layers(a: EngramLM, b: EngramLM, windows: list[Window], *, batch_size: int = 8, model_a: str = "A",
+                   model_b: str = "B", split: str = "", progress: bool = False) -> LayerComparison:
+    """Linear CKA between every residual-stream state of a and of b on the same windows."""
+    if a.config.vocab_size != b.config.vocab_size:
+        raise ValueError(f"the models have different vocabularies ({a.config.vocab_size} vs {b.config.vocab_size}): "
+                         "CKA needs the same tokens through both")
+    if b.config.max_seq < max(len(w.inputs) for w in windows):
+        raise ValueError(f"model B's context ({b.config.max_seq}) is shorter than the windows")
+    xs, owner = collect_states(a, windows, batch_size=batch_size, progress=progress)
+    ys, _ = collect_states(b, windows, batch_size=batch_size, progress=progress)
+    cka = cka_from_cross(*cross_products(xs, ys))
+    halves = []
+    for h in (0, 1):
+        m = torch.from_numpy(owner % 2 == h)
+        halves.append(cka_from_cross(*cross_products([x[m] for x in xs], [y[m] for y in ys])))
+    best, soft = alignment(cka)
+    return LayerComparison(model_a=model_a, model_b=model_b, split=split, positions=len(owner),
+                           cka=cka.tolist(), half_spread=float(np.abs(halves[0] - halves[1]).max()),
+                           best_match=best, soft_index=soft)
+
+
+def verdict(result: LayerComparison) -> str:
+    """One sentence: do A's early blocks (first half, embeddings excluded) match deeper layers of B?"""
+    n = len(result.cka) - 1
+    early = range(1, max(2, n // 2 + 1))
+    shifts = [result.soft_index[j] - j for j in early]
+    mean = float(np.mean(shifts))
+    ahead = [j for j in early if result.best_match[j] > j]
+    text = (f"A's blocks 1..{early[-1]} sit on average {mean:+.2f} layers from B's by the soft alignment index; "
+            f"best matches deeper in B for {len(ahead)} of {len(early)}")
+    if ahead and mean > 0:
+        return text + " — A's early layers look like deeper layers of B"
+    return text + " — no sign that A's early layers look like deeper layers of B"
+
+
+def to_markdown(result: LayerComparison) -> str:
+    """The CKA matrix and the alignment as markdown."""
+    la, lb = len(result.cka), len(result.cka[0])
+    lines = [f"# Layer similarity (linear CKA): A = {result.model_a}, B = {result.model_b}", "",
+             f"Split `{result.split}`, {result.positions} positions. Layer k = residual stream after k blocks "
+             f"(0 = embeddings). Sampling spread (max |half 1 - half 2|): {result.half_spread:.4f}.", "",
+             "| A \\ B | " + " | ".join(str(j) for j in range(lb)) + " | best B | soft index |",
+             "|---|" + "---|" * (lb + 2)]
+    for i in range(la):
+        lines.append(f"| {i} | " + " | ".join(f"{v:.3f}" for v in result.cka[i])
+                     + f" | {result.best_match[i]} | {result.soft_index[i]:.2f} |")
+    lines += ["", f"**{verdict(result)}.**", ""]
+    return "\n".join(lines)
+
+
+def plot(result: LayerComparison, path: str) -> None:
+    """Heat map of the CKA matrix (A layers down, B layers across) with the soft alignment index, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cka = np.array(result.cka)
+    fig, ax = plt.subplots(figsize=(1.1 * cka.shape[1] + 2.5, 0.9 * cka.shape[0] + 1.8))
+    im = ax.imshow(cka, vmin=0, vmax=1, cmap="magma", origin="upper")
+    for i in range(cka.shape[0]):
+        for j in range(cka.shape[1]):
+            ax.text(j, i, f"{cka[i, j]:.2f}", ha="center", va="center", fontsize=8,
+                    color="black" if cka[i, j] > 0.6 else "white")
+    ax.plot(result.soft_index, range(cka.shape[0]), "c.-", label="soft alignment index")
+    ax.set_xticks(range(cka.shape[1]))
+    ax.set_yticks(range(cka.shape[0]))
+    ax.set_xlabel(f"B: {result.model_b} (layer = blocks done)")
+    ax.set_ylabel(f"A: {result.model_a}")
+    ax.set_title(f"linear CKA, {result.positions} positions (half spread {result.half_spread:.3f})", fontsize=9)
+    ax.legend(loc="lower left", fontsize=7)
+    fig.colorbar(im, ax=ax, label="CKA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
