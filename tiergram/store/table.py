@@ -27,14 +27,25 @@ class TieredTable:
     tier 'host': the whole table in DRAM (shared=True: one /dev/shm copy for all processes).
     tier 'file': rows read from the file (file_mode 'direct' O_DIRECT batched reads, 'buffered', or 'mmap'),
     with an optional host cache of `cache_bytes` encoded rows under `cache_policy` (lru, lfu, lookahead).
+    tier 'mooncake': path is 'mooncake://HOST:PORT/NAME', a table pushed with `tiergram table push`; pages come
+    from Mooncake Store (remote_options go to MooncakeTier.open: timeout_s, fallback, local_hostname), cached as
+    for the file tier (docs/remote.md).
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int = 0, cache_policy: str = "lru", file_mode: str = "direct",
-                 queue_depth: int = 128, backend: str = "auto", progress: bool = False) -> None:
+                 queue_depth: int = 128, backend: str = "auto", progress: bool = False,
+                 remote_options: dict | None = None) -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
-        self.table = TableFile.open(Path(path))
+        remote = None
+        if tier == "mooncake":  # path is mooncake://HOST:PORT/NAME; the manifest lives beside the pages
+            from tiergram.tiers.mooncake import MooncakeTier  # optional dependency (the remote extra)
+
+            remote = MooncakeTier.open(str(path), **(remote_options or {}))
+            self.table = remote.table
+        else:
+            self.table = TableFile.open(Path(path))
         self.manifest = m = self.table.manifest
         self.dtype = dtype
         if tier == "host":
@@ -117,6 +128,8 @@ class TieredTable:
         snap["tier"] = self.tier.name
         if isinstance(self.tier, FileTier):
             snap["backend"] = self.tier.backend
+        if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
+            snap["remote"] = self.tier.stats()
         if self.cache is not None:
             snap["cache"] = {"rows": len(self.cache), "capacity_rows": self.cache.capacity,
                              "bytes": self.cache.nbytes, "policy": self.cache.policy.name,
