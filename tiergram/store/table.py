@@ -18,7 +18,7 @@ from tiergram.store.ticket import Ticket
 from tiergram.tiers import FileTier, HostTier
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
-TIERS = ("host", "file")
+TIERS = ("host", "file", "mooncake")
 
 
 class TieredTable:
@@ -54,6 +54,8 @@ class TieredTable:
             self.tier: HostTier | FileTier = HostTier(self.table, shared=shared, progress=progress)
         elif tier == "file":
             self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend)
+        elif remote is not None:
+            self.tier = remote  # the FileTier interface: check_ids, read_rows, gather, close
         else:
             raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
         self.cache = RowCache.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
