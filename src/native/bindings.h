@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "gather.h"
+
 namespace nb = nanobind;
 
 namespace tiergram {
@@ -20,8 +22,15 @@ inline void require(bool ok, const std::string &what) {
   if (!ok) throw std::invalid_argument(what);
 }
 
+// The output kind of a float32 / bfloat16 (or uint16 bits) / uint8 (raw rows) array; invalid_argument otherwise.
+OutKind out_kind(const AnyOut &out);
+// Checks out holds n rows of dim values (raw: row_bytes bytes).
+void check_out_size(const AnyOut &out, OutKind kind, uint64_t n, uint64_t dim, uint64_t row_bytes);
+
 // Registration functions, one per binding file.
 void register_gather(nb::module_ &m);
 void register_file_reader(nb::module_ &m);
+void register_row_cache(nb::module_ &m);
+void register_pipeline(nb::module_ &m);
 
 }  // namespace tiergram

@@ -151,18 +151,25 @@ void WorkerPool::parallel_for(size_t n, size_t grain, const std::function<void(s
 
 namespace {
 std::mutex g_pool_mu;
-std::unique_ptr<WorkerPool> g_pool;
+std::shared_ptr<WorkerPool> g_pool;
 }  // namespace
 
-WorkerPool &global_pool() {
+std::shared_ptr<WorkerPool> global_pool() {
   std::lock_guard<std::mutex> lk(g_pool_mu);
-  if (!g_pool) g_pool = std::make_unique<WorkerPool>(std::max(1u, std::thread::hardware_concurrency()));
-  return *g_pool;
+  if (!g_pool) g_pool = std::make_shared<WorkerPool>(std::max(1u, std::thread::hardware_concurrency()));
+  return g_pool;
 }
 
 void set_num_threads(unsigned n) {
-  std::lock_guard<std::mutex> lk(g_pool_mu);
-  g_pool = std::make_unique<WorkerPool>(std::max(1u, n));
+  auto fresh = std::make_shared<WorkerPool>(std::max(1u, n));
+  std::shared_ptr<WorkerPool> old;
+  {
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    old = std::move(g_pool);
+    g_pool = std::move(fresh);
+  }
+  // `old` is released here, outside the lock; if a gather still runs on it, that gather's reference keeps it
+  // alive and it is joined when the gather returns.
 }
 
 }  // namespace tiergram

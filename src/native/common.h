@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -77,8 +78,10 @@ class WorkerPool {
   std::mutex call_mu_;  // one parallel_for at a time
 };
 
-// The process-wide pool used by gathers (sized by set_num_threads, default: hardware threads).
-WorkerPool &global_pool();
+// The process-wide pool used by gathers (sized by set_num_threads, default: hardware threads). Callers hold the
+// returned pointer for as long as they use the pool: set_num_threads swaps in a new pool, and the old one is
+// destroyed (its workers joined) only when the last call running on it lets go.
+std::shared_ptr<WorkerPool> global_pool();
 void set_num_threads(unsigned n);
 
 }  // namespace tiergram

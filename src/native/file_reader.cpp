@@ -20,6 +20,7 @@
 
 #include "bindings.h"
 #include "common.h"
+#include "file_reader.h"
 #include "uring.h"
 
 namespace tiergram {
@@ -161,7 +162,7 @@ class ThreadBackend : public ReadBackend {
 
 enum class Fault { kEio, kShort, kFlip };
 
-class PageReader {
+class PageReader : public PageSource {
  public:
   PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
              unsigned queue_depth, const std::string &backend, bool direct)
@@ -241,10 +242,15 @@ class PageReader {
                                   .c_str());
 
     nb::gil_scoped_release release;
-    CallGuard guard(*this);  // after the release: it is let go before the GIL is taken back
+    read_nogil(ids, m, out.data(), verify);
+  }
+
+  void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool verify) override {
+    if (m == 0) return;
+    CallGuard guard(*this);  // taken without the GIL: let go before the GIL is taken back
     std::vector<ReadOp> ops(m);
     for (size_t i = 0; i < m; ++i)
-      ops[i] = ReadOp{data_offset_ + static_cast<uint64_t>(ids[i]) * page_size_, out.data() + i * page_size_,
+      ops[i] = ReadOp{data_offset_ + static_cast<uint64_t>(ids[i]) * page_size_, out + i * page_size_,
                       static_cast<uint32_t>(page_size_), 0};
     std::vector<size_t> bad = read_once(ops, ids, nullptr, verify);
     if (bad.empty()) return;
@@ -286,8 +292,8 @@ class PageReader {
   const std::string &path() const { return path_; }
   const std::string &backend() const { return backend_name_; }
   unsigned queue_depth() const { return queue_depth_; }
-  uint64_t page_size() const { return page_size_; }
-  uint64_t n_pages() const { return n_pages_; }
+  uint64_t page_size() const override { return page_size_; }
+  uint64_t n_pages() const override { return n_pages_; }
   uint64_t data_offset() const { return data_offset_; }
   bool direct() const { return direct_; }
 
@@ -386,7 +392,8 @@ void register_file_reader(nb::module_ &m) {
     }
   });
 
-  nb::class_<PageReader>(m, "PageReader",
+  nb::class_<PageSource>(m, "PageSource", "A native page reader the fetch pipeline can drive.");
+  nb::class_<PageReader, PageSource>(m, "PageReader",
                          "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
                          "pread thread pool), verifying each page's trailer.")
       .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,

@@ -26,7 +26,8 @@ inline void emit(OutKind kind, int codec, const uint8_t *row, uint64_t dim, uint
 // Runs emit over [0, n) on the pool; row_at(i) gives the address of the i-th source row.
 template <typename RowAt>
 void run_gather(uint64_t n, OutKind kind, int codec, uint64_t dim, uint64_t row_bytes, void *out, RowAt row_at) {
-  global_pool().parallel_for(n, 256, [&](size_t begin, size_t end) {
+  const std::shared_ptr<WorkerPool> pool = global_pool();  // held: set_num_threads may swap it meanwhile
+  pool->parallel_for(n, 256, [&](size_t begin, size_t end) {
     const uint8_t *ahead[kPrefetchAhead];  // addresses computed once, when prefetched
     for (size_t i = begin; i < std::min<size_t>(end, begin + kPrefetchAhead); ++i) {
       ahead[i % kPrefetchAhead] = row_at(i);
@@ -89,6 +90,11 @@ void decode_at(const uint8_t *src, uint64_t src_bytes, const int64_t *offsets, u
                           " outside the " + std::to_string(src_bytes) + "-byte source");
   }
   run_gather(n, kind, codec, dim, row_bytes, out, [&](size_t i) { return src + offsets[i]; });
+}
+
+void gather_located(const uint8_t *const *rows, const uint64_t *which, uint64_t n, OutKind kind, int codec,
+                    uint64_t dim, uint64_t row_bytes, void *out) {
+  run_gather(n, kind, codec, dim, row_bytes, out, [&](size_t i) { return rows[which[i]]; });
 }
 
 }  // namespace tiergram

@@ -38,4 +38,9 @@ void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind
 void decode_at(const uint8_t *src, uint64_t src_bytes, const int64_t *offsets, uint64_t n, int codec,
                uint64_t dim, OutKind kind, void *out);
 
+// out[i] = decode(rows[which[i]]) for i < n: a gather from rows already located (the fetch pipeline's hits and
+// misses); every rows[which[i]] must hold row_bytes readable bytes.
+void gather_located(const uint8_t *const *rows, const uint64_t *which, uint64_t n, OutKind kind, int codec,
+                    uint64_t dim, uint64_t row_bytes, void *out);
+
 }  // namespace tiergram

@@ -9,8 +9,6 @@
 
 namespace tiergram {
 
-namespace {
-
 OutKind out_kind(const AnyOut &out) {
   const nb::dlpack::dtype dt = out.dtype();
   if (dt == nb::dtype<float>()) return OutKind::kF32;
@@ -25,6 +23,8 @@ void check_out_size(const AnyOut &out, OutKind kind, uint64_t n, uint64_t dim, u
   require(out.size() == want, "out has " + std::to_string(out.size()) + " elements, expected " +
                                   std::to_string(want) + " (" + std::to_string(n) + " rows)");
 }
+
+namespace {
 
 void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64_t page_size,
             uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out) {
@@ -84,7 +84,7 @@ void seal_pages(BytesOut pages, uint64_t page_size, uint64_t first_index) {
   uint8_t *p = pages.data();
   const uint64_t n = pages.size() / page_size;
   nb::gil_scoped_release release;
-  global_pool().parallel_for(n, 64, [&](size_t b, size_t e) {
+  global_pool()->parallel_for(n, 64, [&](size_t b, size_t e) {
     for (size_t i = b; i < e; ++i) seal_page(p + i * page_size, page_size, static_cast<uint32_t>(first_index + i));
   });
 }
@@ -96,7 +96,7 @@ std::vector<int64_t> verify_pages(BytesIn pages, uint64_t page_size, uint64_t fi
   std::vector<uint8_t> bad(n, 0);
   {
     nb::gil_scoped_release release;
-    global_pool().parallel_for(n, 64, [&](size_t b, size_t e) {
+    global_pool()->parallel_for(n, 64, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i)
         bad[i] = !page_ok(p + i * page_size, page_size, static_cast<uint32_t>(first_index + i));
     });
@@ -129,7 +129,7 @@ void register_gather(nb::module_ &m) {
         nb::arg("out"), "Decode rows found at byte offsets int64 [N] of src into out [N, D] (or raw bytes).");
   m.def("set_num_threads", [](unsigned n) { set_num_threads(n); }, nb::arg("n"),
         "Size of the native worker pool used by gathers.");
-  m.def("num_threads", []() { return global_pool().size(); }, "Threads in the native worker pool.");
+  m.def("num_threads", []() { return global_pool()->size(); }, "Threads in the native worker pool.");
 }
 
 }  // namespace tiergram

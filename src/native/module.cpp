@@ -13,4 +13,6 @@ NB_MODULE(_native, m) {
   });
   tiergram::register_gather(m);
   tiergram::register_file_reader(m);
+  tiergram::register_row_cache(m);
+  tiergram::register_pipeline(m);
 }

@@ -1,0 +1,245 @@
+// The fetch pipeline: one lookup (or read-ahead) of a file-tier table in one native call, the GIL released for
+// all of it — bounds check, dedup, cache probe (hits pinned), one batched read of the missing pages (verified),
+// admission, gather + dequantise of hits and misses into the output, unpin, per-head counts.
+#include <nanobind/stl/pair.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "decode.h"
+#include "file_reader.h"
+#include "gather.h"
+#include "row_cache.h"
+
+namespace tiergram {
+
+namespace {
+
+constexpr size_t kAlign = 4096;                 // O_DIRECT buffer alignment (covers 512e and 4Kn disks)
+constexpr size_t kStagingKeepBytes = 16 << 20;  // staging a thread keeps between calls; larger calls allocate
+
+struct AlignedBuffer {
+  uint8_t *p = nullptr;
+  size_t n = 0;
+  AlignedBuffer() = default;
+  AlignedBuffer(const AlignedBuffer &) = delete;
+  AlignedBuffer &operator=(const AlignedBuffer &) = delete;
+  ~AlignedBuffer() { std::free(p); }
+  uint8_t *reserve(size_t bytes) {
+    if (bytes <= n) return p;
+    std::free(p);
+    p = nullptr, n = 0;
+    void *q = nullptr;
+    if (posix_memalign(&q, kAlign, std::max<size_t>(bytes, kAlign)) != 0) throw std::bad_alloc();
+    p = static_cast<uint8_t *>(q), n = bytes;
+    return p;
+  }
+};
+
+// Each thread reuses its staging buffer: a fresh one per call costs its page faults (the kernel pins and zero-fills
+// every page it DMAs into), about 4% of a 6,000-page lookup.
+thread_local AlignedBuffer t_staging;
+
+uint8_t *staging(size_t bytes, AlignedBuffer &oversize) {
+  if (bytes > kStagingKeepBytes) return oversize.reserve(bytes);
+  return t_staging.reserve(std::max(bytes, std::min(kStagingKeepBytes, 2 * t_staging.n)));
+}
+
+struct Table {
+  TableView view;
+  const int64_t *head_offsets;
+  uint64_t n_heads;
+};
+
+Table make_table(PageSource &src, IdsIn head_offsets, IdsIn head_rows, uint64_t rows_per_page, int codec,
+                 uint64_t dim) {
+  const uint64_t row_bytes = codec_row_bytes(codec, dim);
+  require(row_bytes > 0, "invalid codec " + std::to_string(codec) + " for dim " + std::to_string(dim));
+  const uint64_t page_size = src.page_size();
+  require(rows_per_page >= 1 && row_bytes + kPageTrailerBytes <= page_size &&
+              rows_per_page <= (page_size - kPageTrailerBytes) / row_bytes,
+          "page geometry does not fit: " + std::to_string(rows_per_page) + " rows of " + std::to_string(row_bytes) +
+              " bytes in a " + std::to_string(page_size) + "-byte page");
+  require(head_offsets.ndim() == 1 && head_offsets.size() == head_rows.size() && head_offsets.size() > 0,
+          "head_offsets and head_rows must be int64 [H] of the same length");
+  const int64_t *offs = head_offsets.data();
+  for (size_t h = 1; h < head_offsets.size(); ++h)
+    require(offs[h] > offs[h - 1], "head_offsets must increase (head " + std::to_string(h) + ")");
+  Table t;
+  t.view.data_bytes = src.n_pages() * page_size;
+  t.view.geo = PageGeometry(page_size, rows_per_page, row_bytes);
+  t.view.head_offsets = offs;
+  t.view.head_rows = head_rows.data();
+  t.view.n_heads = head_offsets.size();
+  t.view.codec = codec;
+  t.view.dim = dim;
+  t.head_offsets = offs;
+  t.n_heads = head_offsets.size();
+  return t;
+}
+
+// Sorted distinct global rows of ids [n] (head = i % H), and for each id the index of its row in them.
+void dedup(const Table &t, const int64_t *ids, size_t n, std::vector<int64_t> &uniq, std::vector<uint64_t> *which) {
+  std::vector<std::pair<int64_t, uint64_t>> kp(n);
+  for (size_t i = 0; i < n; ++i) kp[i] = {ids[i] + t.head_offsets[i % t.n_heads], i};
+  std::sort(kp.begin(), kp.end());
+  uniq.clear();
+  uniq.reserve(n);
+  if (which) which->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (uniq.empty() || uniq.back() != kp[i].first) uniq.push_back(kp[i].first);
+    if (which) (*which)[kp[i].second] = uniq.size() - 1;
+  }
+}
+
+// The distinct pages (in order) of sorted rows, and where each row sits in a buffer of those pages read in a row.
+void plan_pages(const Table &t, const std::vector<int64_t> &rows, std::vector<int64_t> &pages,
+                std::vector<uint64_t> &at) {
+  const PageGeometry &g = t.view.geo;
+  pages.clear();
+  at.resize(rows.size());
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const uint64_t r = static_cast<uint64_t>(rows[j]);
+    const int64_t page = static_cast<int64_t>(r / g.rows_per_page);
+    if (pages.empty() || pages.back() != page) pages.push_back(page);
+    at[j] = (pages.size() - 1) * g.page_size + (r % g.rows_per_page) * g.row_bytes;
+  }
+}
+
+// Unique rows per head: sorted global rows walked with the (increasing) head offsets.
+void count_per_head(const Table &t, const int64_t *rows, size_t n, int64_t *out) {
+  size_t h = 0;
+  for (size_t j = 0; j < n; ++j) {
+    while (h + 1 < t.n_heads && rows[j] >= t.head_offsets[h + 1]) ++h;
+    ++out[h];
+  }
+}
+
+// Releases a lookup's pins however it ends.
+struct Unpin {
+  NativeRowCache *cache;
+  const std::vector<int64_t> &slots;
+  ~Unpin() {
+    if (!cache) return;
+    std::lock_guard<std::mutex> lock(cache->mutex());
+    cache->unpin_locked(slots.data(), slots.size());
+  }
+};
+
+using Counts = nb::ndarray<int64_t, nb::c_contig, nb::device::cpu>;
+
+int64_t fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
+              uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts counts) {
+  const Table t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
+  const uint64_t H = t.n_heads, row_bytes = t.view.geo.row_bytes;
+  require(cache == nullptr || cache->row_bytes() == row_bytes,
+          "cache rows are " + std::to_string(cache ? cache->row_bytes() : 0) + " bytes, the table's " +
+              std::to_string(row_bytes));
+  require(ids.size() % H == 0, "row ids: last dimension must equal the table's " + std::to_string(H) + " heads");
+  require(counts.size() == 3 * H, "counts must be int64 [3, " + std::to_string(H) + "]");
+  const OutKind kind = out_kind(out);
+  check_out_size(out, kind, ids.size(), dim, row_bytes);
+  const int64_t *id = ids.data();
+  const size_t n = ids.size();
+  int64_t *cnt = counts.data();
+  void *dst = out.data();
+
+  nb::gil_scoped_release release;
+  check_ids(t.view, id, n);  // RowIndexError -> IndexError naming head, id and position
+  std::fill(cnt, cnt + 3 * H, 0);
+  if (n == 0) return 0;
+  std::vector<int64_t> uniq;
+  std::vector<uint64_t> which;
+  dedup(t, id, n, uniq, &which);
+  std::vector<int64_t> slots(uniq.size(), -1);
+  if (cache) {
+    std::lock_guard<std::mutex> lock(cache->mutex());
+    cache->probe_locked(uniq.data(), uniq.size(), slots.data());
+  }
+  Unpin unpin{cache, slots};
+
+  std::vector<int64_t> miss;
+  std::vector<size_t> miss_u;
+  for (size_t u = 0; u < uniq.size(); ++u)
+    if (slots[u] < 0) miss.push_back(uniq[u]), miss_u.push_back(u);
+  std::vector<int64_t> pages;
+  std::vector<uint64_t> at;
+  plan_pages(t, miss, pages, at);
+  AlignedBuffer oversize;
+  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize);
+  src.read_nogil(pages.data(), pages.size(), buf, true);
+
+  // Hits decode from their pinned slots; misses from the staging buffer (an admitted row may be evicted by a
+  // concurrent lookup before this one's gather runs, its staged copy cannot).
+  std::vector<const uint8_t *> rows(uniq.size());
+  for (size_t u = 0; u < uniq.size(); ++u)
+    if (slots[u] >= 0) rows[u] = cache->row(slots[u]);
+  std::vector<const uint8_t *> miss_rows(miss.size());
+  for (size_t j = 0; j < miss.size(); ++j) rows[miss_u[j]] = miss_rows[j] = buf + at[j];
+  if (cache && !miss.empty()) {
+    std::lock_guard<std::mutex> lock(cache->mutex());
+    cache->admit_locked(miss.data(), miss.size(), miss_rows.data(), true);
+  }
+  gather_located(rows.data(), which.data(), n, kind, codec, dim, row_bytes, dst);
+
+  count_per_head(t, uniq.data(), uniq.size(), cnt);
+  count_per_head(t, miss.data(), miss.size(), cnt + 2 * H);
+  for (uint64_t h = 0; h < H; ++h) cnt[H + h] = cnt[h] - cnt[2 * H + h];
+  return static_cast<int64_t>(pages.size());
+}
+
+std::pair<int64_t, int64_t> warm(PageSource &src, NativeRowCache &cache, IdsIn ids, IdsIn head_offsets,
+                                 IdsIn head_rows, uint64_t rows_per_page, int codec, uint64_t dim) {
+  const Table t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
+  require(cache.row_bytes() == t.view.geo.row_bytes, "cache rows are " + std::to_string(cache.row_bytes()) +
+                                                         " bytes, the table's " + std::to_string(t.view.geo.row_bytes));
+  require(ids.size() % t.n_heads == 0,
+          "row ids: last dimension must equal the table's " + std::to_string(t.n_heads) + " heads");
+  const int64_t *id = ids.data();
+  const size_t n = ids.size();
+
+  nb::gil_scoped_release release;
+  check_ids(t.view, id, n);
+  std::vector<int64_t> uniq, miss;
+  dedup(t, id, n, uniq, nullptr);
+  {
+    std::lock_guard<std::mutex> lock(cache.mutex());
+    for (int64_t k : uniq)
+      if (!cache.contains_locked(k)) miss.push_back(k);
+  }
+  if (miss.empty()) return {0, 0};
+  std::vector<int64_t> pages;
+  std::vector<uint64_t> at;
+  plan_pages(t, miss, pages, at);
+  AlignedBuffer oversize;
+  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize);
+  src.read_nogil(pages.data(), pages.size(), buf, true);
+  std::vector<const uint8_t *> rows(miss.size());
+  for (size_t j = 0; j < miss.size(); ++j) rows[j] = buf + at[j];
+  std::lock_guard<std::mutex> lock(cache.mutex());
+  const uint64_t entered = cache.admit_locked(miss.data(), miss.size(), rows.data(), true);
+  return {static_cast<int64_t>(entered), static_cast<int64_t>(pages.size())};
+}
+
+}  // namespace
+
+void register_pipeline(nb::module_ &m) {
+  m.def("fetch", &fetch, nb::arg("reader"), nb::arg("cache").none(), nb::arg("ids").noconvert(),
+        nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
+        nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("counts").noconvert(),
+        "Rows of per-head ids int64 [N, H] into out [N, H, D] (f32/bf16) or uint8 [N, H, row_bytes], through the "
+        "cache (None: no cache) and the reader, in one call without the GIL. counts (int64 [3, H]) receives the "
+        "distinct rows, hits and misses per head; returns the pages read. IndexError names head and id; a page "
+        "that cannot be read raises PageReadError and admits nothing.");
+  m.def("warm", &warm, nb::arg("reader"), nb::arg("cache"), nb::arg("ids").noconvert(),
+        nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
+        nb::arg("codec"), nb::arg("dim"),
+        "Read the rows of per-head ids int64 [N, H] that the cache lacks into it (no pins, no probes counted); "
+        "returns (rows admitted, pages read).");
+}
+
+}  // namespace tiergram

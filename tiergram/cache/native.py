@@ -1,0 +1,101 @@
+"""NativeRowCache: the LRU row cache in C++ (index, LRU order, pins, counters over a slot array).
+
+The file tier's fetch pipeline (`tiergram._native.fetch`) probes, admits and reads it without the GIL; this
+wrapper gives it RowCache's interface so that callers, statistics and tests see one kind of cache. It makes the
+same decisions as `RowCache(policy="lru")` call for call (tests/test_native_cache.py checks hits, victims and
+rows bit for bit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tiergram import _native
+from tiergram.cache.row_cache import CacheCounters
+
+NATIVE_POLICIES = ("lru",)
+
+
+class _PolicyName:
+    """What callers read of a policy (`cache.policy.name`); the native cache's policy lives in C++."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class NativeRowCache:
+    """Up to `capacity` encoded rows of `row_bytes` each, LRU, thread-safe; the interface of RowCache."""
+
+    def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
+        if policy not in NATIVE_POLICIES:
+            raise ValueError(f"the native row cache has policies {', '.join(NATIVE_POLICIES)}, not {policy!r} "
+                             "(use tiergram.cache.RowCache for the others)")
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be at least one row, got {capacity}")
+        self.capacity = int(capacity)
+        self.row_bytes = int(row_bytes)
+        self.policy = _PolicyName(policy)
+        self.native = _native.RowCacheLRU(self.capacity, self.row_bytes)
+        # views of the native arrays (they live as long as self.native)
+        self.rows: np.ndarray = self.native.rows
+        self.pins: np.ndarray = self.native.pins
+        self.slot_key: np.ndarray = self.native.slot_key
+
+    @classmethod
+    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru") -> NativeRowCache:
+        """A cache sized in bytes of row storage."""
+        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, policy)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes)
+
+    def __len__(self) -> int:
+        return len(self.native)
+
+    @property
+    def counters(self) -> CacheCounters:
+        """A snapshot of the running totals."""
+        return CacheCounters(*self.native.counters())
+
+    @property
+    def index(self) -> dict[int, int]:
+        """A snapshot of key -> slot, least recently used first (for tests and inspection)."""
+        keys, slots = self.native.order()
+        return dict(zip(keys, slots, strict=True))
+
+    def announce(self, keys: np.ndarray) -> None:
+        """LRU learns nothing from announcements: no batch id."""
+        return None
+
+    def retire(self, batch: int | None) -> None:
+        """Nothing to retire (announce gives no batch)."""
+
+    def probe(self, keys: np.ndarray, batch: int | None = None) -> np.ndarray:
+        """int64 slots [n] for keys int64 [n] (-1 for a miss); every hit comes back pinned."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        slots = np.empty(keys.size, dtype=np.int64)
+        self.native.probe(keys, slots)
+        return slots
+
+    def missing(self, keys: np.ndarray) -> np.ndarray:
+        """The keys of int64 [n] not resident now (no pins taken, nothing counted)."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        mask = np.empty(keys.size, dtype=np.uint8)
+        self.native.missing(keys, mask)
+        return keys[mask.view(bool)]
+
+    def admit(self, keys: np.ndarray, rows: np.ndarray) -> int:
+        """Offer missed keys [n] with their encoded rows uint8 [n, row_bytes]; returns how many entered."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        if rows.dtype != np.uint8 or rows.shape != (keys.size, self.row_bytes):
+            raise ValueError(f"rows must be uint8 [{keys.size}, {self.row_bytes}], got {rows.dtype} {rows.shape}")
+        return int(self.native.admit(keys, np.ascontiguousarray(rows)))
+
+    def unpin(self, slots: np.ndarray) -> None:
+        """Release the pins a probe took (pass the probe's slots; misses (-1) are ignored)."""
+        self.native.unpin(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
+
+    def check_invariants(self) -> None:
+        """Raise if the index, LRU links, slot keys or pins disagree (used by tests)."""
+        self.native.check_invariants()
