@@ -49,6 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--quiet", action="store_true", help="no progress bar")
     v.set_defaults(func=cmd_verify)
 
+    ps = tsub.add_parser("push", help="put a table file into Mooncake Store (docs/remote.md); prints its URI")
+    ps.add_argument("file")
+    ps.add_argument("--master", required=True, metavar="HOST:PORT", help="the mooncake_master's RPC address")
+    ps.add_argument("--name", help="the table's name in the store (default: the file's stem)")
+    ps.add_argument("--replace", action="store_true", help="replace a copy already in the store")
+    ps.add_argument("--replicas", type=int, default=1, help="copies of each page, on different holders")
+    ps.add_argument("--local-hostname", default="127.0.0.1", help="this client's address as the holders see it")
+    ps.add_argument("--quiet", action="store_true", help="no progress bar")
+    ps.set_defaults(func=cmd_push)
+
 
 def cmd_create(args: argparse.Namespace) -> int:
     provenance = {"tool": "tiergram table create"}
@@ -109,4 +119,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"{t.path}: {len(bad)} bad page(s): {' '.join(map(str, bad))}", file=sys.stderr)
         return 1
     print(f"{t.path}: all {t.manifest.n_pages} pages sound")
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from tiergram.tiers.mooncake import connect, push_table  # optional dependency (the remote extra)
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    store = connect(args.master, local_hostname=args.local_hostname)
+    try:
+        uri = push_table(args.file, args.master, args.name, replace=args.replace, replicas=args.replicas,
+                         progress=not args.quiet, store=store)
+    finally:
+        store.close()
+    print(uri)
     return 0
