@@ -24,8 +24,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 from tiergram.codecs import get_codec  # noqa: E402
 from tiergram.format import TableFile, TableManifest, create_table, random_values  # noqa: E402
 from tiergram.kernels import RowLayout  # noqa: E402
+from tiergram.store.device_cache import DeviceRowCache  # noqa: E402
 from tiergram.store.device_table import DeviceTable  # noqa: E402
-from tiergram.tiers.device import DEVICE_BYTES_ENV, DeviceRowCache, device_memory_budget  # noqa: E402
+from tiergram.tiers.device import DEVICE_BYTES_ENV, device_memory_budget  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device()) if GPU else torch.device("cpu")
 CODECS = ["fp32", "bf16", "int8", "fp8_e4m3"]

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiergram.kernels import RowLayout, check_ids, pick_backend
+from tiergram.format.ids import check_in_range
+from tiergram.kernels import RowLayout, pick_backend
 from tiergram.kernels.gather import launch_unchecked
 from tiergram.tiers.device import PinnedHost, resolve_device
 
@@ -112,7 +113,7 @@ class Region:
             chunk[:] = block[:chunk.size]
         rng = np.random.default_rng(cfg.seed + 1)
         self.ids = (rng.random((cfg.positions, cfg.heads)) * self.head_rows).astype(np.int64)
-        check_ids(self.ids, self.head_rows)  # validated once: the timed launches below skip the checks
+        check_in_range(self.ids, self.head_rows)  # validated once: the timed launches below skip the checks
 
     @property
     def rows(self) -> int:

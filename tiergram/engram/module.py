@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tiergram.engram.tables import TrainableTable, check_row_ids
+from tiergram.engram.tables import TrainableTable
+from tiergram.format.ids import check_row_ids
 
 
 @dataclass

@@ -8,29 +8,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from tiergram.format.ids import check_row_ids
+
 
 class RowSource(Protocol):
     """Anything that serves rows: `lookup(row_ids int64 [B, L, H]) -> [B, L, H, D]` (e.g. TieredTable)."""
 
     def lookup(self, row_ids: torch.Tensor) -> torch.Tensor: ...
-
-
-def check_row_ids(row_ids: torch.Tensor, head_sizes: Sequence[int]) -> None:
-    """Raise if row_ids is not integer [..., H] with head h's ids in [0, head_sizes[h])."""
-    if row_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"row ids must be int64 (or int32), got {row_ids.dtype}")
-    if row_ids.ndim < 1 or row_ids.shape[-1] != len(head_sizes):
-        raise ValueError(f"row ids must have shape [..., {len(head_sizes)}] (one id per head), "
-                         f"got {tuple(row_ids.shape)}")
-    if row_ids.numel() == 0:
-        return
-    sizes = torch.as_tensor(head_sizes, dtype=torch.int64, device=row_ids.device)
-    bad = (row_ids < 0) | (row_ids >= sizes)
-    if bool(bad.any()):  # one host sync; a device-side assert would be far less readable
-        pos = tuple(int(i) for i in bad.nonzero()[0])
-        head = pos[-1]
-        raise IndexError(f"row id {int(row_ids[pos])} at position {pos[:-1]} is out of range for head "
-                         f"{head}, which has {head_sizes[head]} rows")
 
 
 class TrainableTable(nn.Module):

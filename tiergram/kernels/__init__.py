@@ -3,9 +3,9 @@
 from tiergram.kernels.gather import (
     BACKENDS,
     HAVE_TRITON,
-    check_ids,
     gather_dequant,
     gather_dequant_cached,
+    ids_to_device,
     interpreted,
     pick_backend,
     triton_usable,
@@ -13,5 +13,5 @@ from tiergram.kernels.gather import (
 from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import decode_raw, gather_dequant_torch
 
-__all__ = ["BACKENDS", "HAVE_TRITON", "RowLayout", "check_ids", "decode_raw", "gather_dequant",
-           "gather_dequant_cached", "gather_dequant_torch", "interpreted", "pick_backend", "triton_usable"]
+__all__ = ["BACKENDS", "HAVE_TRITON", "RowLayout", "decode_raw", "gather_dequant", "gather_dequant_cached",
+           "gather_dequant_torch", "ids_to_device", "interpreted", "pick_backend", "triton_usable"]

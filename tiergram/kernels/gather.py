@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from tiergram import _native
+from tiergram.format.ids import RowIds, check_row_ids
 from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import gather_dequant_torch
 
@@ -38,7 +38,7 @@ def interpreted() -> bool:
 
 BACKENDS = ("auto", "triton", "torch")
 OUT_DTYPES = (torch.float32, torch.bfloat16)
-Ids = np.ndarray | torch.Tensor
+Ids = RowIds
 
 
 def triton_usable(device: torch.device) -> tuple[bool, str]:
@@ -61,20 +61,6 @@ def pick_backend(device: torch.device, backend: str = "auto") -> str:
     if backend == "triton" and not ok:
         raise RuntimeError(why)
     return "triton" if ok else "torch"
-
-
-def check_ids(ids: Ids, head_rows: np.ndarray) -> None:
-    """IndexError naming head, id and position for any id of [..., H] outside its head (host: native; device: torch)."""
-    head_rows = np.ascontiguousarray(head_rows, dtype=np.int64)
-    if isinstance(ids, np.ndarray):
-        _native.check_ids(np.ascontiguousarray(ids.reshape(-1, head_rows.size), dtype=np.int64), head_rows)
-        return
-    flat = ids.reshape(-1, head_rows.size)
-    bad = (flat < 0) | (flat >= torch.as_tensor(head_rows, device=ids.device))
-    if bool(bad.any()):  # one reduction; the position is only looked up on the error path
-        pos, head = divmod(int(torch.nonzero(bad.reshape(-1))[0]), head_rows.size)
-        raise IndexError(f"row id {int(flat[pos, head])} out of range for head {head} "
-                         f"(rows 0..{int(head_rows[head]) - 1}) at position {pos}")
 
 
 def check_slots(slots: Ids, capacity: int, n: int, name: str) -> None:
@@ -129,8 +115,7 @@ def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=Non
         raise ValueError(f"head_offsets ({head_offsets.size}) and head_rows ({h}) must describe the same heads")
     dev = _kernel_device(device, out, ids, data)
     pick_backend(dev, backend)  # a bad backend name fails even for an empty batch
-    ids = _check_ids_array(ids, h)
-    check_ids(ids, head_rows)  # before anything is launched: no id can address outside its head
+    ids = check_row_ids(ids, head_rows)  # before anything is launched: no id can address outside its head
     _check_data(data, layout, head_offsets, head_rows, dev)
     id_shape = tuple(ids.shape)
     n = int(np.prod(id_shape))
@@ -144,10 +129,10 @@ def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=Non
             check_slots(fill, cache.shape[0], n, "fill")
     if n == 0:
         return out
-    ids_dev = _to_device(ids, dev).reshape(-1)
-    off = offsets_dev if offsets_dev is not None else _to_device(head_offsets, dev)
-    slots_dev = _to_device(slots, dev).reshape(-1) if cache is not None else None
-    fill_dev = _to_device(fill, dev).reshape(-1) if fill is not None else None
+    ids_dev = ids_to_device(ids, dev).reshape(-1)
+    off = offsets_dev if offsets_dev is not None else ids_to_device(head_offsets, dev)
+    slots_dev = ids_to_device(slots, dev).reshape(-1) if cache is not None else None
+    fill_dev = ids_to_device(fill, dev).reshape(-1) if fill is not None else None
     launch_unchecked(data, ids_dev, off, out, layout, cache=cache, slots=slots_dev, fill=fill_dev,
                      block_rows=block_rows, num_warps=num_warps, backend=backend)
     return out
@@ -160,7 +145,7 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
     """The bare launch on out's device: ids [N*H], head_offsets [H], slots/fill [N*H] int64 there, out [N*H*D].
 
     Nothing is checked here. Only for callers that validated the same arguments through gather_dequant /
-    check_ids before (the benchmark times the kernel alone this way); anything else must call gather_dequant.
+    check_row_ids before (the benchmark times the kernel alone this way); anything else must call gather_dequant.
     """
     n, h, dev = ids.numel(), head_offsets.numel(), out.device
     if n == 0:
@@ -203,22 +188,6 @@ def _kernel_device(device, out, ids, data) -> torch.device:
     return dev
 
 
-def _check_ids_array(ids: Ids, h: int) -> Ids:
-    """Ids as int64 [..., H]: a C-contiguous numpy array, or a contiguous tensor."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise ValueError(f"row ids must be integers, got {ids.dtype}")
-        t = ids.to(torch.int64).contiguous()
-    else:
-        t = np.asarray(ids)
-        if t.dtype.kind not in "iu" or (t.dtype == np.uint64 and t.size and int(t.max()) >= 2**63):
-            raise ValueError(f"row ids must be integers below 2^63, got {t.dtype}")
-        t = np.ascontiguousarray(t, dtype=np.int64)
-    if t.ndim < 1 or t.shape[-1] != h:
-        raise ValueError(f"row ids must have shape [..., {h}] (one id per head), got {list(t.shape)}")
-    return t
-
-
 def _check_data(data: torch.Tensor, layout: RowLayout, head_offsets: np.ndarray, head_rows: np.ndarray,
                 dev: torch.device) -> None:
     """ValueError unless data is a uint8 vector holding every head's rows, readable from dev, aligned for the codec."""
@@ -249,7 +218,7 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
     return out
 
 
-def _to_device(x: Ids, dev: torch.device) -> torch.Tensor:
+def ids_to_device(x: Ids, dev: torch.device) -> torch.Tensor:
     """int64 values on dev; host arrays go through pinned memory with a non-blocking copy on a GPU."""
     if isinstance(x, torch.Tensor):
         return x.to(device=dev, dtype=torch.int64, non_blocking=True).contiguous()

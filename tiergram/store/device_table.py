@@ -14,11 +14,13 @@ import torch
 
 from tiergram import _native
 from tiergram.format import TableFile
-from tiergram.kernels import RowLayout, check_ids, gather_dequant, gather_dequant_cached, pick_backend
+from tiergram.format.ids import check_in_range, check_row_ids
+from tiergram.kernels import RowLayout, gather_dequant, gather_dequant_cached, pick_backend
+from tiergram.store.device_cache import DeviceRowCache
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import Ticket
 from tiergram.tiers import FileTier, HostTier
-from tiergram.tiers.device import DeviceRowCache, DeviceTier, PinnedHost, resolve_device
+from tiergram.tiers.device import DeviceTier, PinnedHost, resolve_device
 
 TIERS = ("device", "host", "file")
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -148,9 +150,10 @@ class DeviceTable:
     # -- internals -------------------------------------------------------------------------------------
 
     def _submit(self, row_ids, out: torch.Tensor | None, *, staged: bool) -> DeviceTicket:
-        ids = _as_ids(row_ids, self.num_heads, self.device)
+        on_device = isinstance(row_ids, torch.Tensor) and row_ids.device.type != "cpu" and row_ids.device == self.device
+        ids = check_row_ids(row_ids, self._rows, host=not on_device, check_range=False)
         if isinstance(ids, np.ndarray):
-            check_ids(ids, self._rows)  # a bad host id fails here, in the caller
+            check_in_range(ids, self._rows)  # a bad host id fails here, in the caller (device ids: before launch)
         out = self._output(tuple(ids.shape), out, staged)
         uniq = batch = None
         if self.cache is not None:
@@ -286,25 +289,3 @@ class DeviceTable:
         host = torch.empty(keys.size * m.row_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         _native.decode_at(buf, offsets, m.codec_id, m.dim, host.numpy().reshape(keys.size, m.row_bytes))
         return (host.to(self.device, non_blocking=True) if self._cuda else host), pages
-
-
-def _as_ids(row_ids: np.ndarray | torch.Tensor, n_heads: int, device: torch.device) -> np.ndarray | torch.Tensor:
-    """Host ids as C-contiguous int64 numpy [..., H]; ids already on `device` (a GPU) stay there as int64."""
-    if isinstance(row_ids, torch.Tensor) and row_ids.device.type != "cpu" and row_ids.device == device:
-        if row_ids.dtype.is_floating_point or row_ids.dtype == torch.bool:
-            raise ValueError(f"row ids must be integers, got {row_ids.dtype}")
-        ids = row_ids.to(torch.int64).contiguous()
-    else:
-        if isinstance(row_ids, torch.Tensor):
-            row_ids = row_ids.detach().cpu().numpy()
-        ids = np.asarray(row_ids)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"row ids must be integers, got {ids.dtype}")
-        if ids.dtype == np.uint64 and ids.size and int(ids.max()) >= 2**63:
-            pos, head = divmod(int(np.argmax(ids >= np.uint64(2**63))), max(1, ids.shape[-1]))
-            raise IndexError(f"row id {ids.reshape(-1)[pos * ids.shape[-1] + head]} out of range for head {head} "
-                             f"at position {pos}")
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if ids.ndim < 1 or ids.shape[-1] != n_heads:
-        raise ValueError(f"row ids must have shape [..., {n_heads}] (one id per head), got {list(ids.shape)}")
-    return ids

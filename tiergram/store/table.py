@@ -13,6 +13,7 @@ import torch
 from tiergram import _native
 from tiergram.cache import RowCache
 from tiergram.format import TableFile
+from tiergram.format.ids import check_row_ids
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import Ticket
 from tiergram.tiers import FileTier, HostTier
@@ -76,14 +77,14 @@ class TieredTable:
 
     def lookup(self, row_ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows for per-head ids int64 [..., H] as [..., H, D] in self.dtype; IndexError names head and id."""
-        ids = _as_ids(row_ids, self.num_heads)
+        ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
         out = self._output(ids.shape, out)
         self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim), None, None)
         return out
 
     def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> Ticket:
         """Start fetching rows in the background; `ticket.wait()` returns what `lookup` would."""
-        ids = _as_ids(row_ids, self.num_heads)
+        ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
         flat = ids.reshape(-1, self.num_heads)
         self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
         out = torch.empty((*ids.shape, self.dim), dtype=self.dtype)
@@ -107,7 +108,7 @@ class TieredTable:
         itself)."""
         if self.cache is None or self._warm_executor is None:
             return None
-        flat = _as_ids(row_ids, self.num_heads).reshape(-1, self.num_heads)
+        flat = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
         self.tier.check_ids(flat)
         keys = np.unique(flat + self._offsets)
         cancelled = threading.Event()
@@ -213,19 +214,3 @@ class TieredTable:
             misses=per_head_counts(miss_keys, self._offsets),
             tier_bytes={"cache": int(hit.sum()) * m.row_bytes, "file": pages * m.page_size}, pages=pages)
 
-
-def _as_ids(row_ids: np.ndarray | torch.Tensor, n_heads: int) -> np.ndarray:
-    """Row ids as a C-contiguous int64 numpy array whose last axis is the heads."""
-    if isinstance(row_ids, torch.Tensor):
-        row_ids = row_ids.detach().cpu().numpy()
-    ids = np.asarray(row_ids)
-    if ids.dtype.kind not in "iu":
-        raise ValueError(f"row ids must be integers, got {ids.dtype}")
-    if ids.ndim < 1 or ids.shape[-1] != n_heads:
-        raise ValueError(f"row ids must have shape [..., {n_heads}] (one id per head), got {list(ids.shape)}")
-    big = ids > np.uint64(2**63 - 1) if ids.dtype == np.uint64 else None
-    if big is not None and big.any():  # would wrap to a negative int64 and be reported as a different id
-        pos, head = divmod(int(np.flatnonzero(big)[0]), n_heads)
-        raise IndexError(f"row id {ids.reshape(-1, n_heads)[pos, head]} out of range for head {head} "
-                         f"at position {pos}")
-    return np.ascontiguousarray(ids, dtype=np.int64)

@@ -1,7 +1,8 @@
-"""Device tier: a table, or the hot rows of one, in accelerator memory; host tables registered in place for UVA reads.
+"""Device tier: a table in accelerator memory; host tables registered in place for UVA reads.
 
 On the CPU every class here still works (the "device" is host memory and nothing is registered), which is how
-the tests run; the GPU paths are the same code with a CUDA device.
+the tests run; the GPU paths are the same code with a CUDA device. The device-side hot-row cache, which needs the
+cache policies and the kernels' id transfer, is tiergram.store.device_cache.DeviceRowCache (a layer above).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.cache import RowCache
 from tiergram.format import TableFile
-from tiergram.kernels.gather import _to_device
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: visible to every context
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: mapped into the device address space (UVA)
@@ -149,62 +148,3 @@ def copy_to_device(src: np.ndarray, dst: torch.Tensor, chunk: int = COPY_CHUNK_B
         bounce[:n].copy_(view[start:start + n])
         dst[start:start + n].copy_(bounce[:n], non_blocking=True)
         torch.cuda.current_stream(dst.device).synchronize()  # the bounce buffer is refilled next round
-
-
-class _DeviceRows:
-    """Stands in for RowCache.rows: the encoded rows live on the device and the gather kernel writes them."""
-
-    def __init__(self, slots: torch.Tensor) -> None:
-        self.slots = slots
-        self.shape = tuple(slots.shape)
-        self.nbytes = int(slots.numel())
-
-    def __setitem__(self, key, value) -> None:
-        """RowCache.admit's host-side row copy: nothing to do, the kernel fills the slot."""
-
-    def __getitem__(self, key):
-        raise TypeError("a device cache's rows live on the device: read DeviceRowCache.slots")
-
-
-class DeviceRowCache(RowCache):
-    """A hot-row cache in device memory: slot array uint8 [S, row_bytes] and tag array int64 [S] (-1 empty).
-
-    The host keeps RowCache's key -> slot index and policy (LRU, LFU, lookahead) and decides hits, admission and
-    eviction; `plan` turns unique keys into hit slots and fill slots that the gather kernel serves and writes.
-    """
-
-    def __init__(self, capacity: int, row_bytes: int, device: torch.device | str, policy: str = "lru") -> None:
-        super().__init__(capacity, row_bytes, policy)
-        self.device = resolve_device(device)
-        self.slots = torch.zeros((self.capacity, self.row_bytes), dtype=torch.uint8, device=self.device)
-        self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
-        self.rows = _DeviceRows(self.slots)  # replaces the host slot array RowCache allocated (never touched)
-
-    @classmethod
-    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru", *,
-                   device: torch.device | str = "cpu") -> DeviceRowCache:
-        """A device cache sized in bytes of row storage."""
-        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, device, policy)
-
-    def plan(self, keys: np.ndarray, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, fill) int64 [n] for unique keys [n]: hit slots (pinned until `unpin(slots)`), and per miss the
-        slot it was admitted to (-1: kept out), which the next launch on the cache's stream must fill."""
-        slots = self.probe(keys, batch)
-        fill = np.full(slots.size, -1, dtype=np.int64)
-        miss = np.flatnonzero(slots < 0)
-        if miss.size:
-            mk = np.asarray(keys, dtype=np.int64).reshape(-1)[miss]
-            self.admit(mk, np.broadcast_to(np.zeros(self.row_bytes, np.uint8), (mk.size, self.row_bytes)))
-            with self._lock:  # a key admitted and then evicted within the same admit call gets no slot
-                fill[miss] = [self.index.get(k, -1) for k in mk.tolist()]
-        return slots, fill
-
-    def set_tags(self, slots: np.ndarray, keys: np.ndarray) -> None:
-        """Record on the device which key each filled slot holds (call on the stream of the filling launch)."""
-        if slots.size:  # through pinned memory: a non_blocking copy from pageable memory may wait for the stream
-            self.tags.index_copy_(0, _to_device(slots, self.device), _to_device(keys, self.device))
-
-    def check_device_tags(self) -> None:
-        """Assert the device tag array matches the host index (tests)."""
-        self.check_invariants()
-        assert np.array_equal(self.tags.cpu().numpy(), self.slot_key), "device tags disagree with the host index"

@@ -1,0 +1,83 @@
+"""Row ids: the one validator every reader of a table (store, kernels, Engram module) calls.
+
+Per-head row ids have shape [..., H], one id per hash head, each in 0 .. head_rows[h] - 1. One error type per
+problem, one message each:
+
+- not an integer array (float, bool, object, ...): ValueError "row ids must be integers, got <dtype>"
+- last axis is not the heads: ValueError "row ids must have shape [..., H] (one id per head), got [...]"
+- an id outside its head (negative, too large, or a uint64 beyond int64): IndexError
+  "row id <id as given> out of range for head <h> (rows 0..<n-1>) at position <p>" (p: index over [..., H]'s
+  leading axes flattened; the first bad id in that order is reported)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tiergram import _native
+
+RowIds = np.ndarray | torch.Tensor
+INT64_MAX = 2**63 - 1
+_TORCH_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_row_ids(row_ids: RowIds, head_rows: Sequence[int] | np.ndarray, *, host: bool = False,
+                  check_range: bool = True) -> RowIds:
+    """Per-head row ids [..., H] as C-contiguous int64, validated against head_rows [H].
+
+    A tensor stays a tensor on its device (int64, contiguous) unless `host`; everything else, and every tensor
+    with `host=True`, becomes a numpy int64 array. check_range=False skips the range check (the caller's tier
+    does it natively) except for uint64 ids beyond int64, which would wrap to a different id.
+    """
+    head_rows = np.ascontiguousarray(head_rows, dtype=np.int64).reshape(-1)
+    h = head_rows.size
+    if isinstance(row_ids, torch.Tensor):
+        if row_ids.dtype not in _TORCH_INTS:
+            raise ValueError(f"row ids must be integers, got {str(row_ids.dtype).removeprefix('torch.')}")
+        if host:
+            ids: RowIds = np.ascontiguousarray(row_ids.detach().cpu().numpy(), dtype=np.int64)
+        else:
+            ids = row_ids.detach().to(torch.int64).contiguous()
+    else:
+        arr = np.asarray(row_ids)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"row ids must be integers, got {arr.dtype}")
+        _check_shape(arr.shape, h)
+        if arr.dtype == np.uint64 and arr.size:
+            big = arr.reshape(-1, h) > np.uint64(INT64_MAX)
+            if big.any():  # as int64 it would wrap to a negative id and be reported as a different one
+                pos, head = divmod(int(np.flatnonzero(big)[0]), h)
+                raise IndexError(out_of_range(int(arr.reshape(-1, h)[pos, head]), head, int(head_rows[head]), pos))
+        ids = np.ascontiguousarray(arr, dtype=np.int64)
+    _check_shape(tuple(ids.shape), h)
+    if check_range:
+        check_in_range(ids, head_rows)
+    return ids
+
+
+def check_in_range(ids: RowIds, head_rows: Sequence[int] | np.ndarray) -> None:
+    """IndexError for the first id of int64 [..., H] outside its head (host: native check; device: one reduction)."""
+    head_rows = np.ascontiguousarray(head_rows, dtype=np.int64).reshape(-1)
+    if isinstance(ids, np.ndarray):
+        _native.check_ids(np.ascontiguousarray(ids.reshape(-1, head_rows.size), dtype=np.int64), head_rows)
+        return
+    if ids.numel() == 0:
+        return
+    flat = ids.reshape(-1, head_rows.size)
+    bad = (flat < 0) | (flat >= torch.as_tensor(head_rows, device=ids.device))
+    if bool(bad.any()):  # one host sync; the position is only looked up on the error path
+        pos, head = divmod(int(torch.nonzero(bad.reshape(-1))[0]), head_rows.size)
+        raise IndexError(out_of_range(int(flat[pos, head]), head, int(head_rows[head]), pos))
+
+
+def out_of_range(row_id: int, head: int, rows: int, position: int) -> str:
+    """The message of an out-of-range id (the same text the native check raises)."""
+    return f"row id {row_id} out of range for head {head} (rows 0..{rows - 1}) at position {position}"
+
+
+def _check_shape(shape: tuple[int, ...], h: int) -> None:
+    if len(shape) < 1 or shape[-1] != h:
+        raise ValueError(f"row ids must have shape [..., {h}] (one id per head), got {list(shape)}")
