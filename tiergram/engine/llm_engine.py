@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -9,7 +10,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -21,8 +21,9 @@ from tiergram.engine.metrics import EngineMetrics
 from tiergram.engine.model_runner import ModelRunner
 from tiergram.engine.sampler import sample
 from tiergram.engine.scheduler import Scheduler
-from tiergram.engine.sequence import RequestOutput, Sequence, Status
+from tiergram.engine.sequence import RequestOutput, Sequence
 from tiergram.engine.tables import device_bytes, export_dir_for, open_table, table_stats
+from tiergram.engine.validate import RequestError, check_prompt
 from tiergram.engram import RowSourceTable
 from tiergram.model.checkpoint import WEIGHTS, check_table, hasher_of, load_tokenizer_of, read_config
 from tiergram.model.config import ModelConfig
@@ -71,11 +72,11 @@ class LLMEngine:
                                   self.degrader)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
+        # aborted while the step computing them ran: their blocks are freed when that step ends, never under it
+        self._deferred_aborts: list[Sequence] = []
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
-        self._m = {"steps": 0, "stall": 0.0, "last_stall": 0.0, "time": 0.0, "last_time": 0.0, "hash": 0.0,
-                   "prompt": 0, "generated": 0, "computed": 0, "finished": 0}
-        self._stall_by_layer = dict.fromkeys(self.placements, 0.0)
+        self._stats = EngineMetrics(stall_by_layer_s=dict.fromkeys(self.placements, 0.0))  # the running counters
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
         self._read_ahead = config.read_ahead and self.runner.can_warm
 
@@ -111,42 +112,31 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; ValueError for bad input, QueueFullError when max_waiting requests already wait."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        params.validate(self.vocab_size)
-        prompt = list(prompt_token_ids)
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in prompt):
-            raise ValueError("prompt token ids must be integers")
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len {self.max_model_len} leaves no room "
-                             "for an output token")
+        prompt = self._check_prompt(prompt_token_ids, params)
         room = self.max_model_len - len(prompt)
-        if params.forced_tokens is not None and len(params.forced_tokens) > room:
-            raise ValueError(f"{len(params.forced_tokens)} forced tokens after a {len(prompt)}-token prompt exceed "
-                             f"max_model_len {self.max_model_len}")
         generator = None
         if params.temperature > 0 and params.forced_tokens is None:
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+                raise RequestError(f"seed must lie in [-2^63, 2^64), got {seed}", "seed")
             generator = torch.Generator().manual_seed(seed)
         with self._lock:
             if request_id in self._seqs:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            if len(self.scheduler.waiting) >= self.config.max_waiting:
+            if self.queue_full():
                 raise QueueFullError(f"{len(self.scheduler.waiting)} requests are waiting (max_waiting "
                                      f"{self.config.max_waiting}); retry later")
             seq = Sequence(request_id, prompt, len(prompt), params, next(self._arrivals),
                            min(params.max_tokens, room), generator)
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
-            self._m["prompt"] += len(prompt)
+            self._stats.prompt_tokens += len(prompt)
             if self._reading_ahead() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
                 self.runner.warm([(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)])
+
+    def queue_full(self) -> bool:
+        """Whether add_request would raise QueueFullError now (a lock-free read: a cheap check before any work)."""
+        return len(self.scheduler.waiting) >= self.config.max_waiting
 
     def read_ahead(self, prompt_token_ids: list[int]) -> None:
         """From any thread, before add_request: if a step runs now, start reading the rows of the prompt's first
@@ -166,23 +156,52 @@ class LLMEngine:
         return self._read_ahead and self.degrader.level == 0
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort"."""
+        """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort".
+
+        Safe from any thread: a request that the step running now is computing keeps its blocks until that step
+        ends (the step reads its block table and writes its K/V), and is freed and reported then."""
         with self._lock:
             seq = self._seqs.pop(request_id, None)
             if seq is None:
                 return  # unknown or already finished: nothing to do
+            if request_id in self._inflight:
+                self._deferred_aborts.append(seq)
+                return
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq.output([]))
 
     def has_unfinished(self) -> bool:
         """True while any request waits, runs, or has an abort still to report."""
         with self._lock:
-            return bool(self._seqs or self._aborted)
+            return bool(self._seqs or self._aborted or self._deferred_aborts)
+
+    def record_fault(self, error: BaseException) -> None:
+        """Count a failed step (LLMEngine.step counts its own; a driver calls this when step() itself raised)."""
+        with self._lock:
+            self._fault(error)
+
+    def _fault(self, error: BaseException) -> None:
+        st = self._stats
+        st.faults += 1
+        st.consecutive_faults += 1
+        st.last_fault = describe(error)
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """End every unfinished request with finish_reason "error" (a driver whose step() raised); their outputs."""
+        with self._lock:
+            outputs, self._aborted = self._aborted, []
+            self._finish_deferred(outputs)
+            for seq in list(self._seqs.values()):
+                outputs.append(self._fail(seq, error))
+            return outputs
 
     # -- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once over every scheduled chunk, sample, and report what changed."""
+        """Schedule, run the model once over every scheduled chunk, sample, and report what changed.
+
+        A step that fails (a table read, the forward) fails the requests in it with finish_reason "error" and the
+        cause; a request whose own token cannot be chosen fails alone. Either way the engine goes on."""
         t0 = time.perf_counter()
         with self._lock:
             outputs, self._aborted = self._aborted, []
@@ -194,36 +213,63 @@ class LLMEngine:
             return outputs
         try:
             result = self.runner.execute(batch.seqs, batch.num_new, ahead)
-        finally:
+            done = [s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new, strict=True)]
+            to_sample = [s for s, d in zip(batch.seqs, done, strict=True) if d]
+            sampled = sample(result.logits[torch.tensor(done, device=result.logits.device)], to_sample)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail with the cause; the engine goes on
             with self._lock:
                 self._inflight = {}
-        done = [s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new, strict=True)]
-        to_sample = [s for s, d in zip(batch.seqs, done, strict=True) if d]
-        sampled = sample(result.logits[torch.tensor(done, device=result.logits.device)], to_sample)
+                self._fault(e)
+                for seq in batch.seqs:
+                    if self._seqs.get(seq.request_id) is seq:
+                        outputs.append(self._fail(seq, e))
+                self._finish_deferred(outputs)
+            return outputs
         tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
         with self._lock:
+            self._inflight = {}
+            st = self._stats
             for seq, n in zip(batch.seqs, batch.num_new, strict=True):
-                if seq.status is Status.FINISHED:  # aborted while the step ran
+                if self._seqs.get(seq.request_id) is not seq:  # aborted while the step ran
                     continue
                 seq.num_computed += n
-                self._m["computed"] += n
-                if seq.request_id in tokens:
-                    outputs.append(self._append(seq, tokens[seq.request_id]))
-            m = self._m
-            m["steps"] += 1
-            m["last_stall"], m["stall"] = result.stall_s, m["stall"] + result.stall_s
-            m["hash"] += result.hash_s
+                st.computed_tokens += n
+                token = tokens.get(seq.request_id)
+                if isinstance(token, Exception):
+                    outputs.append(self._fail(seq, token))
+                elif token is not None:
+                    outputs.append(self._append(seq, token))
+            self._finish_deferred(outputs)
+            st.steps += 1
+            st.consecutive_faults = 0
+            st.last_step_stall_s = result.stall_s
+            st.exposed_stall_s += result.stall_s
+            st.hash_time_s += result.hash_s
             for layer, s in result.stall_by_layer.items():
-                self._stall_by_layer[layer] += s
+                st.stall_by_layer_s[layer] += s
             self.degrader.observe(result.stall_s, result.skipped_rows)  # the level the next step runs at
-            m["last_time"] = time.perf_counter() - t0
-            m["time"] += m["last_time"]
+            st.last_step_time_s = time.perf_counter() - t0
+            st.step_time_s += st.last_step_time_s
         return outputs
+
+    def _finish_deferred(self, outputs: list[RequestOutput]) -> None:
+        """(Under the lock, no step running) free and report the requests aborted while the step ran."""
+        for seq in self._deferred_aborts:
+            self.scheduler.finish(seq, "abort")
+            outputs.append(seq.output([]))
+        self._deferred_aborts = []
+
+    def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
+        """(Under the lock) end a request with finish_reason "error" and free its blocks."""
+        self.scheduler.finish(seq, "error")
+        self._seqs.pop(seq.request_id, None)
+        self._stats.failed_requests += 1
+        return seq.output([], describe(error))
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         """Add a sampled token, finish the request if it is done, and report it."""
         seq.token_ids.append(token)
-        self._m["generated"] += 1
+        self._stats.generation_tokens += 1
         n_out = seq.num_tokens - seq.prompt_len
         p = seq.params
         reason = None
@@ -236,7 +282,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
-            self._m["finished"] += 1
+            self._stats.num_finished += 1
         return seq.output([token])
 
     # -- conveniences ---------------------------------------------------------------------------------------
@@ -267,26 +313,30 @@ class LLMEngine:
                         left.discard(out.request_id)
         return [results[i] for i in ids]
 
-    def _check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt or len(prompt) >= self.max_model_len:
-            raise ValueError(f"every prompt needs 1..{self.max_model_len - 1} tokens, got one of {len(prompt)}")
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as ints, checked (validate.check_prompt) with the params; RequestError (a ValueError)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
+        prompt = check_prompt(prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        room = self.max_model_len - len(prompt)
+        if params.forced_tokens is not None and len(params.forced_tokens) > room:
+            raise RequestError(f"{len(params.forced_tokens)} forced tokens after a {len(prompt)}-token prompt exceed "
+                               f"max_model_len {self.max_model_len}", "forced_tokens", "context_length_exceeded")
+        return prompt
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of the counters."""
         with self._lock:
-            m = self._m
             total, used = self.blocks.num_blocks, self.blocks.num_used
-            return EngineMetrics(
-                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            st = self._stats
+            return dataclasses.replace(
+                st, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                 kv_blocks_total=total, kv_blocks_used=used, kv_usage=used / total if total else 0.0,
-                num_preemptions=self.scheduler.num_preemptions, steps=m["steps"],
-                engram=table_stats(self.sources, self.placements), exposed_stall_s=m["stall"],
-                last_step_stall_s=m["last_stall"], step_time_s=m["time"], last_step_time_s=m["last_time"],
-                budget=self.budget.as_dict(), prompt_tokens=m["prompt"], generation_tokens=m["generated"],
-                computed_tokens=m["computed"], num_finished=m["finished"], hash_time_s=m["hash"],
-                stall_by_layer_s=dict(self._stall_by_layer), degrade_level=self.degrader.level,
-                skipped_rows=self.degrader.skipped_rows, degrade_steps=dict(self.degrader.level_steps))
+                num_preemptions=self.scheduler.num_preemptions, engram=table_stats(self.sources, self.placements),
+                budget=self.budget.as_dict(), stall_by_layer_s=dict(st.stall_by_layer_s),
+                degrade_level=self.degrader.level, skipped_rows=self.degrader.skipped_rows,
+                degrade_steps=dict(self.degrader.level_steps))
 
     def close(self) -> None:
         """Stop the tables' prefetch workers and release their tiers."""
@@ -299,3 +349,8 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def describe(error: BaseException) -> str:
+    """An error as a client may read it: its type and message (PageReadError: cannot read page 3 of ...)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

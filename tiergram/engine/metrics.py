@@ -10,19 +10,21 @@ from typing import Any
 class EngineMetrics:
     """A snapshot of the engine (LLMEngine.metrics())."""
 
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_usage: float  # used / total
-    num_preemptions: int
-    steps: int  # steps that ran the model
-    engram: dict[str, Any]  # cache_hit_rate (file caches; None without), bytes_read {tier: n}, pages_read, per_layer
-    exposed_stall_s: float  # total time the forward waited on Engram rows (ticket.wait())
-    last_step_stall_s: float
-    step_time_s: float  # total wall time inside step() that ran the model
-    last_step_time_s: float
-    budget: dict[str, int]  # total_bytes, weights_bytes, device_table_bytes, activation_bytes, kv_bytes, kv_blocks...
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0  # used / total
+    num_preemptions: int = 0
+    steps: int = 0  # steps that ran the model
+    # cache_hit_rate (file caches; None without), bytes_read {tier: n}, pages_read, per_layer
+    engram: dict[str, Any] = field(default_factory=dict)
+    exposed_stall_s: float = 0.0  # total time the forward waited on Engram rows (ticket.wait())
+    last_step_stall_s: float = 0.0
+    step_time_s: float = 0.0  # total wall time inside step() that ran the model
+    last_step_time_s: float = 0.0
+    # total_bytes, weights_bytes, device_table_bytes, activation_bytes, kv_bytes, kv_blocks...
+    budget: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0  # tokens emitted
     computed_tokens: int = 0  # tokens run through the model (recomputation after preemption included)
@@ -32,3 +34,7 @@ class EngineMetrics:
     degrade_level: int = 0  # the degrade policy's level now: 0 normal, 1 decode reads skipped, 2 + predicted
     skipped_rows: int = 0  # Engram rows the degrade policy did not fetch (total)
     degrade_steps: dict[int, int] = field(default_factory=dict)  # steps run at each degrade level
+    faults: int = 0  # steps that failed (their requests failed with the cause; the engine went on)
+    consecutive_faults: int = 0  # failed steps since the last one that succeeded
+    last_fault: str | None = None  # the cause of the last failed step
+    failed_requests: int = 0  # requests that ended with finish_reason "error" (a failed step or their own sampling)

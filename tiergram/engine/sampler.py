@@ -1,38 +1,31 @@
-"""Next tokens from last-token logits: forced (replay), greedy, or temperature + top-k + top-p."""
+"""Next tokens from last-token logits, one sequence at a time: forced (replay), greedy, or sampled with the
+model layer's sample_token. A sequence whose choice fails gets its error back, and the others their tokens."""
 
 from __future__ import annotations
 
 import torch
 
 from tiergram.engine.sequence import Sequence
+from tiergram.model.sampling import MIN_TEMPERATURE, sample_token
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits float [B, V] -> one token per sequence, by its SamplingParams."""
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+    """logits float [B, V] -> per sequence its token, or the exception that choosing it raised (that request
+    fails alone; the rest of the batch goes on)."""
+    finite = torch.isfinite(logits).all(-1).tolist()
     greedy = logits.argmax(-1).tolist()
-    out = []
+    out: list[int | Exception] = []
     for b, seq in enumerate(seqs):
         p = seq.params
-        if p.forced_tokens is not None:
-            out.append(p.forced_tokens[seq.num_tokens - seq.prompt_len])
-        elif p.temperature == 0:
-            out.append(int(greedy[b]))
-        else:
-            out.append(sample_one(logits[b], p.temperature, p.top_k, p.top_p, seq.generator))
+        try:
+            if p.forced_tokens is not None:
+                out.append(p.forced_tokens[seq.num_tokens - seq.prompt_len])
+            elif not finite[b]:
+                sample_token(logits[b])  # raises NonFiniteLogitsError, with its message
+            elif p.temperature < MIN_TEMPERATURE:
+                out.append(int(greedy[b]))
+            else:
+                out.append(sample_token(logits[b], p.temperature, p.top_k, p.top_p, seq.generator))
+        except Exception as e:  # noqa: BLE001 - isolated: this request fails, the step goes on
+            out.append(e)
     return out
-
-
-def sample_one(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-               generator: torch.Generator | None) -> int:
-    """logits [V] -> a token drawn from softmax(logits / temperature) restricted to the top_k, then the top_p mass."""
-    logits = logits.float().cpu() / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sorted_p, 0) - sorted_p >= top_p  # the mass before a token already reaches top_p
-        sorted_p[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))

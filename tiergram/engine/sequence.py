@@ -23,9 +23,10 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
     prompt_tokens: int
     output_tokens: int
+    error: str | None = None  # finish_reason "error": what failed (the request's own sampling, or its step)
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Sequence:
         self.conv = {}
         self.warmed_to = 0
 
-    def output(self, new: list[int]) -> RequestOutput:
-        """This step's RequestOutput with the new tokens."""
+    def output(self, new: list[int], error: str | None = None) -> RequestOutput:
+        """This step's RequestOutput with the new tokens (and the error that ended it, if one did)."""
         return RequestOutput(self.request_id, new, self.status is Status.FINISHED, self.finish_reason,
-                             self.prompt_len, self.num_tokens - self.prompt_len)
+                             self.prompt_len, self.num_tokens - self.prompt_len, error)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tiergram.model.model import EngramLM
+from tiergram.model.sampling import sample_token
 
 
 @dataclass
@@ -28,17 +29,6 @@ class Generation:
     def decode_tok_s(self) -> float:
         """Decode tokens per second (after the first token)."""
         return (len(self.ids) - 1) / self.decode_s if len(self.ids) > 1 and self.decode_s > 0 else 0.0
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> int:
-    """Next token from logits [V]: argmax at temperature 0, else softmax(logits / T) over the top_k."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator))
 
 
 @torch.no_grad()
@@ -62,7 +52,7 @@ def generate(model: EngramLM, prompt_ids: list[int], max_tokens: int = 64, *, te
     out: list[int] = []
     t1 = time.perf_counter()
     for i in range(max_tokens):
-        token = sample(logits[0, -1], temperature, top_k, generator)
+        token = sample_token(logits[0, -1], temperature, top_k, 1.0, generator)
         out.append(token)
         if on_token is not None:
             on_token(token)
