@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Command-group modules under tiergram.cli; each defines register(subparsers).
-COMMAND_MODULES = ["table", "bench", "corpus", "model", "serve", "study", "demo"]
+COMMAND_MODULES = ["table", "bench", "corpus", "model", "serve", "study", "demo", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -97,6 +97,7 @@ class HardwareSpec:
     per_token_s: float = 0.0  # measured backbone seconds per token (cpu calibration); 0: from compute_flops
     request_overhead_s: float = 0.0  # per request: HTTP, tokenizing, admission (one user's gap between requests)
     device_gather_rows_s: float = 0.0  # gather from a device-resident table, rows/s (0: free against compute)
+    gather_call_s: float = 0.0  # fixed cost of the host tier's lookups in one step (all Engram layers)
 
 
 @dataclass(frozen=True)
@@ -263,12 +264,12 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
         if hw.kind == "gpu":
             link_bytes = rows * g.row_bytes  # UVA gather: the encoded rows cross the link, dequant on the GPU
         else:
-            cpu_fetch = rows / hw.gather_rows_s
+            cpu_fetch = hw.gather_call_s + rows / hw.gather_rows_s
     else:
         hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
         misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
         io_wait = misses / hw.disk.pages_per_s(wl.queue_depth)
-        cpu_fetch = misses * hw.disk.cpu_s_per_page / hw.disk.threads + rows / hw.gather_rows_s
+        cpu_fetch = hw.gather_call_s + misses * hw.disk.cpu_s_per_page / hw.disk.threads + rows / hw.gather_rows_s
         dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
         if hw.kind == "gpu":
             link_bytes = rows * g.row_bytes

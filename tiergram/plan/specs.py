@@ -52,6 +52,7 @@ HARDWARE_FIELDS = (
     Field("host_bw_gbps", "host_bw", GB, positive=True),
     Field("gather_mrows_s", "gather_rows_s", 1e6, positive=True),
     Field("device_gather_mrows_s", "device_gather_rows_s", 1e6, required=False),
+    Field("gather_call_us", "gather_call_s", 1e-6, required=False),
     Field("link_gbps", "link_bw", GB),
 )
 DISK_FIELDS = (

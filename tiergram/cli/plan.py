@@ -1,0 +1,172 @@
+"""`tiergram plan`: predict each placement's serving front from hardware and model specs; calibrate this machine;
+validate a prediction against a measured `tiergram bench serve` sweep. See docs/planner.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
+       tiergram plan calibrate [MODEL_DIR] [--out SPEC.toml]
+       tiergram plan validate SWEEP_JSON --hardware SPEC [--model MODEL] [--json]
+
+MODEL: a model spec name or .toml (shipped: deepseek-v4.1-flash) or a trained model directory.
+HARDWARE: a hardware spec name or .toml (shipped: h200, b200, gb300; `this-machine` after calibrate)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict each placement's throughput/interactivity front from hardware and model "
+                                    "specs (also: plan calibrate, plan validate)", usage=USAGE, add_help=False)
+    p.add_argument("-h", "--help", action="store_true", dest="plan_help", help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_plan)
+
+
+def _predict_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiergram plan", description="Predict each placement's serving front.")
+    p.add_argument("model", help="model spec name, .toml, or a trained model directory")
+    p.add_argument("hardware", help="hardware spec name or .toml (`this-machine` after `tiergram plan calibrate`)")
+    p.add_argument("--input-len", type=float, default=8192, help="mean prompt tokens (default 8192)")
+    p.add_argument("--output-len", type=float, default=1024, help="mean output tokens (default 1024)")
+    p.add_argument("--max-num-seqs", type=int, default=4096, help="the engine's sequence cap (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens per step (default 16384)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cache-fractions", default="0.01,0.1",
+                   help="file placement host caches, as fractions of the table (default 0.01,0.1)")
+    p.add_argument("--placements", default="device,host,file",
+                   help="comma-separated kinds (default device,host,file)")
+    p.add_argument("--no-kv-offload", action="store_true", help="leave out host + KV offload")
+    p.add_argument("--device-memory", type=float, default=None, help="override the device budget, bytes")
+    p.add_argument("--max-concurrency", type=int, default=1 << 16)
+    p.add_argument("--plot", default=None, help="PNG path (default: plan-MODEL-HARDWARE.png in the cache)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiergram plan calibrate",
+                                description="Measure this machine briefly (engine steps, host lookups, disk, DRAM) "
+                                            "and write a hardware spec.")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="a trained model directory to time steps on (default: the demo's model in the cache)")
+    p.add_argument("--out", default=None, help="spec path (default: this-machine.toml in the cache)")
+    p.add_argument("--disk-seconds", type=float, default=1.0, help="seconds per queue depth (default 1)")
+    return p
+
+
+def _validate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiergram plan validate",
+                                description="Compare a measured `bench serve` sweep with the prediction, point by "
+                                            "point.")
+    p.add_argument("sweep_json", help="the JSON `tiergram bench serve --json` / `tiergram demo` wrote")
+    p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
+    p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
+    p.add_argument("--plot", default=None, help="PNG of predicted fronts with the measured points")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    rest = list(args.rest)
+    if args.plan_help or not rest or rest[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if rest or args.plan_help else 2
+    if rest[0] == "calibrate":
+        return _calibrate(_calibrate_parser().parse_args(rest[1:]))
+    if rest[0] == "validate":
+        return _validate(_validate_parser().parse_args(rest[1:]))
+    return _predict(_predict_parser().parse_args(rest))
+
+
+def _predict(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tiergram.bench.common import cache_dir
+    from tiergram.plan import predict
+    from tiergram.plan.model import Workload
+    from tiergram.plan.specs import load_hardware, load_model
+
+    model, hw = load_model(a.model), load_hardware(a.hardware)
+    if a.device_memory is not None:
+        hw = replace(hw, device_memory_bytes=a.device_memory)
+    try:
+        fractions = tuple(float(x) for x in a.cache_fractions.split(",") if x)
+    except ValueError:
+        raise ValueError(f"--cache-fractions must be comma-separated numbers, got {a.cache_fractions!r}") from None
+    wl = Workload(input_len=a.input_len, output_len=a.output_len, max_num_seqs=a.max_num_seqs,
+                  max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size)
+    kinds = tuple(k.strip() for k in a.placements.split(",") if k.strip())
+    pls = predict.placements(fractions, kv_offload=not a.no_kv_offload, kinds=kinds)
+    fronts = predict.predict_all(model, hw, wl, pls, a.max_concurrency)
+    path = Path(a.plot) if a.plot else cache_dir("plan") / f"plan-{Path(str(a.model)).stem}-{Path(a.hardware).stem}.png"
+    title = (f"PREDICTED: {model.name} on {hw.name}\ninput {wl.input_len:g} / output {wl.output_len:g} tokens "
+             "(labels: the last concurrency and what binds there)")
+    png = predict.plot(fronts, path, title)
+    if a.json:
+        print(predict.to_json(model, hw, wl, fronts))
+    else:
+        print(predict.to_text(model, hw, wl, fronts))
+        print(f"plot: {png}")
+    return 0
+
+
+def _calibrate(a: argparse.Namespace) -> int:
+    from tiergram.bench.common import cache_dir
+    from tiergram.plan.calibrate import calibrate, to_toml
+    from tiergram.plan.specs import calibrated_path, load_hardware
+
+    model_dir = a.model_dir or str(cache_dir("models") / "demo-small")
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"{model_dir}: no trained model there (run `tiergram demo` once, or pass a model directory)")
+    cal = calibrate(model_dir, disk_seconds=a.disk_seconds)
+    out = Path(a.out) if a.out else calibrated_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_toml(cal))
+    load_hardware(out)  # what was written must load
+    print(f"wrote {out}")
+    return 0
+
+
+def _validate(a: argparse.Namespace) -> int:
+    from tiergram.plan import predict
+    from tiergram.plan.specs import load_hardware, load_model
+
+    path = Path(a.sweep_json)
+    try:
+        sweep = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the sweep JSON ({e})") from None
+    for key in ("config", "points"):
+        if key not in sweep:
+            raise ValueError(f"{path}: not a `bench serve` sweep (no `{key}`)")
+    model = load_model(a.model or sweep["config"]["model_dir"])
+    hw = load_hardware(a.hardware)
+    res = predict.validate(sweep, model, hw)
+    if a.plot:
+        from dataclasses import replace
+
+        from tiergram.plan.model import Placement
+
+        cfg = sweep["config"]
+        hw2 = replace(hw, device_memory_bytes=float(cfg["device_memory"])) if cfg.get("device_memory") else hw
+        wl = predict.sweep_workload(cfg)
+        pls = []
+        for kind in cfg.get("placements", ["device", "host", "file"]):
+            pl = Placement(kind, cache_fraction=float(cfg.get("cache_fraction", 0.1)) if kind == "file" else 0.0)
+            if kind == "file" and not model.hit_rate_curve:
+                hits = [r["hit_rate"] for r in res["points"] if r["placement"] == "file" and r["hit_rate"] is not None]
+                pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
+            pls.append(pl)
+        fronts = predict.predict_all(model, hw2, wl, pls, int(cfg.get("max_concurrency", 64)))
+        measured: dict[str, list[tuple[float, float, int]]] = {}
+        for p in sweep["points"]:
+            label = Placement(p["placement"], cache_fraction=float(cfg.get("cache_fraction", 0.1))
+                              if p["placement"] == "file" else 0.0).label
+            measured.setdefault(label, []).append((p["interactivity_p50"], p["throughput_tok_s"], p["concurrency"]))
+        predict.plot(fronts, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured)
+    if a.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(predict.validate_text(res))
+    return 0

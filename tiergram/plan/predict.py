@@ -1,0 +1,194 @@
+"""Predicted fronts for a model on a machine: the placements to compare, the table, the plot, and validation
+against a measured `tiergram bench serve` sweep."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tiergram.plan.model import (
+    Front,
+    HardwareSpec,
+    ModelSpec,
+    Placement,
+    Workload,
+    predict_front,
+    predict_point,
+)
+
+
+def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: bool = True,
+               kinds: tuple[str, ...] = ("device", "host", "file")) -> list[Placement]:
+    """device, host, file at each cache size, and host with K/V offloaded to host DRAM too."""
+    out = []
+    for kind in kinds:
+        if kind == "file":
+            out += [Placement("file", cache_fraction=f) for f in cache_fractions]
+        else:
+            out.append(Placement(kind))
+    if kv_offload:
+        out.append(Placement("host", kv_offload=True))
+    return out
+
+
+def predict_all(model: ModelSpec, hw: HardwareSpec, wl: Workload, pls: list[Placement],
+                max_concurrency: int = 1 << 16) -> list[Front]:
+    """One predicted front per placement."""
+    return [predict_front(model, hw, wl, p, max_concurrency) for p in pls]
+
+
+def to_text(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front]) -> str:
+    """The prediction as a table: every point, its step time, what binds; each placement's limit and why."""
+    lines = [f"PREDICTION (tiergram plan): {model.name} on {hw.name}",
+             f"workload: input {wl.input_len:g}, output {wl.output_len:g} tokens (means), closed loop, "
+             f"max_num_seqs {wl.max_num_seqs}, {wl.max_num_batched_tokens} tokens per step",
+             f"{'placement':<26}{'c':>7}{'tok/s':>12}{'tok/s/user':>12}{'step ms':>10}  binds"]
+    for f in fronts:
+        front = {p.concurrency for p in f.pareto}
+        for p in f.points:
+            mark = "*" if p.concurrency in front else " "
+            hit = f" (hit {p.hit_rate:.0%})" if p.hit_rate is not None else ""
+            lines.append(f"{p.placement:<26}{p.concurrency:>7}{p.throughput_tok_s:>12,.0f}{p.interactivity:>12.1f}"
+                         f"{p.step_s * 1e3:>10.2f} {mark}{p.binding}{hit}")
+        if not f.points:
+            lines.append(f"{f.placement.label:<26}  does not fit: {f.limit.binding} binds")
+    lines.append("limits (the concurrency where each placement stops, and what binds there):")
+    for f in fronts:
+        last = f.points[-1] if f.points else None
+        at = f"; there the step is bound by {last.binding}" if last else ""
+        lines.append(f"  {f.placement.label:<26} c = {f.limit.concurrency:,} ({f.limit.binding}){at}")
+    lines.append("(* = on the placement's pareto front)")
+    return "\n".join(lines)
+
+
+def to_json(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front]) -> str:
+    """Every front, point and limit as JSON."""
+    return json.dumps({"model": model.name, "hardware": hw.name, "workload": asdict(wl), "prediction": True,
+                       "fronts": [{"placement": f.placement.label, "limit": asdict(f.limit),
+                                   "pareto": [p.concurrency for p in f.pareto],
+                                   "points": [asdict(p) for p in f.points]} for f in fronts]}, indent=2)
+
+
+def plot(fronts: list[Front], path: Path, title: str, measured: dict[str, list[tuple[float, float, int]]] | None
+         = None) -> Path:
+    """Predicted throughput against interactivity per placement (lines), measured points as markers if given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tiergram.bench.common import save_figure
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=110)
+    colors: dict[str, Any] = {}
+    for f in fronts:
+        if not f.points:
+            continue
+        pts = f.pareto
+        line, = ax.plot([p.interactivity for p in pts], [p.throughput_tok_s for p in pts], marker=".",
+                        label=f"{f.placement.label} (predicted)")
+        colors[f.placement.label] = line.get_color()
+        last = f.points[-1]
+        ax.annotate(f"c={last.concurrency}: {last.binding}", (last.interactivity, last.throughput_tok_s),
+                    fontsize=6, textcoords="offset points", xytext=(3, -8), color=line.get_color())
+    for label, pts in (measured or {}).items():
+        ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], marker="x", s=30,
+                   color=colors.get(label, "black"), label=f"{label} (measured)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("interactivity (output tokens/s per user)")
+    ax.set_ylabel("throughput (tokens/s, prompt + output)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+@dataclass
+class Compared:
+    """One measured point next to its prediction."""
+
+    placement: str
+    concurrency: int
+    predicted_tok_s: float
+    measured_tok_s: float
+    ratio: float  # measured / predicted
+    predicted_binding: str
+    predicted_interactivity: float
+    measured_interactivity: float | None
+    hit_rate: float | None
+    hit_rate_source: str | None  # "model spec" or "sweep (measured)"
+
+
+def sweep_workload(cfg: dict[str, Any]) -> Workload:
+    """The closed loop a `bench serve` sweep ran: lengths uniform in [0.8 L, L], so the means are 0.9 L."""
+    def mean(n: int) -> float:
+        lo = max(1, int(0.8 * n))
+        return (lo + n) / 2.0
+
+    return Workload(input_len=mean(int(cfg["input_len"])), output_len=mean(int(cfg["output_len"])),
+                    max_num_seqs=int(cfg.get("max_num_seqs", 64)),
+                    max_num_batched_tokens=int(cfg.get("max_num_batched_tokens", 512)),
+                    block_size=int(cfg.get("block_size", 16)), max_input_len=int(cfg["input_len"]),
+                    max_output_len=int(cfg["output_len"]))
+
+
+def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec) -> dict[str, Any]:
+    """Every measured point against the prediction for the same model, settings and placement."""
+    cfg = sweep["config"]
+    wl = sweep_workload(cfg)
+    if cfg.get("device_memory") is not None:
+        hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
+    fraction = float(cfg.get("cache_fraction", 0.1))
+    rows: list[Compared] = []
+    limits: dict[str, dict[str, Any]] = {}
+    for pt in sweep["points"]:
+        kind = pt["placement"]
+        pl = Placement(kind, cache_fraction=fraction if kind == "file" else 0.0)
+        source = None
+        if kind == "file":
+            if model.hit_rate_curve:
+                source = "model spec"
+            elif pt.get("engram_cache_hit_rate") is not None:
+                pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
+                source = "sweep (measured)"
+        p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
+        measured = float(pt["throughput_tok_s"])
+        inter = pt.get("interactivity_p50")
+        rows.append(Compared(kind, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
+                             p.binding, p.interactivity, float(inter) if inter is not None else None, p.hit_rate,
+                             source))
+        if kind not in limits:
+            from tiergram.plan.model import concurrency_limit
+
+            lim = concurrency_limit(model, hw, wl, pl)
+            limits[kind] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
+                            "measured": (sweep.get("servers", {}).get(kind) or {}).get("concurrency_limit")}
+    errs = [abs(r.ratio - 1) for r in rows]
+    return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(wl),
+            "points": [asdict(r) for r in rows], "limits": limits,
+            "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
+                        "max_abs_error": max(errs) if errs else None,
+                        "mean_abs_error": sum(errs) / len(errs) if errs else None}}
+
+
+def validate_text(res: dict[str, Any]) -> str:
+    """The comparison as a table."""
+    lines = [f"predicted vs measured: {res['model']} on {res['hardware']}",
+             f"{'placement':<10}{'c':>4}{'predicted':>12}{'measured':>12}{'meas/pred':>11}  predicted binding"]
+    for r in res["points"]:
+        hit = f" (hit {r['hit_rate']:.0%} from {r['hit_rate_source']})" if r["hit_rate"] is not None else ""
+        lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
+                     f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']}{hit}")
+    for kind, lim in res["limits"].items():
+        lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
+                     f"measured c = {lim['measured']}")
+    s = res["summary"]
+    if s["points"]:
+        lines.append(f"{s['within_15pct']}/{s['points']} points within 15%; mean |error| {s['mean_abs_error']:.1%}, "
+                     f"max {s['max_abs_error']:.1%}")
+    return "\n".join(lines)
