@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tiergram.cli.model import _count
+
 TIERS = ("memory", "host", "file")
 
 
@@ -77,6 +79,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
     c.add_argument("--quiet", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compare_layers)
+
+    w = sub.add_parser("sweep-allocation", help="train MoE+Engram models at one sparse-parameter budget with the "
+                                                "Engram share swept; validation loss vs share (does a U appear?)")
+    w.add_argument("--out", required=True, help="sweep folder: one run directory per model, sweep.json (finished "
+                                                "runs in it are reused, so an interrupted sweep continues)")
+    w.add_argument("--shares", default="0,20,40,60,80", help="Engram shares in percent (default 0,20,40,60,80)")
+    w.add_argument("--seeds", default="0", help="training seeds, comma separated (default 0)")
+    w.add_argument("--tokens", type=_count, default=262144, help="training tokens per model (default 262144)")
+    w.add_argument("--d-model", type=int, help="width (default 128)")
+    w.add_argument("--layers", type=int, help="blocks (default 4; MoE in all but block 0)")
+    w.add_argument("--max-seq", type=int, help="training context (default 128)")
+    w.add_argument("--experts", type=int, help="routed experts per MoE block at share 0: fixes the budget (default 16)")
+    w.add_argument("--expert-ffn", type=int, help="width of each routed expert (default 128)")
+    w.add_argument("--top-k", type=int, help="experts per token (default 2)")
+    w.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
+    w.add_argument("--warmup-steps", type=int, help="default 20")
+    w.add_argument("--eval-tokens", type=int, help="validation tokens per category (default 16384)")
+    w.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
+    w.add_argument("--device", default="auto")
+    w.add_argument("--plot", metavar="PATH", help="loss vs Engram share PNG")
+    w.add_argument("--json", metavar="PATH", help="write the sweep as JSON (it is also in OUT/sweep.json)")
+    w.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
+    w.add_argument("--quiet", action="store_true", help="no progress bars")
+    w.set_defaults(func=cmd_sweep_allocation)
 
 
 def _load(args: argparse.Namespace):
@@ -212,4 +238,25 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
     if args.plot:
         plot(result, args.plot)
     _emit(args, result.to_dict(), to_markdown(result))
+    return 0
+
+
+def cmd_sweep_allocation(args: argparse.Namespace) -> int:
+    from tiergram.analysis.allocation import config_from_args, plot, run_sweep, to_markdown
+
+    try:
+        shares = tuple(float(v) / 100 for v in args.shares.split(",") if v.strip())
+        seeds = tuple(int(v) for v in args.seeds.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--shares and --seeds take comma-separated numbers, got {args.shares!r}, {args.seeds!r}") \
+            from None
+    cfg = config_from_args(args.out, shares=shares, seeds=seeds, tokens=args.tokens, d_model=args.d_model,
+                           n_layers=args.layers, max_seq=args.max_seq, experts_at_zero=args.experts,
+                           expert_ffn=args.expert_ffn, top_k=args.top_k, batch_size=args.batch_size,
+                           warmup_steps=args.warmup_steps, eval_tokens=args.eval_tokens, corpus=args.corpus,
+                           device=args.device)
+    report = run_sweep(cfg, progress=not args.quiet)
+    if args.plot:
+        plot(report, args.plot)
+    _emit(args, report.to_dict(), to_markdown(report))
     return 0
