@@ -1,0 +1,239 @@
+"""Checks of the mooncake tier against a real Mooncake cluster; tests/test_remote.py runs this file with pytest
+inside a private network namespace (Mooncake's clients listen on every interface). Not collected on its own
+(the name does not match test_*.py): run it through test_remote.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tiergram.bench.remote import LocalCluster, private_netns
+from tiergram.format import TableFile, TableManifest, create_table, random_values
+from tiergram.store import TieredTable
+from tiergram.tiers.mooncake import (
+    OBJECT_NOT_FOUND,
+    MooncakeTier,
+    PageReadError,
+    connect,
+    manifest_key,
+    page_key,
+    push_table,
+    remove_table,
+)
+
+BOUND_S = 15.0  # every fault must surface within this (the tier's timeout is 10 s; a dead master answers in ~4.3 s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_namespace():
+    assert private_netns(), "run through tests/test_remote.py (a private network namespace)"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("mooncake-logs"), holders=1, segment_bytes=64 << 20) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    store = connect(cluster.master_addr)
+    yield store
+    store.close()
+
+
+def _table(path: Path, *, codec: str = "fp8_e4m3", rows: tuple[int, ...] = (700, 523, 301), dim: int = 64,
+           seed: int = 0) -> Path:
+    m = TableManifest(codec=codec, dim=dim, head_rows=rows)
+    return create_table(path, m, random_values(dim, seed=seed), progress=False)
+
+
+def _ids(rows: tuple[int, ...], n: int, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.integers(0, r, n) for r in rows], axis=1).astype(np.int64)
+
+
+def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
+    path = _table(tmp_path / "a.tgram")
+    uri = push_table(path, cluster.master_addr, progress=False, store=client)
+    assert uri == f"mooncake://{cluster.master_addr}/a"
+    host = TieredTable(path, tier="host")
+    ids = _ids((700, 523, 301), 200).reshape(4, 50, 3)
+    for cache in (0, 64 * 1024):
+        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache)
+        try:
+            assert torch.equal(remote.lookup(ids), host.lookup(ids))
+            ticket = remote.prefetch(ids[:2])
+            assert torch.equal(ticket.wait(timeout=BOUND_S), host.lookup(ids[:2]))
+            if cache:
+                warm = remote.warm(ids[2:])
+                warm.wait(timeout=BOUND_S)
+                assert torch.equal(remote.lookup(ids[2:]), host.lookup(ids[2:]))
+            st = remote.stats()
+            assert st["tier"] == "mooncake"
+            r = st["remote"]
+            assert r["calls"] >= 1 and r["pages_read"] > 0 and r["bytes_read"] == r["pages_read"] * 4096
+            assert r["latency_ms_p50"] > 0 and r["errors"] == 0
+            if cache:
+                assert st["hits"] > 0
+        finally:
+            remote.close()
+    host.close()
+
+
+def test_push_refuses_a_copy_and_replaces_it_whole(cluster, client, tmp_path):
+    first = _table(tmp_path / "b.tgram", seed=1)
+    second = _table(tmp_path / "b2.tgram", rows=(50, 60), seed=2)
+    push_table(first, cluster.master_addr, "b", progress=False, store=client)
+    with pytest.raises(FileExistsError, match="already holds table 'b'"):
+        push_table(second, cluster.master_addr, "b", progress=False, store=client)
+    push_table(second, cluster.master_addr, "b", replace=True, progress=False, store=client)
+    t = TieredTable(f"mooncake://{cluster.master_addr}/b", tier="mooncake")
+    host = TieredTable(second, tier="host")
+    try:
+        assert t.manifest == host.manifest
+        ids = _ids((50, 60), 30)
+        assert torch.equal(t.lookup(ids), host.lookup(ids))
+    finally:
+        t.close()
+        host.close()
+    # the first table had more pages than the second: replace removed them
+    old_pages = TableFile.open(first).manifest.n_pages
+    new_pages = host.manifest.n_pages
+    assert all(client.is_exist(page_key("b", p)) == 0 for p in range(new_pages, old_pages))
+
+
+def test_a_push_without_its_marker_is_invisible_and_a_new_push_cleans_it(cluster, client, tmp_path):
+    path = _table(tmp_path / "c.tgram")
+    push_table(path, cluster.master_addr, "c", progress=False, store=client)
+    assert client.remove(manifest_key("c"), True) == 0  # as if the push died before its last write
+    with pytest.raises(FileNotFoundError, match="no table 'c'"):
+        TieredTable(f"mooncake://{cluster.master_addr}/c", tier="mooncake")
+    push_table(path, cluster.master_addr, "c", progress=False, store=client)  # stale pages do not block it
+    t = TieredTable(f"mooncake://{cluster.master_addr}/c", tier="mooncake")
+    t.close()
+    assert remove_table(client, "c") and not remove_table(client, "c")
+
+
+def test_missing_page_raises_naming_table_page_and_code(cluster, client, tmp_path):
+    path = _table(tmp_path / "d.tgram")
+    push_table(path, cluster.master_addr, "d", progress=False, store=client)
+    t = TieredTable(f"mooncake://{cluster.master_addr}/d", tier="mooncake")
+    try:
+        m = t.manifest
+        assert client.remove(page_key("d", 3), True) == 0
+        ids = np.zeros((1, 3), dtype=np.int64)
+        ids[0, 0] = 3 * m.rows_per_page  # head 0 starts at row 0: this row lives on page 3
+        t0 = time.monotonic()
+        with pytest.raises(PageReadError, match=r"table 'd': page 3 .*-704 OBJECT_NOT_FOUND") as e:
+            t.lookup(ids)
+        assert time.monotonic() - t0 < BOUND_S
+        assert (e.value.table, e.value.page, e.value.mooncake_code) == ("d", 3, OBJECT_NOT_FOUND)
+        assert t.stats()["remote"]["errors"] == 1
+    finally:
+        t.close()
+
+
+def test_corrupt_page_is_refused_or_served_from_the_fallback_file(cluster, client, tmp_path):
+    path = _table(tmp_path / "e.tgram")
+    push_table(path, cluster.master_addr, "e", progress=False, store=client)
+    table = TableFile.open(path)
+    ps = table.manifest.page_size
+    page = bytearray(path.read_bytes()[table.data_offset + 2 * ps: table.data_offset + 3 * ps])
+    page[100] ^= 0x10  # one bit flipped in the store's copy
+    assert client.remove(page_key("e", 2), True) == 0
+    assert client.put(page_key("e", 2), bytes(page)) == 0
+    ids = np.zeros((1, 3), dtype=np.int64)
+    ids[0, 0] = 2 * table.manifest.rows_per_page
+    uri = f"mooncake://{cluster.master_addr}/e"
+    t = TieredTable(uri, tier="mooncake")
+    try:
+        with pytest.raises(PageReadError, match=r"page 2 .*CHECKSUM_MISMATCH"):
+            t.lookup(ids)
+        r = t.stats()["remote"]
+        assert r["checksum_failures"] == 2 and r["retries"] == 1  # re-read once, failed again
+    finally:
+        t.close()
+    host = TieredTable(path, tier="host")
+    t = TieredTable(uri, tier="mooncake", remote_options={"fallback": path})
+    try:
+        assert torch.equal(t.lookup(ids), host.lookup(ids))
+        assert t.stats()["remote"]["fallback_pages"] == 1
+    finally:
+        t.close()
+        host.close()
+
+
+def test_holder_killed_raises_within_bound_never_wrong_rows(tmp_path):
+    with LocalCluster(tmp_path / "logs", holders=1, segment_bytes=32 << 20) as c:
+        path = _table(tmp_path / "f.tgram")
+        push_table(path, c.master_addr, progress=False)
+        t = TieredTable(f"mooncake://{c.master_addr}/f", tier="mooncake")
+        try:
+            ids = _ids((700, 523, 301), 40)
+            good = t.lookup(ids)
+            c.kill_holder(0)
+            t0 = time.monotonic()
+            with pytest.raises(PageReadError, match=r"table 'f': page \d+ .*Mooncake error -\d+") as e:
+                t.lookup(ids + 1)
+            assert time.monotonic() - t0 < BOUND_S
+            assert isinstance(e.value.mooncake_code, int) and e.value.mooncake_code < 0
+            del good
+        finally:
+            t.close()
+
+
+def test_master_killed_then_restarted_raises_within_bound(tmp_path):
+    with LocalCluster(tmp_path / "logs", holders=1, segment_bytes=32 << 20) as c:
+        path = _table(tmp_path / "g.tgram")
+        push_table(path, c.master_addr, progress=False)
+        t = TieredTable(f"mooncake://{c.master_addr}/g", tier="mooncake", remote_options={"timeout_s": 8.0})
+        try:
+            ids = _ids((700, 523, 301), 40)
+            t.lookup(ids)
+            c.kill_master()
+            t0 = time.monotonic()
+            with pytest.raises(PageReadError, match=r"table 'g': page \d+") as e:
+                t.lookup(ids + 1)
+            assert time.monotonic() - t0 < BOUND_S
+            assert e.value.mooncake_code in (-900, -901, "TIMEOUT")
+            c.start_master()  # a restarted master has lost every key: reads fail, never return stale rows
+            t0 = time.monotonic()
+            with pytest.raises(PageReadError, match=r"table 'g': page \d+"):
+                t.lookup(ids + 2)
+            assert time.monotonic() - t0 < BOUND_S
+        finally:
+            t.close()
+
+
+def test_cli_push_prints_the_uri_and_refuses_a_second_push(cluster, tmp_path):
+    path = _table(tmp_path / "h.tgram")
+    cmd = [sys.executable, "-m", "tiergram", "table", "push", str(path), "--master", cluster.master_addr, "--quiet"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert first.stdout.strip().splitlines()[-1] == f"mooncake://{cluster.master_addr}/h"
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert second.returncode != 0 and "already holds table 'h'" in second.stderr
+    third = subprocess.run(cmd + ["--replace"], capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr[-2000:]
+
+
+def test_mooncake_tier_object_reads_pages_directly(cluster, client, tmp_path):
+    path = _table(tmp_path / "i.tgram", codec="fp32", rows=(400,), dim=16)  # 63 rows per page
+    push_table(path, cluster.master_addr, "i", progress=False, store=client)
+    tier = MooncakeTier.open(f"mooncake://{cluster.master_addr}/i", store=client)
+    try:
+        table = TableFile.open(path)
+        pages = np.array([1, 0], dtype=np.int64)
+        got = tier.read_pages(pages)
+        raw = path.read_bytes()[table.data_offset:]
+        ps = table.manifest.page_size
+        assert bytes(got[:ps]) == raw[ps:2 * ps] and bytes(got[ps:]) == raw[:ps]
+    finally:
+        tier.close()
