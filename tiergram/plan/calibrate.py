@@ -152,10 +152,12 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0) -> Calibration:
+def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, gather_seconds: float = 0.5,
+              batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> Calibration:
     """Run the measurements over model_dir (its exported FP8 tables) and return them as spec fields."""
     from tiergram.bench.common import cache_dir
     from tiergram.bench.serve import layer_tables
+    from tiergram.model.checkpoint import read_config
     from tiergram.plan.specs import model_from_dir
 
     when = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -164,11 +166,13 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0) 
     spec = model_from_dir(Path(model_dir))
     tables = layer_tables(model_dir)
     _log(progress, "[1/4] engine steps (device-resident tables)")
-    st = step_costs(model_dir, progress=progress)
+    max_seq = int(read_config(model_dir)["model"].get("max_seq", 256))
+    st = step_costs(model_dir, batches, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
+                    progress=progress)
     _log(progress, f"      overhead {st['step_overhead_s'] * 1e3:.2f} ms/step, {st['per_token_s'] * 1e6:.0f} us/token, "
                    f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps)")
     _log(progress, "[2/4] host tier lookups")
-    g = gather_costs(tables[0], spec.engram.heads)
+    g = gather_costs(tables[0], spec.engram.heads, seconds=gather_seconds)
     _log(progress, f"      {g['per_call_s'] * 1e6:.0f} us per lookup call + {g['rows_per_s'] / 1e6:.1f} M rows/s")
     _log(progress, "[3/4] disk: random 4 KiB reads at queue depths " + ", ".join(map(str, QUEUE_DEPTHS)))
     d = disk_curve(tables[0], disk_seconds)

@@ -1,0 +1,298 @@
+"""The planner: the step model on hand-computed cases, spec files parsed and refused with clear errors, the
+`tiergram plan` commands end to end (predict, validate, calibrate on a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiergram.cli import main
+from tiergram.plan.model import (
+    DiskSpec,
+    EngramGeometry,
+    HardwareSpec,
+    ModelSpec,
+    Placement,
+    Workload,
+    _shared,
+    concurrency_limit,
+    interpolate,
+    predict_front,
+    predict_point,
+    step_terms,
+)
+from tiergram.plan.predict import validate
+from tiergram.plan.specs import SpecError, load_hardware, load_model, shipped
+
+# A model and a CPU machine small enough to compute by hand.
+MODEL = ModelSpec(name="hand", n_layers=4, active_params=1e6, weight_bytes=2e5, active_weight_bytes=2e5,
+                  kv_bytes_per_token=100.0, engram=EngramGeometry(layers=(1, 2), heads=4, row_bytes=40,
+                                                                  rows_per_layer=1000, dim=32))
+CPU = HardwareSpec(name="hand-cpu", kind="cpu", device_memory_bytes=1e6, device_bw=1e10, compute_flops=1e9,
+                   step_overhead_s=2e-3, per_seq_s=1e-4, host_memory_bytes=1e9, host_bw=1e10, gather_rows_s=1e6,
+                   link_bw=0.0, disk=DiskSpec(drives=1, iops_curve=((1.0, 1000.0),)), per_token_s=1e-3)
+WL = Workload(input_len=10, output_len=5, max_num_seqs=1000)
+
+
+def test_device_step_and_throughput_by_hand() -> None:
+    # c = 2: a request is 5 steps (prefill + 4 decodes); each step computes 2 x (10 + 5 - 1) / 5 = 5.6 tokens
+    p = predict_point(MODEL, CPU, WL, Placement("device"), 2)
+    assert p.terms["compute"] == pytest.approx(5.6e-3)
+    assert p.terms["overhead"] == pytest.approx(2e-3 + 2 * 1e-4)
+    assert p.step_s == pytest.approx(7.8e-3)
+    assert p.throughput_tok_s == pytest.approx(2 * 15 / (5 * 7.8e-3))  # 2 users x 15 tokens per 5 steps
+    assert p.interactivity == pytest.approx(1 / 7.8e-3)
+    assert p.binding == "compute"
+
+
+def test_host_step_adds_the_gather_on_a_cpu() -> None:
+    p = predict_point(MODEL, CPU, WL, Placement("host"), 2)
+    rows = 5.6 * 8  # tokens x 2 layers x 4 heads
+    assert p.terms["engram cpu"] == pytest.approx(rows / 1e6)
+    assert p.step_s == pytest.approx(7.8e-3 + rows / 1e6)
+
+
+def test_file_step_exposes_what_compute_before_the_first_engram_layer_does_not_hide() -> None:
+    p = predict_point(MODEL, CPU, WL, Placement("file", cache_fraction=0.1, hit_rate=0.5), 2)
+    rows = 5.6 * 8
+    io = rows * 0.5 / 1000  # misses at 1000 pages/s
+    hide = 0.25 * 5.6e-3  # block 1 of 4: a quarter of the compute runs before the first Engram layer
+    exposed = io - hide - rows / 1e6
+    assert p.terms["engram exposed"] == pytest.approx(exposed)
+    assert p.step_s == pytest.approx(5.6e-3 + rows / 1e6 + exposed + 2.2e-3)
+    assert p.binding == "engram (disk)"
+    assert p.hit_rate == 0.5
+
+
+def test_token_budget_stretches_a_request_over_more_steps() -> None:
+    wl = replace(WL, max_num_batched_tokens=16)
+    p = predict_point(MODEL, CPU, wl, Placement("device"), 8)
+    steps = 8 * 14 / 16  # 7 > 5 output tokens: the budget binds
+    assert p.step_s == pytest.approx(2e-3 + 8e-4 + 16 * 1e-3)  # every step is full: 16 tokens
+    assert p.throughput_tok_s == pytest.approx(8 * 15 / (steps * p.step_s))
+
+
+def test_memory_limits_by_hand() -> None:
+    # one sequence: ceil(15 / 16) = 1 block of 16 tokens x 100 B = 1600 B of K/V
+    table = 2 * 1000 * 40
+    dev = concurrency_limit(MODEL, CPU, WL, Placement("device"))
+    assert (dev.concurrency, dev.binding) == ((10**6 - 2e5 - table) // 1600, "device memory")
+    host = concurrency_limit(MODEL, CPU, WL, Placement("host"))
+    assert (host.concurrency, host.binding) == ((10**6 - 2e5) // 1600, "device memory")
+    capped = concurrency_limit(MODEL, CPU, replace(WL, max_num_seqs=16), Placement("host"))
+    assert (capped.concurrency, capped.binding) == (16, "max_num_seqs")
+    # K/V offload: what the device cannot hold goes to host DRAM (here 1 MB more of it)
+    hw = replace(CPU, host_memory_bytes=table + 1e6)
+    off = concurrency_limit(MODEL, hw, replace(WL, max_num_seqs=5000), Placement("host", kv_offload=True))
+    assert (off.concurrency, off.binding) == (500 + 625, "host memory")
+    assert not predict_front(MODEL, replace(CPU, device_memory_bytes=1e5), WL, Placement("device")).points
+
+
+GPU = HardwareSpec(name="hand-gpu", kind="gpu", device_memory_bytes=1e9, device_bw=1e12, compute_flops=1e12,
+                   step_overhead_s=0.0, per_seq_s=0.0, host_memory_bytes=1e10, host_bw=1e11, gather_rows_s=1e6,
+                   link_bw=1e9, disk=DiskSpec(drives=2, iops_curve=((1.0, 1e4), (100.0, 1e6))))
+
+
+def test_gpu_host_fetch_crosses_the_link_and_hides_behind_the_first_block() -> None:
+    hw = replace(GPU, link_bw=1e8)
+    p = predict_point(MODEL, hw, WL, Placement("host"), 2)
+    tokens = 5.6
+    compute = max(tokens * 2e6 / 1e12, min(2e5, tokens * 2e5) / 1e12 + 2 * (10 + 2.5) * 100 / 1e12)
+    link = tokens * 8 * 40 / 1e8
+    assert p.terms["compute"] == pytest.approx(compute)
+    assert p.terms["engram fetch"] == pytest.approx(link)
+    assert p.terms["engram exposed"] == pytest.approx(link - 0.25 * compute)
+    assert p.step_s == pytest.approx(compute + link - 0.25 * compute)
+
+
+def test_shared_link_and_curves() -> None:
+    assert _shared(1.0, 3.0) == 2.0  # the smaller transfer finishes at twice its own time
+    assert _shared(3.0, 1.0) == 4.0
+    assert interpolate(((1.0, 10.0), (100.0, 1000.0)), 10.0, log_x=True) == pytest.approx(505.0)
+    assert interpolate(((1.0, 10.0), (100.0, 1000.0)), 0.5) == 10.0
+    # two drives share the queue depth: each sees 50 of 100 in flight
+    assert GPU.disk.pages_per_s(100) == pytest.approx(2 * interpolate(GPU.disk.iops_curve, 50, log_x=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(c=st.integers(1, 256), hit=st.floats(0.0, 1.0), more=st.floats(0.0, 0.5))
+def test_more_hits_never_slow_a_step_and_more_users_never_shorten_it(c: int, hit: float, more: float) -> None:
+    for hw in (CPU, GPU):
+        lo = step_terms(MODEL, hw, WL, Placement("file", hit_rate=hit), c)[0]
+        hi = step_terms(MODEL, hw, WL, Placement("file", hit_rate=min(1.0, hit + more)), c)[0]
+        assert hi <= lo + 1e-12
+        assert step_terms(MODEL, hw, WL, Placement("host"), c + 1)[0] >= step_terms(
+            MODEL, hw, WL, Placement("host"), c)[0] - 1e-12
+
+
+# ------------------------------------------------------------------------------------------------ specs
+
+def test_shipped_specs_load() -> None:
+    names = shipped()
+    assert {"h200", "b200", "gb300", "deepseek-v4.1-flash"} <= set(names)
+    for name in ("h200", "b200", "gb300"):
+        hw = load_hardware(name)
+        assert hw.kind == "gpu" and hw.link_bw > 0 and hw.device_memory_bytes > 1e11
+    m = load_model("deepseek-v4.1-flash")
+    assert m.engram.rows_per_token == 48
+    assert m.engram.table_bytes / 2**30 == pytest.approx(189, rel=0.01)
+    assert m.hide_fraction == pytest.approx(1 / 43)
+
+
+GOOD = """
+[hardware]
+name = "x"
+kind = "cpu"
+device_memory_gb = 1
+device_bw_gbps = 10
+compute_tflops = 0.1
+step_overhead_us = 1000
+per_seq_us = 10
+host_memory_gb = 8
+host_bw_gbps = 10
+gather_mrows_s = 10
+link_gbps = 0
+
+[hardware.disk]
+drives = 1
+cpu_us_per_page = 3
+iops_curve = [[1, 10000], [128, 90000]]
+
+[sources]
+device_memory_gb = "a"
+device_bw_gbps = "a"
+compute_tflops = "a"
+step_overhead_us = "a"
+per_seq_us = "a"
+host_memory_gb = "a"
+host_bw_gbps = "a"
+gather_mrows_s = "a"
+link_gbps = "a"
+"disk.drives" = "a"
+"disk.cpu_us_per_page" = "a"
+"disk.iops_curve" = "a"
+"""
+
+
+def test_a_good_hardware_spec_loads(tmp_path: Path) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(GOOD)
+    hw = load_hardware(path)
+    assert hw.device_memory_bytes == 1e9 and hw.step_overhead_s == pytest.approx(1e-3)
+    assert hw.disk.pages_per_s(128) == 90000
+
+
+@pytest.mark.parametrize("edit, field, problem", [
+    (("device_bw_gbps = 10", "device_bw_gbps = \"fast\""), "device_bw_gbps", "expected a number"),
+    (("host_memory_gb = 8", "host_memory_gb = -8"), "host_memory_gb", "must be > 0"),
+    (("gather_mrows_s = 10\n", ""), "gather_mrows_s", "misses the required field"),
+    (("link_gbps = 0\n", "link_gbps = 0\nwarp = 9\n"), "warp", "unknown field"),
+    (("kind = \"cpu\"", "kind = \"tpu\""), "kind", "must be 'gpu' or 'cpu'"),
+    (("kind = \"cpu\"", "kind = \"gpu\""), "link_gbps", "a gpu needs a host link"),
+    (("iops_curve = [[1, 10000], [128, 90000]]", "iops_curve = [[128, 1], [1, 2]]"), "iops_curve",
+     "must increase"),
+    (("iops_curve = [[1, 10000], [128, 90000]]", "iops_curve = [1, 2]"), "iops_curve", "[x, y] number pairs"),
+    (("drives = 1", "drives = 1.5"), "drives", "expected an integer"),
+    (('host_bw_gbps = "a"\n', ""), "host_bw_gbps", "[sources] has no entry"),
+    (("[hardware.disk]", "[hardware.nodisk]"), "nodisk", "unknown field"),
+])
+def test_bad_hardware_specs_name_file_field_and_problem(tmp_path: Path, edit: tuple[str, str], field: str,
+                                                        problem: str) -> None:
+    path = tmp_path / "bad.toml"
+    assert edit[0] in GOOD
+    path.write_text(GOOD.replace(edit[0], edit[1], 1))
+    with pytest.raises(SpecError) as e:
+        load_hardware(path)
+    msg = str(e.value)
+    assert str(path) in msg and field in msg and problem in msg, msg
+
+
+def test_bad_model_specs_and_names(tmp_path: Path) -> None:
+    src = (Path(load_model.__code__.co_filename).parent / "specs" / "deepseek-v4.1-flash.toml").read_text()
+    bad = tmp_path / "m.toml"
+    bad.write_text(src.replace("layers = [1, 14]", "layers = [1, 44]"))
+    with pytest.raises(SpecError, match=r"m\.toml.*`layers`.*must lie in 0\.\.42"):
+        load_model(bad)
+    bad.write_text(src.replace("[[0.001, 0.20]", "[[0.001, 1.20]"))
+    with pytest.raises(SpecError, match="hit rate 1.2 .* above 1"):
+        load_model(bad)
+    bad.write_text("[model\nname=")
+    with pytest.raises(SpecError, match="not valid TOML"):
+        load_model(bad)
+    with pytest.raises(SpecError, match="no \\[model\\] table"):
+        load_model("h200")
+    with pytest.raises(SpecError, match="no hardware spec named 'h300'.*shipped: .*h200"):
+        load_hardware("h300")
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+def test_plan_prints_the_fronts_and_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "front.png"
+    assert main(["plan", "deepseek-v4.1-flash", "h200", "--input-len", "131072", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTION" in out and "limits" in out and "file 10% cache" in out and "host + KV offload" in out
+    assert "device memory" in out  # at 128K-token contexts the resident tables' HBM binds concurrency
+    assert png.stat().st_size > 10_000
+    assert main(["plan", "deepseek-v4.1-flash", "h200", "--json", "--plot", str(png)]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert {f["placement"] for f in obj["fronts"]} >= {"device", "host", "file 1% cache"}
+    assert main(["plan", "nosuch", "h200"]) == 2
+    assert "no model spec named 'nosuch'" in capsys.readouterr().err
+
+
+def _sweep(model_dir: str, scale: float) -> dict:
+    """A sweep JSON in `bench serve`'s format whose throughputs are the prediction x scale."""
+    cfg = {"model_dir": model_dir, "placements": ["device", "host", "file"], "input_len": 10, "output_len": 5,
+           "max_concurrency": 4, "max_num_seqs": 1000, "max_num_batched_tokens": 512, "block_size": 16,
+           "device_memory": None, "cache_fraction": 0.1}
+    wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
+    points = []
+    for kind in ("device", "host", "file"):
+        for c in (1, 2, 4):
+            pl = Placement(kind, cache_fraction=0.1 if kind == "file" else 0.0, hit_rate=0.6 if kind == "file"
+                           else None)
+            p = predict_point(MODEL, CPU, wl, pl, c)
+            points.append({"placement": kind, "concurrency": c, "throughput_tok_s": scale * p.throughput_tok_s,
+                           "interactivity_p50": p.interactivity, "engram_cache_hit_rate": 0.6 if kind == "file"
+                           else None})
+    return {"config": cfg, "points": points, "servers": {"device": {"concurrency_limit": 4}}}
+
+
+def test_validate_compares_point_by_point() -> None:
+    res = validate(_sweep("unused", 1.1), MODEL, CPU)
+    assert len(res["points"]) == 9
+    for r in res["points"]:
+        assert set(r) >= {"placement", "concurrency", "predicted_tok_s", "measured_tok_s", "predicted_binding"}
+        assert r["ratio"] == pytest.approx(1.1)
+        if r["placement"] == "file":
+            assert r["hit_rate"] == 0.6 and r["hit_rate_source"] == "sweep (measured)"
+    assert res["summary"]["within_15pct"] == 9 and math.isclose(res["summary"]["max_abs_error"], 0.1)
+    assert res["limits"]["device"]["measured"] == 4
+
+
+def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from test_server import make_tiny_model
+
+    from tiergram.plan.calibrate import calibrate, to_toml
+
+    model_dir = make_tiny_model(tmp_path / "m")
+    cal = calibrate(str(model_dir), progress=False, disk_seconds=0.05, gather_seconds=0.05, batches=(1, 2))
+    spec = tmp_path / "this.toml"
+    spec.write_text(to_toml(cal))
+    hw = load_hardware(spec)
+    assert hw.kind == "cpu" and hw.per_token_s > 0 and hw.disk.pages_per_s(128) > 0
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(_sweep(str(model_dir), 1.0)))
+    assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
+                 "--plot", str(tmp_path / "v.png")]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert len(obj["points"]) == 9 and (tmp_path / "v.png").is_file()
+    assert main(["plan", "validate", str(tmp_path / "none.json"), "--hardware", str(spec)]) == 2
+    assert "cannot read the sweep JSON" in capsys.readouterr().err
