@@ -237,3 +237,55 @@ def test_mooncake_tier_object_reads_pages_directly(cluster, client, tmp_path):
         assert bytes(got[:ps]) == raw[ps:2 * ps] and bytes(got[ps:]) == raw[:ps]
     finally:
         tier.close()
+
+
+def test_compat_engramstore_matches_mooncakes_own_on_every_tier(cluster, client, tmp_path):
+    from mooncake.store import EngramStore as MooncakeEngramStore
+    from mooncake.store import EngramStoreConfig as MooncakeConfig
+
+    from tiergram.compat.mooncake import EngramStore, EngramStoreConfig
+
+    vocab, dim, layer = [97, 61, 130], 24, 7
+    rng = np.random.default_rng(3)
+    tables = [rng.standard_normal((v, dim)).astype(np.float32) for v in vocab]
+    ids = np.stack([rng.integers(0, v, (2, 33)) for v in vocab], axis=-1).astype(np.int64)  # [B, L, H]
+    mcfg = MooncakeConfig()
+    mcfg.embedding_dim, mcfg.table_vocab_sizes = dim, vocab
+    theirs = MooncakeEngramStore(layer, mcfg, client)
+    theirs.populate(tables)
+    want = theirs.lookup(ids)
+    cfg = EngramStoreConfig(dim, vocab)
+    ours = [EngramStore(layer, cfg, client, cache_bytes=4096),
+            EngramStore(layer, cfg, str(tmp_path), tier="host"),
+            EngramStore(layer + 1, cfg, str(tmp_path), tier="file", cache_bytes=8192)]
+    try:
+        for store in ours:
+            assert store.get_num_heads() == 3 and store.get_embedding_dim() == dim
+            assert store.get_table_vocab_sizes() == vocab
+            store.populate(tables)
+            got = store.lookup(ids)
+            assert got.dtype == np.float32 and got.shape == want.shape == (2, 33, 3, dim)
+            assert np.array_equal(got, want)
+            assert np.array_equal(store.lookup(ids.tolist()), want)  # lists are taken, as Mooncake's does
+            with pytest.raises(RuntimeError):
+                store.populate(tables)  # both refuse a layer that is already stored
+            for bad in (np.array([[[97, 0, 0]]]), np.array([[[-1, 0, 0]]]), np.zeros((2, 3), dtype=np.int64)):
+                with pytest.raises(RuntimeError):
+                    theirs.lookup(bad)
+                with pytest.raises(RuntimeError):
+                    store.lookup(bad)
+            with pytest.raises(RuntimeError):
+                store.populate(tables[:2])
+        keys = ours[0].get_store_keys()
+        assert keys[0] == manifest_key(f"engram-l{layer}") and all(client.is_exist(k) == 1 for k in keys)
+        for store in ours:
+            assert store.remove_from_store(force=True) == 3
+            assert store.remove_from_store(force=True) == 0
+            with pytest.raises(RuntimeError):
+                store.lookup(ids)
+        assert all(client.is_exist(k) == 0 for k in keys)
+    finally:
+        for store in ours:
+            store.close()
+        theirs.remove_from_store(force=True)
+    assert theirs.remove_from_store(force=True) == 0

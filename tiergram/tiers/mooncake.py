@@ -71,13 +71,15 @@ def page_key(name: str, page: int) -> str:
     return f"{KEY_PREFIX}/{name}/p{page}"
 
 
-def parse_uri(uri: str) -> tuple[str, str]:
-    """('HOST:PORT', name) of 'mooncake://HOST:PORT/NAME'; ValueError names what is wrong."""
+def parse_uri(uri: str, *, allow_no_master: bool = False) -> tuple[str, str]:
+    """('HOST:PORT', name) of 'mooncake://HOST:PORT/NAME' ('mooncake:///NAME' when allow_no_master: a client
+    is at hand); ValueError names what is wrong."""
     if not uri.startswith(URI_SCHEME):
         raise ValueError(f"{uri!r} is not a Mooncake table URI (expected mooncake://HOST:PORT/NAME)")
     rest = uri[len(URI_SCHEME):]
     master, _, name = rest.partition("/")
-    check_master(master)
+    if master or not allow_no_master:
+        check_master(master)
     if not name or "/" in name:
         raise ValueError(f"{uri!r}: the table name must be one non-empty path segment")
     return master, name
@@ -257,8 +259,9 @@ class MooncakeTier:
     @classmethod
     def open(cls, uri: str, *, local_hostname: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
              fallback: str | os.PathLike | None = None, store: Any = None) -> MooncakeTier:
-        """Open 'mooncake://HOST:PORT/NAME' (connecting a client unless `store` is given)."""
-        master, name = parse_uri(uri)
+        """Open 'mooncake://HOST:PORT/NAME' (connecting a client unless `store` is given: then the master may be
+        left out, 'mooncake:///NAME')."""
+        master, name = parse_uri(uri, allow_no_master=store is not None)
         owns = store is None
         if store is None:
             store = connect(master, local_hostname=local_hostname)

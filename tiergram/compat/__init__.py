@@ -1,0 +1,1 @@
+"""Drop-in replacements for other engines' table-store APIs, backed by tiergram's tiers."""
