@@ -73,6 +73,11 @@ class DiskSpec:
     cpu_s_per_page: float = 0.0  # host CPU seconds per page read (submit, complete, verify, copy out)
     threads: int = 1  # reader threads the CPU seconds spread over
 
+    @property
+    def latency_s(self) -> float:
+        """One read's latency: the inverse of a drive's rate at queue depth 1."""
+        return 1.0 / interpolate(self.iops_curve, 1.0)
+
     def pages_per_s(self, queue_depth: float) -> float:
         """Pages/s of all drives with `queue_depth` reads in flight, spread evenly over the drives."""
         return self.drives * interpolate(self.iops_curve, max(1.0, queue_depth / self.drives), log_x=True)
@@ -268,7 +273,8 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
     else:
         hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
         misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
-        io_wait = misses / hw.disk.pages_per_s(wl.queue_depth)
+        # the reads pipeline at the queue depth; the first one still waits a whole read's latency (1 / QD1 rate)
+        io_wait = misses / hw.disk.pages_per_s(wl.queue_depth) + (hw.disk.latency_s if misses > 0 else 0.0)
         cpu_fetch = hw.gather_call_s + misses * hw.disk.cpu_s_per_page / hw.disk.threads + rows / hw.gather_rows_s
         dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
         if hw.kind == "gpu":
