@@ -29,6 +29,10 @@ from tiergram.store import TieredTable
 
 MODES = ["direct", "buffered", "mmap"]
 POLICIES = [None, "lru", "lfu", "lookahead"]
+NATIVE_POLICIES = (None, "lru")  # what the native fetch pipeline serves (the rest take the Python reference path)
+# (mode, policy, pipeline): the default ('auto': native where it can) and, where that is native, the reference too
+CASES = [(mode, policy, pipe) for mode in MODES for policy in POLICIES
+         for pipe in (("auto", "python") if mode != "mmap" and policy in NATIVE_POLICIES else ("auto",))]
 CODEC_DIMS = {"fp32": (8, 32, 100), "bf16": (8, 64, 130), "int8": (8, 64, 250), "fp8_e4m3": (32, 64, 256)}
 
 
@@ -65,9 +69,13 @@ def assert_clean(store: TieredTable) -> None:
 
 def open_file_store(path, mode="direct", policy=None, cache_rows=0, row_bytes=0, **kw) -> TieredTable:
     if policy is None:
-        return TieredTable(path, tier="file", file_mode=mode, **kw)
-    return TieredTable(path, tier="file", file_mode=mode, cache_bytes=cache_rows * row_bytes, cache_policy=policy,
-                       **kw)
+        store = TieredTable(path, tier="file", file_mode=mode, **kw)
+    else:
+        store = TieredTable(path, tier="file", file_mode=mode, cache_bytes=cache_rows * row_bytes,
+                            cache_policy=policy, **kw)
+    native = kw.get("pipeline", "auto") != "python" and mode != "mmap" and policy in NATIVE_POLICIES
+    assert store.pipeline == ("native" if native else "python")
+    return store
 
 
 # --- the file tier equals the host tier ----------------------------------------------------------------
@@ -101,11 +109,10 @@ def draw_batches(data, head_rows: tuple[int, ...], n: int) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("mode", "policy", "pipeline"), CASES)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=table_specs(), data=st.data())
-def test_file_tier_bit_equal_to_host(mode, policy, spec, data):
+def test_file_tier_bit_equal_to_host(mode, policy, pipeline, spec, data):
     codec, head_rows, dim, page_size = spec
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype")
     cache_rows = data.draw(st.integers(1, 40), label="cache_rows")
@@ -115,7 +122,7 @@ def test_file_tier_bit_equal_to_host(mode, policy, spec, data):
         path = make_table(Path(d) / "t.tgram", codec, head_rows, dim, page_size)
         host = TieredTable(path, tier="host", dtype=dtype)
         store = open_file_store(path, mode, policy, cache_rows, host.manifest.row_bytes, dtype=dtype,
-                                queue_depth=queue_depth, backend=backend)
+                                queue_depth=queue_depth, backend=backend, pipeline=pipeline)
         try:
             batches = draw_batches(data, head_rows, 8)
             want = [host.lookup(ids) for ids in batches]
@@ -190,11 +197,12 @@ def test_empty_batches_and_bad_ids(table, host, mode, policy):
 # --- pinning ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
-def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy):
+@pytest.mark.parametrize(("policy", "pipeline"),
+                         [("lru", "native"), ("lru", "python"), ("lfu", "python"), ("lookahead", "python")])
+def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy, pipeline):
     """Between a lookup's probe and its copy of the hit rows, another thread's misses must not evict them."""
     rb = host.manifest.row_bytes
-    store = open_file_store(table, "direct", policy, cache_rows=6, row_bytes=rb)
+    store = open_file_store(table, "direct", policy, cache_rows=6, row_bytes=rb, pipeline=pipeline)
     try:
         warm = np.array([[1, 2, 3], [4, 5, 6]])  # 6 distinct rows: fills the cache exactly
         assert_same(store.lookup(warm), host.lookup(warm))
@@ -204,8 +212,27 @@ def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy):
             for key in (intruder + store.table.head_offsets).reshape(-1).tolist():
                 for _ in range(10):
                     store.cache.policy.observe(key)
-        probe = store.cache.probe
         seen = {}
+        if pipeline == "native":  # the probe runs inside the native call: hold that call after its probe
+            store.cache.native.hold_next_fetch()
+            t = threading.Thread(target=lambda: seen.setdefault("warm", store.lookup(warm)))
+            t.start()
+            assert store.cache.native.wait_held(30)
+            assert int(store.cache.pins.sum()) == 6  # every hit is pinned now
+            seen["intruder"] = store.lookup(intruder)
+            store.cache.native.release_held()
+            t.join(30)
+            assert not t.is_alive()
+            assert_same(seen["warm"], host.lookup(warm))  # its hit rows were not overwritten meanwhile
+            assert_same(seen["intruder"], host.lookup(intruder))
+            c = store.cache.counters
+            assert c.evicted == 0 and c.rejected >= 9  # every resident row was pinned: nothing could enter
+            assert_clean(store)
+            assert_same(store.lookup(intruder), host.lookup(intruder))  # unpinned: now rows can be replaced
+            assert_same(store.lookup(warm), host.lookup(warm))
+            assert_clean(store)
+            return
+        probe = store.cache.probe
 
         def probe_then_intrude(keys, batch=None):
             slots = probe(keys, batch)
@@ -287,9 +314,11 @@ def gate_first_fetch(store: TieredTable, monkeypatch) -> tuple[threading.Event, 
     return gate, entered
 
 
-@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
-def test_cancel_pending_ticket(table, host, policy, monkeypatch):
-    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
+@pytest.mark.parametrize(("policy", "pipeline"),
+                         [(None, "auto"), (None, "python"), ("lru", "auto"), ("lru", "python"), ("lookahead", "auto")])
+def test_cancel_pending_ticket(table, host, policy, pipeline, monkeypatch):
+    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
+                            pipeline=pipeline)
     try:
         gate, entered = gate_first_fetch(store, monkeypatch)
         batches = [np.array([[i, i + 1, i + 2], [i + 3, 7, i]]) for i in (0, 10, 20, 30)]
@@ -313,10 +342,12 @@ def test_cancel_pending_ticket(table, host, policy, monkeypatch):
         store.close()
 
 
-@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
-def test_cancel_running_ticket(table, host, policy, monkeypatch):
+@pytest.mark.parametrize(("policy", "pipeline"),
+                         [(None, "auto"), (None, "python"), ("lru", "auto"), ("lru", "python"), ("lookahead", "auto")])
+def test_cancel_running_ticket(table, host, policy, pipeline, monkeypatch):
     """A running fetch with a cache stops at its next phase; without one it completes (cancel() says False)."""
-    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
+    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
+                            pipeline=pipeline)
     try:
         gate, entered = gate_first_fetch(store, monkeypatch)
         ids = np.array([[1, 2, 3], [40, 41, 42]])
@@ -338,8 +369,9 @@ def test_cancel_running_ticket(table, host, policy, monkeypatch):
         store.close()
 
 
-def test_close_with_tickets_in_flight(table, host, monkeypatch):
-    store = open_file_store(table, "direct", "lookahead", cache_rows=30, row_bytes=host.manifest.row_bytes)
+@pytest.mark.parametrize("policy", ["lookahead", "lru"])
+def test_close_with_tickets_in_flight(table, host, policy, monkeypatch):
+    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
     gate, entered = gate_first_fetch(store, monkeypatch)
     first = store.prefetch(np.array([[1, 2, 3]]))
     assert entered.wait(30)
@@ -358,8 +390,9 @@ def test_close_with_tickets_in_flight(table, host, monkeypatch):
 @pytest.mark.parametrize("mode", ["direct", "buffered"])
 @pytest.mark.parametrize("policy", [None, "lru"])
 @pytest.mark.parametrize("kind", ["flip", "eio", "short"])
-def test_injected_fault_retried_once_then_raised(table, host, mode, policy, kind):
-    store = open_file_store(table, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
+@pytest.mark.parametrize("pipeline", ["auto", "python"])
+def test_injected_fault_retried_once_then_raised(table, host, mode, policy, kind, pipeline):
+    store = open_file_store(table, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes, pipeline=pipeline)
     try:
         cached = np.array([[0, 0, 0]])
         store.lookup(cached)  # some rows already in the cache
@@ -417,11 +450,10 @@ def corrupt_copy(table, tmp_path):
     return path, page
 
 
-@pytest.mark.parametrize("mode", ["direct", "buffered"])
-@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
-def test_corrupt_page_on_disk_is_never_served(host, corrupt_copy, mode, policy):
+@pytest.mark.parametrize(("mode", "policy", "pipeline"), [c for c in CASES if c[0] != "mmap"])
+def test_corrupt_page_on_disk_is_never_served(host, corrupt_copy, mode, policy, pipeline):
     path, page = corrupt_copy
-    store = open_file_store(path, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
+    store = open_file_store(path, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes, pipeline=pipeline)
     try:
         good = np.array([[0, 1, 2], [90, 49, 200]])
         assert_same(store.lookup(good), host.lookup(good))
@@ -614,3 +646,74 @@ def test_warm_without_a_cache_does_nothing(table):
         assert store.warm(stat_batches(7, 1)[0]) is None and store.stats()["pages_read"] == 0
     finally:
         store.close()
+
+
+# --- closing, the context manager, the host-memory budget, the mode in use ---------------------------------
+
+
+@pytest.mark.parametrize(("policy", "pipeline"), [(None, "auto"), ("lru", "auto"), ("lru", "python"),
+                                                  ("lookahead", "auto")])
+def test_calls_after_close_raise_and_leak_nothing(table, host, policy, pipeline):
+    with open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
+                         pipeline=pipeline) as store:
+        ids = np.array([[1, 2, 3]])
+        assert_same(store.lookup(ids), host.lookup(ids))
+    for call in (store.lookup, store.prefetch, store.warm):
+        with pytest.raises(ValueError, match=r"TieredTable for .*fp8.tgram is closed"):
+            call(ids)
+    assert_clean(store)  # no announced batch left live, no pins
+
+
+def test_budget_sizes_the_cache(table, host):
+    from tiergram.store.table import INDEX_BYTES_PER_ROW, STAGING_RESERVE_BYTES
+
+    rb = host.manifest.row_bytes
+    budget = STAGING_RESERVE_BYTES + 1000 * (rb + INDEX_BYTES_PER_ROW["native"])
+    with TieredTable(table, tier="file", host_memory_bytes=budget) as store:
+        s = store.stats()
+        assert s["cache"]["capacity_rows"] == 1000 and s["cache"]["bytes"] == 1000 * rb
+        assert s["host_memory_bytes"] == budget and s["pipeline"] == "native"
+        ids = np.array([[1, 2, 3], [4, 5, 6]])
+        assert_same(store.lookup(ids), host.lookup(ids))
+        assert_same(store.lookup(ids), host.lookup(ids))
+        assert store.stats()["hits"] == 6
+    with TieredTable(table, tier="file", host_memory_bytes=budget, cache_policy="lfu") as store:
+        assert store.stats()["cache"]["capacity_rows"] == (budget - STAGING_RESERVE_BYTES) // (
+            rb + INDEX_BYTES_PER_ROW["python"])
+    with TieredTable(table, tier="file", host_memory_bytes=budget, cache_bytes=10 * rb) as store:
+        assert store.stats()["cache"]["capacity_rows"] == 10  # an explicit cache_bytes wins
+    with TieredTable(table, tier="file") as store:
+        assert store.cache is None and store.stats()["host_memory_bytes"] is None  # neither: no cache
+    with pytest.raises(ValueError, match=rf"host_memory_bytes=1000 leaves no room for a cache: staging takes "
+                                         rf"{STAGING_RESERVE_BYTES} bytes"):
+        TieredTable(table, tier="file", host_memory_bytes=1000)
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of host memory, more than the budget of 1000 bytes"):
+        TieredTable(table, tier="host", host_memory_bytes=1000)
+    with pytest.raises(ValueError, match="native fetch pipeline serves"):
+        TieredTable(table, tier="file", file_mode="mmap", pipeline="native")
+    with pytest.raises(ValueError, match="unknown pipeline"):
+        TieredTable(table, tier="file", pipeline="fast")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stats_report_the_mode_in_use(table, mode):
+    with TieredTable(table, tier="file", file_mode=mode) as store:
+        s = store.stats()
+        direct = store.tier.reader.direct if store.tier.reader is not None else False
+        assert s["file_mode"] == store.tier.mode == ("buffered" if mode == "direct" and not direct else mode)
+
+
+def test_direct_refused_reports_buffered(tmp_path):
+    """On a filesystem that refuses O_DIRECT (tmpfs before Linux 6.6) the tier says it reads buffered."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.fail("this test needs /dev/shm (tmpfs)")
+    d = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        path = make_table(d / "t.tgram", "fp8_e4m3", HEAD_ROWS, DIM, 1024)
+        with TieredTable(path, tier="file", file_mode="direct") as store:
+            assert store.tier.requested_mode == "direct"
+            assert store.stats()["file_mode"] == ("direct" if store.tier.reader.direct else "buffered")
+    finally:
+        shutil.rmtree(d)
+

@@ -161,6 +161,7 @@ int64_t fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offs
     cache->probe_locked(uniq.data(), uniq.size(), slots.data());
   }
   Unpin unpin{cache, slots};
+  if (cache) cache->maybe_hold();
 
   std::vector<int64_t> miss;
   std::vector<size_t> miss_u;

@@ -1,6 +1,7 @@
 // The native row cache (see row_cache.h): LRU over a slot array, with the Python reference's decisions.
 #include "row_cache.h"
 
+#include <chrono>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -191,6 +192,32 @@ void NativeRowCache::order(std::vector<int64_t> &keys, std::vector<int64_t> &slo
     keys.push_back(slot_key_[v]);
     slots.push_back(v);
   }
+}
+
+void NativeRowCache::hold_next_fetch() {
+  std::lock_guard<std::mutex> lock(hold_mu_);
+  hold_ = Hold::kArmed;
+}
+
+bool NativeRowCache::wait_held(double timeout_s) {
+  std::unique_lock<std::mutex> lock(hold_mu_);
+  return hold_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return hold_ == Hold::kHeld; });
+}
+
+void NativeRowCache::release_held() {
+  std::lock_guard<std::mutex> lock(hold_mu_);
+  if (hold_ == Hold::kHeld) hold_ = Hold::kReleased;
+  else hold_ = Hold::kNone;  // armed but never reached: disarm
+  hold_cv_.notify_all();
+}
+
+void NativeRowCache::maybe_hold() {
+  std::unique_lock<std::mutex> lock(hold_mu_);
+  if (hold_ != Hold::kArmed) return;
+  hold_ = Hold::kHeld;
+  hold_cv_.notify_all();
+  hold_cv_.wait(lock, [&] { return hold_ == Hold::kReleased; });
+  hold_ = Hold::kNone;
 }
 
 void NativeRowCache::check_invariants() {

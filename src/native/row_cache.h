@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -48,6 +49,12 @@ class NativeRowCache {
 
   std::mutex &mutex() { return mu_; }
 
+  // Test hook: the next fetch through this cache stops after its probe (its hits pinned) until release_held().
+  void hold_next_fetch();
+  bool wait_held(double timeout_s);  // true once a fetch is held
+  void release_held();
+  void maybe_hold();  // called by the fetch pipeline after its probe, without the cache lock
+
   // The lock-held parts, for the fetch pipeline (which takes mutex() itself around them).
   void probe_locked(const int64_t *keys, size_t n, int64_t *slots);
   uint64_t admit_locked(const int64_t *keys, size_t n, const uint8_t *const *src, bool unique);
@@ -82,6 +89,11 @@ class NativeRowCache {
   unsigned shift_ = 0;
   Counters counters_;
   std::mutex mu_;
+
+  enum class Hold { kNone, kArmed, kHeld, kReleased };
+  std::mutex hold_mu_;
+  std::condition_variable hold_cv_;
+  Hold hold_ = Hold::kNone;
 };
 
 }  // namespace tiergram

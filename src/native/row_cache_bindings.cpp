@@ -81,6 +81,16 @@ void register_row_cache(nb::module_ &m) {
            },
            "(resident keys least recently used first, their slots).")
       .def("check_invariants", &NativeRowCache::check_invariants)
+      .def("hold_next_fetch", &NativeRowCache::hold_next_fetch,
+           "Test hook: the next fetch through this cache waits after its probe (hits pinned) until release_held().")
+      .def(
+          "wait_held",
+          [](NativeRowCache &c, double timeout_s) {
+            nb::gil_scoped_release release;
+            return c.wait_held(timeout_s);
+          },
+          nb::arg("timeout_s"), "True once a fetch is held (False after timeout_s).")
+      .def("release_held", &NativeRowCache::release_held, "Let the held fetch go on (or disarm the hook).")
       .def_prop_ro(
           "rows",
           [](nb::handle self) {

@@ -12,14 +12,23 @@ import torch
 
 from tiergram import _native
 from tiergram.cache import RowCache
+from tiergram.cache.native import NATIVE_POLICIES, NativeRowCache
 from tiergram.format import TableFile
 from tiergram.format.ids import check_row_ids
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import Ticket
 from tiergram.tiers import FileTier, HostTier
+from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 TIERS = ("host", "file", "mooncake")
+PIPELINES = ("auto", "native", "python")
+# Host-memory budget (host_memory_bytes without cache_bytes): what the cache does not get. Staging: the buffer each
+# reading thread keeps (the prefetch worker, the warm-up worker and one caller thread). Index: per cached row, the
+# native cache's key -> slot table (2-4 buckets of 16 B), LRU links (16 B), slot key (8 B) and pins (4 B); the
+# Python reference cache's dict and ordered dict take about 256 B.
+STAGING_RESERVE_BYTES = 3 * STAGING_KEEP_BYTES
+INDEX_BYTES_PER_ROW = {"native": 96, "python": 256}
 
 
 class TieredTable:
@@ -31,14 +40,28 @@ class TieredTable:
     tier 'mooncake': path is 'mooncake://HOST:PORT/NAME', a table pushed with `tiergram table push`; pages come
     from Mooncake Store (remote_options go to MooncakeTier.open: timeout_s, fallback, local_hostname), cached as
     for the file tier (docs/remote.md).
+
+    Without `cache_bytes`, a `host_memory_bytes` budget sizes the file tier's cache: what is left after the staging
+    buffers and the cache's index (docs/placement.md); with neither there is no cache. pipeline 'auto' serves the
+    file tier's O_DIRECT/buffered reads through the native fetch pipeline (one call without the GIL per lookup:
+    dedup, cache probe, page reads, checksums, admission, decode) when the cache policy is LRU or there is no
+    cache, and everything else (mmap, lfu/lookahead caches, other tiers) through the Python reference path;
+    'python' forces the reference path, 'native' refuses a table it cannot serve natively.
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
-                 shared: bool = False, cache_bytes: int = 0, cache_policy: str = "lru", file_mode: str = "direct",
-                 queue_depth: int = 128, backend: str = "auto", progress: bool = False,
-                 remote_options: dict | None = None) -> None:
+                 shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
+                 file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
+                 remote_options: dict | None = None, host_memory_bytes: int | None = None,
+                 pipeline: str = "auto") -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
+        if pipeline not in PIPELINES:
+            raise ValueError(f"unknown pipeline {pipeline!r} (valid: {', '.join(PIPELINES)})")
+        if host_memory_bytes is not None and host_memory_bytes <= 0:
+            raise ValueError(f"host_memory_bytes must be positive, got {host_memory_bytes}")
+        self._closed = False
+        self.host_memory_bytes = host_memory_bytes
         remote = None
         if tier == "mooncake":  # path is mooncake://HOST:PORT/NAME; the manifest lives beside the pages
             from tiergram.tiers.mooncake import MooncakeTier  # optional dependency (the remote extra)
@@ -52,6 +75,9 @@ class TieredTable:
         if tier == "host":
             if cache_bytes:
                 raise ValueError("a host-tier table is already in DRAM: cache_bytes applies to the file tier")
+            if host_memory_bytes is not None and m.data_bytes > host_memory_bytes:
+                raise ValueError(f"{path}: a host-tier table needs {m.data_bytes} bytes of host memory, more than "
+                                 f"the budget of {host_memory_bytes} bytes (use tier='file')")
             self.tier: HostTier | FileTier = HostTier(self.table, shared=shared, progress=progress)
         elif tier == "file":
             self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend)
@@ -59,9 +85,21 @@ class TieredTable:
             self.tier = remote  # the FileTier interface: check_ids, read_rows, gather, close
         else:
             raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
-        self.cache = RowCache.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
+        wants_cache = bool(cache_bytes) or (cache_bytes is None and host_memory_bytes is not None and tier != "host")
+        native_ok = (isinstance(self.tier, FileTier) and self.tier.reader is not None
+                     and (cache_policy in NATIVE_POLICIES or not wants_cache))
+        if pipeline == "native" and not native_ok:
+            raise ValueError(f"the native fetch pipeline serves tier='file' with file_mode 'direct' or 'buffered' and "
+                             f"an LRU cache or none, not tier={tier!r} file_mode={file_mode!r} "
+                             f"cache_policy={cache_policy!r}")
+        self.pipeline = "native" if native_ok and pipeline != "python" else "python"
+        if cache_bytes is None and host_memory_bytes is not None and tier != "host":
+            cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline)
+        cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
+        self.cache = cache_cls.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
         self.stats_ = StoreStats(m.n_heads, m.row_bytes)
         self._offsets = self.table.head_offsets
+        self._head_rows = self.table.head_rows
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
@@ -77,6 +115,7 @@ class TieredTable:
 
     def lookup(self, row_ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows for per-head ids int64 [..., H] as [..., H, D] in self.dtype; IndexError names head and id."""
+        self._check_open()
         ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
         out = self._output(ids.shape, out)
         self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim), None, None)
@@ -84,12 +123,13 @@ class TieredTable:
 
     def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> Ticket:
         """Start fetching rows in the background; `ticket.wait()` returns what `lookup` would."""
+        self._check_open()
         ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
         flat = ids.reshape(-1, self.num_heads)
         self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
         out = torch.empty((*ids.shape, self.dim), dtype=self.dtype)
         uniq = batch = None
-        if self.cache is not None:
+        if self.cache is not None and self.pipeline == "python":
             uniq = np.unique(flat + self._offsets)
             batch = self.cache.announce(uniq)  # the lookahead policy now knows these rows are coming
         cancelled = threading.Event()
@@ -98,20 +138,29 @@ class TieredTable:
             self._fetch(flat, out.view(-1, self.num_heads, self.dim), cancelled, (uniq, batch))
             return out
 
-        retire = (lambda: self.cache.retire(batch)) if self.cache is not None else (lambda: None)
-        return Ticket(self._executor.submit(run), cancelled, retire)
+        retire = (lambda: self.cache.retire(batch)) if batch is not None else (lambda: None)
+        try:
+            future = self._executor.submit(run)
+        except RuntimeError:  # close() ran meanwhile: nothing will probe the announced batch
+            retire()
+            self._check_open()
+            raise
+        return Ticket(future, cancelled, retire)
 
     def warm(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | None:
         """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, on a worker of
         their own (beside the prefetches, never in front of them); None when there is no cache. Advisory: a lookup
         re-reads whatever a failed, cancelled or not yet finished warm-up left out (and raises any read error
         itself)."""
+        self._check_open()
         if self.cache is None or self._warm_executor is None:
             return None
         flat = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
         self.tier.check_ids(flat)
-        keys = np.unique(flat + self._offsets)
         cancelled = threading.Event()
+        if self.pipeline == "native":
+            return Ticket(self._warm_executor.submit(self._warm_native, flat, cancelled), cancelled, lambda: None)
+        keys = np.unique(flat + self._offsets)
 
         def run() -> None:
             if cancelled.is_set():
@@ -129,8 +178,11 @@ class TieredTable:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
         snap = self.stats_.snapshot()
         snap["tier"] = self.tier.name
+        snap["pipeline"] = self.pipeline
         if isinstance(self.tier, FileTier):
             snap["backend"] = self.tier.backend
+            snap["file_mode"] = self.tier.mode  # the mode in use: 'buffered' where O_DIRECT was refused
+        snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
         if self.cache is not None:
@@ -140,13 +192,34 @@ class TieredTable:
         return snap
 
     def close(self) -> None:
-        """Stop the prefetch worker and release the tier."""
+        """Stop the prefetch worker (running fetches finish, queued ones are cancelled) and release the tier."""
+        self._closed = True
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self._warm_executor is not None:
             self._warm_executor.shutdown(wait=True, cancel_futures=True)
         self.tier.close()
 
+    def __enter__(self) -> TieredTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- internals -------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"TieredTable for {self.table.path} is closed")
+
+    @staticmethod
+    def _budget_cache_bytes(budget: int, row_bytes: int, pipeline: str) -> int:
+        """Cache bytes a host-memory budget leaves: (budget - staging) rows of row_bytes + index; ValueError if none."""
+        per_row = row_bytes + INDEX_BYTES_PER_ROW[pipeline]
+        rows = (budget - STAGING_RESERVE_BYTES) // per_row
+        if rows < 1:
+            raise ValueError(f"host_memory_bytes={budget} leaves no room for a cache: staging takes "
+                             f"{STAGING_RESERVE_BYTES} bytes and one cached row {per_row} bytes")
+        return int(rows) * row_bytes
 
     def _output(self, id_shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         shape = (*id_shape, self.dim)
@@ -159,6 +232,9 @@ class TieredTable:
     def _fetch(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None,
                announced: tuple[np.ndarray | None, int | None] | None) -> None:
         """Fill out [N, H, D] with the rows of flat ids [N, H] from cache and tier."""
+        if self.pipeline == "native":
+            self._fetch_native(flat, out, cancelled)
+            return
         m = self.manifest
         per_head_ids = np.full(self.num_heads, flat.shape[0], dtype=np.int64)
         if self.cache is None and isinstance(self.tier, HostTier):
@@ -214,3 +290,29 @@ class TieredTable:
             misses=per_head_counts(miss_keys, self._offsets),
             tier_bytes={"cache": int(hit.sum()) * m.row_bytes, "file": pages * m.page_size}, pages=pages)
 
+    def _fetch_native(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None) -> None:
+        """The whole lookup in one native call without the GIL (see `_native.fetch`); then the statistics."""
+        cache = self.cache
+        if cache is not None and cancelled is not None and cancelled.is_set():
+            raise CancelledError  # as the reference path: a cached fetch stops before it reads (no cache: it runs)
+        m, h = self.manifest, self.num_heads
+        counts = np.empty((3, h), dtype=np.int64)  # distinct rows, hits, misses per head
+        pages = _native.fetch(self.tier.reader, cache.native if cache is not None else None, flat, self._offsets,
+                              self._head_rows, m.rows_per_page, m.codec_id, m.dim, out, counts)
+        self.tier.count(int(counts[0].sum()) if cache is None else int(counts[2].sum()), pages)
+        tier_bytes = {"file": pages * m.page_size}
+        if cache is not None:
+            tier_bytes["cache"] = int(counts[1].sum()) * m.row_bytes
+        self.stats_.record(ids=np.full(h, flat.shape[0], dtype=np.int64), unique=counts[0], hits=counts[1],
+                           misses=counts[2], tier_bytes=tier_bytes, pages=pages)
+
+    def _warm_native(self, flat: np.ndarray, cancelled: threading.Event) -> None:
+        """Read-ahead in one native call: the uncached rows of flat ids [N, H] into the cache."""
+        if cancelled.is_set():
+            raise CancelledError
+        m = self.manifest
+        admitted, pages = _native.warm(self.tier.reader, self.cache.native, flat, self._offsets, self._head_rows,
+                                       m.rows_per_page, m.codec_id, m.dim)
+        if pages:
+            self.tier.count(admitted, pages)
+            self.stats_.record_warm(admitted, {"file": pages * m.page_size}, pages)

@@ -14,7 +14,9 @@ from tiergram.format import TableFile
 from tiergram.tiers.aligned import aligned_empty
 
 FILE_MODES = ("direct", "buffered", "mmap")
-STAGING_MAX_BYTES = 64 << 20  # larger reads get a buffer of their own
+# Staging a reading thread keeps between calls (4,096 pages of 4 KiB: a 170-position x 24-head lookup that misses
+# everything); larger reads get a buffer of their own. The native pipeline keeps the same (pipeline.cpp).
+STAGING_KEEP_BYTES = 16 << 20
 
 
 @dataclass
@@ -31,7 +33,8 @@ class FileTier:
 
     mode 'direct' reads with O_DIRECT (the page cache neither helps nor hides the disk), 'buffered' without
     it, 'mmap' maps the file with MADV_RANDOM and reads rows through page faults, unverified — the baseline
-    other engines use.
+    other engines use. `mode` is the mode in use: 'buffered' when 'direct' was asked for and the filesystem
+    refused O_DIRECT (`requested_mode` keeps what was asked).
     """
 
     name = "file"
@@ -42,7 +45,7 @@ class FileTier:
             raise ValueError(f"unknown file mode {mode!r} (valid: {', '.join(FILE_MODES)})")
         self.table = table
         self.manifest = m = table.manifest
-        self.mode = mode
+        self.requested_mode = mode
         self.head_offsets = table.head_offsets
         self.head_rows = table.head_rows
         self.counters = FileCounters()
@@ -58,6 +61,13 @@ class FileTier:
         else:
             self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
                                              queue_depth=queue_depth, backend=backend, direct=mode == "direct")
+
+    @property
+    def mode(self) -> str:
+        """The read mode in use: 'direct', 'buffered' (asked for, or O_DIRECT refused) or 'mmap'."""
+        if self.requested_mode == "direct" and self.reader is not None and not self.reader.direct:
+            return "buffered"
+        return self.requested_mode
 
     @property
     def backend(self) -> str:
@@ -90,17 +100,24 @@ class FileTier:
             self.counters.bytes_read += pages.size * m.page_size
         return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
+    def count(self, rows: int, pages: int) -> None:
+        """Add reads made outside read_rows (the native fetch pipeline) to the counters."""
+        with self._lock:
+            self.counters.rows += rows
+            self.counters.pages_read += pages
+            self.counters.bytes_read += pages * self.manifest.page_size
+
     def _staging(self, nbytes: int) -> np.ndarray:
-        """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_MAX_BYTES.
+        """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_KEEP_BYTES.
 
         A fresh buffer per call costs its page faults (the kernel pins and zero-fills every page it DMAs into):
         about 4% of a 6,000-page lookup.
         """
-        if nbytes > STAGING_MAX_BYTES:
+        if nbytes > STAGING_KEEP_BYTES:
             return aligned_empty(nbytes)
         buf = getattr(self._local, "staging", None)
         if buf is None or buf.size < nbytes:
-            grown = min(STAGING_MAX_BYTES, 2 * buf.size) if buf is not None else 0
+            grown = min(STAGING_KEEP_BYTES, 2 * buf.size) if buf is not None else 0
             buf = self._local.staging = aligned_empty(max(nbytes, grown))
         return buf[:nbytes]
 
