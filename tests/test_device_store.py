@@ -79,7 +79,7 @@ def tables(tmp_path_factory) -> dict[str, Table]:
 
 
 def open_table(t: Table, config: str, **kw) -> DeviceTable:
-    return DeviceTable(t.path, device=DEV, backend="triton", **{**CONFIGS[config], **kw})
+    return DeviceTable(t.path, device=DEV, kernel_backend="triton", **{**CONFIGS[config], **kw})
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -163,7 +163,7 @@ def store_step(cfg: GpuBenchConfig, dev: torch.device, positions: int = 64) -> d
         rng = np.random.default_rng(cfg.seed + 3)
         batches = [draw_ids("zipf", (positions, cfg.heads), np.full(cfg.heads, rows), rng) for _ in range(steps)]
         with DeviceTable(path, device=dev, tier="host", dtype=torch.bfloat16, staging_tokens=positions,
-                         cache_bytes=m.total_rows // 4 * m.row_bytes, backend=cfg.backend) as table:
+                         cache_bytes=m.total_rows // 4 * m.row_bytes, kernel_backend=cfg.backend) as table:
             table.prefetch(batches[0]).wait()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)

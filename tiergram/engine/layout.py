@@ -1,37 +1,17 @@
-"""Where a step's tokens go: flat token order, KV slots, and the padded attention groups."""
+"""Where a step's tokens go: flat token order, KV slots, and the padded attention groups.
+
+The dataclasses (`StepLayout`, `Group`) belong to the step context the model's modules read
+(tiergram.model.context); building them from the scheduled sequences is the engine's job, here.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from tiergram.engine.sequence import Sequence
+from tiergram.model.context import Group, StepLayout
 
-
-@dataclass
-class Group:
-    """Sequences attended together, padded to the group's longest chunk T and longest context P."""
-
-    members: list[int]  # batch indices of its sequences (Bg of them)
-    rows: torch.Tensor  # int64 [Ng]: the group's tokens in the step's flat order
-    seq: torch.Tensor  # int64 [Ng]: each token's sequence within the group
-    col: torch.Tensor  # int64 [Ng]: each token's index within its chunk
-    counts: torch.Tensor  # int64 [Bg]: chunk lengths
-    key_slots: torch.Tensor  # int64 [Bg, P]: KV slot of each context position (padding reads slot of block 0)
-    mask: torch.Tensor  # bool [Bg, 1, T, P]: query j of sequence b may see key p
-    t_max: int
-
-
-@dataclass
-class StepLayout:
-    """The step's N tokens of B sequences, flattened in batch order."""
-
-    ids: torch.Tensor  # int64 [N] token ids
-    positions: torch.Tensor  # int64 [N] positions in their sequences
-    slots: torch.Tensor  # int64 [N] KV slots the new keys/values are written to
-    last: torch.Tensor  # int64 [B] flat index of each sequence's last token this step
-    groups: list[Group]  # decodes (chunk of 1) and prefill chunks, attended separately to limit padding
+__all__ = ["Group", "StepLayout", "build_layout"]
 
 
 def build_layout(seqs: list[Sequence], counts: list[int], block_size: int, device: torch.device) -> StepLayout:

@@ -1,27 +1,30 @@
-"""One forward step of many sequences over a paged KV cache, with the EngramLM's own modules and weights.
+"""One forward step of many sequences over a paged KV cache, run by the EngramLM's own modules.
 
-Tokens of all scheduled sequences are flattened to [N, d] for the token-wise work (projections, MLP, norms,
-Engram gate and value); attention gathers each sequence's keys/values from its KV blocks into a padded
-[B, n_kv, P, hd] with a mask (plain torch, correct on any device; a GPU engine would call a paged-attention
-kernel instead). Engram row ids for every layer are hashed at step entry and prefetched, so host/file reads
-overlap the blocks before each Engram layer; the time spent waiting on them is the exposed stall.
+The runner owns the KV pool, flattens the scheduled tokens (tiergram.engine.layout), hashes every Engram layer's
+row ids at step entry and starts their prefetches, then runs `EngramLM.forward` under a step context
+(tiergram.model.context): the model's attention reads and writes the paged K/V (plain torch over padded groups,
+correct on any device; a GPU engine would call a paged-attention kernel there), and each Engram block takes its
+rows from the context when it runs, so host/file reads overlap the blocks before it. The time spent waiting on
+them is the exposed stall.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tiergram.engine.degrade import Degrader
-from tiergram.engine.layout import StepLayout, build_layout
+from tiergram.engine.layout import build_layout
 from tiergram.engine.sequence import Sequence
 from tiergram.engram import Engram
-from tiergram.model.model import Attention, EngramLM, apply_rope
+from tiergram.model.context import EngramInput, StepContext, step_context
+from tiergram.model.model import EngramLM
+from tiergram.store.contract import RowStore
 
 
 @dataclass
@@ -39,11 +42,11 @@ class StepResult:
 class ModelRunner:
     """Owns the KV pool [n_layers, blocks * block_size, n_kv, hd] and runs steps with a model's modules."""
 
-    def __init__(self, model: EngramLM, sources: dict[int, Any], num_blocks: int, block_size: int,
+    def __init__(self, model: EngramLM, sources: dict[int, RowStore], num_blocks: int, block_size: int,
                  device: torch.device, degrader: Degrader | None = None) -> None:
         self.model = model
         self.degrader = degrader  # the degrade policy: which positions skip their reads (None: none)
-        self.sources = sources  # {layer: TieredTable | DeviceTable}: prefetch(row ids [N, H]) -> Ticket
+        self.sources = sources  # {layer: a RowStore (TieredTable, DeviceTable)}: prefetch(row ids [N, H]) -> Ticket
         self.block_size = block_size
         self.device = device
         c = model.config
@@ -60,9 +63,8 @@ class ModelRunner:
         """True if any Engram table has a cache that rows can be read into ahead of their step."""
         return self.model.hasher is not None and bool(self._warmable())
 
-    def _warmable(self) -> dict[int, Any]:
-        return {layer: src for layer, src in self.sources.items()
-                if getattr(src, "cache", None) is not None and hasattr(src, "warm")}
+    def _warmable(self) -> dict[int, RowStore]:
+        return {layer: src for layer, src in self.sources.items() if src.cache is not None}
 
     def warm(self, windows: list[tuple[list[int], int, int]]) -> None:
         """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (on each
@@ -98,23 +100,25 @@ class ModelRunner:
         t1 = time.perf_counter()
         stall: dict[int, float] = {}
         gpu_waits: dict[int, tuple[Any, Any]] = {}  # CUDA: events around each wait on the compute stream
+        dtype = model.tok_emb.weight.dtype
+
+        def engram_input(layer: int) -> EngramInput:
+            """The layer's rows when its block runs: the time blocked here is the layer's exposed stall."""
+            w0 = time.perf_counter()
+            rows = self._wait(tickets.pop(layer), layer, gpu_waits) if layer in tickets else None
+            stall[layer] = time.perf_counter() - w0
+            if layer not in keep:
+                return EngramInput(rows.to(self.device))
+            # skipped positions: zero rows, and a mask that zeroes their output
+            rows = self.scatter_rows(model.blocks[layer].engram, keep[layer], rows)
+            return EngramInput(rows.to(self.device), torch.from_numpy(keep[layer]).to(self.device, dtype))
+
+        ctx = StepContext(layout, self.k_cache, self.v_cache,
+                          engram={layer: partial(engram_input, layer) for layer in row_ids},
+                          conv=[s.conv for s in seqs])
         try:
-            cos, sin = model.rope_cos[layout.positions], model.rope_sin[layout.positions]  # [N, hd/2]
-            x = model.tok_emb(layout.ids)  # [N, d]
-            for i, block in enumerate(model.blocks):
-                if block.engram is not None:
-                    w0 = time.perf_counter()
-                    rows = self._wait(tickets.pop(i), i, gpu_waits) if i in tickets else None
-                    stall[i] = time.perf_counter() - w0
-                    mask = None
-                    if i in keep:  # skipped positions: zero rows, and a mask that zeroes their output
-                        rows = self.scatter_rows(block.engram, keep[i], rows)
-                        mask = torch.from_numpy(keep[i]).to(self.device, x.dtype)
-                    x = x + self.engram(i, block.engram, x, rows.to(self.device), seqs, layout, mask).to(x.dtype)
-                x = x + self.attention(i, block.attn, block.attn_norm(x), cos, sin, layout)
-                x = x + block.mlp(block.mlp_norm(x))
-            h = model.norm(x[layout.last])  # [B, d]
-            logits = model.lm_head(h) if model.lm_head is not None else F.linear(h, model.tok_emb.weight)
+            with step_context(ctx):
+                logits = model(layout.ids[None])[0][0]  # the model's own forward: [B, V] at the last tokens
         finally:
             for ticket in tickets.values():  # only after an error: abandon the fetches nobody will wait for
                 ticket.cancel()
@@ -123,7 +127,7 @@ class ModelRunner:
             stall[i] += before.elapsed_time(after) / 1e3
         total_stall = sum(stall.values())
         skipped = sum(int((~k).sum()) * row_ids[layer].shape[1] for layer, k in keep.items())
-        return StepResult(logits.float(), total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall,
+        return StepResult(logits, total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall,
                           skipped)
 
     def _wait(self, ticket: Any, layer: int, gpu_waits: dict[int, tuple[Any, Any]]) -> torch.Tensor:
@@ -184,51 +188,3 @@ class ModelRunner:
                 for g, b in enumerate(members):
                     dst[offs[b]:offs[b + 1]] = ids[g]
         return out
-
-    def attention(self, layer: int, attn: Attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  layout: StepLayout) -> torch.Tensor:
-        """h [N, d] -> attention output [N, d]; the new keys/values are written to their slots first."""
-        n, nh, nkv, hd = h.shape[0], attn.n_heads, attn.n_kv_heads, attn.head_dim
-        q = apply_rope(attn.wq(h).view(1, n, nh, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, nh, hd]
-        k = apply_rope(attn.wk(h).view(1, n, nkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        kc[layout.slots] = k.to(kc.dtype)
-        vc[layout.slots] = attn.wv(h).view(n, nkv, hd).to(vc.dtype)
-        out = torch.empty_like(q)
-        for g in layout.groups:
-            qp = q.new_zeros(len(g.members), g.t_max, nh, hd)
-            qp[g.seq, g.col] = q[g.rows]
-            keys, values = kc[g.key_slots].transpose(1, 2), vc[g.key_slots].transpose(1, 2)  # [Bg, nkv, P, hd]
-            y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=True)
-            out[g.rows] = y.transpose(1, 2)[g.seq, g.col]
-        return attn.wo(out.reshape(n, nh * hd))
-
-    def engram(self, layer: int, engram: Engram, x: torch.Tensor, rows: torch.Tensor, seqs: list[Sequence],
-               layout: StepLayout, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, d], rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence after its lookback.
-
-        mask [N] (1 keep, 0 skipped) zeroes the skipped positions' value (as the short conv sees it) and output.
-        """
-        hidden, r = x[None, :, None, :], rows[None]  # [1, N, 1, d], [1, N, H, D]
-        gates = engram.gates(hidden, rows=r)  # [1, N, 1]
-        e = r.to(engram.value_proj.weight).flatten(-2)
-        value = (gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2))[0]  # [N, 1, d]
-        if mask is not None:
-            value = value * mask.to(value.dtype)[:, None, None]
-        if engram.short_conv is None:
-            return value[:, 0]
-        w = (engram.config.conv_kernel - 1) * engram.config.max_ngram_size
-        out = value.clone()
-        for g in layout.groups:
-            zeros = value.new_zeros(w, *value.shape[1:])  # a zero lookback = the conv's own left padding
-            ctx = value.new_zeros(len(g.members), w + g.t_max, *value.shape[1:])  # [Bg, W + T, 1, d]
-            ctx[:, :w] = torch.stack([seqs[b].conv.get(layer, zeros) for b in g.members])
-            ctx[g.seq, w + g.col] = value[g.rows]
-            out[g.rows] += engram.short_conv(ctx)[g.seq, w + g.col]
-            keep = g.counts[:, None] + torch.arange(w, device=ctx.device)[None, :]  # [Bg, W]: the last W of each
-            lookback = ctx[torch.arange(len(g.members), device=ctx.device)[:, None], keep]
-            for j, b in enumerate(g.members):
-                seqs[b].conv[layer] = lookback[j]
-        if mask is not None:
-            out = out * mask.to(out.dtype)[:, None, None]
-        return out[:, 0]

@@ -20,7 +20,9 @@ from torch import nn
 from tiergram.engram import Engram, EngramConfig, RMSNorm, RowSourceTable
 from tiergram.hashing import NgramHasher
 from tiergram.model.config import ModelConfig
+from tiergram.model.context import EngramInput, StepContext, current_step
 from tiergram.model.moe import make_ffn
+from tiergram.store.contract import RowStore
 
 
 def make_hasher(config: ModelConfig, *, tokenizer=None, compression=None) -> NgramHasher:
@@ -62,10 +64,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------- the blocks
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary positions and an optional K/V cache."""
+    """Causal grouped-query self-attention with rotary positions and an optional K/V cache.
 
-    def __init__(self, config: ModelConfig):
+    Under a step context (tiergram.model.context) it attends over the engine's paged K/V cache instead.
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id  # its slice of a step context's K/V cache
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.wq = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -75,7 +81,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [B, T, d], cos/sin [T, hd/2] at the chunk's positions, kv cached [B, nkv, P, hd] ->
-        (y [B, T, d], (keys, values) [B, nkv, P+T, hd])."""
+        (y [B, T, d], (keys, values) [B, nkv, P+T, hd]). Under a step context: x [1, N, d] -> (y [1, N, d], None)."""
+        ctx = current_step()
+        if ctx is not None:
+            return self.paged(x[0], cos, sin, ctx)[None], None
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -90,6 +99,24 @@ class Attention(nn.Module):
             mask = torch.arange(t, device=x.device)[:, None] + p >= torch.arange(p + t, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+    def paged(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """A step's flat tokens h [N, d], cos/sin [N, hd/2] at their positions -> [N, d]; their keys and values
+        are written to their KV slots first, then each group of sequences attends over its padded context."""
+        n, nh, nkv, hd = h.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        q = apply_rope(self.wq(h).view(1, n, nh, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, nh, hd]
+        k = apply_rope(self.wk(h).view(1, n, nkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)
+        kc, vc, layout = ctx.k_cache[self.layer_id], ctx.v_cache[self.layer_id], ctx.layout
+        kc[layout.slots] = k.to(kc.dtype)
+        vc[layout.slots] = self.wv(h).view(n, nkv, hd).to(vc.dtype)
+        out = torch.empty_like(q)
+        for g in layout.groups:
+            qp = q.new_zeros(len(g.members), g.t_max, nh, hd)
+            qp[g.seq, g.col] = q[g.rows]
+            keys, values = kc[g.key_slots].transpose(1, 2), vc[g.key_slots].transpose(1, 2)  # [Bg, nkv, P, hd]
+            y = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=True)
+            out[g.rows] = y.transpose(1, 2)[g.seq, g.col]
+        return self.wo(out.reshape(n, nh * hd))
 
 
 class SwiGLU(nn.Module):
@@ -121,21 +148,62 @@ def engram_step(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_p
     return out, ctx[:, max(0, ctx.shape[1] - w):]
 
 
+def engram_paged(engram: Engram, x: torch.Tensor, given: EngramInput, ctx: StepContext, layer: int) -> torch.Tensor:
+    """A step's flat tokens x [N, d] and rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence
+    after its lookback (ctx.conv[b][layer]), which is advanced. Skipped positions (given.keep 0) get a zero value
+    (as the short conv sees it) and a zero output."""
+    rows, keep, layout = given.rows.to(x.device), given.keep, ctx.layout
+    hidden, r = x[None, :, None, :], rows[None]  # [1, N, 1, d], [1, N, H, D]
+    gates = engram.gates(hidden, rows=r)  # [1, N, 1]
+    e = r.to(engram.value_proj.weight).flatten(-2)
+    value = (gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2))[0]  # [N, 1, d]
+    if keep is not None:
+        value = value * keep.to(value.dtype)[:, None, None]
+    if engram.short_conv is None:
+        return value[:, 0]
+    w = (engram.config.conv_kernel - 1) * engram.config.max_ngram_size
+    out = value.clone()
+    for g in layout.groups:
+        zeros = value.new_zeros(w, *value.shape[1:])  # a zero lookback = the conv's own left padding
+        past = value.new_zeros(len(g.members), w + g.t_max, *value.shape[1:])  # [Bg, W + T, 1, d]
+        past[:, :w] = torch.stack([ctx.conv[b].get(layer, zeros) for b in g.members])
+        past[g.seq, w + g.col] = value[g.rows]
+        out[g.rows] += engram.short_conv(past)[g.seq, w + g.col]
+        last = g.counts[:, None] + torch.arange(w, device=past.device)[None, :]  # [Bg, W]: the last W of each
+        lookback = past[torch.arange(len(g.members), device=past.device)[:, None], last]
+        for j, b in enumerate(g.members):
+            ctx.conv[b][layer] = lookback[j]
+    if keep is not None:
+        out = out * keep.to(out.dtype)[:, None, None]
+    return out[:, 0]
+
+
 class Block(nn.Module):
     """One transformer block, with an Engram module in front of attention when engram is given."""
 
-    def __init__(self, config: ModelConfig, engram: Engram | None = None):
+    def __init__(self, config: ModelConfig, engram: Engram | None = None, layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id
         self.engram = engram
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer_id)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.ffn)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, rows: torch.Tensor | None = None,
                 conv: torch.Tensor | None = None, use_cache: bool = False):
-        """x [B, T, d], rows [B, T, H, D] (None: Engram off) -> (x, (keys, values), conv lookback | None)."""
+        """x [B, T, d], rows [B, T, H, D] (None: Engram off) -> (x, (keys, values), conv lookback | None).
+
+        Under a step context, x is the step's flat tokens [1, N, d]; the rows come from the context. -> (x, None, None)
+        """
+        ctx = current_step()
+        if ctx is not None:
+            if self.engram is not None and self.layer_id in ctx.engram:
+                given = ctx.engram[self.layer_id]()  # waits for the prefetched rows only now
+                x = x + engram_paged(self.engram, x[0], given, ctx, self.layer_id)[None].to(x.dtype)
+            x = x + self.attn(self.attn_norm(x), cos, sin)[0]
+            return x + self.mlp(self.mlp_norm(x)), None, None
         if rows is not None:
             if use_cache:
                 out, conv = engram_step(self.engram, x.unsqueeze(2), rows, conv)
@@ -181,7 +249,7 @@ class EngramLM(nn.Module):
                                     max_ngram_size=e.max_ngram_size, hc_mult=1, conv_kernel=e.conv_kernel,
                                     norm_eps=config.norm_eps)
                 engram = Engram(ecfg, tables.get(i))
-            blocks.append(Block(config, engram))
+            blocks.append(Block(config, engram, layer_id=i))
             blocks[-1].mlp = make_ffn(config, i, blocks[-1].mlp)  # an MoE where config.moe routes block i
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -248,8 +316,8 @@ class EngramLM(nn.Module):
                 fetchers[layer] = lambda r=given[layer]: r
                 continue
             table = self.blocks[layer].engram.table
-            source = getattr(table, "source", None) if isinstance(table, RowSourceTable) else None
-            if source is not None and callable(getattr(source, "prefetch", None)):
+            source = table.source if isinstance(table, RowSourceTable) else None
+            if isinstance(source, RowStore):  # a store: prefetch now, wait when the layer runs
                 ticket = source.prefetch(row_ids[layer])  # reads while the blocks before this one run
                 fetchers[layer] = lambda tk=ticket, tb=table: tk.wait().to(tb._like)
             else:
@@ -266,7 +334,14 @@ class EngramLM(nn.Module):
         past' is returned when use_cache or past is given. engram_rows {layer: [B, T, H, D]} replaces the
         internal hashing + lookup for those layers; engram_enabled (bool or the layers to keep on) zeroes
         the other layers' Engram output (ablation).
+
+        Under a step context (a serving engine's step, tiergram.model.context): ids [1, N] are the step's flat
+        tokens, the K/V and the Engram rows are the context's, and the logits are those at each sequence's last
+        token, float [1, B, V].
         """
+        ctx = current_step()
+        if ctx is not None:
+            return self.forward_step(ids, ctx), None
         if ids.ndim != 2:
             raise ValueError(f"ids must be [B, T], got shape {tuple(ids.shape)}")
         b, t = ids.shape
@@ -306,6 +381,18 @@ class EngramLM(nn.Module):
         prev = past.tokens if past is not None else ids[:, :0]
         tokens = torch.cat([prev, ids], dim=1)[:, max(0, prev.shape[1] + t - k):]
         return logits.float(), Past(kv=kvs, conv=convs, tokens=tokens, length=start + t)
+
+    def forward_step(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """One engine step: flat tokens ids [1, N] at ctx.layout.positions -> logits float [1, B, V] at the
+        sequences' last tokens (ctx.layout.last)."""
+        layout = ctx.layout
+        cos, sin = self.rope_cos[layout.positions], self.rope_sin[layout.positions]  # [N, hd/2]
+        x = self.tok_emb(ids)  # [1, N, d]
+        for block in self.blocks:
+            x, _, _ = block(x, cos, sin)
+        h = self.norm(x[0, layout.last])  # [B, d]
+        logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.tok_emb.weight)
+        return logits.float()[None]
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ class DeviceTable:
 
     def __init__(self, path: str | os.PathLike, *, device: torch.device | str | None = None, tier: str = "host",
                  dtype: torch.dtype = torch.float32, cache_bytes: int = 0, cache_policy: str = "lru",
-                 shared: bool = False, file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto",
+                 shared: bool = False, file_mode: str = "direct", queue_depth: int = 128, kernel_backend: str = "auto",
                  staging_tokens: int = 0, n_staging: int = 2, progress: bool = False) -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
@@ -69,10 +69,10 @@ class DeviceTable:
         if tier == "device" and cache_bytes:
             raise ValueError("a device-tier table is already in device memory: cache_bytes applies to host/file")
         self.device = resolve_device(device)
-        self.backend = pick_backend(self.device, backend)
-        if tier == "host" and self.device.type == "cuda" and self.backend == "torch":
-            raise ValueError("reading a host table from the GPU needs the Triton kernel (UVA); backend 'torch' "
-                             "cannot: use backend 'auto' or 'triton', or tier 'device'")
+        self.kernel_backend = pick_backend(self.device, kernel_backend)
+        if tier == "host" and self.device.type == "cuda" and self.kernel_backend == "torch":
+            raise ValueError("reading a host table from the GPU needs the Triton kernel (UVA); kernel_backend 'torch' "
+                             "cannot: use kernel_backend 'auto' or 'triton', or tier 'device'")
         self.table = TableFile.open(Path(path))
         self.manifest = m = self.table.manifest
         self.layout = RowLayout.of(m)
@@ -123,10 +123,20 @@ class DeviceTable:
         here; device ids in the worker, so the caller never synchronizes with the GPU)."""
         return self._submit(row_ids, None, staged=True)
 
+    def warm(self, row_ids: np.ndarray | torch.Tensor) -> DeviceTicket | None:
+        """Read the rows of per-head ids [..., H] into the HBM cache ahead of their step (None without a cache).
+
+        Runs as an ordinary fetch on the table's worker and stream (counted in `stats()` like one), into a scratch
+        output nobody reads; the cache admits the missed rows under its policy.
+        """
+        if self.cache is None:
+            return None
+        return self._submit(row_ids, None, staged=False)
+
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes per tier; cache occupancy and counters."""
         snap = self.stats_.snapshot()
-        snap.update(tier=self.tier.name, device=str(self.device), backend=self.backend)
+        snap.update(tier=self.tier.name, device=str(self.device), kernel_backend=self.kernel_backend)
         if self.cache is not None:
             snap["cache"] = {"rows": len(self.cache), "capacity_rows": self.cache.capacity, "bytes": self.cache.nbytes,
                              "policy": self.cache.policy.name, **vars(self.cache.counters)}
@@ -218,7 +228,7 @@ class DeviceTable:
             self._fetch_cached(ids, out, uniq, batch)
         elif self.data is not None:  # device tier, or host tier through UVA
             gather_dequant(self.data, ids.reshape(-1, h), self.layout, self._offsets, self._rows, out=out,
-                           device=self.device, offsets_dev=self._offsets_dev, backend=self.backend)
+                           device=self.device, offsets_dev=self._offsets_dev, backend=self.kernel_backend)
             self.stats_.record(ids=n_ids, tier_bytes={self.tier.name: out.shape[0] * h * m.row_bytes})
         else:  # file tier: unique rows staged, then gathered by position in the staging buffer
             flat = (ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids).reshape(-1, h)
@@ -227,7 +237,7 @@ class DeviceTable:
             staged, pages = self._stage(keys)
             gather_dequant(staged, inverse.reshape(-1, 1), RowLayout.packed(m.codec, m.dim), [0], [keys.size],
                            out=out.view(-1, 1, self.dim), device=self.device, offsets_dev=self._zero_dev,
-                           backend=self.backend)
+                           backend=self.kernel_backend)
             per_head = per_head_counts(keys, self._offsets)
             self.stats_.record(ids=n_ids, unique=per_head, misses=per_head, tier_bytes={"file": pages * m.page_size},
                                pages=pages)
@@ -255,7 +265,7 @@ class DeviceTable:
                 pages = 0
                 gather_dequant_cached(self.data, flat, self.layout, self._offsets, self._rows, cache.slots,
                                       slots[inverse], fill_id, out=out, device=self.device,
-                                      offsets_dev=self._offsets_dev, backend=self.backend)
+                                      offsets_dev=self._offsets_dev, backend=self.kernel_backend)
             else:  # file tier: misses staged, addressed by their position in the staging buffer
                 n_miss = int(miss.sum())
                 pos = np.zeros(uniq.size, dtype=np.int64)
@@ -265,7 +275,7 @@ class DeviceTable:
                 gather_dequant_cached(staged, pos[inverse].reshape(-1, 1), RowLayout.packed(m.codec, m.dim), [0],
                                       [max(1, n_miss)], cache.slots, slots[inverse], fill_id,
                                       out=out.view(-1, 1, self.dim), device=self.device, offsets_dev=self._zero_dev,
-                                      backend=self.backend)
+                                      backend=self.kernel_backend)
             cache.set_tags(fill[fill >= 0], uniq[fill >= 0])
         finally:
             cache.unpin(slots)  # later launches on this stream run after this one: the slots may be reused

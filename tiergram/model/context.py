@@ -1,0 +1,79 @@
+"""The step context: what a serving engine tells the model's own modules about one batched step.
+
+A serving engine runs many sequences' tokens as one flat batch [N] over a paged KV cache, with each Engram
+layer's rows already being fetched. It sets a `StepContext` around `EngramLM.forward(ids [1, N])` (nano-vllm's
+`Context` pattern); the attention modules then read and write the paged K/V it names, and each Engram block
+takes its rows from it. Without a context the model runs its plain [B, T] forward. One set of modules, so the
+training forward and serving cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Group:
+    """Sequences attended together, padded to the group's longest chunk T and longest context P."""
+
+    members: list[int]  # batch indices of its sequences (Bg of them)
+    rows: torch.Tensor  # int64 [Ng]: the group's tokens in the step's flat order
+    seq: torch.Tensor  # int64 [Ng]: each token's sequence within the group
+    col: torch.Tensor  # int64 [Ng]: each token's index within its chunk
+    counts: torch.Tensor  # int64 [Bg]: chunk lengths
+    key_slots: torch.Tensor  # int64 [Bg, P]: KV slot of each context position (padding reads slot of block 0)
+    mask: torch.Tensor  # bool [Bg, 1, T, P]: query j of sequence b may see key p
+    t_max: int
+
+
+@dataclass
+class StepLayout:
+    """The step's N tokens of B sequences, flattened in batch order."""
+
+    ids: torch.Tensor  # int64 [N] token ids
+    positions: torch.Tensor  # int64 [N] positions in their sequences
+    slots: torch.Tensor  # int64 [N] KV slots the new keys/values are written to
+    last: torch.Tensor  # int64 [B] flat index of each sequence's last token this step
+    groups: list[Group]  # decodes (chunk of 1) and prefill chunks, attended separately to limit padding
+
+
+@dataclass
+class EngramInput:
+    """One Engram layer's input for the step: its rows, and which positions the degrade policy skipped."""
+
+    rows: torch.Tensor  # [N, H, D] (zeros at skipped positions)
+    keep: torch.Tensor | None = None  # [N] 1 keep / 0 skipped (None: every position kept), in the compute dtype
+
+
+@dataclass
+class StepContext:
+    """Set around one engine step's forward; read by Attention, Block and EngramLM when present."""
+
+    layout: StepLayout
+    k_cache: torch.Tensor  # [n_layers, slots, n_kv_heads, head_dim]
+    v_cache: torch.Tensor  # same shape
+    engram: dict[int, Callable[[], EngramInput]] = field(default_factory=dict)  # per layer, called when it runs
+    conv: list[dict[int, torch.Tensor]] = field(default_factory=list)  # per sequence: layer -> short-conv lookback
+
+
+_CURRENT: ContextVar[StepContext | None] = ContextVar("tiergram_step_context", default=None)
+
+
+def current_step() -> StepContext | None:
+    """The step context of the forward running in this thread/task, or None (a plain forward)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    """Make `ctx` the current step context for the forward run inside the `with` block."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)

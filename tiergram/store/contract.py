@@ -1,0 +1,51 @@
+"""The store contract as a type: what every Engram row table (host, file, device, remote) offers its callers."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from tiergram.format.ids import RowIds
+from tiergram.store.ticket import Ticket
+
+
+@runtime_checkable
+class RowStore(Protocol):
+    """Per-head row ids int64 [..., H] in, rows [..., H, D] out, synchronously or prefetched.
+
+    `TieredTable` (host and file tiers) and `DeviceTable` (rows delivered into accelerator memory) satisfy it;
+    the engine, the model's row tables and the benchmarks program against it instead of probing attributes.
+    """
+
+    cache: Any  # the hot-row cache (RowCache, DeviceRowCache) or None
+
+    @property
+    def num_heads(self) -> int:
+        """H: hash heads, the last axis of the ids."""
+        ...
+
+    @property
+    def dim(self) -> int:
+        """D: values per row."""
+        ...
+
+    def lookup(self, row_ids: RowIds, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [..., H, D] of ids [..., H] (into `out` if given); IndexError names head and id."""
+        ...
+
+    def prefetch(self, row_ids: RowIds) -> Ticket:
+        """Start fetching now; `ticket.wait()` gives what `lookup` would, `ticket.cancel()` abandons it."""
+        ...
+
+    def warm(self, row_ids: RowIds) -> Ticket | None:
+        """Read rows into the cache ahead of need (advisory); None when the table has no cache."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open: ids, unique ids, hits, misses per head, bytes per tier, cache occupancy."""
+        ...
+
+    def close(self) -> None:
+        """Release threads, files and registered memory."""
+        ...
