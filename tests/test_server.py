@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import uvicorn
@@ -30,8 +31,10 @@ CONTEXT = 1024  # long enough that a request can run for seconds (aborts, queuei
 PROMPT = "def insort(a, x):\n    lo = 0"
 
 
-def make_tiny_model(root: Path) -> Path:
-    """A randomly initialised tiny Engram LM with a 1024-token context and a BPE trained on the fixture corpus."""
+def make_tiny_model(root: Path, spread_weights: bool = False) -> Path:
+    """A randomly initialised tiny Engram LM with a 1024-token context and a BPE trained on the fixture corpus.
+
+    spread_weights: test_engine's larger weights, so that greedy outputs vary and depend on the Engram rows."""
     corpus = build_corpus(root / "cache", [directory_source("fixture", FIXTURE, "CC0-1.0")], progress=False)
     tok_path = train_tokenizer(corpus, 512, progress=False)
     tok = load_tokenizer(tok_path)
@@ -40,6 +43,10 @@ def make_tiny_model(root: Path) -> Path:
     cfg.engram.pad_id = tok.token_to_id(PAD)
     torch.manual_seed(0)
     model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok))
+    if spread_weights:
+        from test_engine import spread
+
+        model = spread(model, seed=0)
     return save_pretrained(model, root / "tiny-engram", tokenizer=tok_path)
 
 
@@ -273,39 +280,91 @@ def test_client_disconnect_aborts_and_frees_kv(url):
     assert m["tiergram_kv_blocks_used"] == 0 and m['tiergram_request_finished_total{reason="abort"}'] >= 2
 
 
-def test_engine_failure_is_a_500_and_unhealthy(model_dir):
-    def break_after(engine: LLMEngine, n: int = 3) -> None:
-        real, calls = engine.step, []
+def test_a_failed_step_is_a_500_and_the_server_goes_on(model_dir):
+    """A step that raises fails the requests open in it (error event naming the cause) and counts a fault; the
+    next request is served. Only steps failing in a row make /health say unhealthy, and it recovers after."""
+    failing = {"steps": 0}
+
+    def flaky(engine: LLMEngine) -> None:
+        real = engine.step
 
         def step():
-            calls.append(1)
-            if len(calls) > n:
+            if failing["steps"] > 0:
+                failing["steps"] -= 1
                 raise RuntimeError("injected step failure")
             return real()
         engine.step = step
 
-    with running(model_dir, hook=break_after) as base:
+    with running(model_dir, hook=flaky) as base:
+        failing["steps"] = 1
         evs = stream(base, "/v1/completions", prompt=PROMPT, max_tokens=50, ignore_eos=True)
         assert "injected step failure" in evs[-2]["error"]["message"] and evs[-1] == "[DONE]"
         health = httpx.get(f"{base}/health")
-        assert health.status_code == 503 and "injected" in health.json()["error"]
-        r = complete(base, prompt=PROMPT, max_tokens=2)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
-        assert metrics(base)['tiergram_request_finished_total{reason="error"}'] == 1
+        assert health.status_code == 200 and health.json()["faults"] == 1
+        assert "injected step failure" in health.json()["last_fault"]
+        ok = complete(base, prompt=PROMPT, max_tokens=4, ignore_eos=True)
+        assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
+        assert httpx.get(f"{base}/health").json()["consecutive_faults"] == 0
+        failing["steps"] = 10**6  # a fault that does not go away
+        for _ in range(9):
+            r = complete(base, prompt=PROMPT, max_tokens=2)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+            assert "injected step failure" in r.json()["error"]["message"]
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        failing["steps"] = 0
+        assert complete(base, prompt=PROMPT, max_tokens=2).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200
+        m = metrics(base)
+        assert m['tiergram_request_finished_total{reason="error"}'] == 10
+        assert m["tiergram_engine_faults_total"] == 10 and m["tiergram_engine_consecutive_faults"] == 0
 
 
-def test_greedy_output_identical_across_placements(model_dir):
+@pytest.fixture(scope="module")
+def spread_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("server-spread"), spread_weights=True)
+
+
+def plant_wrong_rows(engine: LLMEngine, prompt_ids: list[int]) -> None:
+    """Overwrite, in the host tables, the rows the prompt's last position reads (every layer and head)."""
+    rows = engine.model.hasher.row_ids(np.asarray([prompt_ids], dtype=np.int64))  # {layer: [1, T, H]}
+    for layer, ids in rows.items():
+        src = engine.sources[layer]
+        m = src.manifest
+        for h in range(ids.shape[2]):
+            page, slot = divmod(int(src.table.head_offsets[h] + ids[0, -1, h]), m.rows_per_page)
+            at = page * m.page_size + slot * m.row_bytes
+            src.tier.data[at:at + m.row_bytes] = np.full(m.dim, 3.0, np.float32).view(np.uint8)
+
+
+def test_greedy_output_identical_across_placements(spread_model_dir):
+    """The same greedy tokens from every placement, and tokens that depend on the rows served: a wrong row
+    planted in the table changes them, so a placement serving wrong rows would fail here."""
+    tok = load_tokenizer(spread_model_dir / "tokenizer.json")
+    ids = tok.encode(PROMPT).ids
+
+    def run(base: str) -> tuple[list[int], list[int]]:
+        plain = complete(base, prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True).json()
+        evs = stream(base, "/v1/completions", prompt="import heapq\n", max_tokens=16, temperature=0,
+                     ignore_eos=True)
+        return plain["choices"][0]["token_ids"], [t for e in evs[:-1] for t in e["choices"][0]["token_ids"]]
+
     want = None
     for placement in (Placement("device"), Placement("host"), Placement("file", cache_bytes=64 << 10)):
-        with running(model_dir, placement) as base:
-            plain = complete(base, prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True).json()
-            evs = stream(base, "/v1/completions", prompt="import heapq\n", max_tokens=16, temperature=0,
-                         ignore_eos=True)
-            got = (plain["choices"][0]["token_ids"], [t for e in evs[:-1] for t in e["choices"][0]["token_ids"]])
+        with running(spread_model_dir, placement) as base:
+            got = run(base)
         assert len(got[0]) == 16 and len(got[1]) == 16
         if want is None:
             want = got
+            assert len(set(want[0])) > 3 and want[0] != want[1]  # not one repeated token
         assert got == want, f"placement {placement.kind} differs"
+    with running(spread_model_dir, Placement("host", codec="fp32"),
+                 hook=lambda eng: plant_wrong_rows(eng, ids)) as base:
+        wrong = run(base)
+    with running(spread_model_dir, Placement("host", codec="fp32")) as base:
+        right = run(base)
+    assert wrong[0] != right[0], "a wrong Engram row did not change the greedy output: the test could not fail"
+    assert wrong[1] == right[1]  # the other prompt reads other rows
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,11 +21,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tiergram.engine import LLMEngine, QueueFullError
 from tiergram.server.async_engine import AsyncEngine, EngineDeadError
 from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
-from tiergram.server.protocol import APIError, Detokenizer, GenerationRequest, bad, chunk, parse_request, response
+from tiergram.server.openapi import openapi_schema
+from tiergram.server.protocol import (
+    APIError,
+    Detokenizer,
+    GenerationRequest,
+    Limits,
+    bad,
+    chunk,
+    response,
+    tokenize,
+    validate_request,
+)
 from tiergram.server.protocol import usage_chunk as make_usage_chunk
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client has gone
+INLINE_TOKENIZE_CHARS = 2048  # longer prompts are tokenized on a worker thread, off the event loop
+UNHEALTHY_AFTER = 8  # engine steps failing in a row before /health says unhealthy
+
+
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error (its step failed, or its own sampling); the message says why."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 @dataclass
@@ -38,6 +59,8 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
+    limits: Limits = field(default_factory=Limits)
+    unhealthy_after: int = UNHEALTHY_AFTER
     draining: bool = False
     in_flight: int = 0
     started: float = 0.0
@@ -110,6 +133,9 @@ class _Generation:
                 self.state.metrics.observe_tokens(now - self.last_t, len(new))
             self.last_t = now
         self.token_ids += new
+        if out.finished and out.finish_reason == "error":
+            self.finish_reason = "error"
+            raise RequestFailed(f"the request failed in the engine: {out.error}")
         text = self.detok.push(new, final=out.finished)
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
@@ -156,9 +182,12 @@ async def _stream(gen: _Generation, q: asyncio.Queue) -> AsyncIterator[str]:
                 first = False
         if gen.req.include_usage:
             yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids)))
-    except EngineDeadError as e:
+    except (EngineDeadError, RequestFailed) as e:
         gen.finish_reason = "error"
         yield sse(APIError(500, str(e), "server_error").body())
+    except Exception as e:  # noqa: BLE001 - this request's own failure (e.g. detokenizing): it alone ends
+        gen.finish_reason = "error"
+        yield sse(APIError(500, f"the request failed: {type(e).__name__}: {e}", "server_error").body())
     finally:
         gen.close()
     yield "data: [DONE]\n\n"
@@ -181,22 +210,58 @@ async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict
                     return None
                 check_at = time.monotonic() + DISCONNECT_POLL_S
         return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens)
-    except EngineDeadError as e:
+    except (EngineDeadError, RequestFailed) as e:
         gen.finish_reason = "error"
         raise APIError(500, str(e), "server_error") from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - this request's own failure: a 500 for it alone
+        gen.finish_reason = "error"
+        raise APIError(500, f"the request failed: {type(e).__name__}: {e}", "server_error") from None
     finally:
         if getter is not None:
             getter.cancel()
         gen.close()
 
 
-def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it exceeds `limit` bytes (nothing more is read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes, more than the {limit} this server takes",
+                       "invalid_request_error", None, "request_too_large")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds the {limit} bytes this server takes",
+                           "invalid_request_error", None, "request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _json(raw: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN / Infinity, bounded nesting; 400 otherwise."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError included
+        raise bad(f"the request body is not valid JSON: {e}") from None
+
+
+def create_app(engine: LLMEngine, *, model_name: str | None = None, limits: Limits | None = None,
+               unhealthy_after: int = UNHEALTHY_AFTER) -> FastAPI:
     """The FastAPI app serving an engine (its thread starts and stops with the app's lifespan)."""
     aengine = AsyncEngine(engine)
     tok = engine.tokenizer
     state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=model_name or engine.model_name,
                         max_model_len=int(engine.max_model_len),
-                        vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok)
+                        vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok,
+                        limits=limits or Limits(), unhealthy_after=unhealthy_after)
+    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -215,6 +280,11 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
     async def api_error(_: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").body(),
+                            status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if e.status_code == 404 else None
@@ -228,9 +298,17 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         m = aengine.snapshot
-        return JSONResponse({"status": "ok", "model": state.model_name, "max_model_len": state.max_model_len,
-                             "kv_blocks_total": m.kv_blocks_total, "num_running": m.num_running,
-                             "num_waiting": m.num_waiting})
+        body = {"status": "ok", "model": state.model_name, "max_model_len": state.max_model_len,
+                "kv_blocks_total": m.kv_blocks_total, "num_running": m.num_running, "num_waiting": m.num_waiting,
+                "faults": m.faults, "consecutive_faults": m.consecutive_faults, "last_fault": m.last_fault,
+                "failed_requests": m.failed_requests}
+        if m.consecutive_faults >= state.unhealthy_after:  # every step fails: a fault that does not go away
+            return JSONResponse({**body, "status": "unhealthy"}, status_code=503)
+        return JSONResponse(body)
+
+    @app.get("/openapi.json")
+    async def openapi() -> JSONResponse:
+        return JSONResponse(openapi_schema(state.model_name, state.max_model_len, state.vocab_size, state.limits))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -239,9 +317,7 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = state.metrics.render(aengine.snapshot, in_flight=state.in_flight, draining=state.draining,
-                                    cache_counts=aengine.cache_counts)
-        return Response(text, media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     async def generate(kind: str, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -249,11 +325,21 @@ def create_app(engine: LLMEngine, *, model_name: str | None = None) -> FastAPI:
             raise APIError(503, "the server is shutting down and accepts no new requests", "server_error",
                            code="draining")
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad("the request body is not valid JSON") from None
-        req = parse_request(kind, body, model_name=state.model_name, tokenizer=tok,
-                            max_model_len=state.max_model_len, vocab_size=state.vocab_size)
+            aengine.check_capacity()  # a request that will get 429 costs nothing: not even its body is parsed
+        except QueueFullError as e:
+            state.metrics.finished.labels(reason="rejected").inc()
+            raise APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
+                           code="queue_full") from None
+        body = _json(await _read_body(request, state.limits.max_body_bytes))
+        req = validate_request(kind, body, model_name=state.model_name, max_model_len=state.max_model_len,
+                               vocab_size=state.vocab_size, limits=state.limits)
+        if req.prompt_text is not None:
+            args = (req, tok)
+            kw = {"max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+            if len(req.prompt_text) > INLINE_TOKENIZE_CHARS:  # a long prompt would hold up every other request
+                await asyncio.to_thread(tokenize, *args, **kw)
+            else:
+                tokenize(*args, **kw)
         state.in_flight += 1
         gen = _Generation(state, req, arrival)
         try:
@@ -317,11 +403,12 @@ def _draining_server_class() -> type:
 
 
 def serve(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          drain_timeout_s: float = 60.0, model_name: str | None = None) -> int:
+          drain_timeout_s: float = 60.0, model_name: str | None = None, limits: Limits | None = None,
+          unhealthy_after: int = UNHEALTHY_AFTER) -> int:
     """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening)."""
     import uvicorn
 
-    app = create_app(engine, model_name=model_name)
+    app = create_app(engine, model_name=model_name, limits=limits, unhealthy_after=unhealthy_after)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on such sockets, and without it Nagle holds
     # each streamed chunk for the client's delayed ACK (~40 ms) on keep-alive connections

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tiergram.engine import LLMEngine, SamplingParams
+from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
 
 SNAPSHOT_EVERY_S = 0.02  # engine metrics are snapshotted at most this often while busy (always when idle)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an error in a step, or shutdown); no more outputs will come."""
+    """The engine thread stopped (shutdown, or a failure outside any step); no more outputs will come."""
 
 
 @dataclass
@@ -79,6 +79,7 @@ class AsyncEngine:
         self.snapshot: Any = engine.metrics()  # the latest EngineMetrics (read by /metrics)
         self.cache_counts: tuple[int, int] = cache_counts(engine)  # Engram cache (hits, probes) so far
         self._snapshot_t = time.perf_counter()
+        self._pending_adds = 0  # adds in the inbox, not yet applied: they count against the waiting queue
 
     @property
     def alive(self) -> bool:
@@ -105,10 +106,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         out: asyncio.Queue = asyncio.Queue()
+        self.check_capacity()  # a request that will be refused costs nothing: no read-ahead
         self.engine.read_ahead(prompt_token_ids)  # its rows are read while the step in flight runs
         with self._lock:
             if self._thread is None or self._closed or self._stopping:
                 raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
+            self._pending_adds += 1
             self._inbox.put(("add", request_id, prompt_token_ids, params, _Stream(loop, out), accepted))
         self._wake.set()
         try:
@@ -117,6 +120,12 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return out
+
+    def check_capacity(self) -> None:
+        """QueueFullError if the waiting queue, with the adds not yet applied, is full (cheap: no lock taken)."""
+        waiting, limit = len(self.engine.scheduler.waiting) + self._pending_adds, self.engine.config.max_waiting
+        if waiting >= limit:
+            raise QueueFullError(f"{waiting} requests are waiting (max_waiting {limit}); retry later")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its K/V blocks are freed by the engine thread); no-op when it has finished."""
@@ -136,6 +145,8 @@ class AsyncEngine:
             handled = True
             if cmd[0] == "add":
                 _, rid, ids, params, stream, accepted = cmd
+                with self._lock:
+                    self._pending_adds -= 1
                 try:
                     self.engine.add_request(rid, ids, params)
                 except Exception as e:  # ValueError, QueueFullError: the handler turns them into 4xx
@@ -160,13 +171,12 @@ class AsyncEngine:
             while not self._stopping:
                 changed = self._handle_inbox()
                 if self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        stream = self._streams.get(out.request_id)
-                        if stream is None:
-                            continue
-                        if out.finished:
-                            del self._streams[out.request_id]
-                        stream.put(out)
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as e:  # noqa: BLE001 - outside the engine's own isolation: fail what is open
+                        self.engine.record_fault(e)
+                        outputs = self.engine.fail_all(e)
+                    self._deliver(outputs)
                     self._take_snapshot(force=changed)
                 else:
                     self._take_snapshot(force=True)
@@ -176,6 +186,16 @@ class AsyncEngine:
             self.error = e
         finally:
             self._fail_all(self.error)
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        """Hand each RequestOutput to its request's queue (a finished request's stream is dropped)."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
 
     def _fail_all(self, error: BaseException | None) -> None:
         """End every open request (engine stopped) and refuse the queued ones."""

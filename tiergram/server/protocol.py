@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiergram.engine import SamplingParams
+from tiergram.engine.validate import RequestError, check_max_tokens, check_prompt
 
 # The chat template: each message as "<Role>: content" and a blank line, then "Assistant:" to continue.
 CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -42,6 +43,23 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 
 
 @dataclass
+class Limits:
+    """What one request may ask for; beyond any of these it is answered 4xx before any work is done."""
+
+    max_body_bytes: int = 1 << 20  # request body (413 beyond)
+    max_prompt_chars: int | None = None  # prompt text, chat messages included (None: 32 x max_model_len)
+    max_stop: int = 4  # stop strings
+    max_stop_chars: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 64
+    max_messages: int = 1024  # chat messages
+    max_temperature: float = 2.0  # as OpenAI's API
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        """The prompt-text limit for a model of this context length."""
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 32 * max_model_len
+
+
+@dataclass
 class GenerationRequest:
     """A validated completion or chat request: token ids in, sampling parameters, response options."""
 
@@ -54,168 +72,267 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
     created: int = 0
+    prompt_text: str | None = None  # set until tokenize() turns it into prompt_token_ids
+    max_tokens: int | None = None  # as asked for (None: the default, known once the prompt length is)
 
 
-def render_chat(messages: list[dict[str, str]]) -> str:
+def render_chat(messages: list[dict[str, Any]]) -> str:
     """The chat template: "System: ...\\n\\nUser: ...\\n\\nAssistant:" (the model continues after it)."""
-    parts = [f"{CHAT_ROLES[m['role']]}: {m['content']}" for m in messages]
+    parts = [f"{CHAT_ROLES[m['role']]}: {_content_text(m['content'])}" for m in messages]
     return "\n\n".join(parts) + "\n\nAssistant:"
 
 
-def _int_list(value: Any, param: str) -> list[int]:
-    """A list of non-negative ints, or a 400 naming the field."""
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise bad(f"'{param}' must be a list of integer token ids", param)
-    if any(v < 0 for v in value):
-        raise bad(f"'{param}' holds a negative token id", param)
+def _content_text(content: str | list[dict[str, Any]]) -> str:
+    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts, joined."""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content)
+
+
+# Request fields each endpoint knows; anything else is refused (400) rather than silently ignored.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "stream", "stream_options", "forced_tokens", "n", "logprobs", "presence_penalty",
+                 "frequency_penalty", "user", "logit_bias"}
+FIELDS = {"completion": COMMON_FIELDS | {"prompt", "prompt_token_ids", "best_of", "echo", "suffix"},
+          "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}}
+MESSAGE_FIELDS = {"role", "content", "name"}
+INT64_MAX = 2**63 - 1
+
+
+def _text(value: str, param: str) -> str:
+    """A string that is valid Unicode (a lone surrogate from a JSON escape is refused, not sent to the tokenizer)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"'{param}' is not valid UTF-8 text (it holds a lone surrogate)", param) from None
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float | None) -> float | None:
-    """An optional number field."""
-    value = body.get(name, default)
+def _int_list(value: Any, param: str, max_len: int, vocab_size: int | None = None) -> list[int]:
+    """A list of at most max_len non-negative ints (below vocab_size when given), or a 400 naming the field."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise bad(f"'{param}' must be a list of integer token ids", param)
+    if len(value) > max_len:
+        raise bad(f"'{param}' holds {len(value)} ids, more than the {max_len} allowed", param,
+                  "context_length_exceeded" if param in ("prompt", "prompt_token_ids") else None)
+    if any(v < 0 for v in value):
+        raise bad(f"'{param}' holds a negative token id", param)
+    if vocab_size is not None and any(v >= vocab_size for v in value):
+        raise bad(f"'{param}' holds token id {max(value)}, outside the vocabulary of {vocab_size}", param)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float, *, open_lo: bool = False
+            ) -> float:
+    """An optional number field within [lo, hi] ((lo, hi] with open_lo)."""
+    value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(f"'{name}' must be a number, got {value!r}", name)
-    return float(value)
-
-
-def _int(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    """An optional integer field."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"'{name}' must be an integer, got {value!r}", name)
+        raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
+    value = float(value)
+    if not (lo < value <= hi if open_lo else lo <= value <= hi):
+        raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {value!r}", name)
     return value
 
 
-def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> list[int]:
-    """The completion prompt as token ids: prompt_token_ids, a list of ids, or a string."""
+def _int(body: dict[str, Any], name: str, default: int | None, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX
+         ) -> int | None:
+    """An optional integer field within [lo, hi]."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer, got {type(value).__name__}", name)
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' must lie in [{lo}, {hi}], got {value}", name)
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be a boolean", name)
+    return value
+
+
+def _completion_prompt(body: dict[str, Any], max_model_len: int, vocab_size: int) -> str | list[int]:
+    """The completion prompt: text to tokenize, or token ids (prompt_token_ids, a list of ids, a batch of one)."""
     if body.get("prompt_token_ids") is not None:
-        return _int_list(body["prompt_token_ids"], "prompt_token_ids")
+        if body.get("prompt") is not None:
+            raise bad("give 'prompt' or 'prompt_token_ids', not both", "prompt_token_ids")
+        return _int_list(body["prompt_token_ids"], "prompt_token_ids", max_model_len, vocab_size)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt).ids
+        return _text(prompt, "prompt")
     if isinstance(prompt, list):
-        return _int_list(prompt, "prompt")
+        return _int_list(prompt, "prompt", max_model_len, vocab_size)
     if prompt is None:
         raise bad("'prompt' is required", "prompt")
     raise bad("'prompt' must be a string, a list of token ids, or a batch of one of them", "prompt")
 
 
-def _chat_ids(body: dict[str, Any], tokenizer: Any) -> list[int]:
-    """The chat messages through the template, as token ids."""
+def _chat_prompt(body: dict[str, Any], limits: Limits) -> str:
+    """The chat messages, checked, through the template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad(f"'messages' holds {len(messages)} messages, more than the {limits.max_messages} allowed",
+                  "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", f"messages[{i}].role")
-        if not isinstance(m.get("content"), str):
-            raise bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
-    return tokenizer.encode(render_chat(messages)).ids
+        unknown = sorted(set(m) - MESSAGE_FIELDS)
+        if unknown:
+            raise bad(f"messages[{i}] has unknown field '{unknown[0]}'", f"messages[{i}].{unknown[0]}")
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) <=
+                                             {"type", "text"} and isinstance(p.get("text"), str) for p in content):
+            for p in content:
+                _text(p["text"], f"messages[{i}].content")
+        elif isinstance(content, str):
+            _text(content, f"messages[{i}].content")
+        else:
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad(f"messages[{i}].name must be a string", f"messages[{i}].name")
+    return render_chat(messages)
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
-    """`stop`: null, a string, or a list of up to 4 non-empty strings."""
+def _stop(body: dict[str, Any], limits: Limits) -> list[str]:
+    """`stop`: null, a string, or a list of up to limits.max_stop non-empty strings of limited length."""
     stop = body.get("stop")
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("'stop' must be a non-empty string or a list of them", "stop")
+    if len(stop) > limits.max_stop:
+        raise bad(f"'stop' holds {len(stop)} strings, more than the {limits.max_stop} allowed", "stop")
+    for s in stop:
+        _text(s, "stop")
+        if len(s) > limits.max_stop_chars:
+            raise bad(f"a stop string has {len(s)} characters, more than the {limits.max_stop_chars} allowed", "stop")
     return stop
 
 
-def _unsupported(body: dict[str, Any]) -> None:
-    """400 for OpenAI options this server does not implement (rather than silently ignoring them)."""
-    if body.get("n", 1) != 1:
+def _unsupported(kind: str, body: dict[str, Any]) -> None:
+    """400 for unknown fields and for OpenAI options this server does not implement (rather than ignoring them)."""
+    unknown = sorted(set(body) - FIELDS[kind])
+    if unknown:
+        raise bad(f"unknown field '{unknown[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+                  unknown[0])
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise bad("'model' must be a string", "model")
+    if _int(body, "n", 1, 1, 1) != 1:
         raise bad("only n = 1 is supported", "n")
-    if body.get("best_of", 1) not in (1, None):
+    if _int(body, "best_of", 1, 1, 1) != 1:
         raise bad("best_of is not supported", "best_of")
-    if body.get("echo"):
+    if _bool(body, "echo"):
         raise bad("echo is not supported", "echo")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False) or body.get("top_logprobs") is not None:
         raise bad("logprobs are not supported", "logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0:
             raise bad(f"{name} is not supported (only 0)", name)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("'user' must be a string", "user")
+    if body.get("logit_bias") not in (None, {}):
+        raise bad("logit_bias is not supported", "logit_bias")
+    if body.get("suffix") not in (None, ""):
+        raise bad("suffix is not supported", "suffix")
 
 
-def parse_request(kind: str, body: Any, *, model_name: str, tokenizer: Any, max_model_len: int,
-                  vocab_size: int) -> GenerationRequest:
-    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body."""
+def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: int, vocab_size: int,
+                     limits: Limits | None = None) -> GenerationRequest:
+    """Every check of a completion ("completion") or chat ("chat") body that needs no tokenizer. A text prompt
+    is left in prompt_text for tokenize(); a token-id prompt is checked in full here."""
+    limits = limits or Limits()
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model", model_name)
-    if model != model_name:
+    _unsupported(kind, body)
+    if model is not None and model != model_name:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
-    _unsupported(body)
-    ids = _prompt_ids(body, tokenizer) if kind == "completion" else _chat_ids(body, tokenizer)
-    if not ids:
-        raise bad("the prompt is empty; give at least one token", "prompt")
-    if max(ids) >= vocab_size:
-        raise bad(f"the prompt holds token id {max(ids)}, outside the vocabulary of {vocab_size}", "prompt")
-    if len(ids) >= max_model_len:
-        raise bad(f"This model's maximum context length is {max_model_len} tokens; the prompt has {len(ids)} "
-                  "and at least one is needed for the completion", "prompt", "context_length_exceeded")
-    room = max_model_len - len(ids)
-    max_tokens = _int(body, "max_tokens", None)
+    prompt = _completion_prompt(body, max_model_len, vocab_size) if kind == "completion" else _chat_prompt(body,
+                                                                                                           limits)
+    if isinstance(prompt, str) and len(prompt) > limits.prompt_chars(max_model_len):
+        raise bad(f"the prompt has {len(prompt)} characters, more than the {limits.prompt_chars(max_model_len)} "
+                  "this server takes", "messages" if kind == "chat" else "prompt", "context_length_exceeded")
+    max_tokens = _int(body, "max_tokens", None, 1, max_model_len)
     if kind == "chat":
-        max_tokens = _int(body, "max_completion_tokens", max_tokens)
+        max_tokens = _int(body, "max_completion_tokens", max_tokens, 1, max_model_len)
     forced = body.get("forced_tokens")
     if forced is not None:
-        forced = _int_list(forced, "forced_tokens")
+        forced = _int_list(forced, "forced_tokens", max_model_len, vocab_size)
         if not forced:
             raise bad("'forced_tokens' is empty: give at least one token, or leave it out", "forced_tokens")
-        if max(forced) >= vocab_size:
-            raise bad(f"'forced_tokens' holds token id {max(forced)}, outside the vocabulary of {vocab_size}",
-                      "forced_tokens")
         max_tokens = len(forced)  # a replay produces exactly the forced tokens
-    if max_tokens is None:
-        max_tokens = min(16, room) if kind == "completion" else room
-    if max_tokens < 1:
-        raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
-    if len(ids) + max_tokens > max_model_len:
-        raise bad(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                  f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion)",
-                  "max_tokens", "context_length_exceeded")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = _int(body, "top_k", 0)
-    if top_k < 0:
-        raise bad(f"'top_k' must be >= 0, got {top_k}", "top_k")
+    temperature = _number(body, "temperature", 1.0, 0.0, limits.max_temperature)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
+    top_k = _int(body, "top_k", 0, 0, vocab_size)
     seed = _int(body, "seed", None)
-    stop_ids = _int_list(body.get("stop_token_ids") or [], "stop_token_ids")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad("'ignore_eos' must be a boolean", "ignore_eos")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
+    stop_ids = _int_list(body.get("stop_token_ids") or [], "stop_token_ids", limits.max_stop_token_ids, vocab_size)
+    ignore_eos = _bool(body, "ignore_eos")
+    stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
-    if any(t >= vocab_size for t in stop_ids):
-        raise bad(f"'stop_token_ids' holds an id outside the vocabulary of {vocab_size}", "stop_token_ids")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad("'stream_options' must be an object with at most 'include_usage'", "stream_options")
+    include_usage = _bool(options, "include_usage")
+    stop = _stop(body, limits)
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos, forced_tokens=forced)
     except ValueError as e:
         raise bad(str(e)) from None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    return GenerationRequest(kind=kind, model=model_name, prompt_token_ids=list(ids), params=params, stream=stream,
-                             include_usage=bool(options.get("include_usage")), stop=_stop(body),
-                             request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()))
+    req = GenerationRequest(kind=kind, model=model_name, prompt_token_ids=[], params=params, stream=stream,
+                            include_usage=include_usage, stop=stop, request_id=f"{prefix}-{uuid.uuid4().hex}",
+                            created=int(time.time()), max_tokens=max_tokens)
+    if isinstance(prompt, str):
+        req.prompt_text = prompt
+    else:
+        set_prompt(req, prompt, max_model_len=max_model_len, vocab_size=vocab_size)
+    return req
+
+
+def tokenize(req: GenerationRequest, tokenizer: Any, *, max_model_len: int, vocab_size: int) -> GenerationRequest:
+    """Turn a text prompt into token ids and finish the length checks (may run off the event loop)."""
+    if req.prompt_text is not None:
+        ids = tokenizer.encode(req.prompt_text).ids
+        req.prompt_text = None
+        set_prompt(req, ids, max_model_len=max_model_len, vocab_size=vocab_size)
+    return req
+
+
+def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vocab_size: int) -> None:
+    """Check the prompt and max_tokens against the context (engine.validate, as the engine checks them)."""
+    param = "messages" if req.kind == "chat" else "prompt"
+    try:
+        ids = check_prompt(ids, vocab_size=vocab_size, max_model_len=max_model_len, param=param)
+        room = max_model_len - len(ids)
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = min(16, room) if req.kind == "completion" else room
+        check_max_tokens(len(ids), max_tokens, max_model_len)
+    except RequestError as e:
+        raise bad(str(e), e.param, e.code) from None
+    req.prompt_token_ids = list(ids)
+    if req.params.forced_tokens is None:
+        req.params.max_tokens = max_tokens
+
+
+def parse_request(kind: str, body: Any, *, model_name: str, tokenizer: Any, max_model_len: int,
+                  vocab_size: int, limits: Limits | None = None) -> GenerationRequest:
+    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body and tokenize it."""
+    req = validate_request(kind, body, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size,
+                           limits=limits)
+    return tokenize(req, tokenizer, max_model_len=max_model_len, vocab_size=vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------ responses
