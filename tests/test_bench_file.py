@@ -34,12 +34,20 @@ def test_file_bench_json(bench_home, capsys):
     assert all(v > 0 for v in obj["limit_pages_per_s"].values())
     assert set(obj["python_threads"]) == {"2", "3"}
     assert obj["python_threads_pages_per_s"] == max(d["pages_per_s"] for d in obj["python_threads"].values())
-    assert set(obj["tiergram"]) == {"uniform", "zipf"}
+    assert set(obj["tiergram"]) == {"uniform", "zipf", "uniform python", "zipf python", "uniform native +10% cache",
+                                    "uniform python +10% cache"}
     for d in obj["tiergram"].values():
         assert d["pages_per_s"] > 0 and d["rows_per_s"] > 0 and d["rows_per_call"] == 12
-        assert 0 < d["pages_per_call"] <= 12
-    # the headline is the worst distribution, and the ratios are computed from the figures printed
-    worst = min(d["pages_per_s"] for d in obj["tiergram"].values())
+        assert 0 < d["pages_per_call"] <= 12 and d["cpu_us_per_row"] > 0
+    assert obj["file_mode"] == "direct"
+    assert set(obj["all_hits"]) == {"1", "64", "256"}
+    for d in obj["all_hits"].values():
+        for pipe in ("native", "python"):
+            assert d[f"{pipe}_vs_host"] == pytest.approx(d[f"{pipe}_us_per_call"] / d["host_us_per_call"])
+            assert d[f"{pipe}_python_us_per_call"] > 0
+    # the headline is the worst distribution of the default pipeline without a cache, and the ratios are computed
+    # from the figures printed
+    worst = min(obj["tiergram"][k]["pages_per_s"] for k in ("uniform", "zipf"))
     assert obj["tiergram_pages_per_s"] == worst
     best_deep = max(obj["limit_pages_per_s"][q] for q in ("4", "8"))
     assert obj["vs_limit"] == pytest.approx(worst / best_deep)

@@ -7,7 +7,13 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
 - tiergram: `TieredTable(tier="file", file_mode="direct")` without a cache, `lookup` of `positions` x heads
   ids per call, uniform and Zipfian, rows decoded to float32 — dedup, page reads, checksums, decode, all of it;
 - mmap: the same lookups through `file_mode="mmap"` (MADV_RANDOM), on pages not touched before in the run,
-  after dropping the file from the page cache: the baseline of engines that map the file.
+  after dropping the file from the page cache: the baseline of engines that map the file;
+- pipelines: the tiergram readers run through the native fetch pipeline (the default) and the Python reference
+  pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache (cold: the cache
+  fills as the run goes, almost every row a miss): what the cache costs a miss;
+- all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
+  cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the Python time per
+  call (cProfile: the call's time outside the GIL-free native fetch) at each size.
 
 Why O_DIRECT and not a table larger than RAM: on a 24 GiB machine a table several times larger than the page
 cache cannot be written within a benchmark's time. O_DIRECT reads bypass the page cache, so a table of a few
@@ -62,6 +68,9 @@ class FileLookupBenchConfig:
     rounds: int = 4  # interleaved segments per reader; the best is kept
     dtype: str = "float32"
     backend: str = "auto"
+    pipelines: tuple[str, ...] = ("native", "python")  # fetch pipelines of the tiergram readers
+    cache_fraction: float = 0.10  # the cached reader's LRU cache, as a fraction of the table's rows (0: none)
+    hit_positions: tuple[int, ...] = (1, 64, 256)  # all-hit lookups vs host (empty: skip that phase)
     table: str | None = None  # table path (default: in the bench cache folder)
     seed: int = 0
 
@@ -75,6 +84,8 @@ class FileLookupBenchResult:
     python_threads: dict[str, dict[str, float]] = field(default_factory=dict)  # thread count -> figures
     tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution -> figures
     mmap: dict[str, float] = field(default_factory=dict)
+    all_hits: dict[str, dict[str, float]] = field(default_factory=dict)  # positions -> file cache vs host figures
+    file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
     seconds: float = 0.0
 
     @property
@@ -93,8 +104,8 @@ class FileLookupBenchResult:
 
     @property
     def worst(self) -> dict[str, float]:
-        """tiergram's distribution with the fewest pages/s (the conservative headline)."""
-        return min(self.tiergram.values(), key=lambda d: d["pages_per_s"])
+        """tiergram's distribution with the fewest pages/s (the conservative headline), default pipeline, no cache."""
+        return min((d for k, d in self.tiergram.items() if " " not in k), key=lambda d: d["pages_per_s"])
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -185,6 +196,7 @@ class Segment:
         out = {"pages_per_s": self.pages / self.seconds, "cpu_us_per_page": 1e6 * self.cpu / max(1, self.pages)}
         if self.rows:
             out["rows_per_s"] = self.rows / self.seconds
+            out["cpu_us_per_row"] = 1e6 * self.cpu / self.rows
         return out
 
 
@@ -267,13 +279,19 @@ class PythonThreads:
 
 
 class TiergramLookup:
-    """TieredTable.lookup from the file (O_DIRECT, no cache): pages from its own stats, rows as served."""
+    """TieredTable.lookup from the file (O_DIRECT): pages from its own stats, rows as served.
 
-    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int) -> None:
+    `cache_rows` > 0 adds an LRU cache; `fresh` draws new ids every call (a cold cache stays cold: no batch repeats).
+    """
+
+    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int, pipeline: str = "auto",
+                 cache_rows: int = 0) -> None:
         self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
-                                 queue_depth=cfg.store_queue_depth, backend=cfg.backend)
+                                 queue_depth=cfg.store_queue_depth, backend=cfg.backend, pipeline=pipeline,
+                                 cache_bytes=cache_rows * table.manifest.row_bytes)
         rng = np.random.default_rng([cfg.seed, seed])
-        self.batches = [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng) for _ in range(32)]
+        n_batches = 32 if not cache_rows else 256  # cached: ids a cache could keep (10%) are rare within a run
+        self.batches = [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng) for _ in range(n_batches)]
         self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
         self.calls = 0
         self.store.lookup(self.batches[-1], out=self.out)  # warm-up (first-call allocations)
@@ -363,7 +381,14 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
         for n in cfg.py_threads:
             readers["python_threads", str(n)] = PythonThreads(table, n, cfg.seed)
         for i, dist in enumerate(cfg.dists):
-            readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i)
+            readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=cfg.pipelines[0])
+            for pipe in cfg.pipelines[1:]:  # the first is the headline reader above
+                readers["tiergram", f"{dist} {pipe}"] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=pipe)
+        if cfg.cache_fraction > 0:
+            rows = max(1, int(cfg.cache_fraction * m.total_rows))
+            for pipe in cfg.pipelines:
+                readers["tiergram", f"uniform {pipe} +{cfg.cache_fraction:.0%} cache"] = TiergramLookup(
+                    table, cfg, "uniform", seed=30, pipeline=pipe, cache_rows=rows)
         readers["mmap", "uniform"] = MmapLookup(table, cfg, seed=99)
         best: dict[tuple[str, str], dict[str, float]] = {}
         for r in range(cfg.rounds):
@@ -381,6 +406,10 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
             raise RuntimeError(f"{table.path}: no untouched pages left for the mmap measurement; use a larger "
                                f"table or fewer positions")
         res = FileLookupBenchResult(cfg, info, readers["limit", str(cfg.queue_depths[0])].reader.backend)
+        res.file_mode = readers["tiergram", cfg.dists[0]].store.tier.mode
+        if res.file_mode != "direct" or not readers["limit", str(cfg.queue_depths[0])].reader.direct:
+            raise RuntimeError(f"{table.path}: the filesystem refused O_DIRECT (reads would go through the page "
+                               f"cache): no figure of this run would be the disk's; put the table on a disk")
         for (kind, name), fig in best.items():
             reader = readers[kind, name]
             if isinstance(reader, TiergramLookup):
@@ -394,8 +423,78 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     finally:
         for reader in readers.values():
             reader.close()
+    if cfg.hit_positions:
+        say("  all-hit lookups: file tier + cache vs host tier", flush=True)
+        res.all_hits = all_hit_lookups(table, cfg)
     res.seconds = time.perf_counter() - t_start
     return res
+
+
+def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, dict[str, float]]:
+    """Per positions: us per call of lookups whose rows are all cached (file tier) vs the host tier, same ids.
+
+    Interleaved rounds, best of; plus `python_us_per_call` of the file tier's call: cProfile's time outside the
+    native fetch (the profiler adds to it, so it is an upper bound; what matters is that it does not grow with rows).
+    """
+    import cProfile
+    import pstats
+
+    dtype = getattr(torch, cfg.dtype)
+    rng = np.random.default_rng([cfg.seed, 77])
+    cases = {p: [draw_ids("uniform", (p, cfg.heads), table.head_rows, rng) for _ in range(8)]
+             for p in cfg.hit_positions}
+    rows = sum(b.size for bs in cases.values() for b in bs)
+    host = TieredTable(table.path, tier="host", dtype=dtype)
+    stores = {pipe: TieredTable(table.path, tier="file", dtype=dtype, cache_bytes=2 * rows * table.manifest.row_bytes,
+                                pipeline=pipe, queue_depth=cfg.store_queue_depth, backend=cfg.backend)
+              for pipe in cfg.pipelines}
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for bs in cases.values():
+            for b in bs:
+                for st in stores.values():
+                    st.lookup(b)  # now every row is resident
+        for st in stores.values():
+            before = st.stats()
+            for bs in cases.values():
+                for b in bs:
+                    st.lookup(b)
+            got = st.stats()
+            if got["misses"] != before["misses"] or got["hits"] - before["hits"] != sum(
+                    np.unique(b + table.head_offsets).size for bs in cases.values() for b in bs):
+                raise RuntimeError("all-hit lookups missed the cache: the cache is too small for the case")
+        best: dict[tuple[int, str], float] = {}
+        seg = max(0.05, cfg.min_time / cfg.rounds / (len(cases) * (1 + len(stores))))
+        for _ in range(cfg.rounds):
+            for p, bs in cases.items():
+                for name, st in [("host", host), *stores.items()]:
+                    outs = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
+                    n, t0 = 0, time.perf_counter()
+                    while time.perf_counter() - t0 < seg:
+                        st.lookup(bs[n % len(bs)], out=outs)
+                        n += 1
+                    us = 1e6 * (time.perf_counter() - t0) / n
+                    best[p, name] = min(best.get((p, name), us), us)
+        for p, bs in cases.items():
+            fig = {"host_us_per_call": best[p, "host"]}
+            for pipe, st in stores.items():
+                fig[f"{pipe}_us_per_call"] = best[p, pipe]
+                fig[f"{pipe}_vs_host"] = best[p, pipe] / best[p, "host"]
+                prof, calls = cProfile.Profile(), 200
+                prof.enable()
+                for k in range(calls):
+                    st.lookup(bs[k % len(bs)])
+                prof.disable()
+                stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+                total = sum(v[2] for v in stats.values())
+                native = sum(v[2] for k, v in stats.items() if k[2] in ("<built-in method tiergram._native.fetch>",))
+                fig[f"{pipe}_python_us_per_call"] = 1e6 * (total - native) / calls
+            out[str(p)] = fig
+    finally:
+        host.close()
+        for st in stores.values():
+            st.close()
+    return out
 
 
 def to_dict(res: FileLookupBenchResult) -> dict:
@@ -406,6 +505,7 @@ def to_dict(res: FileLookupBenchResult) -> dict:
             "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
             **res.ratios, "targets": res.targets, "backend": res.backend,
             "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
+            "all_hits": res.all_hits, "file_mode": res.file_mode,
             "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
 
 
@@ -418,7 +518,7 @@ def to_text(res: FileLookupBenchResult) -> str:
     c, t = res.config, res.table
     lines = [f"file lookup: {t['path']} ({t['bytes'] / 2**30:.2f} GiB, {t['pages']} pages, {t['rows']} rows of "
              f"{t['row_bytes']} B, {t['rows_per_page']} per page), {c.heads} heads, {c.positions} positions/call, "
-             f"O_DIRECT, backend {res.backend}",
+             f"file mode {res.file_mode}, backend {res.backend}",
              f"{'reader':<34}{'pages/s':>10}{'rows/s':>11}{'CPU us/page':>13}"]
 
     def row(name: str, d: dict) -> None:
@@ -434,6 +534,21 @@ def to_text(res: FileLookupBenchResult) -> str:
         row(f"tiergram lookup, {dist}", d)
         lines[-1] += f"   ({d['pages_per_call']:.0f} pages, {d['ms_per_call']:.1f} ms per call)"
     row("mmap lookup, uniform, cold pages", res.mmap)
+    cached = {k: d for k, d in res.tiergram.items() if k.endswith("cache")}
+    for k, d in cached.items():
+        base = res.tiergram.get(k.split()[0] if k.split()[1] == c.pipelines[0] else " ".join(k.split()[:2]))
+        if base:
+            lines.append(f"{k} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
+                         f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row")
+    if res.all_hits:
+        lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: per-call "
+                     "time outside the native fetch, cProfile):")
+        for p, d in res.all_hits.items():
+            parts = [f"host {d['host_us_per_call']:.0f}"]
+            for pipe in c.pipelines:
+                parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host, python "
+                             f"{d[f'{pipe}_python_us_per_call']:.0f})")
+            lines.append(f"  {p:>4} positions x {c.heads} heads: " + ", ".join(parts))
     r = res.ratios
     lines.append(f"tiergram (worst dist) vs limit at QD>=32 ({res.best_limit:.0f}): {r['vs_limit']:.0%}; "
                  f"vs python threads: {r['vs_python_threads']:.2f}x; uniform vs mmap: {r['vs_mmap_pages']:.2f}x "
