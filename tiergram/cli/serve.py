@@ -33,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="do not read the next step's prompt rows into the file placement's cache ahead of time")
     g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
                    help="table file codec (exported on first use)")
-    g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ...")
+    g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ..., or auto (cuda when "
+                   "available, else cpu)")
     g.add_argument("--device-memory", type=byte_size, default=None,
                    help="device memory budget for weights, resident tables, activations and K/V, e.g. 4G "
                         "(default: CUDA's free memory; on the CPU $TIERGRAM_DEVICE_BYTES or 2G)")
@@ -53,10 +54,19 @@ def engine_config(args: argparse.Namespace):
 
     placement = Placement(kind=args.placement, cache_bytes=args.cache_bytes, cache_policy=args.cache_policy,
                           codec=args.codec)
-    return EngineConfig(model_dir=args.model_dir, placement=placement, device=args.device,
+    return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead)
+
+
+def _device(name: str) -> str:
+    """'auto' -> cuda when torch sees a GPU, else cpu; any other name as given."""
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +81,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds SIGTERM waits for in-flight requests before exiting")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    lim = p.add_argument_group("request limits (docs/serving.md, \"Limits and failure behaviour\")")
+    lim.add_argument("--max-body-bytes", type=byte_size, default=1 << 20, help="request body size; beyond: 413")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="prompt text characters (default: 32 x the context length); beyond: 400")
+    lim.add_argument("--max-stop", type=int, default=4, help="stop strings per request")
+    lim.add_argument("--max-stop-chars", type=int, default=256, help="characters of one stop string")
+    lim.add_argument("--unhealthy-after", type=int, default=8,
+                     help="engine steps failing in a row before /health answers 503 unhealthy")
     p.set_defaults(func=cmd_serve)
 
 
@@ -79,11 +97,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tiergram.engine import LLMEngine
     from tiergram.server import serve
+    from tiergram.server.protocol import Limits
 
     if args.torch_threads < 0:
         raise SystemExit(f"tiergram serve: error: --torch-threads must be >= 0, got {args.torch_threads}")
+    for name in ("max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "unhealthy_after"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"tiergram serve: error: --{name.replace('_', '-')} must be >= 1, got {value}")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    engine = LLMEngine(engine_config(args))
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                    max_stop=args.max_stop, max_stop_chars=args.max_stop_chars)
+    try:
+        engine = LLMEngine(engine_config(args))
+    except (RuntimeError, ImportError, KeyError) as e:  # e.g. CUDA asked for without one: one line, no traceback
+        raise SystemExit(f"tiergram serve: error: {e}") from None
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level,
-                 drain_timeout_s=args.drain_timeout, model_name=args.served_model_name)
+                 drain_timeout_s=args.drain_timeout, model_name=args.served_model_name, limits=limits,
+                 unhealthy_after=args.unhealthy_after)
