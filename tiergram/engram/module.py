@@ -115,11 +115,17 @@ class Engram(nn.Module):
         """hidden [B, L, hc, d] and exactly one of row_ids int64 [B, L, H] (looked up in self.table) or
         rows [B, L, H, D] (already fetched) -> output [B, L, hc, d] in the module's dtype, to be added
         to the residual; with return_gates=True, (output, gates [B, L, hc])."""
-        hidden, e = self._inputs(hidden, row_ids, rows)
-        gates = self._gates(hidden, e)
-        value = gates.unsqueeze(-1) * self.value_proj(e).unsqueeze(2)  # one value, gated per branch
+        value, gates = self.gated_value(hidden, row_ids, rows)
         out = value if self.short_conv is None else value + self.short_conv(value)
         return (out, gates) if return_gates else out
+
+    def gated_value(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gated value [B, L, hc, d] before the short conv, gates [B, L, hc]): the part of forward() that needs
+        no neighbouring positions (callers that carry the conv's lookback across chunks run the conv themselves)."""
+        hidden, e = self._inputs(hidden, row_ids, rows)
+        gates = self._gates(hidden, e)
+        return gates.unsqueeze(-1) * self.value_proj(e).unsqueeze(2), gates  # one value, gated per branch
 
     def gates(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
               rows: torch.Tensor | None = None) -> torch.Tensor:

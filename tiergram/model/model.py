@@ -137,9 +137,7 @@ def engram_step(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_p
     """Engram.forward that carries the short conv's lookback across chunks: hidden [B, T, 1, d],
     rows [B, T, H, D], conv_past [B, W', 1, d] -> (out [B, T, 1, d], new lookback [B, W, 1, d] | None)."""
     t = hidden.shape[1]
-    gates = engram.gates(hidden, rows=rows)  # [B, T, hc]
-    e = rows.to(engram.value_proj.weight).flatten(-2)  # [B, T, H*D]
-    value = gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2)  # [B, T, hc, d]
+    value = engram.gated_value(hidden, rows=rows)[0]  # [B, T, hc, d]
     if engram.short_conv is None:
         return value, None
     ctx = value if conv_past is None else torch.cat([conv_past, value], dim=1)
@@ -153,10 +151,7 @@ def engram_paged(engram: Engram, x: torch.Tensor, given: EngramInput, ctx: StepC
     after its lookback (ctx.conv[b][layer]), which is advanced. Skipped positions (given.keep 0) get a zero value
     (as the short conv sees it) and a zero output."""
     rows, keep, layout = given.rows.to(x.device), given.keep, ctx.layout
-    hidden, r = x[None, :, None, :], rows[None]  # [1, N, 1, d], [1, N, H, D]
-    gates = engram.gates(hidden, rows=r)  # [1, N, 1]
-    e = r.to(engram.value_proj.weight).flatten(-2)
-    value = (gates.unsqueeze(-1) * engram.value_proj(e).unsqueeze(2))[0]  # [N, 1, d]
+    value = engram.gated_value(x[None, :, None, :], rows=rows[None])[0][0]  # [N, 1, d]
     if keep is not None:
         value = value * keep.to(value.dtype)[:, None, None]
     if engram.short_conv is None:
