@@ -187,7 +187,8 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationRepo
     from tiergram.corpus import PAD, corpus_dir, load_tokenizer
     from tiergram.model.checkpoint import load_pretrained, write_json
     from tiergram.model.evaluate import eval_documents, score_documents
-    from tiergram.model.train import TrainConfig, pick_device, train
+    from tiergram.model.train import TrainConfig, train
+    from tiergram.tiers.device import resolve_device
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,7 +204,7 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationRepo
         raise ValueError(f"the validation split of {corpus} has no documents")
     doc_sums: dict[tuple[float, int], np.ndarray] = {}
     counts = np.zeros(len(docs))
-    device = pick_device(cfg.device)
+    device = resolve_device(cfg.device)
     bar = tqdm(points, desc="allocation sweep", unit="model", disable=not progress)
     for point, mconfig in bar:
         bar.set_postfix(share=f"{point.share:.0%}", seed=point.seed, experts=point.n_experts)

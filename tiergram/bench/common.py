@@ -9,6 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+# serving acceptance: tokens/s of a placement as a fraction of the reference placement's, in the same run
+HOST_TARGET = 0.97  # host tables (DRAM; UVA on a GPU) against tables resident in device memory
+FILE_TARGET = 0.90  # file tables (SSD) against host tables
+
 
 def cache_dir(sub: str = "") -> Path:
     """tiergram's cache folder ($TIERGRAM_CACHE or ~/.cache/tiergram), created on demand."""

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiergram.bench.common import HOST_TARGET
 from tiergram.format.ids import check_in_range
 from tiergram.kernels import RowLayout, pick_backend
 from tiergram.kernels.gather import launch_unchecked
@@ -177,7 +178,6 @@ def store_step(cfg: GpuBenchConfig, dev: torch.device, positions: int = 64) -> d
     return {"positions": positions, "ms_per_step": dt / steps * 1e3, "hit_rate": s["hit_rate"]}
 
 
-HOST_TARGET = 0.97  # engine throughput, host placement (UVA) as a fraction of resident tables
 DECODE_PLACEMENTS = ("device", "host", "file")
 
 

@@ -36,10 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import cache_dir, save_figure
+from tiergram.bench.common import FILE_TARGET, HOST_TARGET, cache_dir, save_figure
 
 PLACEMENTS = ("device", "host", "file")
-HOST_TARGET, FILE_TARGET = 0.97, 0.90
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-TIERS = ("memory", "host", "file")
+TIERS = ("memory", "host", "file")  # mirrors model.checkpoint.TIERS without importing torch (checked by a test)
 
 
 def _count(text: str) -> int:
@@ -104,9 +104,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tiergram.corpus import corpus_dir
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.evaluate import evaluate, format_eval
-    from tiergram.model.train import pick_device
+    from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=pick_device(args.device))
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.dir} has no tokenizer.json to tokenize the evaluation text with")
     corpus = Path(args.corpus) if args.corpus else corpus_dir()
@@ -130,9 +130,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tiergram.corpus import EOT
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.generate import generate
-    from tiergram.model.train import pick_device
+    from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=pick_device(args.device),
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device),
                                        cache_bytes=args.cache_bytes)
     if tokenizer is None:
         raise ValueError(f"{args.dir} has no tokenizer.json")

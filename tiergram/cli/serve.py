@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+# mirror engine.config.PLACEMENT_KINDS and cache.POLICIES (kept here so that `tiergram --help` imports no torch;
+# tests/test_one_of_each.py checks that they agree)
 PLACEMENTS = ("device", "host", "file")
 CACHE_POLICIES = ("lru", "lookahead", "lfu")
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -61,12 +63,10 @@ def engine_config(args: argparse.Namespace):
 
 
 def _device(name: str) -> str:
-    """'auto' -> cuda when torch sees a GPU, else cpu; any other name as given."""
-    if name == "auto":
-        import torch
+    """'auto' -> cuda when torch sees a GPU, else cpu; any other name as resolve_device checks it."""
+    from tiergram.tiers.device import resolve_device  # torch only when the command runs
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+    return str(resolve_device(name))
 
 
 def register(sub: argparse._SubParsersAction) -> None:

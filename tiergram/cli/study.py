@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tiergram.cli.model import _count
-
-TIERS = ("memory", "host", "file")
+from tiergram.cli.model import TIERS, _count
 
 
 def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) -> None:
@@ -111,9 +109,9 @@ def _load(args: argparse.Namespace):
 
     from tiergram.corpus import corpus_dir
     from tiergram.model.checkpoint import load_pretrained
-    from tiergram.model.train import pick_device
+    from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=pick_device(args.device))
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.dir} has no tokenizer.json")
     if not model.engram_layers:
@@ -223,9 +221,9 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
     from tiergram.analysis.trace import load_windows
     from tiergram.corpus import corpus_dir
     from tiergram.model.checkpoint import load_pretrained
-    from tiergram.model.train import pick_device
+    from tiergram.tiers.device import resolve_device
 
-    device = pick_device(args.device)
+    device = resolve_device(args.device)
     a, tok_a = load_pretrained(args.a, device=device)
     b, tok_b = load_pretrained(args.b, device=device)
     if tok_a is None or tok_b is None or tok_a.to_str() != tok_b.to_str():

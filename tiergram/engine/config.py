@@ -8,9 +8,9 @@ from typing import Any
 
 from tiergram.cache import POLICIES
 from tiergram.format import CODEC_IDS
+from tiergram.tiers.file import FILE_MODES
 
 PLACEMENT_KINDS = ("device", "host", "file")
-FILE_MODES = ("direct", "buffered", "mmap")
 
 
 @dataclass

@@ -27,6 +27,7 @@ from tiergram.model.config import ModelConfig, preset
 from tiergram.model.data import WindowSampler, tokenize_split
 from tiergram.model.model import EngramLM, make_hasher
 from tiergram.model.moe import aux_loss as moe_aux_loss
+from tiergram.tiers.device import resolve_device
 
 LOG = "train_log.jsonl"
 PROBE_STEPS = (2, 10)  # a time budget sizes the schedule from the mean time of these steps of the first run
@@ -69,13 +70,6 @@ class TrainConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no training run in {out} (no train_config.json) to resume")
         return cls(**{**json.loads(path.read_text()), "out": str(out)})
-
-
-def pick_device(name: str) -> torch.device:
-    """'auto' -> cuda if available else cpu; otherwise the named device."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def model_config_for(cfg: TrainConfig, tokenizer: Any) -> ModelConfig:
@@ -141,7 +135,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     elif ckpt_path.exists():
         raise FileExistsError(f"{out} already holds a training checkpoint; pass --resume or another --out")
     out.mkdir(parents=True, exist_ok=True)
-    device = pick_device(cfg.device)
+    device = resolve_device(cfg.device)
     corpus = Path(cfg.corpus) if cfg.corpus else corpus_dir()
     tok_path = corpus / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path)

@@ -44,8 +44,11 @@ def _default_device() -> torch.device:
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """A torch.device with an index for CUDA; None means the current GPU, or the CPU without one."""
-    dev = torch.device(device) if device is not None else _default_device()
+    """A torch.device with an index for CUDA; None or 'auto' means the current GPU, or the CPU without one.
+
+    The one device resolver: every command's --device (auto, cpu, cuda, cuda:1, ...) goes through it.
+    """
+    dev = torch.device(device) if device is not None and device != "auto" else _default_device()
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("a CUDA device was asked for but torch.cuda.is_available() is False")

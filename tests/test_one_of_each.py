@@ -1,0 +1,39 @@
+"""One of each thing: one device resolver, constants defined once (or mirrored and checked where the CLI must
+stay free of torch), every table file called .tgram."""
+
+from __future__ import annotations
+
+import torch
+
+from tiergram.bench import common, gpu, serve
+from tiergram.cache import POLICIES
+from tiergram.cli import model as cli_model
+from tiergram.cli import serve as cli_serve
+from tiergram.cli import study as cli_study
+from tiergram.engine import config as engine_config
+from tiergram.model import checkpoint
+from tiergram.tiers import file as file_tier
+from tiergram.tiers.device import resolve_device
+
+
+def test_auto_device_resolves_like_none() -> None:
+    """'auto' is the current GPU, or the CPU without one; the training command uses the same resolver."""
+    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert resolve_device("auto") == resolve_device(None) == want
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert cli_serve._device("auto") == str(want)
+
+
+def test_constants_have_one_owner() -> None:
+    """Imported from their owner, not copied."""
+    assert engine_config.FILE_MODES is file_tier.FILE_MODES
+    assert gpu.HOST_TARGET is common.HOST_TARGET and serve.HOST_TARGET is common.HOST_TARGET
+    assert serve.FILE_TARGET is common.FILE_TARGET
+    assert cli_study.TIERS is cli_model.TIERS
+
+
+def test_cli_mirrors_agree_with_their_owners() -> None:
+    """The CLI keeps its choices torch-free; they must name exactly what the owners accept."""
+    assert set(cli_serve.PLACEMENTS) == set(engine_config.PLACEMENT_KINDS)
+    assert set(cli_serve.CACHE_POLICIES) == set(POLICIES)
+    assert tuple(cli_model.TIERS) == tuple(checkpoint.TIERS)
