@@ -15,8 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 NETNS_ENV = "TIERGRAM_NETNS"  # set to 1 inside the namespace run_in_netns creates
 _PR_SET_PDEATHSIG = 1
@@ -199,3 +202,192 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "holder":
         sys.exit(_holder_main(sys.argv[2], int(sys.argv[3])))
     sys.exit(f"usage: python -m tiergram.bench.remote holder MASTER SEGMENT_BYTES (got {sys.argv[1:]})")
+
+
+# -- tiergram bench lookup --tier mooncake --------------------------------------------------------------------
+
+BATCHES = (1, 256, 1024, 4096)
+SYSTEMS = ("mooncake_engramstore", "mooncake_raw", "tiergram_mooncake", "tiergram_mooncake_cache10",
+           "tiergram_file", "file_limit", "tiergram_host")
+
+
+@dataclass
+class RemoteLookupConfig:
+    """Geometry of the side-by-side benchmark: one head (a batch of n rows is n ids), fp32 rows as EngramStore's."""
+
+    rows: int = 65536
+    dim: int = 256
+    batches: tuple[int, ...] = BATCHES
+    dists: tuple[str, ...] = ("uniform", "zipf")
+    calls: int = 12  # timed calls per system, batch size and distribution (interleaved)
+    warmup_calls: int = 4  # untimed calls first (they fill tiergram's cache)
+    cache_fraction: float = 0.10
+    seed: int = 0
+
+
+def _bench_file(cfg: RemoteLookupConfig, progress: bool) -> tuple[Path, np.ndarray]:
+    """The benchmark table file (fp32, one head, N(0,1) values) in the bench cache and its values [rows, D]."""
+    from tiergram.bench.common import cache_dir
+    from tiergram.format import TableFile, TableManifest, create_table
+
+    values = np.random.default_rng(cfg.seed).standard_normal((cfg.rows, cfg.dim)).astype(np.float32)
+    path = cache_dir("bench") / f"bench-remote-fp32-{cfg.rows}x{cfg.dim}-s{cfg.seed}.tgram"
+    m = TableManifest(codec="fp32", dim=cfg.dim, head_rows=(cfg.rows,),
+                      provenance={"tool": "tiergram bench lookup --tier mooncake", "init": f"normal, seed {cfg.seed}"})
+    try:
+        if TableFile.open(path).manifest == m:
+            return path, values
+    except (OSError, ValueError):
+        pass
+    create_table(path, m, lambda s, n: values[s:s + n], progress=progress)
+    return path, values
+
+
+def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -> dict:
+    """Start a local cluster, put the same table into Mooncake's EngramStore and tiergram's mooncake tier, and
+    time every system on the same ids, interleaved: rows/s, p50 and p99 ms per batch size and distribution."""
+    from mooncake.store import EngramStore, EngramStoreConfig
+    from tqdm import tqdm
+
+    from tiergram.bench.common import draw_ids
+    from tiergram.store import TieredTable
+    from tiergram.tiers.mooncake import connect, push_table
+
+    path, values = _bench_file(cfg, progress)
+    table_bytes = cfg.rows * cfg.dim * 4
+    segment = 3 * table_bytes + (64 << 20)  # EngramStore's copy, tiergram's pages (4 KiB per 3 rows at D=256)
+    results: dict[str, Any] = {}
+    with LocalCluster(work_dir / "mooncake-logs", holders=1, segment_bytes=segment) as cluster:
+        store = connect(cluster.master_addr, buffer_bytes=256 << 20)
+        ecfg = EngramStoreConfig()
+        ecfg.embedding_dim, ecfg.table_vocab_sizes = cfg.dim, [cfg.rows]
+        engram = EngramStore(0, ecfg, store)
+        engram.populate([values])
+        uri = push_table(path, cluster.master_addr, "bench", progress=progress, store=store)
+        m_rows = cfg.rows
+        row_bytes = cfg.dim * 4
+        cache_bytes = int(cfg.cache_fraction * m_rows * row_bytes)
+        tables = {
+            "tiergram_mooncake": TieredTable(uri, tier="mooncake", remote_options={"store": store}),
+            "tiergram_mooncake_cache10": TieredTable(uri, tier="mooncake", cache_bytes=cache_bytes,
+                                                     remote_options={"store": store}),
+            "tiergram_file": TieredTable(path, tier="file"),
+            "tiergram_host": TieredTable(path, tier="host"),
+        }
+        raw_tier = tables["tiergram_mooncake"].tier
+        manifest = raw_tier.manifest
+        limit_buf = aligned_empty_pages(max(cfg.batches) * manifest.page_size)
+        reader = tables["tiergram_file"].tier.reader
+
+        def pages_of(ids: np.ndarray) -> np.ndarray:
+            return np.unique(ids.reshape(-1) // manifest.rows_per_page)
+
+        def raw_get(ids: np.ndarray) -> None:  # Mooncake's batch_get_into of the same pages, unverified
+            pages = pages_of(ids)
+            buf = raw_tier._staging(pages.size * manifest.page_size)
+            ps = manifest.page_size
+            keys = [f"tiergram/bench/p{p}" for p in pages]
+            store.batch_get_into(keys, [buf.ctypes.data + i * ps for i in range(pages.size)], [ps] * pages.size)
+
+        calls: dict[str, Any] = {
+            "mooncake_engramstore": lambda ids: engram.lookup(ids.reshape(1, -1, 1)),
+            "mooncake_raw": raw_get,
+            "file_limit": lambda ids: reader.read_pages(pages_of(ids), limit_buf[: pages_of(ids).size
+                                                                                 * manifest.page_size]),
+            **{name: (lambda ids, t=t: t.lookup(ids.reshape(-1, 1))) for name, t in tables.items()},
+        }
+        # the outputs agree before anything is timed
+        probe = np.arange(0, m_rows, max(1, m_rows // 97), dtype=np.int64)
+        want = engram.lookup(probe.reshape(1, -1, 1)).reshape(-1, cfg.dim)
+        for name, t in tables.items():
+            got = t.lookup(probe.reshape(-1, 1)).reshape(-1, cfg.dim).numpy()
+            if not np.array_equal(got, want):
+                raise AssertionError(f"{name} returned rows that differ from Mooncake's EngramStore")
+        rng = np.random.default_rng(cfg.seed + 1)
+        heads = np.array([m_rows], dtype=np.int64)
+        total = len(cfg.dists) * len(cfg.batches) * (cfg.calls + cfg.warmup_calls)
+        bar = tqdm(total=total, unit="round", disable=not progress, desc="mooncake lookup")
+        times: dict[tuple[str, int, str], list[float]] = {}
+        for dist in cfg.dists:
+            for batch in cfg.batches:
+                for k in range(cfg.warmup_calls + cfg.calls):
+                    ids = draw_ids(dist, (batch, 1), heads, rng)
+                    order = list(calls) if k % 2 == 0 else list(calls)[::-1]  # interleaved, alternating order
+                    for name in order:
+                        t0 = time.perf_counter()
+                        calls[name](ids)
+                        dt = time.perf_counter() - t0
+                        if k >= cfg.warmup_calls:
+                            times.setdefault((name, batch, dist), []).append(dt)
+                    bar.update(1)
+        bar.close()
+        for dist in cfg.dists:
+            per: dict[str, dict[str, dict[str, float]]] = {}
+            for name in calls:
+                per[name] = {}
+                for batch in cfg.batches:
+                    ts = np.asarray(times[(name, batch, dist)])
+                    per[name][str(batch)] = {"rows_per_s": batch * ts.size / ts.sum(),
+                                             "p50_ms": float(np.percentile(ts, 50) * 1e3),
+                                             "p99_ms": float(np.percentile(ts, 99) * 1e3)}
+            results[dist] = per
+        stats = {name: t.stats() for name, t in tables.items() if name.startswith("tiergram_mooncake")}
+        for t in tables.values():
+            t.close()
+        engram.remove_from_store(force=True)
+        store.close()
+    u = results[cfg.dists[0]]
+    return {
+        "mooncake_engramstore_rows_per_s": u["mooncake_engramstore"]["1024"]["rows_per_s"]
+        if 1024 in cfg.batches else None,
+        "tiergram_rows_per_s": u["tiergram_mooncake"]["1024"]["rows_per_s"] if 1024 in cfg.batches else None,
+        "headline_dist": cfg.dists[0],
+        "per_dist": results,
+        "cache_stats": {k: {"hit_rate": v.get("hit_rate"), "remote": v.get("remote")} for k, v in stats.items()},
+        "config": asdict(cfg),
+    }
+
+
+def aligned_empty_pages(nbytes: int) -> np.ndarray:
+    """A 4096-aligned uint8 buffer (O_DIRECT reads need one)."""
+    from tiergram.tiers.aligned import aligned_empty
+
+    return aligned_empty(nbytes)
+
+
+def lookup_to_text(res: dict) -> str:
+    """One table per distribution: rows/s and p50/p99 ms of each system at each batch size."""
+    cfg = res["config"]
+    lines = [f"lookup side by side: one head x {cfg['rows']} rows, D={cfg['dim']} fp32, {cfg['calls']} timed calls per "
+             f"point (interleaved), Mooncake over loopback in a private network namespace"]
+    for dist, per in res["per_dist"].items():
+        lines.append(f"\n{dist} ids: rows/s (p50 / p99 ms)")
+        lines.append(f"{'system':<28}" + "".join(f"{b:>24}" for b in cfg["batches"]))
+        for name, by_batch in per.items():
+            cells = "".join(f"{d['rows_per_s']:>10,.0f} ({d['p50_ms']:6.2f}/{d['p99_ms']:6.2f})"
+                            for d in by_batch.values())
+            lines.append(f"{name:<28}{cells}")
+        eng = per["mooncake_engramstore"]
+        def ratio(name: str, b: int, per=per, eng=eng) -> float:
+            return per[name][str(b)]["rows_per_s"] / eng[str(b)]["rows_per_s"]
+
+        ratios = "  ".join(f"{b}: {ratio('tiergram_mooncake', b):.2f}x / {ratio('tiergram_mooncake_cache10', b):.2f}x"
+                           for b in cfg["batches"])
+        lines.append(f"tiergram mooncake vs EngramStore (no cache / 10% cache): {ratios}")
+    lines.append("file_limit: the native reader's O_DIRECT reads of the same pages (the disk's limit for "
+                 "tiergram_file); mooncake_raw: Mooncake's batch_get_into of the same pages, unverified")
+    return "\n".join(lines)
+
+
+def cmd_lookup(args: Any) -> int:
+    """`tiergram bench lookup --tier mooncake`: re-run inside a private network namespace when not in one."""
+    import json
+    import tempfile
+
+    if not private_netns():
+        return run_in_netns([sys.executable, "-m", "tiergram", *sys.argv[1:]]).returncode
+    cfg = RemoteLookupConfig(rows=args.rows_per_head or 65536, dim=args.dim, calls=max(2, args.rounds * 3))
+    with tempfile.TemporaryDirectory(prefix="tiergram-bench-remote-") as tmp:
+        res = run_lookup(cfg, Path(tmp), progress=not args.json)
+    print(json.dumps(res, indent=2) if args.json else lookup_to_text(res))
+    return 0

@@ -12,7 +12,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     lk = bsub.add_parser("lookup", help="row lookup rate: host tier against the memcpy-gather limit and numpy; "
                                         "file tier against the device's limit, Python threads and mmap")
-    lk.add_argument("--tier", default="host", choices=["host", "file"], help="tier to read from")
+    lk.add_argument("--tier", default="host", choices=["host", "file", "mooncake"],
+                    help="tier to read from (mooncake: side by side with Mooncake's EngramStore, docs/remote.md)")
     lk.add_argument("--positions", type=int, default=None,
                     help="token positions per lookup call (default: 2048 host, 256 file)")
     lk.add_argument("--rows-per-head", type=int, default=None,
@@ -136,6 +137,10 @@ def _size(text: str) -> int:
 def cmd_lookup(args: argparse.Namespace) -> int:
     if args.tier == "file":
         return cmd_lookup_file(args)
+    if args.tier == "mooncake":
+        from tiergram.bench import remote  # optional dependency (the remote extra)
+
+        return remote.cmd_lookup(args)
     cfg = lookup.LookupBenchConfig(heads=args.heads, rows_per_head=args.rows_per_head or 65537, dim=args.dim,
                                    codec=args.codec, positions=args.positions or 2048, dtype=args.dtype,
                                    rounds=args.rounds, seconds=(args.min_time or 1.0) / args.rounds,
