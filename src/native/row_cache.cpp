@@ -1,6 +1,7 @@
 // The native row cache (see row_cache.h): LRU over a slot array, with the Python reference's decisions.
 #include "row_cache.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <string>
@@ -86,7 +87,10 @@ void NativeRowCache::place(int64_t slot, int64_t key, const uint8_t *src) {
 
 void NativeRowCache::probe_locked(const int64_t *keys, size_t n, int64_t *slots) {
   uint64_t hits = 0;
+  constexpr size_t kAhead = 8;  // index buckets in flight: a large cache's index is DRAM-latency bound
+  for (size_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(&hkeys_[home(keys[i])]);
   for (size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) __builtin_prefetch(&hkeys_[home(keys[i + kAhead])]);
     const int64_t slot = find(keys[i]);
     slots[i] = slot;
     if (slot < 0) continue;
