@@ -56,12 +56,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def running(model_dir: Path, placement: Placement | str = "host", hook=None, **engine_kw):
+def running(model_dir: Path, placement: Placement | str = "host", hook=None, app_kw=None, **engine_kw):
     """A real LLMEngine behind uvicorn on a free loopback port, in a thread; yields the base URL."""
     engine = LLMEngine(EngineConfig(str(model_dir), placement, **engine_kw))
     if hook is not None:
         hook(engine)
-    app = create_app(engine)
+    app = create_app(engine, **(app_kw or {}))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))

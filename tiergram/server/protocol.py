@@ -319,7 +319,8 @@ def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vo
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = min(16, room) if req.kind == "completion" else room
-        check_max_tokens(len(ids), max_tokens, max_model_len)
+        check_max_tokens(len(ids), max_tokens, max_model_len,
+                         "forced_tokens" if req.params.forced_tokens is not None else "max_tokens")
     except RequestError as e:
         raise bad(str(e), e.param, e.code) from None
     req.prompt_token_ids = list(ids)
