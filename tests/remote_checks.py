@@ -289,3 +289,19 @@ def test_compat_engramstore_matches_mooncakes_own_on_every_tier(cluster, client,
             store.close()
         theirs.remove_from_store(force=True)
     assert theirs.remove_from_store(force=True) == 0
+
+
+def test_engine_serves_a_layer_from_mooncake_with_the_same_tokens(cluster, tmp_path):
+    from test_engine import GREEDY, PROMPTS, engine, expected, make_model_dir
+
+    from tiergram.engine.config import Placement
+
+    model_dir = make_model_dir(tmp_path / "model")
+    placement = {0: Placement("mooncake", codec="fp32", master=cluster.master_addr, cache_bytes=4096),
+                 1: Placement("mooncake", codec="fp32", master=cluster.master_addr)}
+    with engine(model_dir, placement, max_num_batched_tokens=16) as eng:
+        assert eng.generate(PROMPTS, GREEDY) == expected(model_dir, PROMPTS)
+        per_layer = eng.metrics().engram["per_layer"]
+        assert all(sum(s["bytes_read"].values()) > 0 for s in per_layer.values())
+    with engine(model_dir, placement, max_num_batched_tokens=16) as eng:  # the pushed tables are reused
+        assert eng.generate(PROMPTS[:1], GREEDY) == expected(model_dir, PROMPTS[:1])

@@ -60,3 +60,13 @@ def test_remote_checks_in_a_private_network_namespace():
     summary = "\n".join(line for line in r.stdout.splitlines() if not line.startswith(("I1", "W1", "E1")))
     assert r.returncode == 0, f"remote checks failed (exit {r.returncode}):\n{summary[-8000:]}\n{r.stderr[-4000:]}"
     assert " passed" in summary and "skipped" not in summary
+
+
+def test_mooncake_placement_needs_a_master():
+    from tiergram.engine.config import Placement
+
+    assert Placement("mooncake", master="127.0.0.1:50051", cache_bytes=4096).cache_bytes == 4096
+    with pytest.raises(ValueError, match="needs master"):
+        Placement("mooncake")
+    with pytest.raises(ValueError, match="needs master"):
+        Placement("file", master="127.0.0.1:50051")

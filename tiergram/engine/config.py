@@ -10,7 +10,7 @@ from tiergram.cache import POLICIES
 from tiergram.format import CODEC_IDS
 from tiergram.tiers.file import FILE_MODES
 
-PLACEMENT_KINDS = ("device", "host", "file")
+PLACEMENT_KINDS = ("device", "host", "file", "mooncake")
 
 
 @dataclass
@@ -65,6 +65,7 @@ class Placement:
     cache_policy: str = "lru"  # file only: lru | lfu | lookahead (the engine announces one step ahead only)
     codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
+    master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
 
     def __post_init__(self) -> None:
         if self.kind not in PLACEMENT_KINDS:
@@ -77,9 +78,12 @@ class Placement:
             raise ValueError(f"unknown file_mode {self.file_mode!r} (valid: {', '.join(FILE_MODES)})")
         if isinstance(self.cache_bytes, bool) or int(self.cache_bytes) != self.cache_bytes or self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an integer >= 0, got {self.cache_bytes!r}")
-        if self.cache_bytes and self.kind != "file":
+        if self.cache_bytes and self.kind not in ("file", "mooncake"):
             raise ValueError(f"a {self.kind} placement has the whole table in memory: cache_bytes applies to "
-                             "placement 'file' only")
+                             "placements 'file' and 'mooncake' only")
+        if (self.kind == "mooncake") != bool(self.master):
+            raise ValueError("placement 'mooncake' needs master (HOST:PORT of the mooncake_master), and only it "
+                             f"takes one; got kind {self.kind!r}, master {self.master!r}")
 
     @classmethod
     def from_any(cls, obj: Placement | str | dict[str, Any]) -> Placement:

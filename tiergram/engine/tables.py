@@ -46,6 +46,14 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
     the UVA kernel (pinned host memory) behind an HBM cache of `cache_bytes`; on the CPU, TieredTable."""
     if placement.kind == "device":
         return DeviceTable(path, device=device, tier="device")
+    if placement.kind == "mooncake":
+        if device.type == "cuda":
+            raise ValueError("placement 'mooncake' is served by the CPU engine only (the GPU path reads host or "
+                             "file tables)")
+        from tiergram.tiers.mooncake import ensure_pushed  # optional dependency (the remote extra)
+
+        return TieredTable(ensure_pushed(path, placement.master), tier="mooncake", cache_bytes=placement.cache_bytes,
+                           cache_policy=placement.cache_policy)
     if device.type == "cuda":
         return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
                            cache_policy=placement.cache_policy, file_mode=placement.file_mode)

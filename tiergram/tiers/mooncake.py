@@ -12,6 +12,7 @@ object granularity.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import struct
 import threading
@@ -496,6 +497,28 @@ def push_table(path: str | os.PathLike, master: str, name: str | None = None, *,
         caller.close()
         if owns:
             store.close()
+    return table_uri(master, name)
+
+
+def ensure_pushed(path: str | os.PathLike, master: str, *, progress: bool = False) -> str:
+    """The URI of table file `path` in the store at master, pushing it first when the store lacks it.
+
+    The name is the file's stem and a digest of its manifest, size and modification time, so a re-exported table
+    gets a new name instead of the old copy. Push before starting several engines on one table: two first pushes
+    of the same name at once would race.
+    """
+    table = TableFile.open(path)
+    st = Path(path).stat()
+    digest = hashlib.sha256(manifest_blob(table) + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    name = f"{Path(path).stem}-{digest}"
+    store = connect(master)
+    try:
+        try:
+            fetch_manifest(store, name)
+        except FileNotFoundError:
+            push_table(path, master, name, progress=progress, store=store)
+    finally:
+        store.close()
     return table_uri(master, name)
 
 
