@@ -44,10 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--json", action="store_true", help="print the manifest as JSON")
     i.set_defaults(func=cmd_info)
 
-    v = tsub.add_parser("verify", help="check every page checksum; exit 0 when sound, 1 listing bad pages")
+    v = tsub.add_parser("verify", help="check every page checksum; exit 0 when sound, 1 listing bad pages",
+                        description="Check the header, the manifest, the file size and every page checksum. Exit "
+                                    "status 0: sound; 1: bad pages (listed on stderr); 2: the file cannot be opened "
+                                    "as a table (bad magic, version, header or manifest checksum, inconsistent "
+                                    "manifest, or a size other than data_offset + n_pages * page_size).")
     v.add_argument("file")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
     v.set_defaults(func=cmd_verify)
+
+    sh = tsub.add_parser("shm", help="list this user's shared /dev/shm table copies; --clean removes them")
+    sh.add_argument("--clean", action="store_true", help="remove them (processes mapping one keep it until exit)")
+    sh.set_defaults(func=cmd_shm)
 
     ps = tsub.add_parser("push", help="put a table file into Mooncake Store (docs/remote.md); prints its URI")
     ps.add_argument("file")
@@ -134,4 +142,18 @@ def cmd_push(args: argparse.Namespace) -> int:
     finally:
         store.close()
     print(uri)
+    return 0
+
+
+def cmd_shm(args: argparse.Namespace) -> int:
+    from tiergram.tiers.host import SHM_DIR, remove_shared_copies, shared_copies
+
+    if args.clean:
+        removed = remove_shared_copies()
+        print(f"removed {len(removed)} shared table cop{'y' if len(removed) == 1 else 'ies'} from {SHM_DIR}")
+        return 0
+    copies = shared_copies()
+    for path in copies:
+        print(f"{path}  {path.lstat().st_size} B")
+    print(f"{len(copies)} shared table cop{'y' if len(copies) == 1 else 'ies'} of this user in {SHM_DIR}")
     return 0

@@ -7,6 +7,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +53,11 @@ class HostTier:
                        m.codec_id, m.dim, out)
 
     def _map_shared(self, path: Path) -> np.ndarray:
-        with open(path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the copy just verified, not a link put in its place
+        try:
+            self._mmap = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
         start = self.table.data_offset
         return np.frombuffer(self._mmap, dtype=np.uint8, count=self.manifest.data_bytes, offset=start)
 
@@ -68,21 +72,111 @@ class HostTier:
             self._mmap = None
 
 
+SHM_PREFIX = "tiergram-"
+
+
 def shared_name(table: TableFile) -> str:
-    """The /dev/shm file name for a table: the same source file gives the same name in every process."""
+    """The /dev/shm file name for a table: the same source file gives the same name in every process of a user.
+
+    The name holds the user id, so another user cannot plant a copy under it (and a copy that is not ours, not
+    owner-only or not a plain file is never used: see _open_verified)."""
     st = table.path.resolve().stat()
     key = f"{table.path.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
-    return f"tiergram-{table.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.tgram"
+    return f"{SHM_PREFIX}{os.getuid()}-{table.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.tgram"
+
+
+def shared_copies(directory: Path = SHM_DIR) -> list[Path]:
+    """This user's shared table copies (and leftover temporary files) in `directory`, owned by this user."""
+    if not directory.is_dir():
+        return []
+    mine = f"{SHM_PREFIX}{os.getuid()}-"
+    out = []
+    for entry in sorted(directory.iterdir()):
+        try:
+            if entry.name.startswith(mine) and entry.lstat().st_uid == os.getuid():
+                out.append(entry)
+        except FileNotFoundError:  # removed meanwhile
+            continue
+    return out
+
+
+def remove_shared_copies(directory: Path = SHM_DIR) -> list[Path]:
+    """Remove this user's shared copies; a process still mapping one keeps its mapping until it exits."""
+    removed = []
+    for path in shared_copies(directory):
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _open_verified(dst: Path, table: TableFile, need: int) -> bool:
+    """Whether dst is a sound copy of `table` to reuse: a plain file of ours, owner-only, of the right size, the
+    source's header and manifest byte for byte, and every page's checksum right. A bad one is removed."""
+    try:
+        fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError as e:  # a symlink planted under our name (ELOOP), or not ours to open
+        raise OSError(f"{dst} exists but cannot be used as a shared table copy ({e}); remove it") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError(f"{dst} is not a private file of this user (mode {st.st_mode & 0o7777:o}, uid "
+                          f"{st.st_uid}); refusing to use it as a shared table copy")
+        sound = st.st_size == need
+        if sound:
+            with open(table.path, "rb") as src:
+                sound = os.pread(fd, table.data_offset, 0) == src.read(table.data_offset)
+        if sound:
+            mm = mmap.mmap(fd, need, prot=mmap.PROT_READ)
+            try:
+                view = np.frombuffer(mm, dtype=np.uint8, count=table.manifest.data_bytes, offset=table.data_offset)
+                sound = not _native.verify_pages(view, table.manifest.page_size, 0)
+                del view
+            finally:
+                mm.close()
+    finally:
+        os.close(fd)
+    if not sound:  # e.g. left half-written by a process killed mid-copy before the rename, or since damaged
+        dst.unlink(missing_ok=True)
+    return sound
 
 
 def _shared_copy(table: TableFile, *, progress: bool) -> Path:
-    """The verified /dev/shm copy of `table`, made once (temp file + rename) and reused by later processes."""
+    """The verified /dev/shm copy of `table`, made once (owner-only temp file + rename) and reused by later
+    processes of this user after checking it."""
     if not SHM_DIR.is_dir():
         raise OSError(f"{SHM_DIR} does not exist; shared host tables need a tmpfs there")
     dst = SHM_DIR / shared_name(table)
-    if dst.exists():
-        TableFile.open(dst)  # header, manifest and size still sound
+    need = table.data_offset + table.manifest.data_bytes
+    if _open_verified(dst, table, need):
         return dst
+    free = shutil.disk_usage(SHM_DIR).free
+    if free < need:
+        raise OSError(f"{SHM_DIR} has {free} bytes free, the table {table.path} needs {need}")
+    tmp = dst.with_name(f"{dst.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        # O_EXCL | O_NOFOLLOW: never write through a file or link someone else put there; 0600: only this user
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "r+b") as f:
+            f.truncate(need)
+            mm = mmap.mmap(f.fileno(), need)
+            try:
+                with open(table.path, "rb") as src:
+                    mm[: table.data_offset] = src.read(table.data_offset)
+                view = np.frombuffer(mm, dtype=np.uint8, count=table.manifest.data_bytes, offset=table.data_offset)
+                table.read_data(view, progress=progress)
+                del view  # the mapping cannot close while a view exports it
+            finally:
+                try:
+                    mm.close()
+                except BufferError:  # a failed read's traceback still holds the view: the error must win
+                    pass
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dst
     need = table.data_offset + table.manifest.data_bytes
     free = shutil.disk_usage(SHM_DIR).free
     if free < need:
