@@ -374,11 +374,13 @@ INCONSISTENT = [  # field, new value (or function of the old one), expected mess
     ("page_size", 1000, "page_size 1000"),
     ("data_offset", 100, "'data_offset' 100 is not a positive multiple"),
     ("data_offset", 0, "'data_offset' 0 is not a positive multiple"),
-    ("data_offset", lambda v: v + 1024, "truncated"),
+    ("data_offset", lambda v: v + 1024, "data_offset .* is not the first page boundary after the"),
     ("heads", [], "at least one row"),
     ("heads", {"rows": 1}, "field 'heads' must be a list"),
     ("format", "safetensors", "field 'format' is 'safetensors'"),
     ("version", 2, "field 'version' is 2; this reader knows version 1"),
+    ("version", True, "field 'version' is True; this reader knows version 1"),  # true == 1 in Python, not in JSON
+    ("version", 1.0, "field 'version' is 1.0; this reader knows version 1"),
     ("-n_pages", None, "lacks field 'n_pages'"),
     ("-codec", None, "lacks field 'codec'"),
     # wrongly typed fields: refused with the file's name, never a bare TypeError or a silent int()
@@ -408,6 +410,27 @@ def test_refuses_inconsistent_manifest(good, key, value, match):
 def test_refuses_manifest_that_is_not_an_object(good, body, match):
     rewrite_header(good, body)
     refuse(good, match)
+
+
+def test_refuses_data_offset_beyond_the_first_page_boundary(good):
+    """A file whose size matches a later data_offset is still refused: data starts at the first boundary."""
+    (_, _, ps, _, _, _), obj, blob = read_header(good)
+    old = obj["data_offset"]
+    obj["data_offset"] = old + ps
+    body = json.dumps(obj, sort_keys=True).encode()
+    head = struct.pack("<8sIIQI", b"TIERGRAM", 1, ps, len(body), native_crc(body))
+    head += struct.pack("<I", native_crc(head))
+    good.write_bytes(head + body + b"\0" * (old + ps - 32 - len(body)) + blob[old:])
+    refuse(good, f"data_offset {old + ps} is not the first page boundary after the {len(body)}-byte manifest "
+                 f"\\({old}\\)")
+
+
+def test_unknown_manifest_keys_are_ignored(good):
+    """docs/table-format.md: keys a reader does not know are ignored (writers may add their own)."""
+    _, obj, _ = read_header(good)
+    obj["written_by_a_newer_tool"] = {"anything": [1, 2]}
+    rewrite_header(good, obj)
+    assert TableFile.open(good).verify() == []
 
 
 def test_rewritten_consistent_manifest_still_opens(good):

@@ -49,8 +49,10 @@ def unpack_header(fd: int, path: str, file_bytes: int) -> tuple[TableManifest, i
     manifest, data_offset = TableManifest.from_json(obj, path)
     if manifest.page_size != page_size:
         raise TableFormatError(f"{path}: header page_size {page_size} disagrees with manifest {manifest.page_size}")
-    if data_offset < HEADER_BYTES + manifest_len:
-        raise TableFormatError(f"{path}: data_offset {data_offset} overlaps the manifest")
+    smallest = -(-(HEADER_BYTES + manifest_len) // page_size) * page_size
+    if data_offset != smallest:  # what every writer writes: the first page boundary after the manifest
+        raise TableFormatError(f"{path}: data_offset {data_offset} is not the first page boundary after the "
+                               f"{manifest_len}-byte manifest ({smallest})")
     want = data_offset + manifest.data_bytes
     if file_bytes != want:
         what = "truncated" if file_bytes < want else "has trailing bytes"

@@ -130,29 +130,27 @@ class TableManifest:
             raise bad("is not a JSON object")
         if obj.get("format") != FORMAT_NAME:
             raise bad(f"field 'format' is {obj.get('format')!r}, expected {FORMAT_NAME!r}")
-        if obj.get("version") != FORMAT_VERSION:
-            raise bad(f"field 'version' is {obj.get('version')!r}; this reader knows version {FORMAT_VERSION}")
+        version = obj.get("version")
+        if not _is_int(version) or version != FORMAT_VERSION:  # the integer 1: not true, not 1.0
+            raise bad(f"field 'version' is {version!r}; this reader knows version {FORMAT_VERSION}")
         for key in ("codec", "dim", "row_bytes", "page_size", "rows_per_page", "heads", "total_rows", "n_pages",
                     "data_offset"):
             if key not in obj:
                 raise bad(f"lacks field {key!r}")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         for key in ("dim", "row_bytes", "page_size", "rows_per_page", "total_rows", "n_pages", "data_offset"):
-            if not is_int(obj[key]):
+            if not _is_int(obj[key]):
                 raise bad(f"field {key!r} is {obj[key]!r}, expected an integer")
         if not isinstance(obj["codec"], str):
             raise bad(f"field 'codec' is {obj['codec']!r}, expected a string")
-        if obj.get("layer_id") is not None and not is_int(obj["layer_id"]):
+        if obj.get("layer_id") is not None and not _is_int(obj["layer_id"]):
             raise bad(f"field 'layer_id' is {obj['layer_id']!r}, expected an integer or null")
         if obj.get("hashing") is not None and not isinstance(obj["hashing"], dict):
             raise bad(f"field 'hashing' is {obj['hashing']!r}, expected an object or null")
         if obj.get("provenance") is not None and not isinstance(obj["provenance"], dict):
             raise bad(f"field 'provenance' is {obj['provenance']!r}, expected an object")
         heads = obj["heads"]
-        if not isinstance(heads, list) or not all(isinstance(h, dict) and is_int(h.get("rows")) for h in heads):
+        if not isinstance(heads, list) or not all(isinstance(h, dict) and _is_int(h.get("rows")) for h in heads):
             raise bad("field 'heads' must be a list of {'rows': N, 'row_offset': O}")
         try:
             m = cls(codec=obj["codec"], dim=obj["dim"], head_rows=tuple(h["rows"] for h in heads),
@@ -176,3 +174,8 @@ class TableManifest:
     def replace(self, **changes: Any) -> TableManifest:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
+
+
+def _is_int(v: Any) -> bool:
+    """A JSON integer: bool is an int subclass in Python but not an integer in a manifest."""
+    return isinstance(v, int) and not isinstance(v, bool)
