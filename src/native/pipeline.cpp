@@ -4,6 +4,8 @@
 #include <nanobind/stl/pair.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <utility>
@@ -154,28 +156,48 @@ struct Unpin {
   }
 };
 
-using Counts = nb::ndarray<int64_t, nb::c_contig, nb::device::cpu>;
+using Counts = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// Statistics are added into caller-owned counters atomically (several threads fetch from one table at once), so
+// that a lookup costs Python no bookkeeping per call.
+inline void add(int64_t *at, int64_t v) {
+  if (v) __atomic_fetch_add(at, v, __ATOMIC_RELAXED);
+}
+
+// Nanoseconds spent in fetch without the GIL, and calls, over the process (the benchmark's Python-time split).
+std::atomic<uint64_t> g_fetch_ns{0}, g_fetch_calls{0};
 
 int64_t fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
-              uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts counts) {
+              uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc, Counts tier_acc) {
   const Table t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
   const uint64_t H = t.n_heads, row_bytes = t.view.geo.row_bytes;
   require(cache == nullptr || cache->row_bytes() == row_bytes,
           "cache rows are " + std::to_string(cache ? cache->row_bytes() : 0) + " bytes, the table's " +
               std::to_string(row_bytes));
   require(ids.size() % H == 0, "row ids: last dimension must equal the table's " + std::to_string(H) + " heads");
-  require(counts.size() == 3 * H, "counts must be int64 [3, " + std::to_string(H) + "]");
+  require(acc.size() == 4 * H + 4, "acc must be int64 [4 * H + 4] = [" + std::to_string(4 * H + 4) + "]");
+  require(tier_acc.size() == 2, "tier_acc must be int64 [2]");
   const OutKind kind = out_kind(out);
   check_out_size(out, kind, ids.size(), dim, row_bytes);
   const int64_t *id = ids.data();
   const size_t n = ids.size();
-  int64_t *cnt = counts.data();
+  int64_t *sum = acc.data(), *tier_sum = tier_acc.data();
   void *dst = out.data();
 
   nb::gil_scoped_release release;
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Clock {
+    std::chrono::steady_clock::time_point t0;
+    ~Clock() {
+      g_fetch_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+      ++g_fetch_calls;
+    }
+  } clock{t0};
   check_ids(t.view, id, n);  // RowIndexError -> IndexError naming head, id and position
-  std::fill(cnt, cnt + 3 * H, 0);
-  if (n == 0) return 0;
+  if (n == 0) {
+    add(sum + 4 * H, 1);
+    return 0;
+  }
   require(n < (uint64_t{1} << 32), "a lookup of " + std::to_string(n) + " ids is over the 2^32 limit");
   Dedup d;
   dedup(t, id, n, d);
@@ -216,9 +238,23 @@ int64_t fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offs
   }
   gather_located(rows.data(), d.which.data(), n, kind, codec, dim, row_bytes, dst);
 
-  for (size_t u = 0; u < uniq.size(); ++u) ++cnt[d.head[u]];
-  for (size_t u : miss_u) ++cnt[2 * H + d.head[u]];
-  for (uint64_t h = 0; h < H; ++h) cnt[H + h] = cnt[h] - cnt[2 * H + h];
+  // acc: ids [H], distinct rows [H], hits [H], misses [H], then lookups, pages, hit rows, miss rows
+  std::vector<int64_t> per_head(2 * H, 0);
+  for (size_t u = 0; u < uniq.size(); ++u) ++per_head[d.head[u]];
+  for (size_t u : miss_u) ++per_head[H + d.head[u]];
+  const int64_t positions = static_cast<int64_t>(n / H);
+  for (uint64_t h = 0; h < H; ++h) {
+    add(sum + h, positions);
+    add(sum + H + h, per_head[h]);
+    add(sum + 2 * H + h, per_head[h] - per_head[H + h]);
+    add(sum + 3 * H + h, per_head[H + h]);
+  }
+  add(sum + 4 * H, 1);
+  add(sum + 4 * H + 1, static_cast<int64_t>(pages.size()));
+  add(sum + 4 * H + 2, static_cast<int64_t>(uniq.size() - miss.size()));
+  add(sum + 4 * H + 3, static_cast<int64_t>(miss.size()));
+  add(tier_sum, static_cast<int64_t>(miss.size()));
+  add(tier_sum + 1, static_cast<int64_t>(pages.size()));
   return static_cast<int64_t>(pages.size());
 }
 
@@ -260,11 +296,16 @@ std::pair<int64_t, int64_t> warm(PageSource &src, NativeRowCache &cache, IdsIn i
 void register_pipeline(nb::module_ &m) {
   m.def("fetch", &fetch, nb::arg("reader"), nb::arg("cache").none(), nb::arg("ids").noconvert(),
         nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
-        nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("counts").noconvert(),
+        nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("acc").noconvert(),
+        nb::arg("tier_acc").noconvert(),
         "Rows of per-head ids int64 [N, H] into out [N, H, D] (f32/bf16) or uint8 [N, H, row_bytes], through the "
-        "cache (None: no cache) and the reader, in one call without the GIL. counts (int64 [3, H]) receives the "
-        "distinct rows, hits and misses per head; returns the pages read. IndexError names head and id; a page "
-        "that cannot be read raises PageReadError and admits nothing.");
+        "cache (None: no cache) and the reader, in one call without the GIL. Adds (atomically) into acc int64 "
+        "[4H + 4] the ids, distinct rows, hits and misses per head, then lookups, pages read, hit rows and miss "
+        "rows; into tier_acc int64 [2] rows and pages read. Returns the pages read. IndexError names head and id; "
+        "a page that cannot be read raises PageReadError and admits nothing.");
+  m.def(
+      "fetch_timing", []() { return std::make_pair(g_fetch_calls.load(), g_fetch_ns.load()); },
+      "(calls, nanoseconds) of fetch without the GIL, over the process.");
   m.def("warm", &warm, nb::arg("reader"), nb::arg("cache"), nb::arg("ids").noconvert(),
         nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
         nb::arg("codec"), nb::arg("dim"),

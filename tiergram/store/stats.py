@@ -22,11 +22,17 @@ class StoreStats:
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     pages_read: int = 0
     warmed_rows: int = 0  # rows read into the cache ahead of their lookup (TieredTable.warm)
+    page_size: int = 0  # bytes per page read (for the native counters' file bytes)
+    cached: bool = False  # whether lookups go through a cache (the native counters' cache bytes)
+    # What the native fetch pipeline adds itself, atomically, without the GIL: ids, distinct rows, hits, misses
+    # per head [4 * H], then lookups, pages read, hit rows, miss rows. snapshot() folds it in.
+    native: np.ndarray = field(init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("ids", "unique", "hits", "misses"):
             setattr(self, name, np.zeros(self.n_heads, dtype=np.int64))
+        self.native = np.zeros(4 * self.n_heads + 4, dtype=np.int64)
 
     def record(self, *, ids: np.ndarray, unique: np.ndarray | None = None, hits: np.ndarray | None = None,
                misses: np.ndarray | None = None, tier_bytes: dict[str, int] | None = None, pages: int = 0) -> None:
@@ -52,22 +58,30 @@ class StoreStats:
     def snapshot(self) -> dict:
         """Totals, per-head lists and derived ratios (hit rate, read amplification)."""
         with self._lock:
-            probed = int(self.hits.sum() + self.misses.sum())
-            needed = int(self.misses.sum()) * self.row_bytes
-            file_bytes = self.bytes_by_tier.get("file", 0)
+            nat, h = self.native.copy(), self.n_heads  # a copy: native calls may add to it meanwhile
+            per_head = {name: getattr(self, name) + nat[i * h:(i + 1) * h]
+                        for i, name in enumerate(("ids", "unique", "hits", "misses"))}
+            lookups, pages, hit_rows, _ = (int(v) for v in nat[4 * h:])
+            by_tier = dict(self.bytes_by_tier)
+            if lookups:
+                by_tier["file"] = by_tier.get("file", 0) + pages * self.page_size
+                if self.cached:
+                    by_tier["cache"] = by_tier.get("cache", 0) + hit_rows * self.row_bytes
+            hits, misses = int(per_head["hits"].sum()), int(per_head["misses"].sum())
+            file_bytes = by_tier.get("file", 0)
             return {
-                "lookups": self.lookups,
-                "ids": int(self.ids.sum()),
-                "unique_ids": int(self.unique.sum()),
-                "hits": int(self.hits.sum()),
-                "misses": int(self.misses.sum()),
-                "hit_rate": int(self.hits.sum()) / probed if probed else None,
-                "pages_read": self.pages_read,
+                "lookups": self.lookups + lookups,
+                "ids": int(per_head["ids"].sum()),
+                "unique_ids": int(per_head["unique"].sum()),
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else None,
+                "pages_read": self.pages_read + pages,
                 "warmed_rows": self.warmed_rows,
-                "bytes_read": dict(self.bytes_by_tier),
+                "bytes_read": by_tier,
                 # None without file reads to count (mmap: the kernel's page faults are not seen)
-                "read_amplification": file_bytes / needed if needed and file_bytes else None,
-                "per_head": {name: getattr(self, name).tolist() for name in ("ids", "unique", "hits", "misses")},
+                "read_amplification": file_bytes / (misses * self.row_bytes) if misses and file_bytes else None,
+                "per_head": {name: v.tolist() for name, v in per_head.items()},
             }
 
 

@@ -97,9 +97,12 @@ class TieredTable:
             cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline)
         cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
         self.cache = cache_cls.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
-        self.stats_ = StoreStats(m.n_heads, m.row_bytes)
+        self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None)
         self._offsets = self.table.head_offsets
         self._head_rows = self.table.head_rows
+        if self.pipeline == "native":  # the native call's constant arguments, looked up once
+            self._native_table = (m.rows_per_page, m.codec_id, m.dim)
+            self._native_cache = self.cache.native if self.cache is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
@@ -291,20 +294,16 @@ class TieredTable:
             tier_bytes={"cache": int(hit.sum()) * m.row_bytes, "file": pages * m.page_size}, pages=pages)
 
     def _fetch_native(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None) -> None:
-        """The whole lookup in one native call without the GIL (see `_native.fetch`); then the statistics."""
-        cache = self.cache
-        if cache is not None and cancelled is not None and cancelled.is_set():
+        """The whole lookup in one native call without the GIL (see `_native.fetch`); it counts the statistics too.
+
+        Python's share is this call, whatever the number of rows.
+        """
+        if self._native_cache is not None and cancelled is not None and cancelled.is_set():
             raise CancelledError  # as the reference path: a cached fetch stops before it reads (no cache: it runs)
-        m, h = self.manifest, self.num_heads
-        counts = np.empty((3, h), dtype=np.int64)  # distinct rows, hits, misses per head
-        pages = _native.fetch(self.tier.reader, cache.native if cache is not None else None, flat, self._offsets,
-                              self._head_rows, m.rows_per_page, m.codec_id, m.dim, out, counts)
-        self.tier.count(int(counts[0].sum()) if cache is None else int(counts[2].sum()), pages)
-        tier_bytes = {"file": pages * m.page_size}
-        if cache is not None:
-            tier_bytes["cache"] = int(counts[1].sum()) * m.row_bytes
-        self.stats_.record(ids=np.full(h, flat.shape[0], dtype=np.int64), unique=counts[0], hits=counts[1],
-                           misses=counts[2], tier_bytes=tier_bytes, pages=pages)
+        rpp, codec, dim = self._native_table
+        # a float32 tensor passes as numpy (cheaper than DLPack); bfloat16 has no numpy dtype
+        _native.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows, rpp, codec, dim,
+                      out.numpy() if out.dtype == torch.float32 else out, self.stats_.native, self.tier.native_counts)
 
     def _warm_native(self, flat: np.ndarray, cancelled: threading.Event) -> None:
         """Read-ahead in one native call: the uncached rows of flat ids [N, H] into the cache."""

@@ -48,7 +48,8 @@ class FileTier:
         self.requested_mode = mode
         self.head_offsets = table.head_offsets
         self.head_rows = table.head_rows
-        self.counters = FileCounters()
+        self._counters = FileCounters()
+        self.native_counts = np.zeros(2, dtype=np.int64)  # rows, pages: the native fetch pipeline adds here
         self._lock = threading.Lock()
         self._local = threading.local()  # per-thread staging buffer for page reads
         self._mmap: mmap.mmap | None = None
@@ -89,23 +90,31 @@ class FileTier:
         page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
         if self.reader is None:
             with self._lock:
-                self.counters.rows += rows.size
+                self._counters.rows += rows.size
             return self.data, page_of_row * m.page_size + slot_in_page * m.row_bytes, 0
         pages, which = np.unique(page_of_row, return_inverse=True)
         buf = self._staging(pages.size * m.page_size)
         self.reader.read_pages(pages, buf)
         with self._lock:
-            self.counters.rows += rows.size
-            self.counters.pages_read += pages.size
-            self.counters.bytes_read += pages.size * m.page_size
+            self._counters.rows += rows.size
+            self._counters.pages_read += pages.size
+            self._counters.bytes_read += pages.size * m.page_size
         return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
     def count(self, rows: int, pages: int) -> None:
-        """Add reads made outside read_rows (the native fetch pipeline) to the counters."""
+        """Add reads made outside read_rows (the native read-ahead) to the counters."""
         with self._lock:
-            self.counters.rows += rows
-            self.counters.pages_read += pages
-            self.counters.bytes_read += pages * self.manifest.page_size
+            self._counters.rows += rows
+            self._counters.pages_read += pages
+            self._counters.bytes_read += pages * self.manifest.page_size
+
+    @property
+    def counters(self) -> FileCounters:
+        """Running totals of reads: read_rows's and those the native fetch pipeline adds into `native_counts`."""
+        rows, pages = (int(v) for v in self.native_counts)
+        with self._lock:
+            c = self._counters
+            return FileCounters(c.rows + rows, c.pages_read + pages, c.bytes_read + pages * self.manifest.page_size)
 
     def _staging(self, nbytes: int) -> np.ndarray:
         """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_KEEP_BYTES.
