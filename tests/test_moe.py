@@ -16,8 +16,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from tiergram.cli import main
-from tiergram.corpus import build_corpus, directory_source, train_tokenizer
-from tiergram.corpus.sources import python_group, stdlib_root
+from tiergram.corpus import BuildConfig, build_corpus, directory_source, train_tokenizer
+from tiergram.corpus.sources import python_group
 from tiergram.model import EngramLM, tiny_config
 from tiergram.model.checkpoint import load_pretrained, save_pretrained
 from tiergram.model.config import ModelConfig, MoESettings, preset, tiny_moe_config
@@ -27,7 +27,6 @@ from tiergram.model.moe import MoE, aux_loss, load_balancing_loss, moe_layers, r
 from tiergram.model.train import TrainConfig, train
 
 FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
-STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
 V = 97
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -166,11 +165,15 @@ def test_config_round_trip_and_errors():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, Path]:
-    """(corpus, run dir): tiny-moe trained for 6 steps on the fixture corpus."""
+    """(corpus, run dir): tiny-moe trained for 6 steps on the fixture corpus plus modules with doctests."""
+    mods = tmp_path_factory.mktemp("lib")
+    for i in range(24):  # modules with short-output doctests: held-out ones give the doctest tasks
+        (mods / f"mod{i:02d}.py").write_text(f'"""Module {i}: adds numbers and joins words.\n\n>>> {i} + 1\n{i + 1}\n'
+                                             f'>>> sorted([{i}, 1, 0])\n{sorted([i, 1, 0])}\n"""\n\nX = {i}\n')
     src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
-           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
-                            group=python_group)]
-    corpus = build_corpus(tmp_path_factory.mktemp("cache"), src, progress=False)
+           directory_source("python-stdlib", mods, "PSF-2.0", group=python_group)]
+    corpus = build_corpus(tmp_path_factory.mktemp("cache"), src, progress=False,
+                          config=BuildConfig(validation=0.25, test=0.25))
     train_tokenizer(corpus, 512, progress=False)
     out = tmp_path_factory.mktemp("run") / "moe"
     cfg = TrainConfig(out=str(out), config="tiny-moe", tokens=6 * 4 * 64, batch_size=4, warmup_steps=2,
@@ -215,3 +218,43 @@ def test_engine_greedy_tokens_equal_the_models_own(tmp_path):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     with LLMEngine(EngineConfig(str(path), Placement("host", codec="fp32"), max_num_batched_tokens=16)) as eng:
         assert eng.generate(prompts, params) == want  # chunked prefill and mixed prefill/decode steps
+
+
+# ------------------------------------------------------------------------------------ the reroute ablation
+
+def test_reroute_ablation(trained, tmp_path, capsys):
+    from tiergram.analysis.ablate import answer_losses, reroute, reroute_markdown
+    from tiergram.analysis.doctest_task import document_tasks
+
+    corpus, out = trained
+    tok = load_pretrained(out)[1]
+    cfg = dataclasses.replace(tiny_moe_config(tok.get_vocab_size()), n_layers=3)
+    cfg.moe.layers = [1, 2]  # block 2 sees block 1's rerouted outputs through attention
+    model = spread(EngramLM(cfg), 10)
+    text = ">>> 1 + 1\n2\n>>> print('ab')\nab\n>>> sorted([3, 1, 2])\n[1, 2, 3]\n>>> len('abc')\n3\n"
+    tasks = document_tasks(text, "test", "python-docs", "x.rst", max_output_chars=20)
+    report = reroute(model, tok, tasks, batch_size=3)
+    assert report.moe_layers == [1, 2] and report.tasks == 4
+    assert list(report.loss) == ["on", "off", "off, forced all", "off, forced block 1", "off, forced block 2"]
+    sums, counts = answer_losses(model, tok, tasks)  # the existing ablation's answer loss, in nats
+    assert report.loss["on"].value == pytest.approx(sums["none"].sum() / counts.sum() / math.log(2), rel=1e-6)
+    assert report.loss["off"].value == pytest.approx(sums["both"].sum() / counts.sum() / math.log(2), rel=1e-6)
+    assert report.delta_vs_on["off"].value == pytest.approx(report.loss["off"].value - report.loss["on"].value)
+    for b in ("1", "2"):
+        changed = report.changed_sets[b].value
+        assert 0 < changed < 1  # spread weights: some tokens reroute, most do not
+        assert 0 < report.changed_assignments[b].value <= changed
+    both = (report.changed_sets["1"].value + report.changed_sets["2"].value) / 2
+    assert report.changed_sets["all"].value == pytest.approx(both)
+    for name in ("off, forced all", "off, forced block 1", "off, forced block 2"):
+        assert report.loss[name].value != report.loss["off"].value
+    assert "Experts that reroute" in reroute_markdown(report)
+    # the command, on the corpus's own held-out doctest tasks
+    js = tmp_path / "reroute.json"
+    assert main(["ablate", str(out), "--reroute", "--corpus", str(corpus), "--json", str(js), "--quiet"]) == 0
+    result = json.loads(js.read_text())
+    assert result["tasks"] == len(result["doctest_tasks"]) > 0 and "off, forced all" in result["loss"]
+    assert "bits/token" in capsys.readouterr().out
+    dense = save_pretrained(EngramLM(tiny_config(tok.get_vocab_size())), tmp_path / "dense", tokenizer=tok)
+    with pytest.raises(ValueError, match="MoE blocks and Engram"):
+        reroute(load_pretrained(dense)[0], tok, tasks)

@@ -323,3 +323,136 @@ def to_markdown(report: AblationReport) -> str:
             lines += ["Answer loss, off-in-prefill minus off-in-decode: "
                       f"{_est(report.answer_prefill_minus_decode, True)}.", ""]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- experts that reroute (MoE)
+
+LN2 = float(np.log(2.0))
+
+
+@dataclass
+class RerouteReport:
+    """Answer loss on the doctest tasks with Engram on, off, and off with the Engram-on run's expert choices forced;
+    and how many routing decisions change when Engram is off."""
+
+    model: str
+    tasks: int
+    answer_tokens: int
+    moe_layers: list[int]
+    loss: dict[str, Estimate]  # bits per answer token, intervals over tasks
+    delta_vs_on: dict[str, Estimate]  # paired over tasks
+    forced_minus_off: dict[str, Estimate]  # loss(off, forced) - loss(off, free routing), paired
+    changed_sets: dict[str, Estimate]  # per MoE block and "all": share of tokens whose set of top-k experts changes
+    changed_assignments: dict[str, Estimate]  # share of (token, expert) assignments that change
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+def _answer_batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [B, T] zero-padded, y [B, T] with -100 except at answer tokens, valid bool [B, T]: non-padding inputs)."""
+    t = max(len(p) + len(a) for p, a in pairs) - 1
+    x = torch.zeros(len(pairs), t, dtype=torch.int64)
+    y = torch.full((len(pairs), t), -100, dtype=torch.int64)
+    valid = torch.zeros(len(pairs), t, dtype=torch.bool)
+    for j, (p, a) in enumerate(pairs):
+        seq = torch.tensor(p + a)
+        x[j, :len(seq) - 1] = seq[:-1]
+        y[j, len(p) - 1:len(seq) - 1] = seq[len(p):]
+        valid[j, :len(seq) - 1] = True
+    return x, y, valid
+
+
+@torch.no_grad()
+def reroute(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, batch_size: int = 8, model_name: str = "",
+            progress: bool = False) -> RerouteReport:
+    """Teacher-forced answer loss (prompt = the code, answer = the doctest output) with Engram on; off (every
+    layer, every position); off with every MoE block's choices forced to the on run's; off with one block's forced
+    at a time. Routing changes are counted over every non-padding position of prompt and answer."""
+    from tqdm import tqdm
+
+    from tiergram.model.moe import moe_layers, routing
+
+    model.eval()
+    device = next(model.parameters()).device
+    layers = moe_layers(model)
+    blocks = sorted(layers)
+    if not blocks or not model.engram_layers:
+        raise ValueError("the reroute ablation needs a model with both MoE blocks and Engram layers "
+                         "(e.g. `tiergram train --config small-moe`)")
+    if not tasks:
+        raise ValueError("no doctest tasks to score")
+    k = layers[blocks[0]].top_k
+    names = ["on", "off", "off, forced all", *[f"off, forced block {b}" for b in blocks]]
+    sums = {n: np.zeros(len(tasks)) for n in names}
+    counts = np.zeros(len(tasks))
+    moved = {str(b): np.zeros((2, len(tasks))) for b in blocks}  # row 0: sets changed, row 1: assignments changed
+    positions = np.zeros(len(tasks))
+    pairs = [task_ids(tokenizer, t, model.config.max_seq) for t in tasks]
+
+    def answer_loss(x: torch.Tensor, y: torch.Tensor, **kw: Any) -> np.ndarray:
+        logits, _ = model(x.to(device), **kw)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
+        return loss.double().sum(1).cpu().numpy() / LN2
+
+    for b0 in tqdm(range(0, len(tasks), batch_size), desc="reroute", unit="batch", disable=not progress):
+        sl = slice(b0, b0 + len(pairs[b0:b0 + batch_size]))
+        x, y, valid = _answer_batch(pairs[sl])
+        counts[sl] = (y != -100).sum(1).numpy()
+        positions[sl] = valid.sum(1).numpy()
+        with routing(model, record=True) as mods:
+            sums["on"][sl] = answer_loss(x, y)
+            on = {b: mods[b].last_choices.cpu() for b in blocks}
+            sums["off"][sl] = answer_loss(x, y, engram_enabled=False)
+            off = {b: mods[b].last_choices.cpu() for b in blocks}
+        with routing(model, force={b: c.to(device) for b, c in on.items()}):
+            sums["off, forced all"][sl] = answer_loss(x, y, engram_enabled=False)
+        for b in blocks:
+            with routing(model, force={b: on[b].to(device)}):
+                sums[f"off, forced block {b}"][sl] = answer_loss(x, y, engram_enabled=False)
+            same = (on[b].unsqueeze(-1) == off[b].unsqueeze(-2)).any(-1)  # [B, T, k]: on's expert also chosen off
+            moved[str(b)][0, sl] = ((~same.all(-1)) & valid).sum(1).numpy()
+            moved[str(b)][1, sl] = ((~same).sum(-1) * valid).sum(1).numpy() / k
+    moved["all"] = sum(moved[str(b)] for b in blocks)
+    per = {key: positions * (len(blocks) if key == "all" else 1) for key in moved}
+    return RerouteReport(
+        model=model_name, tasks=len(tasks), answer_tokens=int(counts.sum()), moe_layers=blocks,
+        loss={n: ratio_estimate(sums[n], counts) for n in names},
+        delta_vs_on={n: paired_ratio_delta(sums["on"], sums[n], counts) for n in names[1:]},
+        forced_minus_off={n: paired_ratio_delta(sums["off"], sums[n], counts) for n in names[2:]},
+        changed_sets={key: ratio_estimate(m[0], per[key]) for key, m in moved.items()},
+        changed_assignments={key: ratio_estimate(m[1], per[key]) for key, m in moved.items()})
+
+
+def reroute_verdict(report: RerouteReport) -> str:
+    """One sentence: does forcing the Engram-on routing make the ablated model worse (routing compensates)?"""
+    d = report.forced_minus_off["off, forced all"]
+    off = report.delta_vs_on["off"]
+    head = f"Engram off changes the answer loss by {_est(off, True)} bits/token"
+    if d.ci95[0] > 0:
+        return (head + f"; forcing the Engram-on expert choices makes it worse by a further {_est(d, True)}: "
+                "the experts' rerouting partly compensates for the missing memory")
+    if d.ci95[1] < 0:
+        return head + f"; forcing the Engram-on expert choices makes it better by {_est(d, True)}: no compensation"
+    return head + f"; forcing the Engram-on expert choices changes it by {_est(d, True)}, within noise"
+
+
+def reroute_markdown(report: RerouteReport) -> str:
+    """The reroute ablation as markdown."""
+    lines = [f"# Experts that reroute: {report.model}", "",
+             f"{report.tasks} stdlib doctest tasks ({report.answer_tokens} answer tokens), teacher-forced: prompt = "
+             "the code, answer = the doctest output. Answer loss in bits/token, 95% intervals over tasks; Engram off = "
+             "every Engram layer off at every position; forced = the MoE blocks' top-k experts set to those the "
+             "Engram-on forward chose (combine weights still from the router).", "",
+             "| setting | answer loss | Δ vs on | Δ vs off |", "|---|---|---|---|"]
+    for name, est in report.loss.items():
+        dv = "0" if name == "on" else _est(report.delta_vs_on[name], True)
+        do = _est(report.forced_minus_off[name], True) if name in report.forced_minus_off else ""
+        lines.append(f"| {name} | {_est(est)} | {dv} | {do} |")
+    lines += ["", "Routing decisions that change when Engram is off (all non-padding positions of prompt and answer):",
+              "", "| MoE block | top-k set changed | assignments changed |", "|---|---|---|"]
+    for key in report.changed_sets:
+        lines.append(f"| {key} | {_est(report.changed_sets[key])} | {_est(report.changed_assignments[key])} |")
+    lines += ["", f"**{reroute_verdict(report)}.**", ""]
+    return "\n".join(lines)

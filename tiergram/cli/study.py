@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="held-out splits the doctest tasks come from (default validation,test)")
     a.add_argument("--max-new", type=int, default=16, help="generated tokens per doctest task at most")
     a.add_argument("--no-generation", action="store_true", help="teacher-forced loss only")
+    a.add_argument("--reroute", action="store_true",
+                   help="MoE models: doctest answer loss (bits/token) with Engram on, off, and off with the expert "
+                        "choices forced to the Engram-on run's (all MoE blocks, then one at a time), and the share of "
+                        "routing decisions that change when Engram is off (instead of the prefill/decode ablation)")
     a.set_defaults(func=cmd_ablate)
 
     z = sub.add_parser("analyze", help="capacity accounting: rows touched per category, hotness vs gate")
@@ -150,6 +154,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from tiergram.analysis.trace import load_windows
 
     model, tokenizer, corpus = _load(args)
+    if args.reroute:
+        from tiergram.analysis.ablate import reroute, reroute_markdown
+
+        tasks = extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
+        report = reroute(model, tokenizer, tasks, batch_size=args.batch_size, model_name=str(args.dir),
+                         progress=not args.quiet)
+        _emit(args, report.to_dict() | {"doctest_tasks": [vars(t) for t in tasks]}, reroute_markdown(report))
+        return 0
     _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
     tasks = [] if args.no_generation else extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
     report = ablate(model, windows, tokenizer, tasks, model_name=str(args.dir), split=args.split,
