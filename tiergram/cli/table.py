@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tiergram.format import TableFile, TableManifest, create_table, random_values
+from tiergram.format import TableFile, TableManifest, create_random_table, create_table
 from tiergram.format.importers import open_safetensors
 
 
@@ -83,12 +83,14 @@ def cmd_create(args: argparse.Namespace) -> int:
     else:
         if args.heads is None or args.rows_per_head is None or args.dim is None:
             raise ValueError("random init needs --heads, --rows-per-head and --dim")
-        head_rows, dim = _expand(args.rows_per_head, args.heads), args.dim
-        values = random_values(dim, seed=args.seed, std=args.std)
+        head_rows, dim, values = _expand(args.rows_per_head, args.heads), args.dim, None
         provenance.update(init=f"normal(0, {args.std}^2)", seed=args.seed)
     manifest = TableManifest(codec=args.codec, dim=dim, head_rows=head_rows, page_size=args.page_size,
                              layer_id=args.layer_id, provenance=provenance)
-    path = create_table(args.out, manifest, values, progress=not args.quiet)
+    if values is None:
+        path = create_random_table(args.out, manifest, seed=args.seed, std=args.std, progress=not args.quiet)
+    else:
+        path = create_table(args.out, manifest, values, progress=not args.quiet)
     print(f"wrote {path}: {manifest.n_heads} heads, {manifest.total_rows} rows of {manifest.row_bytes} B "
           f"({manifest.codec}, D={dim}), {manifest.n_pages} pages")
     return 0

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from collections.abc import Callable
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,8 +16,9 @@ from tqdm import tqdm
 from tiergram import _native
 from tiergram.format.header import unpack_header
 from tiergram.format.manifest import TableFormatError, TableManifest
+from tiergram.format.writer import _CHUNK_BYTES, _DIRECT_ALIGN, aligned_pages, open_direct
 
-_CHUNK_PAGES = 4096
+_CHUNK_PAGES: int | None = None  # pages per read; None: the writer's chunk size in bytes (tests set small values)
 
 
 @dataclass(frozen=True)
@@ -54,11 +58,10 @@ class TableFile:
         """Read and verify every page into uint8 [n_pages * page_size]; TableFormatError lists bad pages."""
         m = self.manifest
         if out is None:
-            out = np.empty(m.data_bytes, dtype=np.uint8)
+            out = aligned_pages(m.data_bytes)  # page-aligned: the reads go straight in with O_DIRECT
         if out.dtype != np.uint8 or out.size != m.data_bytes:
             raise ValueError(f"buffer must be uint8 [{m.data_bytes}], got {out.dtype} [{out.size}]")
-        ps = m.page_size
-        bad, missing = self._scan(lambda p0, n: out[p0 * ps:(p0 + n) * ps], "loading", progress)
+        bad, missing = self._scan(out, "loading", progress)
         if missing is not None:
             raise TableFormatError(f"{self.path}: short read at page {missing}")
         if bad:
@@ -69,40 +72,96 @@ class TableFile:
     def verify(self, *, progress: bool = False) -> list[int]:
         """Check every page's trailer; returns the indices of bad pages (empty when sound)."""
         m = self.manifest
-        buf = np.empty(_CHUNK_PAGES * m.page_size, dtype=np.uint8)
-        bad, missing = self._scan(lambda p0, n: buf[: n * m.page_size], "verifying", progress)
+        bad, missing = self._scan(None, "verifying", progress)
         if missing is not None:  # the file shrank since open: every page from there on is bad
             bad += range(missing, m.n_pages)
         return sorted(bad)
 
-    def _scan(self, buffer_for: Callable[[int, int], np.ndarray], verb: str,
-              progress: bool) -> tuple[list[int], int | None]:
-        """Read the data region a chunk at a time into buffer_for(first page, pages) and verify every page:
-        (bad page indices, first page the file ended before — None when it holds them all)."""
+    def _scan(self, out: np.ndarray | None, verb: str, progress: bool) -> tuple[list[int], int | None]:
+        """Read the data region a chunk at a time (into `out`, or into recycled buffers when None) and verify every
+        page: (bad page indices, first page the file ended before — None when it holds them all).
+
+        A reader thread reads the next chunks (large O_DIRECT reads where the file system and the buffer allow)
+        while this thread checks the last one (native CRC-32C, GIL released), so a large table is read at the
+        disk's sequential rate rather than at (read time + check time).
+        """
         m = self.manifest
+        ps = m.page_size
+        per = _CHUNK_PAGES or max(1, _CHUNK_BYTES // ps)
+        chunks = [(p0, min(per, m.n_pages - p0)) for p0 in range(0, m.n_pages, per)]
+        pool: queue.Queue | None = None
+        if out is None:
+            pool = queue.Queue()
+            for _ in range(min(3, len(chunks))):
+                pool.put(aligned_pages(min(per, m.n_pages) * ps))
+        done: queue.Queue = queue.Queue(maxsize=2)
+        stop = threading.Event()
+        fd = os.open(self.path, os.O_RDONLY)
+        direct_fd = -1
+        if ps % _DIRECT_ALIGN == 0 and self.data_offset % _DIRECT_ALIGN == 0:
+            direct_fd = os.open(self.path, os.O_RDONLY)
+            if not open_direct(direct_fd):
+                os.close(direct_fd)
+                direct_fd = -1
+
+        def reader() -> None:
+            try:
+                for p0, n in chunks:
+                    if stop.is_set():
+                        return
+                    buf = pool.get()[: n * ps] if pool is not None else out[p0 * ps:(p0 + n) * ps]
+                    aligned = buf.ctypes.data % _DIRECT_ALIGN == 0
+                    use = direct_fd if direct_fd >= 0 and aligned else fd
+                    got = _pread_fully(use, buf, self.data_offset + p0 * ps, fd)
+                    done.put((p0, n, buf, got, None))
+                    if got < buf.size:
+                        return
+            except BaseException as e:  # handed to the checking thread
+                done.put((0, 0, None, 0, e))
+
+        thread = threading.Thread(target=reader, name="tiergram-table-reader", daemon=True)
         bad: list[int] = []
-        with open(self.path, "rb", buffering=0) as f, tqdm(
-                total=m.n_pages, unit="page", unit_scale=True, disable=not progress,
-                desc=f"{verb} {self.path.name}") as bar:
-            f.seek(self.data_offset)
-            for p0 in range(0, m.n_pages, _CHUNK_PAGES):
-                n = min(_CHUNK_PAGES, m.n_pages - p0)
-                chunk = buffer_for(p0, n)
-                got = _read_fully(f, chunk)
-                whole = got // m.page_size
-                bad += _native.verify_pages(chunk[: whole * m.page_size], m.page_size, p0)
-                bar.update(n)
-                if got < chunk.size:
-                    return bad, p0 + whole
+        try:
+            with tqdm(total=m.data_bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                      desc=f"{verb} {self.path.name}", miniters=1) as bar:
+                thread.start()
+                for _ in chunks:
+                    p0, n, buf, got, err = done.get()
+                    if err is not None:
+                        raise err
+                    whole = got // ps
+                    bad += _native.verify_pages(buf[: whole * ps], ps, p0)
+                    if pool is not None:
+                        pool.put(buf.base if buf.base is not None else buf)
+                    bar.update(n * ps)
+                    if got < buf.size:
+                        return bad, p0 + whole
+        finally:
+            stop.set()
+            if pool is not None:  # a reader waiting for a buffer must see the stop
+                pool.put(aligned_pages(min(per, m.n_pages) * ps))
+            while thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    done.get(timeout=0.05)
+            os.close(fd)
+            if direct_fd >= 0:
+                os.close(direct_fd)
         return bad, None
 
 
-def _read_fully(f, buf: np.ndarray) -> int:
-    """readinto until buf is full or the file ends; returns the bytes read."""
-    view = memoryview(buf)
+def _pread_fully(fd: int, buf: np.ndarray, offset: int, fallback_fd: int) -> int:
+    """pread until buf is full or the file ends; returns the bytes read. An O_DIRECT read the file system
+    refuses is redone through the buffered descriptor."""
+    view = memoryview(buf).cast("B")
     got = 0
     while got < buf.size:
-        more = f.readinto(view[got:])
+        try:
+            more = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as e:
+            if fd == fallback_fd or e.errno != errno.EINVAL:
+                raise
+            fd = fallback_fd
+            continue
         if not more:
             break
         got += more
