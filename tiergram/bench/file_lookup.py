@@ -12,8 +12,8 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
   pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache (cold: the cache
   fills as the run goes, almost every row a miss): what the cache costs a miss;
 - all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
-  cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the Python time per
-  call (cProfile: the call's time outside the GIL-free native fetch) at each size.
+  cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the native pipeline's
+  Python time per call (the call's wall time less the time inside the GIL-free native fetch) at each size.
 
 Why O_DIRECT and not a table larger than RAM: on a 24 GiB machine a table several times larger than the page
 cache cannot be written within a benchmark's time. O_DIRECT reads bypass the page cache, so a table of a few
@@ -433,12 +433,9 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
 def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, dict[str, float]]:
     """Per positions: us per call of lookups whose rows are all cached (file tier) vs the host tier, same ids.
 
-    Interleaved rounds, best of; plus `python_us_per_call` of the file tier's call: cProfile's time outside the
-    native fetch (the profiler adds to it, so it is an upper bound; what matters is that it does not grow with rows).
+    Interleaved rounds, best of; plus `native_python_us_per_call`: the native pipeline's wall time per call less
+    the time inside `_native.fetch` (which holds no GIL), i.e. what a call costs Python, best of the rounds.
     """
-    import cProfile
-    import pstats
-
     dtype = getattr(torch, cfg.dtype)
     rng = np.random.default_rng([cfg.seed, 77])
     cases = {p: [draw_ids("uniform", (p, cfg.heads), table.head_rows, rng) for _ in range(8)]
@@ -464,31 +461,30 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                     np.unique(b + table.head_offsets).size for bs in cases.values() for b in bs):
                 raise RuntimeError("all-hit lookups missed the cache: the cache is too small for the case")
         best: dict[tuple[int, str], float] = {}
+        python_us: dict[int, float] = {}
         seg = max(0.05, cfg.min_time / cfg.rounds / (len(cases) * (1 + len(stores))))
         for _ in range(cfg.rounds):
             for p, bs in cases.items():
                 for name, st in [("host", host), *stores.items()]:
                     outs = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
-                    n, t0 = 0, time.perf_counter()
+                    (calls0, ns0), n, t0 = _native.fetch_timing(), 0, time.perf_counter()
                     while time.perf_counter() - t0 < seg:
                         st.lookup(bs[n % len(bs)], out=outs)
                         n += 1
-                    us = 1e6 * (time.perf_counter() - t0) / n
+                    wall = time.perf_counter() - t0
+                    us = 1e6 * wall / n
                     best[p, name] = min(best.get((p, name), us), us)
-        for p, bs in cases.items():
+                    calls, ns = _native.fetch_timing()
+                    if name == "native" and calls - calls0 == n:
+                        py = (1e6 * wall - 1e-3 * (ns - ns0)) / n
+                        python_us[p] = min(python_us.get(p, py), py)
+        for p in cases:
             fig = {"host_us_per_call": best[p, "host"]}
-            for pipe, st in stores.items():
+            for pipe in stores:
                 fig[f"{pipe}_us_per_call"] = best[p, pipe]
                 fig[f"{pipe}_vs_host"] = best[p, pipe] / best[p, "host"]
-                prof, calls = cProfile.Profile(), 200
-                prof.enable()
-                for k in range(calls):
-                    st.lookup(bs[k % len(bs)])
-                prof.disable()
-                stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
-                total = sum(v[2] for v in stats.values())
-                native = sum(v[2] for k, v in stats.items() if k[2] in ("<built-in method tiergram._native.fetch>",))
-                fig[f"{pipe}_python_us_per_call"] = 1e6 * (total - native) / calls
+            if p in python_us:
+                fig["native_python_us_per_call"] = python_us[p]
             out[str(p)] = fig
     finally:
         host.close()
@@ -541,13 +537,14 @@ def to_text(res: FileLookupBenchResult) -> str:
             lines.append(f"{k} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
                          f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row")
     if res.all_hits:
-        lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: per-call "
-                     "time outside the native fetch, cProfile):")
+        lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: the native "
+                     "pipeline's per-call time outside the native fetch):")
         for p, d in res.all_hits.items():
             parts = [f"host {d['host_us_per_call']:.0f}"]
             for pipe in c.pipelines:
-                parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host, python "
-                             f"{d[f'{pipe}_python_us_per_call']:.0f})")
+                parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host)")
+            if "native_python_us_per_call" in d:
+                parts.append(f"python {d['native_python_us_per_call']:.1f}")
             lines.append(f"  {p:>4} positions x {c.heads} heads: " + ", ".join(parts))
     r = res.ratios
     lines.append(f"tiergram (worst dist) vs limit at QD>=32 ({res.best_limit:.0f}): {r['vs_limit']:.0%}; "
