@@ -66,6 +66,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     x.add_argument("--quiet", action="store_true")
     x.set_defaults(func=cmd_export)
 
+    i = sub.add_parser("init-model", help="a servable model directory with a production Engram geometry (e.g. "
+                                         "DeepSeek-V4.1's) at a chosen table size, random weights")
+    i.add_argument("out", help="output model directory")
+    i.add_argument("--engram-geometry", default="deepseek-v4.1", choices=["deepseek-v4.1"],
+                   help="Engram layers, heads, orders and row format (default deepseek-v4.1: 2 layers x 24 heads, "
+                        "264-byte fp8_e4m3 rows)")
+    i.add_argument("--table-gib", type=float, required=True,
+                   help="both tables together, GiB on disk (rows per head scaled to fit)")
+    i.add_argument("--backbone", default="small", choices=["small", "tiny"], help="backbone preset (random weights)")
+    i.add_argument("--tokenizer", help="tokenizer.json or a folder holding one (default: the corpus's)")
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--quiet", action="store_true", help="no progress bars")
+    i.set_defaults(func=cmd_init_model)
+
     g = sub.add_parser("generate", help="generate text with the K/V cache and streaming hashing")
     g.add_argument("dir", help="model directory")
     g.add_argument("--prompt", required=True)
@@ -123,6 +137,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     out = export_model(args.dir, args.codec, args.out, progress=not args.quiet)
     print(f"exported to {out}")
+    return 0
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from tiergram.model.checkpoint import read_config
+    from tiergram.model.init_model import init_model
+
+    out = init_model(args.out, engram_geometry=args.engram_geometry, table_gib=args.table_gib,
+                     backbone=args.backbone, tokenizer=args.tokenizer, seed=args.seed, progress=not args.quiet)
+    info = read_config(out)["init"]
+    print(f"wrote {out}: {info['geometry']} Engram, {info['rows_per_head']:,} rows per head, tables "
+          f"{info['table_bytes'] / 2**30:.2f} GiB written in {info['tables_write_s']:.1f} s "
+          f"({info['table_bytes'] / max(info['tables_write_s'], 1e-9) / 2**30:.2f} GiB/s); random weights")
     return 0
 
 

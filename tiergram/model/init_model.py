@@ -1,0 +1,156 @@
+"""A serving model directory with a production Engram geometry and random weights (`tiergram init-model`).
+
+Serving speed depends on the table geometry (rows per token, row bytes, table size against memory), not on what
+the weights learnt, so a DeepSeek-V4.1-geometry model with random weights measures what a user of V4.1 would see:
+the directory is an exported one (config.json naming the table files, model.safetensors without the tables,
+tokenizer.json, one fp8_e4m3 table file per Engram layer) that `tiergram serve` and `tiergram bench serve` load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiergram.engram import RowSourceTable
+from tiergram.format import TableManifest, create_random_table
+from tiergram.format.writer import free_bytes
+from tiergram.model.checkpoint import CONFIG, read_config, save_pretrained, write_json
+from tiergram.model.config import EngramSettings, preset
+from tiergram.model.export import table_filename
+from tiergram.model.model import EngramLM, make_hasher
+
+CODEC = "fp8_e4m3"
+PAGE_SIZE = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramGeometry:
+    """The Engram geometry of a production model: orders, heads, row width and its full-size rows per head."""
+
+    name: str
+    max_ngram_size: int  # orders 2..max_ngram_size
+    n_head_per_ngram: int
+    dim: int  # D: fp8 values per row (+ D/32 ue8m0 scales)
+    n_layers: int  # Engram layers
+    conv_kernel: int  # 0: no short convolution
+    full_rows_per_head: int  # rows per head of the full-size model
+
+    @property
+    def n_heads(self) -> int:
+        """Heads per layer (all orders together)."""
+        return (self.max_ngram_size - 1) * self.n_head_per_ngram
+
+    @property
+    def rows_per_page(self) -> int:
+        """Rows of one 4 KiB page of the table file."""
+        return TableManifest(codec=CODEC, dim=self.dim, head_rows=(1,), page_size=PAGE_SIZE).rows_per_page
+
+    def rows_per_head(self, table_bytes: int) -> int:
+        """Rows per head so that every layer's table file together holds about table_bytes of pages."""
+        pages_per_layer = table_bytes // PAGE_SIZE // self.n_layers
+        return max(1, pages_per_layer * self.rows_per_page // self.n_heads)
+
+
+# DeepSeek-V4.1-Flash: Engram in two layers, orders 2-4 x 8 heads = 24 heads, 264-byte rows (256 FP8-e4m3 values + 8
+# ue8m0 scales), about 384M rows per layer (~16M per head), no short convolution in the V4.1 port.
+GEOMETRIES = {
+    "deepseek-v4.1": EngramGeometry("deepseek-v4.1", max_ngram_size=4, n_head_per_ngram=8, dim=256, n_layers=2,
+                                    conv_kernel=0, full_rows_per_head=16_000_000),
+}
+
+
+def geometry(name: str) -> EngramGeometry:
+    """A named Engram geometry; ValueError listing the known ones."""
+    if name not in GEOMETRIES:
+        raise ValueError(f"unknown Engram geometry {name!r} (known: {', '.join(GEOMETRIES)})")
+    return GEOMETRIES[name]
+
+
+class _NoRows:
+    """Stands in for the tables while the model is built and saved: they are written as table files instead."""
+
+    def lookup(self, row_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("init_model's placeholder table serves no rows")
+
+
+def engram_settings(geo: EngramGeometry, rows_per_head: int, layers: list[int], pad_id: int,
+                    seed: int = 0) -> EngramSettings:
+    """The model config's Engram settings for a geometry at rows_per_head rows per head."""
+    return EngramSettings(layers=list(layers), max_ngram_size=geo.max_ngram_size,
+                          n_head_per_ngram=geo.n_head_per_ngram,
+                          engram_vocab_size=[int(rows_per_head)] * (geo.max_ngram_size - 1), dim=geo.dim,
+                          conv_kernel=geo.conv_kernel, seed=seed, pad_id=pad_id)
+
+
+def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1", table_gib: float,
+               backbone: str = "small", tokenizer: str | os.PathLike | None = None, seed: int = 0,
+               table_std: float = 0.02, progress: bool = True) -> Path:
+    """Write a servable model directory: the backbone preset with random weights, the geometry's Engram layers,
+    and one random-init fp8_e4m3 table file per Engram layer, all tables together about table_gib GiB on disk.
+
+    tokenizer: a tokenizer.json (or a folder holding one); default the corpus's. OSError before anything is
+    written when the tables would not fit the disk's free space.
+    """
+    from tiergram.corpus import PAD, corpus_dir, load_tokenizer
+
+    geo = geometry(engram_geometry)
+    if not table_gib > 0:
+        raise ValueError(f"--table-gib must be > 0, got {table_gib}")
+    tok_path = Path(tokenizer) if tokenizer is not None else corpus_dir() / "tokenizer.json"
+    if tok_path.is_dir():
+        tok_path = tok_path / "tokenizer.json"
+    if not tok_path.is_file():
+        raise FileNotFoundError(f"no tokenizer at {tok_path}: build the corpus (`tiergram corpus build`) or give "
+                                "--tokenizer FILE")
+    tok = load_tokenizer(tok_path)
+    pad = tok.token_to_id(PAD)
+    if pad is None:
+        raise ValueError(f"{tok_path}: the tokenizer has no {PAD} token to left-pad n-grams with")
+    base = preset(backbone, tok.get_vocab_size())
+    if base.n_layers < geo.n_layers:
+        raise ValueError(f"backbone {backbone!r} has {base.n_layers} blocks: too few for {geo.n_layers} Engram layers")
+    # the preset's own Engram blocks where it has enough (small: 1 and 2), else the last blocks
+    layers = sorted(base.engram.layers)[: geo.n_layers] if base.engram is not None else []
+    if len(layers) < geo.n_layers:
+        layers = list(range(base.n_layers - geo.n_layers, base.n_layers))
+    rows = geo.rows_per_head(int(table_gib * 2**30))
+    mconfig = dataclasses.replace(base, engram=engram_settings(geo, rows, layers, pad, seed))
+    hasher = make_hasher(mconfig, tokenizer=tok)
+    manifests = {layer: TableManifest(codec=CODEC, dim=geo.dim, head_rows=tuple(hasher.head_sizes(layer)),
+                                      page_size=PAGE_SIZE, layer_id=layer, hashing=hasher.config(),
+                                      provenance={"tool": "tiergram init-model", "geometry": geo.name,
+                                                  "init": f"normal(0, {table_std}^2), fp8 pools",
+                                                  "seed": seed + layer})
+                 for layer in layers}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    need = sum(m.encode()[1] + m.data_bytes for m in manifests.values())
+    free = free_bytes(out)
+    if need > free:
+        raise OSError(f"{out}: the {len(layers)} tables need {need:,} bytes ({need / 2**30:.2f} GiB) but the disk "
+                      f"has {free:,} bytes ({free / 2**30:.2f} GiB) free; nothing was written")
+    torch.manual_seed(seed)
+    model = EngramLM(mconfig, hasher, {layer: RowSourceTable(_NoRows()) for layer in layers}).eval()
+    t0 = time.perf_counter()
+    files = {}
+    for layer, m in manifests.items():
+        name = table_filename(layer, CODEC)
+        create_random_table(out / name, m, seed=seed + layer, std=table_std, progress=progress)
+        files[str(layer)] = name
+    write_s = time.perf_counter() - t0
+    if tok_path.resolve() != (out / "tokenizer.json").resolve():
+        shutil.copyfile(tok_path, out / "tokenizer.json")
+    info: dict[str, Any] = {"geometry": geo.name, "backbone": backbone, "random_weights": True,
+                            "table_gib": table_gib, "rows_per_head": rows, "table_bytes": need,
+                            "tables_write_s": round(write_s, 3), "seed": seed}
+    save_pretrained(model, out, include_tables=False, extra={"init": info})
+    config = read_config(out)
+    config.update(tables=files, table_codec=CODEC)
+    write_json(out / CONFIG, config)
+    return out
