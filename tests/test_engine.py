@@ -479,7 +479,7 @@ def test_exported_directory_and_a_model_without_engram(model_dir, tmp_path):
     engine(model_dir, Placement("host", codec="fp32")).close()  # exports DIR/export (if no test did yet)
     with engine(model_dir / "export", Placement("file", codec="fp32")) as eng:
         assert eng.generate(PROMPTS[:2], GREEDY) == expected(model_dir, PROMPTS[:2])
-    with pytest.raises(ValueError, match="exported model without engram_layer0.int8.tgt"):
+    with pytest.raises(ValueError, match="exported model without engram_layer0.int8.tgram"):
         engine(model_dir / "export", Placement("host", codec="int8"))
     cfg = tiny_config(V).without_engram()
     plain = spread(EngramLM(cfg), seed=1)

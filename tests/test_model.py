@@ -273,7 +273,7 @@ def test_export_then_serve_from_table_files(trained, tmp_path, codec):
     model, tok = load_pretrained(trained)
     x = torch.tensor([tok.encode("import heapq\nheapq.heappush(items, (priority, task))").ids])
     want, _ = model(x)
-    manifest = TableFile.open(out / f"engram_layer1.{codec}.tgt").manifest
+    manifest = TableFile.open(out / f"engram_layer1.{codec}.tgram").manifest
     assert manifest.layer_id == 1 and manifest.codec == codec
     assert list(manifest.head_rows) == model.hasher.head_sizes(1)
     assert manifest.hashing == model.hasher.config()
@@ -293,6 +293,37 @@ def test_export_then_serve_from_table_files(trained, tmp_path, codec):
             prompt = x[0, :8].tolist()
             assert generate(served, prompt, 10).ids == generate(model, prompt, 10).ids
         served.engram_tables()[1].source.close()
+
+
+def test_export_lists_every_codec_and_old_exports_still_load(trained, tmp_path):
+    """Two exports into one directory: config.json lists both codecs' .tgram files; the latest is the default.
+    A directory exported before (.tgt files, only tables + table_codec) still loads and serves."""
+    from tiergram.model.export import exported_tables, table_path
+
+    out = tmp_path / "export"
+    assert main(["export", str(trained), "--codec", "int8", "--out", str(out), "--quiet"]) == 0
+    assert main(["export", str(trained), "--codec", "fp32", "--out", str(out), "--quiet"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    layers = sorted(config["model"]["engram"]["layers"])
+    assert config["table_codec"] == "fp32"
+    assert config["tables"] == {str(layer): f"engram_layer{layer}.fp32.tgram" for layer in layers}
+    assert exported_tables(config) == {c: {layer: f"engram_layer{layer}.{c}.tgram" for layer in layers}
+                                       for c in ("fp32", "int8")}
+    assert table_path(out, 1, "int8") == out / "engram_layer1.int8.tgram"
+    assert not list(out.glob("*.tgt"))
+    # an old export: files named .tgt, config without tables_by_codec
+    for layer in layers:
+        (out / f"engram_layer{layer}.fp32.tgram").rename(out / f"engram_layer{layer}.fp32.tgt")
+    del config["tables_by_codec"]
+    config["tables"] = {str(layer): f"engram_layer{layer}.fp32.tgt" for layer in layers}
+    (out / "config.json").write_text(json.dumps(config))
+    assert table_path(out, layers[0], "fp32") == out / f"engram_layer{layers[0]}.fp32.tgt"
+    served, tok = load_pretrained(out, tier="host")
+    model, _ = load_pretrained(trained)
+    x = torch.tensor([tok.encode("import heapq").ids])
+    assert torch.allclose(served(x)[0], model(x)[0], atol=1e-5)
+    for table in served.engram_tables().values():
+        table.source.close()
 
 
 def test_cli_eval_and_generate(trained, corpus, tmp_path, capsys):

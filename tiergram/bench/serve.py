@@ -397,13 +397,13 @@ def layer_tables(model_dir: str, codec: str = "fp8_e4m3") -> list[Path]:
     """Each Engram layer's table file (exported first, as the engine would, when missing)."""
     from tiergram.engine.tables import export_dir_for
     from tiergram.model.checkpoint import read_config
-    from tiergram.model.export import table_filename
+    from tiergram.model.export import table_path
 
     engram = read_config(model_dir)["model"].get("engram")
     if not engram:
         raise ValueError(f"{model_dir} has no Engram layers: there is no table to place")
     src = export_dir_for(Path(model_dir), sorted(engram["layers"]), {codec})
-    return [src / table_filename(layer, codec) for layer in sorted(engram["layers"])]
+    return [table_path(src, layer, codec) for layer in sorted(engram["layers"])]
 
 
 def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:

@@ -27,7 +27,7 @@ from tiergram.engine.validate import RequestError, check_prompt
 from tiergram.engram import RowSourceTable
 from tiergram.model.checkpoint import WEIGHTS, check_table, hasher_of, load_tokenizer_of, read_config
 from tiergram.model.config import ModelConfig
-from tiergram.model.export import table_filename
+from tiergram.model.export import table_path
 from tiergram.model.model import EngramLM
 from tiergram.tiers.device import resolve_device
 
@@ -86,7 +86,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer_of(src)
         hasher = hasher_of(read_config(src), self.tokenizer)
         for layer, p in self.placements.items():
-            path = src / table_filename(layer, p.codec)
+            path = table_path(src, layer, p.codec)
             self.sources[layer] = open_table(path, p, self.device)
             check_table(self.sources[layer].manifest, hasher, layer, mconfig.engram.dim, path)
         model = EngramLM(mconfig, hasher, {layer: RowSourceTable(s) for layer, s in self.sources.items()})

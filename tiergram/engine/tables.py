@@ -10,7 +10,7 @@ import torch
 
 from tiergram.engine.config import Placement
 from tiergram.model.checkpoint import CONFIG, EXPORT_SUBDIR, WEIGHTS, read_config
-from tiergram.model.export import export_model, table_filename
+from tiergram.model.export import export_model, table_filename, table_path
 from tiergram.store import TieredTable
 from tiergram.store.device_table import DeviceTable
 
@@ -23,8 +23,8 @@ def export_dir_for(model_dir: Path, layers: list[int], codecs: set[str]) -> Path
     """
     config = read_config(model_dir)
     if config.get("tables") is not None:
-        missing = [table_filename(layer, c) for c in sorted(codecs) for layer in layers
-                   if not (model_dir / table_filename(layer, c)).is_file()]
+        missing = [table_path(model_dir, layer, c).name for c in sorted(codecs) for layer in layers
+                   if not table_path(model_dir, layer, c).is_file()]
         if missing:
             raise ValueError(f"{model_dir} is an exported model without {', '.join(missing)}: export its training "
                              "directory with that codec, or pick a placement codec it has")

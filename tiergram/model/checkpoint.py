@@ -2,7 +2,8 @@
 
 A model directory, Hugging Face style:
   config.json        {"format", "model": ModelConfig, "hashing": NgramHasher.config() | null,
-                      "tables": null | {layer: table file name}, "table_codec": ..., "provenance": {...}}
+                      "tables": null | {layer: table file name}, "table_codec": ...,
+                      "tables_by_codec": {codec: {layer: table file name}} (exported), "provenance": {...}}
   model.safetensors  every weight; an exported directory leaves the Engram tables out (they are table files)
   tokenizer.json     the tokenizer the model was trained with (its compression feeds the hashing)
 """

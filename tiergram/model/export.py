@@ -4,28 +4,56 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from tiergram.format import CODEC_IDS, TableManifest, create_table, matrix_values
 from tiergram.model.checkpoint import (
     CONFIG,
     EXPORT_SUBDIR,
     TOKENIZER,
+    WEIGHTS,
     load_pretrained,
     read_config,
     save_pretrained,
     write_json,
 )
 
+TABLE_SUFFIX = ".tgram"  # every table file tiergram writes (exports before this release wrote .tgt)
+
 
 def table_filename(layer: int, codec: str) -> str:
-    """engram_layer{L}.{codec}.tgt"""
-    return f"engram_layer{layer}.{codec}.tgt"
+    """engram_layer{L}.{codec}.tgram"""
+    return f"engram_layer{layer}.{codec}{TABLE_SUFFIX}"
+
+
+def exported_tables(config: dict[str, Any]) -> dict[str, dict[int, str]]:
+    """{codec: {layer: table file name}} of every codec an exported config.json lists ({} if not exported).
+
+    Reads `tables_by_codec`; a config written before it existed lists one codec as `tables` + `table_codec`.
+    """
+    if config.get("tables_by_codec"):
+        return {c: {int(k): v for k, v in files.items()} for c, files in config["tables_by_codec"].items()}
+    if config.get("tables"):
+        return {config.get("table_codec") or "": {int(k): v for k, v in config["tables"].items()}}
+    return {}
+
+
+def table_path(model_dir: str | os.PathLike, layer: int, codec: str) -> Path:
+    """The table file of one layer and codec in an exported directory: the name its config.json lists, else
+    the name `export` writes."""
+    model_dir = Path(model_dir)
+    listed = exported_tables(read_config(model_dir)).get(codec, {}) if (model_dir / CONFIG).is_file() else {}
+    return model_dir / listed.get(layer, table_filename(layer, codec))
 
 
 def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str | os.PathLike | None = None,
                  *, progress: bool = True) -> Path:
-    """Write out (default DIR/export): config.json (naming the table files), model.safetensors without the
-    tables, tokenizer.json, and one table file per Engram layer (layer_id and hashing in its manifest)."""
+    """Write out (default DIR/export): config.json, model.safetensors without the tables, tokenizer.json, and one
+    table file per Engram layer (layer_id and hashing in its manifest).
+
+    config.json lists the table files of every codec exported into `out` from these weights (`tables_by_codec`;
+    a codec exported from older weights is dropped), and this codec's as `tables` + `table_codec`.
+    """
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r} (valid: {', '.join(CODEC_IDS)})")
     model_dir = Path(model_dir)
@@ -35,6 +63,7 @@ def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str
         raise ValueError(f"{model_dir} has no Engram layers: there are no tables to export")
     source = read_config(model_dir)
     out.mkdir(parents=True, exist_ok=True)
+    previous = exported_tables(read_config(out)) if (out / CONFIG).is_file() else {}
     hashing = model.hasher.config()
     files = {}
     for layer, table in model.engram_tables().items():
@@ -52,7 +81,12 @@ def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str
     tokenizer = model_dir / TOKENIZER
     save_pretrained(model, out, tokenizer=tokenizer if tokenizer.is_file() else None, include_tables=False,
                     extra={"training": source.get("training"), "exported_from": str(model_dir)})
+    trained = (model_dir / WEIGHTS).stat().st_mtime_ns
+    by_codec = {c: {str(k): v for k, v in names.items()} for c, names in previous.items()
+                if c != codec and all((out / n).is_file() and (out / n).stat().st_mtime_ns >= trained
+                                      for n in names.values())}
+    by_codec[codec] = files
     config = read_config(out)
-    config.update(tables=files, table_codec=codec)
+    config.update(tables=files, table_codec=codec, tables_by_codec=dict(sorted(by_codec.items())))
     write_json(out / CONFIG, config)
     return out
