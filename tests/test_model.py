@@ -213,6 +213,20 @@ def log_losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
+def test_train_builds_a_missing_tokenizer(tmp_path, capsys):
+    """`tiergram train` on a corpus with no tokenizer yet trains one first (with progress) instead of stopping."""
+    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
+           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
+                            group=python_group)]
+    corpus = build_corpus(tmp_path / "cache", src, progress=False)
+    assert not (corpus / "tokenizer.json").exists()
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--corpus", str(corpus), "--config", "tiny", "--tokens", "512",
+                 "--batch-size", "2", "--eval-tokens", "64", "--quiet"]) == 0
+    assert (corpus / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] >= 1
+
+
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory) -> Path:
     """A tiny model trained for 8 steps on the fixture corpus (uninterrupted)."""

@@ -76,13 +76,13 @@ def binding_budget(model_dir: Path, seqs: int, seq_tokens: int, max_num_seqs: in
 def cmd_demo(args: argparse.Namespace) -> int:
     from tiergram.bench import serve as sweep
     from tiergram.bench.common import cache_dir
-    from tiergram.corpus import build_corpus, train_tokenizer
+    from tiergram.corpus import ensure_corpus
 
     t0 = time.perf_counter()
     minutes = args.minutes_train if args.minutes_train is not None else (1.0 if args.quick else 4.0)
     _stage(1, "corpus and tokenizer (built once, then reused)", t0)
-    corpus = build_corpus(progress=True)
-    print(f"corpus at {corpus}; tokenizer at {train_tokenizer(corpus)}", flush=True)
+    corpus = ensure_corpus(progress=True)
+    print(f"corpus at {corpus}; tokenizer at {corpus / 'tokenizer.json'}", flush=True)
 
     _stage(2, "the default Engram model", t0)
     model_dir = ensure_model(cache_dir("models") / MODEL_NAME, minutes, args.retrain)

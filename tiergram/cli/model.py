@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 TIERS = ("memory", "host", "file")  # mirrors model.checkpoint.TIERS without importing torch (checked by a test)
 
@@ -115,7 +114,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from tiergram.corpus import corpus_dir
+    from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.evaluate import evaluate, format_eval
     from tiergram.tiers.device import resolve_device
@@ -123,7 +122,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.dir} has no tokenizer.json to tokenize the evaluation text with")
-    corpus = Path(args.corpus) if args.corpus else corpus_dir()
+    corpus = ensure_corpus(args.corpus, tokenizer=False)  # the text, built first on a fresh machine
     result = evaluate(model, corpus, args.split, tokenizer, max_tokens_per_category=args.max_tokens or None,
                       batch_size=args.batch_size, engram_enabled=not args.no_engram_at_inference,
                       progress=not args.quiet)

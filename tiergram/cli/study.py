@@ -111,7 +111,7 @@ def _load(args: argparse.Namespace):
     """(model, tokenizer, corpus dir) from the common arguments."""
     import torch  # noqa: F401  (loaded before the model modules)
 
-    from tiergram.corpus import corpus_dir
+    from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.tiers.device import resolve_device
 
@@ -120,7 +120,7 @@ def _load(args: argparse.Namespace):
         raise ValueError(f"{args.dir} has no tokenizer.json")
     if not model.engram_layers:
         raise ValueError(f"{args.dir} has no Engram layers to study")
-    return model, tokenizer, Path(args.corpus) if args.corpus else corpus_dir()
+    return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False)  # the text, built first if missing
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> None:

@@ -22,7 +22,7 @@ from tiergram.corpus.sources import (
     SourceUnavailable,
     directory_source,
 )
-from tiergram.corpus.tokenizer import EOT, PAD, load_tokenizer, train_tokenizer
+from tiergram.corpus.tokenizer import EOT, PAD, ensure_corpus, load_tokenizer, train_tokenizer
 
 __all__ = [
     "BuildConfig",
@@ -47,6 +47,7 @@ __all__ = [
     "directory_source",
     "EOT",
     "PAD",
+    "ensure_corpus",
     "load_tokenizer",
     "train_tokenizer",
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tiergram.corpus.build import CorpusError, iter_texts, read_manifest
+from tiergram.corpus.build import CorpusError, build_corpus, iter_texts, read_manifest
 
 EOT = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -88,3 +88,23 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not path.is_file():
         raise CorpusError(f"no tokenizer at {path} (run `tiergram corpus tokenizer` first)")
     return Tokenizer.from_file(str(path))
+
+
+def ensure_corpus(corpus: str | Path | None = None, *, tokenizer: bool = True, progress: bool = True) -> Path:
+    """The corpus folder a command reads, with what is missing built first (with progress), as `demo` does.
+
+    None: the cache's corpus (`corpus_dir()`), built from the default sources if absent, and its tokenizer,
+    trained if absent or built for another vocabulary. A folder given explicitly is used as it is, except that a
+    missing tokenizer.json is trained on its train split; a folder with no corpus is a CorpusError.
+    tokenizer=False: the text only (commands that tokenize with a model's own tokenizer).
+    """
+    if corpus is None:
+        path = build_corpus(progress=progress)  # reuses a complete corpus
+        if tokenizer:
+            train_tokenizer(path, progress=progress)  # reuses a matching tokenizer
+        return path
+    path = Path(corpus)
+    read_manifest(path)  # CorpusError naming the folder when it holds no corpus
+    if tokenizer and not (path / "tokenizer.json").is_file():
+        train_tokenizer(path, progress=progress)
+    return path

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tiergram.corpus import PAD, corpus_dir, load_tokenizer
+from tiergram.corpus import PAD, ensure_corpus, load_tokenizer
 from tiergram.model.checkpoint import CHECKPOINT, load_checkpoint, save_checkpoint, save_pretrained, write_json
 from tiergram.model.config import ModelConfig, preset
 from tiergram.model.data import WindowSampler, tokenize_split
@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         raise FileExistsError(f"{out} already holds a training checkpoint; pass --resume or another --out")
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
-    corpus = Path(cfg.corpus) if cfg.corpus else corpus_dir()
+    corpus = ensure_corpus(cfg.corpus, progress=progress)  # builds a missing corpus / tokenizer first
     tok_path = corpus / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path)
     mconfig = model_config if model_config is not None else model_config_for(cfg, tokenizer)
