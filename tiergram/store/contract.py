@@ -49,3 +49,19 @@ class RowStore(Protocol):
     def close(self) -> None:
         """Release threads, files and registered memory."""
         ...
+
+
+class ManifestGeometry:
+    """`num_heads` and `dim` of a table that keeps its TableManifest as `self.manifest` (TieredTable, DeviceTable)."""
+
+    manifest: Any
+
+    @property
+    def num_heads(self) -> int:
+        """H: hash heads, the last axis of the ids."""
+        return self.manifest.n_heads
+
+    @property
+    def dim(self) -> int:
+        """D: values per row."""
+        return self.manifest.dim

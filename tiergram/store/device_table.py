@@ -16,6 +16,7 @@ from tiergram import _native
 from tiergram.format import TableFile
 from tiergram.format.ids import check_in_range, check_row_ids
 from tiergram.kernels import RowLayout, gather_dequant, gather_dequant_cached, pick_backend
+from tiergram.store.contract import ManifestGeometry
 from tiergram.store.device_cache import DeviceRowCache
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import Ticket
@@ -46,7 +47,7 @@ class DeviceTicket(Ticket):
         return event is None or event.query()
 
 
-class DeviceTable:
+class DeviceTable(ManifestGeometry):
     """One Engram layer's table served into device memory, through the fused gather + dequant kernel.
 
     tier 'device': the whole table resident in device memory (HBM).
@@ -105,14 +106,6 @@ class DeviceTable:
         self._staging = [torch.empty((staging_tokens, m.n_heads, m.dim), dtype=dtype, device=self.device)
                          for _ in range(n_staging if staging_tokens > 0 else 0)]
         self._next_staging = 0
-
-    @property
-    def num_heads(self) -> int:
-        return self.manifest.n_heads
-
-    @property
-    def dim(self) -> int:
-        return self.manifest.dim
 
     def lookup(self, row_ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows for per-head ids [..., H] as [..., H, D] on the device; IndexError names head and id."""

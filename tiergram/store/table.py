@@ -15,6 +15,7 @@ from tiergram.cache import RowCache
 from tiergram.cache.native import NATIVE_POLICIES, NativeRowCache
 from tiergram.format import TableFile
 from tiergram.format.ids import check_row_ids
+from tiergram.store.contract import ManifestGeometry
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import Ticket
 from tiergram.tiers import FileTier, HostTier
@@ -31,7 +32,7 @@ STAGING_RESERVE_BYTES = 3 * STAGING_KEEP_BYTES
 INDEX_BYTES_PER_ROW = {"native": 96, "python": 256}
 
 
-class TieredTable:
+class TieredTable(ManifestGeometry):
     """One Engram layer's table served from a tier, optionally through a hot-row cache.
 
     tier 'host': the whole table in DRAM (shared=True: one /dev/shm copy for all processes).
@@ -107,14 +108,6 @@ class TieredTable:
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
             if self.cache is not None else None
-
-    @property
-    def num_heads(self) -> int:
-        return self.manifest.n_heads
-
-    @property
-    def dim(self) -> int:
-        return self.manifest.dim
 
     def lookup(self, row_ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows for per-head ids int64 [..., H] as [..., H, D] in self.dtype; IndexError names head and id."""
