@@ -80,6 +80,9 @@ HOSTILE_FIELDS = [
     ({"prompt": PROMPT, "stream": "yes"}, 400, "stream"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options"),
     ({"prompt": PROMPT, "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"prompt": PROMPT, "stream_options": []}, 400, "stream_options"),  # falsy wrong types (found by the fuzzing)
+    ({"prompt": PROMPT, "stop_token_ids": ""}, 400, "stop_token_ids"),
+    ({"prompt": PROMPT, "stop_token_ids": 0}, 400, "stop_token_ids"),
     ({"prompt": PROMPT, "model": 17}, 400, "model"),
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": [1, 2, 10**6]}, 400, "prompt"),

@@ -277,10 +277,12 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
     top_k = _int(body, "top_k", 0, 0, vocab_size)
     seed = _int(body, "seed", None)
-    stop_ids = _int_list(body.get("stop_token_ids") or [], "stop_token_ids", limits.max_stop_token_ids, vocab_size)
+    stop_ids = body.get("stop_token_ids")  # (not `or []`: a falsy wrong type such as "" or 0 is refused too)
+    stop_ids = [] if stop_ids is None else _int_list(stop_ids, "stop_token_ids", limits.max_stop_token_ids, vocab_size)
     ignore_eos = _bool(body, "ignore_eos")
     stream = _bool(body, "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad("'stream_options' must be an object with at most 'include_usage'", "stream_options")
     include_usage = _bool(options, "include_usage")

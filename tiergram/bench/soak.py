@@ -1,0 +1,718 @@
+"""`tiergram bench soak`: what hostile input, overload, disconnects, storage faults and kill -9 do to the server.
+
+Each phase is also a function the test suite runs in its short form (tests/test_server_faults.py):
+  fuzz_api         schemathesis against the server's own /openapi.json (positive and negative cases)
+  send_hostile     hand-written hostile requests: every one must get a 4xx, never a 5xx
+  overload         streaming clients over the engine's capacity: bounded queue, 429s, nothing lost, TTFT
+  disconnect_storm clients that drop mid-stream: the K/V blocks all come back
+  storage_faults   page-read faults injected (1% of pages, every page) or a page corrupted on disk: the requests
+                   that touch them fail cleanly, the others get exactly the fault-free tokens
+  crash_restart    kill -9 under load, restart on the same tables: serves again, tables verify, no stale shm copy
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+PROMPT = "def insort(a, x):\n    lo = 0"
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+class ServerProcess:
+    """`tiergram serve MODEL_DIR ARGS` in a subprocess on a free loopback port."""
+
+    def __init__(self, model_dir: str | Path, *args: str, startup_timeout_s: float = 300.0) -> None:
+        self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+                    "--log-level", "warning", *args]
+        self.timeout = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def start(self) -> ServerProcess:
+        """Start it and wait until /health answers 200."""
+        self.log = tempfile.TemporaryFile(mode="w+")  # a file: a chatty server never blocks on a pipe
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
+        if " on http://" not in line:
+            self.proc.wait(30)
+            raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}): {line}{self.stderr()}")
+        self.url = line.strip().rsplit(" on ", 1)[1]
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the server at {self.url} did not become healthy: {self.stderr()}")
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def kill9(self) -> None:
+        """SIGKILL: no cleanup of any kind runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        """SIGTERM (drain), then SIGKILL if it does not exit."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        self.log.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics samples."""
+    from tiergram.server.metrics import parse
+
+    return parse(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def serves_normally(url: str, expect: list[int] | None = None) -> bool:
+    """A normal greedy request gets 200 with its tokens (equal to `expect` when given)."""
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=60)
+    if r.status_code != 200:
+        return False
+    ids = r.json()["choices"][0]["token_ids"]
+    return len(ids) == 4 and (expect is None or ids == expect)
+
+
+def answers_cleanly(url: str) -> bool:
+    """A normal request gets 200, or (tables failing) a 500 in the OpenAI shape naming the failed page read."""
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=60)
+    if r.status_code == 200:
+        return True
+    return r.status_code == 500 and "cannot read page" in r.json().get("error", {}).get("message", "")
+
+
+# ------------------------------------------------------------------------------------------------ fuzzing
+
+@dataclass
+class FuzzReport:
+    """Cases schemathesis sent, the statuses they got, and the checks that failed (each once)."""
+
+    cases: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 60.0) -> FuzzReport:
+    """schemathesis on every operation of the server's /openapi.json, positive and negative cases.
+
+    Checks: no 5xx; status codes, content types and response bodies as the schema documents them; negative
+    (schema-violating) input rejected with 4xx. Bounded by `examples` per operation and mode and by `timeout_s`."""
+    try:
+        import schemathesis
+        from hypothesis import HealthCheck, Phase, given, settings
+        from hypothesis import seed as hypothesis_seed
+        from schemathesis import GenerationMode
+        from schemathesis.checks import (
+            content_type_conformance,
+            negative_data_rejection,
+            not_a_server_error,
+            response_schema_conformance,
+            status_code_conformance,
+        )
+    except ImportError as e:
+        raise RuntimeError(f"API fuzzing needs schemathesis (pip install -e '.[dev]'): {e}") from None
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+              negative_data_rejection]
+    report = FuzzReport()
+    statuses: Counter = Counter()
+    deadline = time.monotonic() + timeout_s
+    for result in schema.get_all_operations():
+        op = result.ok()
+        modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.method.upper() == "POST" else \
+            (GenerationMode.POSITIVE,)  # a GET without parameters has no negative form
+        for mode in modes:
+            @hypothesis_seed(seed)
+            @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+                      suppress_health_check=list(HealthCheck))
+            @given(op.as_strategy(generation_mode=mode))
+            def run(case: Any) -> None:
+                if time.monotonic() > deadline:
+                    return
+                response = case.call(base_url=url, timeout=60)
+                report.cases += 1
+                statuses[str(response.status_code)] += 1
+                case.validate_response(response, checks=checks)
+
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - a failed check: reported, and the next operation runs
+                report.failures.append(f"{op.label} ({mode.value}): {str(e).strip()[:600]}")
+    report.statuses = dict(sorted(statuses.items()))
+    return report
+
+
+# Requests no schema-driven fuzzer would think of: broken bytes, NaN, deep nesting, huge numbers, surrogates.
+def hostile_requests(max_model_len: int) -> list[tuple[str, bytes]]:
+    """(path, body) pairs that must each be answered 4xx."""
+    big = json.dumps({"prompt": "a" * (2 << 20)}).encode()
+    bodies = [
+        b"", b"{not json", b"[1, 2]", b"null", b"\"text\"", b'{"prompt": "\xff\xfe"}',
+        b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": -Infinity}',
+        b'{"prompt": "\\ud800"}', b"[" * 50_000 + b"]" * 50_000, big,
+        json.dumps({"prompt": PROMPT, "max_tokens": 10**40}).encode(),
+        json.dumps({"prompt": PROMPT, "seed": 2**70}).encode(),
+        json.dumps({"prompt": [0] * (max_model_len + 5)}).encode(),
+        json.dumps({"prompt": [2**63]}).encode(),
+        json.dumps({"prompt": PROMPT, "stop": ["x"] * 100}).encode(),
+        json.dumps({"prompt": PROMPT, "stop": "y" * 10_000}).encode(),
+        json.dumps({"prompt": PROMPT, "n": 5}).encode(),
+        json.dumps({"prompt": PROMPT, "logprobs": 3}).encode(),
+        json.dumps({"prompt": PROMPT, "temperature": 1e308}).encode(),
+        json.dumps({"prompt": PROMPT, "top_k": -5}).encode(),
+        json.dumps({"prompt": PROMPT, "forced_tokens": [-1]}).encode(),
+        json.dumps({"prompt": PROMPT, "surprise": {"a": [1]}}).encode(),
+        json.dumps({"prompt": {"nested": True}}).encode(),
+        json.dumps({"prompt": PROMPT, "stream_options": []}).encode(),
+    ]
+    chats = [
+        json.dumps({"messages": [{"role": "user", "content": {"x": 1}}]}).encode(),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}] * 5000}).encode(),
+        json.dumps({"messages": [["user", "hi"]]}).encode(),
+    ]
+    return ([("/v1/completions", b) for b in bodies] + [("/v1/chat/completions", b) for b in bodies[:11]]
+            + [("/v1/chat/completions", b) for b in chats])
+
+
+def send_hostile(url: str, max_model_len: int) -> tuple[int, dict[str, int], list[str]]:
+    """Send every hostile request: (tried, {status: count}, failures — anything not answered 4xx in the OpenAI
+    error shape)."""
+    statuses: Counter = Counter()
+    failures = []
+    with httpx.Client(timeout=60) as client:
+        for path, body in hostile_requests(max_model_len):
+            r = client.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
+            statuses[str(r.status_code)] += 1
+            try:
+                shaped = set(r.json()["error"]) == {"message", "type", "param", "code"}
+            except (ValueError, KeyError, TypeError):
+                shaped = False
+            if not (400 <= r.status_code < 500 and shaped):
+                failures.append(f"{path} {body[:80]!r}: {r.status_code} {r.text[:200]}")
+    return sum(statuses.values()), dict(sorted(statuses.items())), failures
+
+
+# ------------------------------------------------------------------------------------------------ overload
+
+@dataclass
+class LoadReport:
+    """What a closed loop of streaming clients saw."""
+
+    clients: int = 0
+    sent: int = 0
+    completed: int = 0  # 200 and a finish_reason
+    rejected_429: int = 0
+    client_errors_4xx: int = 0
+    server_errors_5xx: int = 0  # a 5xx status, or an error event in a stream
+    lost: int = 0  # no status, a broken stream, or a stream that ended without finish_reason or error
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
+    max_waiting_seen: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, float | None, str]:
+    """One streaming request: (outcome, TTFT or None, detail); outcome ok | 429 | 4xx | 5xx | lost."""
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            if r.status_code == 429:
+                r.read()
+                return "429", None, ""
+            if r.status_code != 200:
+                r.read()
+                return ("5xx" if r.status_code >= 500 else "4xx"), None, f"{r.status_code} {r.text[:200]}"
+            finished = done = False
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return "5xx", ttft, event["error"]["message"][:200]
+                    choice = event["choices"][0] if event.get("choices") else {}
+                    if ttft is None and choice.get("token_ids"):
+                        ttft = time.perf_counter() - t0
+                    finished = finished or choice.get("finish_reason") is not None
+            return ("ok" if finished and done else "lost"), ttft, "" if finished else "stream ended without a finish"
+    except (httpx.HTTPError, ValueError) as e:
+        return "lost", ttft, f"{type(e).__name__}: {e}"
+
+
+def overload(url: str, *, clients: int, requests: int | None = None, duration_s: float | None = None,
+             max_tokens: int = 8, retry_after_s: float = 0.02, progress: bool = False,
+             on_progress: Any = None) -> LoadReport:
+    """`clients` closed-loop streaming clients until `requests` were sent or `duration_s` passed (one of them).
+
+    A 429 is retried after `retry_after_s`; every request must end in a finish_reason, a 4xx/429, or a 5xx with
+    an error (anything else counts as lost). A monitor scrapes the waiting queue's length all along."""
+    if requests is None and duration_s is None:
+        raise ValueError("give requests or duration_s")
+    rep = LoadReport(clients=clients)
+    lock = threading.Lock()
+    ttfts: list[float] = []
+    stop = threading.Event()
+    end = time.monotonic() + duration_s if duration_s is not None else float("inf")
+    bar = tqdm(total=requests, desc="soak requests", unit="req", disable=not progress)
+
+    def take() -> bool:
+        with lock:
+            if stop.is_set() or time.monotonic() >= end or (requests is not None and rep.sent >= requests):
+                return False
+            rep.sent += 1
+            return True
+
+    def client_loop(i: int) -> None:
+        rng = random.Random(i)
+        with httpx.Client(timeout=120) as client:
+            while take():
+                body = {"prompt": PROMPT + " " * rng.randint(0, 8), "max_tokens": rng.randint(1, max_tokens),
+                        "temperature": rng.choice([0, 0.7, 1e-30]), "ignore_eos": True}
+                outcome, ttft, detail = one_stream(client, url, body)
+                with lock:
+                    if outcome == "ok":
+                        rep.completed += 1
+                        if ttft is not None:
+                            ttfts.append(ttft)
+                    elif outcome == "429":
+                        rep.rejected_429 += 1
+                    elif outcome == "4xx":
+                        rep.client_errors_4xx += 1
+                    elif outcome == "5xx":
+                        rep.server_errors_5xx += 1
+                    else:
+                        rep.lost += 1
+                    if detail and len(rep.errors) < 10:
+                        rep.errors.append(f"{outcome}: {detail}")
+                bar.update(1)
+                if on_progress is not None:
+                    on_progress(rep)
+                if outcome == "429":
+                    time.sleep(retry_after_s)
+
+    def monitor() -> None:
+        while not stop.wait(0.1):
+            try:
+                waiting = int(scrape(url).get("tiergram_num_requests_waiting", 0))
+            except httpx.HTTPError:
+                continue
+            rep.max_waiting_seen = max(rep.max_waiting_seen, waiting)
+
+    t0 = time.perf_counter()
+    mon = threading.Thread(target=monitor, daemon=True)
+    mon.start()
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    mon.join()
+    bar.close()
+    rep.seconds = time.perf_counter() - t0
+    rep.ttft_p50_s, rep.ttft_p90_s = _pct(ttfts, 0.5), _pct(ttfts, 0.9)
+    return rep
+
+
+def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, timeout_s: float = 60.0
+                     ) -> dict[str, Any]:
+    """Clients that open long streams and drop them after a few events: K/V blocks used before, at the peak,
+    and once the server has noticed (it must return to where it started)."""
+    start = scrape(url)["tiergram_kv_blocks_used"]
+    long = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"] // 2  # runs for a while
+    peak = [start]
+    statuses: Counter = Counter()
+    barrier = threading.Barrier(clients + 1)
+    go = threading.Event()
+
+    def drop() -> None:
+        with httpx.Client(timeout=120) as client, client.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": long, "ignore_eos": True, "stream": True}) as r:
+            statuses[str(r.status_code)] += 1
+            lines = r.iter_lines()
+            seen = 0
+            for line in lines:
+                seen += line.startswith("data: {")
+                if seen >= events_before_drop:
+                    break
+            try:
+                barrier.wait(timeout_s)  # every stream is open and running
+            except threading.BrokenBarrierError:
+                pass
+            go.wait(timeout_s)  # then, once the peak is read, all drop at once
+
+    threads = [threading.Thread(target=drop, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        barrier.wait(timeout_s)
+        time.sleep(0.1)  # the server's metrics snapshot is at most 20 ms old
+        peak.append(scrape(url)["tiergram_kv_blocks_used"])
+    except threading.BrokenBarrierError:
+        pass
+    go.set()
+    for t in threads:
+        t.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    after = scrape(url)
+    while after["tiergram_kv_blocks_used"] != start and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = scrape(url)
+    return {"clients": clients, "statuses": dict(statuses), "kv_blocks_used_start": start,
+            "kv_blocks_used_peak": max(peak),
+            "kv_blocks_used_after": after["tiergram_kv_blocks_used"],
+            "aborted": after.get('tiergram_request_finished_total{reason="abort"}', 0.0)}
+
+
+# ------------------------------------------------------------------------------------------ storage faults
+
+def greedy_tokens(url: str, prompts: list[str], max_tokens: int) -> list[tuple[int, list[int] | str]]:
+    """Each prompt once, greedy: (status, token ids) or (status, error message)."""
+    out = []
+    with httpx.Client(timeout=120) as client:
+        for p in prompts:
+            r = client.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                                                           "ignore_eos": True})
+            body = r.json()
+            out.append((r.status_code, body["choices"][0]["token_ids"] if r.status_code == 200 else
+                        body["error"]["message"]))
+    return out
+
+
+def fault_prompts(n: int, seed: int = 0) -> list[str]:
+    """Distinct short code-like prompts (different n-grams, so different table rows)."""
+    rng = random.Random(seed)
+    words = ["def", "return", "lo", "hi", "mid", "while", "if", "else", "x", "a", "len", "for", "in", "range",
+             "import", "self", "print", "list", "None", "True"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(n)]
+
+
+def compare_to_reference(got: list[tuple[int, Any]], want: list[tuple[int, Any]]) -> dict[str, int]:
+    """Outcomes under faults against the fault-free run: ok (same tokens), failed cleanly (500 naming the
+    read), wrong (200 with other tokens: must be 0), other (anything else: must be 0)."""
+    counts = Counter()
+    for (status, value), (_, ref) in zip(got, want, strict=True):
+        if status == 200:
+            counts["ok" if value == ref else "wrong"] += 1
+        elif status == 500 and ("PageReadError" in value or "cannot read page" in value):
+            counts["failed_cleanly"] += 1
+        else:
+            counts["other"] += 1
+    return {k: counts.get(k, 0) for k in ("ok", "failed_cleanly", "wrong", "other")}
+
+
+def corrupt_page(path: Path, page: int) -> None:
+    """Flip one byte in the middle of a data page of a table file (its checksum no longer matches)."""
+    from tiergram.format import TableFile
+
+    t = TableFile.open(path)
+    at = t.data_offset + page * t.manifest.page_size + t.manifest.page_size // 3
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def copy_export(model_dir: Path, out: Path, codec: str = "fp8_e4m3") -> Path:
+    """An exported copy of a model (its tables can then be damaged without touching the original)."""
+    from tiergram.engine.tables import export_dir_for
+    from tiergram.model.checkpoint import read_config
+
+    config = read_config(model_dir)
+    layers = sorted((config["model"].get("engram") or {}).get("layers") or [])
+    src = export_dir_for(model_dir, layers, {codec}) if layers else model_dir
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.lock", ".engine-export.lock"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the soak
+
+@dataclass
+class SoakConfig:
+    """Sizes of the soak's phases."""
+
+    model_dir: str
+    requests: int = 10_000  # the overload soak's requests (RSS growth is measured over them)
+    max_num_seqs: int = 8  # the engine's capacity is max_num_seqs running + max_waiting queued
+    max_waiting: int = 8
+    overload_factor: float = 2.0  # clients = factor x capacity
+    max_tokens: int = 8
+    fuzz_examples: int = 50  # per operation and mode
+    fuzz_timeout_s: float = 180.0
+    disconnect_clients: int = 32
+    fault_prompts: int = 40
+    torch_threads: int = 1
+    seed: int = 0
+
+
+@dataclass
+class SoakResult:
+    """Every figure of the soak."""
+
+    config: dict[str, Any]
+    fuzz: dict[str, Any] = field(default_factory=dict)
+    hostile: dict[str, Any] = field(default_factory=dict)
+    load: dict[str, Any] = field(default_factory=dict)
+    rss: dict[str, float] = field(default_factory=dict)
+    disconnects: dict[str, Any] = field(default_factory=dict)
+    faults: dict[str, Any] = field(default_factory=dict)
+    crash: dict[str, Any] = field(default_factory=dict)
+    served_after_all: bool = False
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
+    """Every phase, against `tiergram serve` subprocesses on loopback."""
+    res = SoakResult(config=asdict(cfg))
+    common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting)]
+    if cfg.torch_threads:
+        common += ["--torch-threads", str(cfg.torch_threads)]
+    with ServerProcess(cfg.model_dir, "--placement", "host", *common) as server:
+        url = server.url
+        max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+        reference = greedy_tokens(url, [PROMPT], 4)[0][1]
+        _log(progress, f"fuzzing {url}/openapi.json with schemathesis ({cfg.fuzz_examples} cases per operation "
+                       "and mode)")
+        fz = fuzz_api(url, examples=cfg.fuzz_examples, seed=cfg.seed, timeout_s=cfg.fuzz_timeout_s)
+        res.fuzz = {**asdict(fz), "served_after": serves_normally(url, reference)}
+        tried, statuses, failures = send_hostile(url, max_model_len)
+        res.hostile = {"tried": tried, "statuses": statuses, "failures": failures,
+                       "served_after": serves_normally(url, reference)}
+        clients = int(cfg.overload_factor * (cfg.max_num_seqs + cfg.max_waiting))
+        _log(progress, f"overload: {clients} streaming clients (capacity {cfg.max_num_seqs} running + "
+                       f"{cfg.max_waiting} waiting), {cfg.requests} requests")
+        rss_at: dict[str, float] = {"start": scrape(url)["process_resident_memory_bytes"]}
+        warm = max(1, cfg.requests // 10)
+
+        def note_rss(rep: LoadReport) -> None:
+            if "after_warmup" not in rss_at and rep.sent >= warm:
+                rss_at["after_warmup"] = -1.0  # claimed; scraped below by this thread
+                rss_at["after_warmup"] = scrape(url)["process_resident_memory_bytes"]
+
+        load = overload(url, clients=clients, requests=cfg.requests, max_tokens=cfg.max_tokens, progress=progress,
+                        on_progress=note_rss)
+        rss_at["end"] = scrape(url)["process_resident_memory_bytes"]
+        res.load = asdict(load)
+        res.rss = {**rss_at, "growth_after_warmup": rss_at["end"] - rss_at.get("after_warmup", rss_at["start"]),
+                   "requests_after_warmup": cfg.requests - warm}
+        _log(progress, f"disconnect storm: {cfg.disconnect_clients} clients drop mid-stream")
+        res.disconnects = disconnect_storm(url, clients=cfg.disconnect_clients)
+        res.served_after_all = serves_normally(url, reference)
+        m = scrape(url)
+        res.load["server_5xx_total"] = sum(v for k, v in m.items() if k.startswith("tiergram_requests_total")
+                                           and 'status="5' in k)
+    _log(progress, "storage faults: a page corrupted on disk, then injected read faults (1% of pages, all pages)")
+    res.faults = storage_faults_subprocess(cfg, progress)
+    _log(progress, "kill -9 under load, restart on the same tables")
+    res.crash = crash_restart(cfg)
+    return res
+
+
+def storage_faults_subprocess(cfg: SoakConfig, progress: bool) -> dict[str, Any]:
+    """A page corrupted on disk (file placement, subprocess); the injected faults run in-process (they need the
+    engine's page readers) by storage_faults()."""
+    prompts = fault_prompts(cfg.fault_prompts, cfg.seed)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tiergram-soak-") as tmp:
+        model = copy_export(Path(cfg.model_dir), Path(tmp) / "model")
+        with ServerProcess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+            want = greedy_tokens(server.url, prompts, 4)
+        tables = sorted(model.glob("engram_layer*.fp8_e4m3.*"))
+        from tiergram.format import TableFile
+
+        pages = TableFile.open(tables[0]).manifest.n_pages
+        corrupt_page(tables[0], pages // 2)
+        with ServerProcess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+            got = greedy_tokens(server.url, prompts, 4)
+            health = httpx.get(f"{server.url}/health")
+            out["corrupt_page_on_disk"] = {**compare_to_reference(got, want), "requests": len(prompts),
+                                           "served_after": answers_cleanly(server.url),
+                                           "health_after": health.json().get("status"),
+                                           "engine_faults": health.json().get("faults")}
+    out.update(storage_faults(cfg.model_dir, prompts, progress=progress))
+    return out
+
+
+def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[float, ...] = (0.01, 1.0),
+                   progress: bool = False) -> dict[str, Any]:
+    """In-process server (file placement, no cache: every row from disk); for each rate, that fraction of every
+    table's pages fails every read (checksum-failing bit flips at 1%, I/O errors at 100%)."""
+    import uvicorn
+
+    from tiergram.engine import EngineConfig, LLMEngine, Placement
+    from tiergram.server import create_app
+
+    engine = LLMEngine(EngineConfig(str(model_dir), Placement("file"), max_num_seqs=8))
+    app = create_app(engine)
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    out: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        want = greedy_tokens(url, prompts, 4)
+        rng = random.Random(0)
+        for rate in rates:
+            injected = 0
+            for src in engine.sources.values():
+                n = src.manifest.n_pages
+                for page in rng.sample(range(n), max(1, round(rate * n))):
+                    src.tier.reader.inject_fault("flip" if rate < 1 else "eio", page, 1 << 30)
+                    injected += 1
+            got = greedy_tokens(url, prompts, 4)
+            for src in engine.sources.values():
+                src.tier.reader.clear_faults()
+            health = httpx.get(f"{url}/health").json()
+            ok_after = serves_normally(url)  # the faults cleared: served as before
+            out[f"injected_{rate:g}"] = {**compare_to_reference(got, want), "requests": len(prompts),
+                                         "faulty_pages": injected, "served_after": answers_cleanly(url),
+                                         "engine_faults": health["faults"], "health": health["status"],
+                                         "served_once_cleared": ok_after}
+            _log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        engine.close()
+    return out
+
+
+def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
+    """kill -9 of a server under load (host placement, shared /dev/shm copies off), restart on the same tables."""
+    from tiergram.format import TableFile
+    from tiergram.tiers.host import shared_copies
+
+    model = Path(cfg.model_dir)
+    with ServerProcess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+        reference = greedy_tokens(server.url, [PROMPT], 4)[0][1]
+        t = threading.Thread(target=overload, args=(server.url,), kwargs={"clients": 8, "duration_s": load_s},
+                             daemon=True)
+        t.start()
+        time.sleep(load_s / 2)
+        server.kill9()
+        t.join(60)
+    with ServerProcess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+        served = serves_normally(server.url, reference)
+    export = model / "export" if (model / "export").is_dir() else model
+    tables = sorted(export.glob("engram_layer*"))
+    bad = {str(p.name): TableFile.open(p).verify() for p in tables if p.suffix in (".tgt", ".tgram")}
+    stale = [str(p) for p in shared_copies() if ".tmp-" in p.name]
+    return {"served_after_restart": served, "tables_verified": len(bad),
+            "tables_with_bad_pages": sorted(k for k, v in bad.items() if v), "stale_shm_files": stale}
+
+
+def checks(res: SoakResult) -> dict[str, bool]:
+    """The pass/fail lines of the soak."""
+    faults = res.faults
+    return {
+        "fuzz: no check failed, no 5xx": not res.fuzz.get("failures") and not any(
+            s.startswith("5") for s in res.fuzz.get("statuses", {})),
+        "hostile: every one 4xx": not res.hostile.get("failures"),
+        "served a normal request after fuzzing and hostile input": bool(res.fuzz.get("served_after")
+                                                                        and res.hostile.get("served_after")),
+        "overload: no request lost": res.load.get("lost", 1) == 0,
+        "overload: no 5xx": res.load.get("server_errors_5xx", 1) == 0 and res.load.get("server_5xx_total", 1) == 0,
+        "overload: queue bounded": res.load.get("max_waiting_seen", 1 << 30) <= res.config["max_waiting"],
+        "disconnects: K/V blocks back to start": res.disconnects.get("kv_blocks_used_after")
+        == res.disconnects.get("kv_blocks_used_start"),
+        "faults: nothing wrong served": all(v.get("wrong", 1) == 0 and v.get("other", 1) == 0
+                                            for v in faults.values()),
+        "faults: server serves after each": all(v.get("served_after") for v in faults.values()),
+        "crash: serves after restart, tables verify, no stale shm": bool(
+            res.crash.get("served_after_restart") and not res.crash.get("tables_with_bad_pages")
+            and not res.crash.get("stale_shm_files")),
+        "served a normal request at the end": res.served_after_all,
+    }
+
+
+def to_text(res: SoakResult) -> str:
+    """The soak's figures as a report."""
+    ld, rss, fz, hs = res.load, res.rss, res.fuzz, res.hostile
+    lines = [
+        f"fuzzing (schemathesis, /openapi.json): {fz.get('cases', 0)} cases, statuses {fz.get('statuses')}, "
+        f"{len(fz.get('failures', []))} failed checks",
+        f"hostile requests: {hs.get('tried', 0)} tried, statuses {hs.get('statuses')}, "
+        f"{len(hs.get('failures', []))} not answered 4xx",
+        f"overload: {ld.get('clients')} streaming clients for {ld.get('sent')} requests in "
+        f"{ld.get('seconds', 0):.1f} s: {ld.get('completed')} completed, {ld.get('rejected_429')} answered 429, "
+        f"{ld.get('client_errors_4xx')} 4xx, "
+        f"{ld.get('server_errors_5xx')} 5xx, {ld.get('lost')} lost; max waiting seen {ld.get('max_waiting_seen')} "
+        f"(max_waiting {res.config['max_waiting']}); TTFT of admitted p50 {ld.get('ttft_p50_s', 0) * 1e3:.1f} ms, "
+        f"p90 {ld.get('ttft_p90_s', 0) * 1e3:.1f} ms",
+        f"RSS: {rss.get('start', 0) / 2**20:.1f} MiB at start, {rss.get('after_warmup', 0) / 2**20:.1f} MiB after "
+        f"warm-up, {rss.get('end', 0) / 2**20:.1f} MiB at the end: growth "
+        f"{rss.get('growth_after_warmup', 0) / 2**20:+.2f} MiB over {rss.get('requests_after_warmup')} requests",
+        f"disconnect storm: {res.disconnects}",
+    ]
+    for name, v in res.faults.items():
+        lines.append(f"storage faults, {name}: {v}")
+    lines.append(f"kill -9 and restart: {res.crash}")
+    lines.append("")
+    lines += [f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in checks(res).items()]
+    return "\n".join(lines)
+
+
+def to_json(res: SoakResult) -> str:
+    """The soak's figures and checks as one JSON object."""
+    return json.dumps({**asdict(res), "checks": checks(res)}, indent=2, default=str)
