@@ -112,6 +112,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
     sv.add_argument("--json", action="store_true", help="print one JSON object")
     sv.set_defaults(func=cmd_serve)
+    sk = bsub.add_parser("soak", help="the server under fuzzing, hostile input, 2x overload, disconnects, storage "
+                                      "faults and kill -9 (docs/serving.md, \"Limits and failure behaviour\")")
+    sk.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=None,
+                    help="model directory (default: the demo's trained model)")
+    sk.add_argument("--requests", type=int, default=10_000, help="requests of the overload soak (RSS measured)")
+    sk.add_argument("--max-num-seqs", type=int, default=8, help="the served engine's running sequences")
+    sk.add_argument("--max-waiting", type=int, default=8, help="the served engine's waiting queue")
+    sk.add_argument("--overload", type=float, default=2.0, help="streaming clients as a multiple of capacity")
+    sk.add_argument("--fuzz-examples", type=int, default=50, help="schemathesis cases per operation and mode")
+    sk.add_argument("--disconnect-clients", type=int, default=32)
+    sk.add_argument("--fault-prompts", type=int, default=40, help="requests per storage-fault case")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--json", action="store_true", help="print one JSON object")
+    sk.set_defaults(func=cmd_soak)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -212,3 +226,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     print(serve.to_json(res) if args.json else serve.to_text(res))
     return 0
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from tiergram.bench import soak
+    from tiergram.bench.common import cache_dir
+
+    model_dir = args.model_dir or str(cache_dir("models") / "demo-small")
+    if not Path(model_dir, "config.json").is_file():
+        raise ValueError(f"no model at {model_dir}: give MODEL_DIR (or run `tiergram demo` first)")
+    cfg = soak.SoakConfig(model_dir=model_dir, requests=args.requests, max_num_seqs=args.max_num_seqs,
+                          max_waiting=args.max_waiting, overload_factor=args.overload, fuzz_examples=args.fuzz_examples,
+                          disconnect_clients=args.disconnect_clients, fault_prompts=args.fault_prompts, seed=args.seed)
+    try:
+        res = soak.run(cfg, progress=not args.json)
+    except RuntimeError as e:  # a server that did not start: say which, no traceback
+        print(f"tiergram: error: {e}", file=sys.stderr)
+        return 1
+    print(soak.to_json(res) if args.json else soak.to_text(res))
+    return 0 if all(soak.checks(res).values()) else 1
