@@ -207,8 +207,7 @@ if __name__ == "__main__":
 # -- tiergram bench lookup --tier mooncake --------------------------------------------------------------------
 
 BATCHES = (1, 256, 1024, 4096)
-SYSTEMS = ("mooncake_engramstore", "mooncake_raw", "tiergram_mooncake", "tiergram_mooncake_cache10",
-           "tiergram_file", "file_limit", "tiergram_host")
+RUN_PAGES = 1024  # pages per object of the 'runs of pages' granularity (4 MiB objects of 4 KiB pages)
 
 
 @dataclass
@@ -255,7 +254,8 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
 
     path, values = _bench_file(cfg, progress)
     table_bytes = cfg.rows * cfg.dim * 4
-    segment = 3 * table_bytes + (64 << 20)  # EngramStore's copy, tiergram's pages (4 KiB per 3 rows at D=256)
+    # EngramStore's copy, tiergram's pages and the runs-of-pages copy (4 KiB per 3 rows at D=256), with room
+    segment = 4 * table_bytes + (64 << 20)
     results: dict[str, Any] = {}
     with LocalCluster(work_dir / "mooncake-logs", holders=1, segment_bytes=segment) as cluster:
         store = connect(cluster.master_addr, buffer_bytes=256 << 20)
@@ -264,6 +264,7 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         engram = EngramStore(0, ecfg, store)
         engram.populate([values])
         uri = push_table(path, cluster.master_addr, "bench", progress=progress, store=store)
+        runs_get = _put_runs(store, path)
         m_rows = cfg.rows
         row_bytes = cfg.dim * 4
         cache_bytes = int(cfg.cache_fraction * m_rows * row_bytes)
@@ -292,6 +293,8 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         calls: dict[str, Any] = {
             "mooncake_engramstore": lambda ids: engram.lookup(ids.reshape(1, -1, 1)),
             "mooncake_raw": raw_get,
+            "mooncake_runs": lambda ids: runs_get(pages_of(ids), raw_tier._staging(pages_of(ids).size
+                                                                                   * manifest.page_size)),
             "file_limit": lambda ids: reader.read_pages(pages_of(ids), limit_buf[: pages_of(ids).size
                                                                                  * manifest.page_size]),
             **{name: (lambda ids, t=t: t.lookup(ids.reshape(-1, 1))) for name, t in tables.items()},
@@ -348,6 +351,39 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
     }
 
 
+def _put_runs(store: Any, path: Path) -> Any:
+    """Put the table's pages again as objects of RUN_PAGES pages; returns get(pages, buf) reading those pages
+    out of them with ranged reads (the 'runs of pages' granularity, measured beside one page per object)."""
+    from tiergram.format import TableFile
+
+    table = TableFile.open(path)
+    m = table.manifest
+    ps = m.page_size
+    data = aligned_empty_pages(m.data_bytes)
+    with open(path, "rb") as f:
+        f.seek(table.data_offset)
+        f.readinto(memoryview(data))
+    store.register_buffer(data.ctypes.data, data.nbytes)
+    n_runs = -(-m.n_pages // RUN_PAGES)
+    keys = [f"bench-runs/{r}" for r in range(n_runs)]
+    sizes = [min(RUN_PAGES, m.n_pages - r * RUN_PAGES) * ps for r in range(n_runs)]
+    codes = store.batch_put_from(keys, [data.ctypes.data + r * RUN_PAGES * ps for r in range(n_runs)], sizes)
+    if any(c != 0 for c in codes):
+        raise RuntimeError(f"could not put the runs-of-pages copy: codes {sorted(set(codes))}")
+    store.unregister_buffer(data.ctypes.data)
+
+    def get(pages: np.ndarray, buf: np.ndarray) -> None:
+        run_of = pages // RUN_PAGES
+        runs, starts = np.unique(run_of, return_index=True)
+        ends = list(starts[1:]) + [pages.size]
+        dst = [[[int(i) * ps for i in range(a, b)] for a, b in zip(starts, ends, strict=True)]]
+        src = [[[int(p % RUN_PAGES) * ps for p in pages[a:b]] for a, b in zip(starts, ends, strict=True)]]
+        size = [[[ps] * (b - a) for a, b in zip(starts, ends, strict=True)]]
+        store.get_into_ranges([buf.ctypes.data], [[keys[r] for r in runs]], dst, src, size)
+
+    return get
+
+
 def aligned_empty_pages(nbytes: int) -> np.ndarray:
     """A 4096-aligned uint8 buffer (O_DIRECT reads need one)."""
     from tiergram.tiers.aligned import aligned_empty
@@ -375,7 +411,8 @@ def lookup_to_text(res: dict) -> str:
                            for b in cfg["batches"])
         lines.append(f"tiergram mooncake vs EngramStore (no cache / 10% cache): {ratios}")
     lines.append("file_limit: the native reader's O_DIRECT reads of the same pages (the disk's limit for "
-                 "tiergram_file); mooncake_raw: Mooncake's batch_get_into of the same pages, unverified")
+                 "tiergram_file); mooncake_raw: Mooncake's batch_get_into of the same pages (one object per page), "
+                 f"unverified; mooncake_runs: the same pages read by ranges out of {RUN_PAGES}-page objects")
     return "\n".join(lines)
 
 
