@@ -69,10 +69,11 @@ def read(reader, ids, verify=True):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qd", [1, 32, 128])
-def test_reads_exact_pages(table_dir, backend, qd):
+@pytest.mark.parametrize("batch_wait", [True, False])
+def test_reads_exact_pages(table_dir, backend, qd, batch_wait):
     path = os.path.join(table_dir, "t.bin")
     pages = write_table(path, 200, seed=qd)
-    with _native.PageReader(path, OFFSET, PS, 200, queue_depth=qd, backend=backend) as r:
+    with _native.PageReader(path, OFFSET, PS, 200, queue_depth=qd, backend=backend, batch_wait=batch_wait) as r:
         assert r.backend == backend and r.queue_depth == qd
         rng = np.random.default_rng(1)
         ids = np.concatenate([rng.integers(0, 200, 300), [5, 5, 5, 0, 199], np.arange(200)])

@@ -34,8 +34,9 @@ class Ring {
 
   // Reads every op from `fd` keeping at most `depth` in flight, and sets each op's `res`. If the ring
   // itself fails (io_uring_enter error), the ops not completed get -errno: the caller sees them as failed
-  // reads. Returns only once the kernel holds no reference to any `dst`.
-  void run(int fd, ReadOp *ops, size_t n, unsigned depth);
+  // reads. Returns only once the kernel holds no reference to any `dst`. batch_wait: each io_uring_enter waits for
+  // a quarter of the reads in flight (fewer syscalls per page) instead of one.
+  void run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true);
 
  private:
   void release();

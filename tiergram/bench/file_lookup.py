@@ -85,6 +85,8 @@ class FileLookupBenchResult:
     tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution -> figures
     mmap: dict[str, float] = field(default_factory=dict)
     all_hits: dict[str, dict[str, float]] = field(default_factory=dict)  # positions -> file cache vs host figures
+    # the deepest limit reader again with io_uring_enter returning at the first completion (the earlier behaviour)
+    limit_wait_one: dict[str, dict[str, float]] = field(default_factory=dict)
     file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
     seconds: float = 0.0
 
@@ -208,13 +210,14 @@ def _cpu() -> float:
 class LimitReader:
     """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd."""
 
-    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int = 0) -> None:
+    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int = 0,
+                 batch_wait: bool = True) -> None:
         m = self.manifest = table.manifest
         self.batch = max(1024, 48 * qd)  # 6144 pages at QD128: as many as a 256-position lookup reads
         self.out = aligned_empty(self.batch * m.page_size)
         self.rng = np.random.default_rng([seed, qd])
         self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
-                                         queue_depth=qd, backend=backend, direct=True)
+                                         queue_depth=qd, backend=backend, direct=True, batch_wait=batch_wait)
         self.reader.read_pages(self.rng.integers(0, m.n_pages, self.batch), self.out, verify=False)  # warm-up
 
     def segment(self, seconds: float) -> Segment:
@@ -378,6 +381,8 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     try:
         for qd in cfg.queue_depths:
             readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.seed)
+        deepest = max(cfg.queue_depths)
+        readers["limit_wait_one", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.seed, batch_wait=False)
         for n in cfg.py_threads:
             readers["python_threads", str(n)] = PythonThreads(table, n, cfg.seed)
         for i, dist in enumerate(cfg.dists):
@@ -501,7 +506,7 @@ def to_dict(res: FileLookupBenchResult) -> dict:
             "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
             **res.ratios, "targets": res.targets, "backend": res.backend,
             "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
-            "all_hits": res.all_hits, "file_mode": res.file_mode,
+            "all_hits": res.all_hits, "file_mode": res.file_mode, "limit_wait_one": res.limit_wait_one,
             "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
 
 
@@ -524,6 +529,8 @@ def to_text(res: FileLookupBenchResult) -> str:
 
     for qd, d in res.limit.items():
         row(f"limit: native reader QD{qd}", d)
+    for qd, d in res.limit_wait_one.items():
+        row(f"  (QD{qd}, enter waits for 1)", d)
     for n, d in res.python_threads.items():
         row(f"python threads os.preadv x{n}", d)
     for dist, d in res.tiergram.items():
