@@ -259,9 +259,11 @@ def _sweep(model_dir: str, scale: float) -> dict:
             pl = Placement(kind, cache_fraction=0.1 if kind == "file" else 0.0, hit_rate=0.6 if kind == "file"
                            else None)
             p = predict_point(MODEL, CPU, wl, pl, c)
-            points.append({"placement": kind, "concurrency": c, "throughput_tok_s": scale * p.throughput_tok_s,
-                           "interactivity_p50": p.interactivity, "engram_cache_hit_rate": 0.6 if kind == "file"
-                           else None})
+            measured = scale * p.throughput_tok_s
+            points.append({"placement": kind, "concurrency": c, "throughput_tok_s": measured,
+                           "interactivity_p50": p.interactivity, "engram_cache_hit_rate": 0.9 if kind == "file"
+                           else None,  # read-ahead counts warmed rows as hits: the pages read tell the truth
+                           "file_pages_per_s": 0.4 * measured * 8 if kind == "file" else 0.0})
     return {"config": cfg, "points": points, "servers": {"device": {"concurrency_limit": 4}}}
 
 
@@ -272,7 +274,7 @@ def test_validate_compares_point_by_point() -> None:
         assert set(r) >= {"placement", "concurrency", "predicted_tok_s", "measured_tok_s", "predicted_binding"}
         assert r["ratio"] == pytest.approx(1.1)
         if r["placement"] == "file":
-            assert r["hit_rate"] == 0.6 and r["hit_rate_source"] == "sweep (measured)"
+            assert r["hit_rate"] == pytest.approx(0.6) and r["hit_rate_source"] == "sweep (pages read per row)"
     assert res["summary"]["within_15pct"] == 9 and math.isclose(res["summary"]["max_abs_error"], 0.1)
     assert res["limits"]["device"]["measured"] == 4
 
@@ -283,7 +285,8 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     from tiergram.plan.calibrate import calibrate, to_toml
 
     model_dir = make_tiny_model(tmp_path / "m")
-    cal = calibrate(str(model_dir), progress=False, disk_seconds=0.05, gather_seconds=0.05, batches=(1, 2))
+    cal = calibrate(str(model_dir), progress=False, disk_seconds=0.05, gather_seconds=0.05, batches=(1, 2),
+                    serve=False)
     spec = tmp_path / "this.toml"
     spec.write_text(to_toml(cal))
     hw = load_hardware(spec)

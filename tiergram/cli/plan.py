@@ -10,6 +10,7 @@ from pathlib import Path
 USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
        tiergram plan calibrate [MODEL_DIR] [--out SPEC.toml]
        tiergram plan validate SWEEP_JSON --hardware SPEC [--model MODEL] [--json]
+       tiergram plan studies [--out DIR] [--model-dir DIR]   the predictions of docs/planner.md, with plots
 
 MODEL: a model spec name or .toml (shipped: deepseek-v4.1-flash) or a trained model directory.
 HARDWARE: a hardware spec name or .toml (shipped: h200, b200, gb300; `this-machine` after calibrate)."""
@@ -52,6 +53,8 @@ def _calibrate_parser() -> argparse.ArgumentParser:
                    help="a trained model directory to time steps on (default: the demo's model in the cache)")
     p.add_argument("--out", default=None, help="spec path (default: this-machine.toml in the cache)")
     p.add_argument("--disk-seconds", type=float, default=1.0, help="seconds per queue depth (default 1)")
+    p.add_argument("--no-serve", action="store_true",
+                   help="skip the HTTP-path measurement (a real server under a closed loop at c = 1 and 4)")
     return p
 
 
@@ -67,6 +70,33 @@ def _validate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _studies_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiergram plan studies",
+                                description="DeepSeek-V4.1-Flash on H200/B200/GB300: DRAM vs HBM, NVMe vs DRAM, K/V + "
+                                            "Engram contention, decode stall and speculative prefetch (predictions).")
+    p.add_argument("--out", default=None, help="folder for the PNGs and studies.md (default: the cache)")
+    p.add_argument("--model-dir", default=None,
+                   help="a trained model whose top-k next-token hit rate stands in for a real model's (default: "
+                        "the demo's model if cached; none: speculation shown with hit rate 0)")
+    p.add_argument("--topk-tokens", type=int, default=20000, help="test-split tokens to measure top-k on")
+    return p
+
+
+def _studies(a: argparse.Namespace) -> int:
+    from tiergram.bench.common import cache_dir
+    from tiergram.plan.studies import run
+
+    out = Path(a.out) if a.out else cache_dir("plan") / "studies"
+    model_dir = a.model_dir
+    if model_dir is None and (cache_dir("models") / "demo-small" / "config.json").is_file():
+        model_dir = str(cache_dir("models") / "demo-small")
+    md = run(out, model_dir, topk_tokens=a.topk_tokens)
+    (out / "studies.md").write_text(md)
+    print(md)
+    print(f"plots and studies.md in {out}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     rest = list(args.rest)
     if args.plan_help or not rest or rest[0] in ("-h", "--help"):
@@ -76,6 +106,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _calibrate(_calibrate_parser().parse_args(rest[1:]))
     if rest[0] == "validate":
         return _validate(_validate_parser().parse_args(rest[1:]))
+    if rest[0] == "studies":
+        return _studies(_studies_parser().parse_args(rest[1:]))
     return _predict(_predict_parser().parse_args(rest))
 
 
@@ -119,7 +151,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     model_dir = a.model_dir or str(cache_dir("models") / "demo-small")
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"{model_dir}: no trained model there (run `tiergram demo` once, or pass a model directory)")
-    cal = calibrate(model_dir, disk_seconds=a.disk_seconds)
+    cal = calibrate(model_dir, disk_seconds=a.disk_seconds, serve=not a.no_serve)
     out = Path(a.out) if a.out else calibrated_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_toml(cal))

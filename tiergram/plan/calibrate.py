@@ -48,7 +48,7 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
     with LLMEngine(cfg) as engine:
         vocab = engine.model.config.vocab_size
         for n in tqdm(batches, desc="engine steps", disable=not progress):
-            for rep in range(2):  # the first pass warms up this batch shape
+            for rep in range(3):  # the first pass warms up this batch shape
                 for i in range(n):
                     prompt = rng.integers(2, vocab, input_len).tolist()
                     engine.add_request(f"cal-{n}-{rep}-{i}", prompt, SamplingParams(max_tokens=output_len,
@@ -60,12 +60,65 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
                     last = engine.scheduler.last
                     if rep and last:
                         rows.append((float(sum(t for _, t, _ in last)), float(len(last)), dt))
-    a = np.array([[1.0, t, s] for t, s, _ in rows])
-    y = np.array([d for _, _, d in rows])
-    coef = _nonneg_lstsq(a, y)
+    # one sample per batch shape (its median step), weighted by how often it ran: a loaded machine's slow
+    # outliers then move the fit far less than in a fit over every step
+    shapes = sorted({(t, s) for t, s, _ in rows})
+    med = [(t, s, float(np.median([d for tt, ss, d in rows if (tt, ss) == (t, s)])),
+            sum(1 for tt, ss, _ in rows if (tt, ss) == (t, s))) for t, s in shapes]
+    w = np.sqrt([n for *_, n in med])
+    a = np.array([[1.0, t, s] for t, s, _, _ in med])
+    y = np.array([d for _, _, d, _ in med])
+    coef = _nonneg_lstsq(a * w[:, None], y * w)
     pred = a @ coef
     return {"step_overhead_s": float(coef[0]), "per_token_s": float(coef[1]), "per_seq_s": float(coef[2]),
-            "steps": len(rows), "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
+            "steps": len(rows), "samples": rows,
+            "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
+
+
+def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, int] = (1, 4), input_len: int = 128,
+                output_len: int = 32, requests_per_user: int = 4) -> dict[str, float]:
+    """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
+
+    A real `tiergram serve` (host placement) and the closed-loop streaming client of `bench serve` on held-out
+    text (starting 400K tokens into the trace, past the requests a default sweep replays) at two concurrencies;
+    the gap between each measured request cycle and the engine-only step model is split into
+    t_req + S·c·t_http by solving the two equations.
+    """
+    import asyncio
+
+    import httpx
+
+    from tiergram.bench import serve as sweep
+    from tiergram.model.checkpoint import load_tokenizer_of
+    from tiergram.plan.model import Placement, Workload, step_terms, steps_per_request
+    from tiergram.plan.specs import model_from_dir
+
+    spec = model_from_dir(Path(model_dir))
+    cfg = sweep.SweepConfig(model_dir=model_dir, placements=("host",), input_len=input_len, output_len=output_len)
+    tokenizer = load_tokenizer_of(model_dir)
+    need = 400_000  # start far past what a default sweep replays, so calibration and sweep see different text
+    tokens, _ = sweep.trace_tokens(tokenizer, need + sum(c * (requests_per_user + 1) for c in concurrencies)
+                                   * (input_len + output_len))
+    trace = sweep.Trace(tokens[min(need, len(tokens) // 2):], input_len, output_len, seed=1)
+    lo_in, lo_out = max(1, int(0.8 * input_len)), max(1, int(0.8 * output_len))
+    wl = Workload(input_len=(lo_in + input_len) / 2, output_len=(lo_out + output_len) / 2)
+    gaps = []
+    with sweep.ServerProcess(cfg, "host", 0, max_waiting=256) as server:
+        model = httpx.get(f"{server.url}/health", timeout=30).json()["model"]
+        for c in concurrencies:
+            asyncio.run(sweep.closed_loop(server.url, model, trace.take(c), c))  # warm-up
+            timings, wall = asyncio.run(sweep.closed_loop(server.url, model, trace.take(requests_per_user * c), c))
+            tok = sum(t.prompt_tokens + t.output_tokens for t in timings)
+            cycle = c * (wl.input_len + wl.output_len) / (tok / wall)
+            steps = steps_per_request(wl, c)
+            engine = step_terms(spec, hw, wl, Placement("host"), c)[0]
+            gaps.append((c, steps, cycle - steps * engine))
+    (c1, s1, g1), (c2, s2, g2) = gaps
+    # g = t_req + S·c·t_http at both concurrencies
+    a = np.array([[1.0, s1 * c1], [1.0, s2 * c2]])
+    coef = _nonneg_lstsq(a, np.array([g1, g2]))
+    return {"request_overhead_s": float(coef[0]), "per_seq_http_s": float(coef[1]),
+            "gaps_s": [round(g, 5) for _, _, g in gaps]}
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -107,6 +160,50 @@ def gather_costs(table_path: Path, heads: int, tokens: tuple[int, ...] = (8, 32,
     a = np.array([[1.0, r] for r, _ in pts])
     coef = _nonneg_lstsq(a, np.array([s for _, s in pts]))
     return {"per_call_s": float(coef[0]), "rows_per_s": 1.0 / coef[1] if coef[1] > 0 else float("inf")}
+
+
+def file_costs(table_path: Path, heads: int, cache_fraction: float = 0.1, seconds: float = 0.5) -> dict[str, float]:
+    """The file tier's own costs behind a host cache: rows/s of the all-hit path, CPU seconds per page read.
+
+    Hits: the same ids looked up again and again (all cached). Misses: fresh random ids over the whole table
+    (a 10% cache catches about 10% of them); the process's CPU time over the pages read, less the hit path's
+    share, is the CPU a page read costs on the real path (checksum, copy, cache admission included).
+    """
+    import resource
+
+    from tiergram.store import TieredTable
+
+    def cpu() -> float:
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        return u.ru_utime + u.ru_stime
+
+    size = table_path.stat().st_size
+    table = TieredTable(str(table_path), tier="file", cache_bytes=max(1 << 20, int(cache_fraction * size)))
+    rng = np.random.default_rng(2)
+    n_rows = min(table.manifest.head_rows)
+    pts = []
+    try:
+        for t in (8, 128):
+            ids = rng.integers(0, n_rows, (1, t, heads), dtype=np.int64)
+            table.lookup(ids)
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                table.lookup(ids)
+                n += 1
+            pts.append((t * heads, (time.perf_counter() - t0) / n))
+        (r1, s1), (r2, s2) = pts
+        per_row = max(1e-12, (s2 - s1) / (r2 - r1))
+        per_call = max(0.0, s1 - r1 * per_row)
+        pages0, c0, n, t0 = table.stats()["pages_read"], cpu(), 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            table.lookup(rng.integers(0, n_rows, (1, 64, heads), dtype=np.int64))
+            n += 1
+        pages = table.stats()["pages_read"] - pages0
+        spent = cpu() - c0 - n * (per_call + 64 * heads * per_row)
+    finally:
+        table.close()
+    return {"hit_rows_per_s": 1.0 / per_row, "per_call_s": per_call,
+            "cpu_s_per_page": max(0.0, spent) / max(1, pages), "pages": pages}
 
 
 def disk_curve(table_path: Path, seconds: float = 1.0) -> dict[str, Any]:
@@ -153,7 +250,7 @@ def host_memory_bytes() -> int:
 
 
 def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, gather_seconds: float = 0.5,
-              batches: tuple[int, ...] = (1, 2, 4, 8, 16)) -> Calibration:
+              batches: tuple[int, ...] = (1, 2, 4, 8, 16), serve: bool = True) -> Calibration:
     """Run the measurements over model_dir (its exported FP8 tables) and return them as spec fields."""
     from tiergram.bench.common import cache_dir
     from tiergram.bench.serve import layer_tables
@@ -165,22 +262,40 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     cal = Calibration()
     spec = model_from_dir(Path(model_dir))
     tables = layer_tables(model_dir)
-    _log(progress, "[1/4] engine steps (device-resident tables)")
+    _log(progress, "[1/5] engine steps (device-resident tables)")
     max_seq = int(read_config(model_dir)["model"].get("max_seq", 256))
     st = step_costs(model_dir, batches, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
                     progress=progress)
     _log(progress, f"      overhead {st['step_overhead_s'] * 1e3:.2f} ms/step, {st['per_token_s'] * 1e6:.0f} us/token, "
                    f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps)")
-    _log(progress, "[2/4] host tier lookups")
+    _log(progress, "[2/5] host tier lookups")
     g = gather_costs(tables[0], spec.engram.heads, seconds=gather_seconds)
     _log(progress, f"      {g['per_call_s'] * 1e6:.0f} us per lookup call + {g['rows_per_s'] / 1e6:.1f} M rows/s")
-    _log(progress, "[3/4] disk: random 4 KiB reads at queue depths " + ", ".join(map(str, QUEUE_DEPTHS)))
+    _log(progress, "[3/5] disk: random 4 KiB reads at queue depths " + ", ".join(map(str, QUEUE_DEPTHS))
+         + "; the file tier's hit and miss paths")
     d = disk_curve(tables[0], disk_seconds)
+    fc = file_costs(tables[0], spec.engram.heads, seconds=gather_seconds)
+    _log(progress, f"      file tier: hits at {fc['hit_rows_per_s'] / 1e6:.1f} M rows/s, "
+                   f"{fc['cpu_s_per_page'] * 1e6:.1f} us CPU per page read ({fc['pages']:,} pages)")
     _log(progress, "      " + ", ".join(f"QD{q} {p:,} pages/s" for q, p in d["iops_curve"])
          + f"; {d['cpu_us_per_page']:.1f} us CPU per page")
-    _log(progress, "[4/4] host memory bandwidth and size")
+    _log(progress, "[4/5] host memory bandwidth and size")
     bw = host_bandwidth()
     mem = host_memory_bytes()
+    srv = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0}
+    if serve:
+        from tiergram.plan.model import DiskSpec, HardwareSpec
+
+        _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = 1 and 4")
+        engine_hw = HardwareSpec(
+            name="engine", kind="cpu", device_memory_bytes=2 * 2**30, device_bw=bw, compute_flops=1e9,
+            step_overhead_s=st["step_overhead_s"], per_seq_s=st["per_seq_s"], host_memory_bytes=mem, host_bw=bw,
+            gather_rows_s=g["rows_per_s"], link_bw=0.0, per_token_s=st["per_token_s"],
+            gather_call_s=g["per_call_s"] * len(spec.engram.layers),
+            disk=DiskSpec(1, tuple((float(q), float(p)) for q, p in d["iops_curve"])))
+        srv = serve_costs(model_dir, engine_hw, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4))
+        _log(progress, f"      {srv['request_overhead_s'] * 1e3:.1f} ms per request, "
+                       f"{srv['per_seq_http_s'] * 1e6:.0f} us per sequence per step on top of the engine")
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     n_layers = len(spec.engram.layers)
     cal.values = {
@@ -189,12 +304,16 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "device_bw_gbps": round(bw / 1e9, 3), "compute_tflops": round(flops / 1e12, 6),
         # one lookup call per Engram layer per step: its fixed cost is per step
         "step_overhead_us": round((st["step_overhead_s"]) * 1e6, 1),
-        "per_seq_us": round(st["per_seq_s"] * 1e6, 1), "per_token_us": round(st["per_token_s"] * 1e6, 2),
+        "per_seq_us": round((st["per_seq_s"] + srv["per_seq_http_s"]) * 1e6, 1),
+        "per_token_us": round(st["per_token_s"] * 1e6, 2),
+        "request_overhead_ms": round(srv["request_overhead_s"] * 1e3, 3),
         "host_memory_gb": round(mem / 1e9, 3), "host_bw_gbps": round(bw / 1e9, 3),
         "gather_mrows_s": round(g["rows_per_s"] / 1e6, 3), "gather_call_us": round(g["per_call_s"] * 1e6 * n_layers, 1),
+        "file_gather_mrows_s": round(fc["hit_rows_per_s"] / 1e6, 3),
+        "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
         "link_gbps": 0.0,
     }
-    cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(d["cpu_us_per_page"], 2), "threads": 1,
+    cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"]}
     src = {
         "device_memory_gb": "the engine's default device budget on a CPU (2 GiB); `plan validate` uses the sweep's "
@@ -202,25 +321,36 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "device_bw_gbps": f"{how}: a {256} MiB numpy copy (no separate device memory on a CPU)",
         "compute_tflops": f"{how}: the model's FLOPs per token / the fitted seconds per token",
         "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps (R^2 {st['r2']:.2f})",
-        "per_seq_us": f"{how}: the same fit", "per_token_us": f"{how}: the same fit",
+        "per_seq_us": f"{how}: the same fit" + (", plus the HTTP path's cost per sequence per step (`tiergram serve` "
+                                                 "under a closed loop at c = 1 and 4)" if serve else ""),
+        "per_token_us": f"{how}: the same fit",
+        "request_overhead_ms": f"{how}: the HTTP path's fixed cost per request (same closed loop)" if serve else
+                               "not measured (calibrate --no-serve)",
         "host_memory_gb": f"{how}: MemTotal", "host_bw_gbps": f"{how}: a 256 MiB numpy copy, read + write",
         "gather_mrows_s": f"{how}: TieredTable host lookups of [1, T, {spec.engram.heads}] ids, T = 8..512",
         "gather_call_us": f"{how}: the same fit, per call, x {n_layers} Engram layers",
         "link_gbps": "a CPU-only machine has no host-to-device link",
+        "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "
+                               "T = 8 and 128, 10% cache)",
+        "file_call_us": f"{how}: the same, per call, x {n_layers} Engram layers",
         "disk.drives": "this machine's table volume", "disk.page_bytes": "the table file's page size",
-        "disk.cpu_us_per_page": f"{how}: the native reader's CPU time over pages read" if d["cpu_measured"] else
-                                "assumed: 3 us (the reader did not report its CPU time)",
+        "disk.cpu_us_per_page": f"{how}: the file tier's CPU time over the pages it read on lookups of random rows "
+                                f"behind a 10% cache (the bare reader: {d['cpu_us_per_page']:.1f} us)",
         "disk.threads": "the file tier's single reader thread",
         "disk.iops_curve": f"{how}: the native O_DIRECT io_uring reader, {disk_seconds:g} s per queue depth",
     }
     cal.sources = src
-    cal.detail = {"model_dir": str(model_dir), "step": st, "gather": g, "disk": d, "cache": str(cache_dir("plan"))}
+    st.pop("samples", None)
+    cal.detail = {"model_dir": str(model_dir), "step": st, "gather": g, "disk": d, "serve": srv, "file": fc,
+                  "cache": str(cache_dir("plan"))}
     return cal
 
 
 def to_toml(cal: Calibration) -> str:
     """The calibration as a hardware spec file."""
     def val(v: Any) -> str:
+        if isinstance(v, np.floating | np.integer):
+            v = v.item()
         if isinstance(v, str):
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, list):

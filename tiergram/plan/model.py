@@ -103,6 +103,8 @@ class HardwareSpec:
     request_overhead_s: float = 0.0  # per request: HTTP, tokenizing, admission (one user's gap between requests)
     device_gather_rows_s: float = 0.0  # gather from a device-resident table, rows/s (0: free against compute)
     gather_call_s: float = 0.0  # fixed cost of the host tier's lookups in one step (all Engram layers)
+    file_gather_rows_s: float = 0.0  # the file tier's all-hit path (cache probe + gather), rows/s; 0: gather_rows_s
+    file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
 
 
 @dataclass(frozen=True)
@@ -241,10 +243,14 @@ def _shared(own: float, other: float) -> float:
 def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int
                ) -> tuple[float, dict[str, float], str, float | None]:
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
+    context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
+    return step_terms_at(model, hw, wl, placement, c, tokens_per_step(wl, c), context)
+
+
+def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int, tokens: float,
+                  context: float) -> tuple[float, dict[str, float], str, float | None]:
+    """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c)."""
     g = model.engram
-    tokens = tokens_per_step(wl, c)
-    lo = max(1.0, wl.output_len)
-    context = wl.input_len + lo / 2.0  # mean tokens of KV each sequence's attention reads
     rows = tokens * g.rows_per_token
     terms: dict[str, float] = {}
     # backbone compute
@@ -275,7 +281,8 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
         misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
         # the reads pipeline at the queue depth; the first one still waits a whole read's latency (1 / QD1 rate)
         io_wait = misses / hw.disk.pages_per_s(wl.queue_depth) + (hw.disk.latency_s if misses > 0 else 0.0)
-        cpu_fetch = hw.gather_call_s + misses * hw.disk.cpu_s_per_page / hw.disk.threads + rows / hw.gather_rows_s
+        gather = rows / (hw.file_gather_rows_s or hw.gather_rows_s) + (hw.file_call_s or hw.gather_call_s)
+        cpu_fetch = gather + misses * hw.disk.cpu_s_per_page / hw.disk.threads
         dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
         if hw.kind == "gpu":
             link_bytes = rows * g.row_bytes

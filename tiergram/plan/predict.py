@@ -153,9 +153,16 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec) -> dict[
         if kind == "file":
             if model.hit_rate_curve:
                 source = "model spec"
+            elif pt.get("file_pages_per_s") and pt.get("throughput_tok_s"):
+                # the pages the file tier read per row served: the engine's read-ahead warms rows before their
+                # step (they count as hits, but were read all the same), so the reported hit rate undercounts
+                # the reads; one page per missed row, so the share of rows read = pages / rows
+                rows_per_s = float(pt["throughput_tok_s"]) * model.engram.rows_per_token
+                pl = replace(pl, hit_rate=max(0.0, 1.0 - float(pt["file_pages_per_s"]) / rows_per_s))
+                source = "sweep (pages read per row)"
             elif pt.get("engram_cache_hit_rate") is not None:
                 pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
-                source = "sweep (measured)"
+                source = "sweep (reported hit rate)"
         p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")

@@ -53,6 +53,8 @@ HARDWARE_FIELDS = (
     Field("gather_mrows_s", "gather_rows_s", 1e6, positive=True),
     Field("device_gather_mrows_s", "device_gather_rows_s", 1e6, required=False),
     Field("gather_call_us", "gather_call_s", 1e-6, required=False),
+    Field("file_gather_mrows_s", "file_gather_rows_s", 1e6, required=False),
+    Field("file_call_us", "file_call_s", 1e-6, required=False),
     Field("link_gbps", "link_bw", GB),
 )
 DISK_FIELDS = (

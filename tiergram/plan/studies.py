@@ -1,0 +1,349 @@
+"""`tiergram plan studies`: the planner's predictions beyond this machine (docs/planner.md), with their plots.
+
+(1) DRAM offload against HBM-resident tables for DeepSeek-V4.1-Flash on H200 and B200; (2) NVMe (prefetched,
+cached io_uring) against DRAM, by drive count; (3) K/V offload and Engram sharing host DRAM and the link at long
+contexts; (4) the exposed stall of a decode step on H200 with host (UVA) and NVMe tables, and what speculative
+prefetch of the top-k next tokens' rows would hide, with the demo model's measured top-k hit rate as the stand-in.
+Every number here is a PREDICTION from the specs' figures and stated assumptions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiergram.plan.model import (
+    Front,
+    HardwareSpec,
+    ModelSpec,
+    Placement,
+    Workload,
+    predict_front,
+    predict_point,
+    step_terms_at,
+)
+
+QD_PER_DRIVE, READER_THREADS_PER_DRIVE = 128, 4
+WORKLOADS = {"8K/1K": (8192, 1024), "1K/8K": (1024, 8192), "128K/4K": (131072, 4096)}
+
+
+def envelope(front: Front, grid: np.ndarray) -> np.ndarray:
+    """Best throughput a front reaches at interactivity >= each grid value (nan where it never does)."""
+    out = np.full(len(grid), np.nan)
+    for i, x in enumerate(grid):
+        ok = [p.throughput_tok_s for p in front.points if p.interactivity >= x]
+        if ok:
+            out[i] = max(ok)
+    return out
+
+
+def _grid(fronts: list[Front], n: int = 200) -> np.ndarray:
+    xs = [p.interactivity for f in fronts for p in f.points]
+    return np.geomspace(min(xs), max(xs), n)
+
+
+def _workload(name: str, max_num_seqs: int = 4096) -> Workload:
+    i, o = WORKLOADS[name]
+    return Workload(input_len=i, output_len=o, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384)
+
+
+def offload_vs_resident(model: ModelSpec, hws: dict[str, HardwareSpec]) -> dict[str, Any]:
+    """(1) host / device throughput at equal interactivity over the device front, per machine and workload."""
+    out: dict[str, Any] = {}
+    for hname, hw in hws.items():
+        for wname in WORKLOADS:
+            wl = _workload(wname)
+            dev = predict_front(model, hw, wl, Placement("device"))
+            host = predict_front(model, hw, wl, Placement("host"))
+            if not dev.points:
+                out[f"{hname} {wname}"] = {"device_fits": False, "host_limit": host.limit.concurrency,
+                                           "fronts": (dev, host)}
+                continue
+            grid = _grid([dev, host])
+            ratio = envelope(host, grid) / envelope(dev, grid)
+            ratio = ratio[~np.isnan(ratio)]
+            out[f"{hname} {wname}"] = {
+                "device_fits": True, "device_limit": dev.limit.concurrency, "device_binding": dev.limit.binding,
+                "host_limit": host.limit.concurrency, "host_binding": host.limit.binding,
+                "share_host_better": float((ratio > 1.01).mean()), "share_host_worse": float((ratio < 0.99).mean()),
+                "median_ratio": float(np.median(ratio)), "max_ratio": float(ratio.max()),
+                "min_ratio": float(ratio.min()),
+                "max_tok_s": (max(p.throughput_tok_s for p in dev.points),
+                              max(p.throughput_tok_s for p in host.points)),
+                "fronts": (dev, host)}
+    return out
+
+
+def ssd_vs_dram(model: ModelSpec, hws: dict[str, HardwareSpec], drives: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                fractions: tuple[float, ...] = (0.01, 0.1), workload: str = "8K/1K") -> dict[str, Any]:
+    """(2) file / host throughput (same node, so the same cost per hour: tokens per dollar) by drive count."""
+    wl = _workload(workload)
+    out: dict[str, Any] = {}
+    for hname, hw in hws.items():
+        host = predict_front(model, hw, wl, Placement("host"))
+        grid = _grid([host])
+        for f in fractions:
+            for d in drives:
+                # assumed: 128 reads in flight and 4 reader threads per drive (32 of 112 host cores for 8 drives)
+                hw_d = replace(hw, disk=replace(hw.disk, drives=d, threads=READER_THREADS_PER_DRIVE * d))
+                fr = predict_front(model, hw_d, replace(wl, queue_depth=QD_PER_DRIVE * d),
+                                   Placement("file", cache_fraction=f))
+                ratio = envelope(fr, grid) / envelope(host, grid)
+                best = max(p.throughput_tok_s for p in fr.points) / max(p.throughput_tok_s for p in host.points)
+                out[(hname, f, d)] = {"max_tok_s_ratio": best,
+                                      "mean_ratio": float(np.nanmean(np.where(np.isnan(ratio), 0.0, ratio))),
+                                      "binding_at_max": max(fr.points, key=lambda p: p.throughput_tok_s).binding}
+    return out
+
+
+def contention(model: ModelSpec, hws: dict[str, HardwareSpec], workload: tuple[int, int] = (131072, 4096)
+               ) -> dict[str, Any]:
+    """(3) K/V offloaded to host DRAM, with the tables in HBM or sharing host DRAM and the link."""
+    wl = Workload(input_len=workload[0], output_len=workload[1], max_num_seqs=1 << 14, max_num_batched_tokens=16384)
+    out: dict[str, Any] = {}
+    for hname, hw in hws.items():
+        for pl in (Placement("device"), Placement("host"), Placement("device", kv_offload=True),
+                   Placement("host", kv_offload=True)):
+            fr = predict_front(model, hw, wl, pl, max_concurrency=1 << 14)
+            # a fine grid of concurrencies (5% apart) so the cliff is placed to within 5%
+            cs = sorted({int(round(x)) for x in np.geomspace(1, max(1, fr.limit.concurrency), 200)})
+            fr.points = [predict_point(model, hw, wl, pl, c) for c in cs] if fr.limit.concurrency >= 1 else []
+            pts = fr.points
+            peak = max((p.throughput_tok_s for p in pts), default=0.0)
+            cliff = next((p for p in pts if p.binding == "kv link"), None)
+            out[(hname, pl.label)] = {"limit": fr.limit.concurrency, "limit_binding": fr.limit.binding,
+                                      "peak_tok_s": peak, "cliff_c": cliff.concurrency if cliff else None,
+                                      "front": fr}
+    return out
+
+
+def decode_stall(model: ModelSpec, hw: HardwareSpec, hit_rates: dict[int, float], batches: tuple[int, ...] =
+                 (1, 8, 64, 256), context: int = 8192, cache_fraction: float = 0.1) -> list[dict[str, Any]]:
+    """(4) one decode step of c sequences: exposed stall, and with speculative prefetch of the top-k candidates.
+
+    Speculation: the rows of the k most likely next tokens are fetched one step early (while the whole previous
+    step runs); with probability p_k the real token is among them and only what that bigger fetch overruns the
+    step is exposed; otherwise the step fetches its own rows as without speculation.
+    """
+    wl = Workload(input_len=context, output_len=1024, max_num_seqs=1 << 14)
+    rows = []
+    for kind in ("host", "file"):
+        pl = Placement(kind, cache_fraction=cache_fraction if kind == "file" else 0.0)
+        for c in batches:
+            step, terms, binding, _ = step_terms_at(model, hw, wl, pl, c, float(c), float(context))
+            base = terms.get("engram exposed", 0.0)
+            row = {"placement": pl.label, "c": c, "step_ms": step * 1e3, "fetch_ms": terms.get("engram fetch", 0) * 1e3,
+                   "exposed_ms": base * 1e3, "hide_ms": model.hide_fraction * terms["compute"] * 1e3}
+            for k, p in hit_rates.items():
+                _, tk, _, _ = step_terms_at(model, hw, wl, pl, c, float(c * k), float(context))
+                over = max(0.0, tk.get("engram fetch", 0.0) - (step - base))
+                row[f"spec_k{k}_exposed_ms"] = (p * over + (1 - p) * base) * 1e3
+                row[f"spec_k{k}_fetch_ms"] = tk.get("engram fetch", 0.0) * 1e3
+            rows.append(row)
+    return rows
+
+
+def topk_hit_rate(model_dir: str, ks: tuple[int, ...] = (1, 4, 16), max_tokens: int = 20000,
+                  progress: bool = True) -> dict[int, float]:
+    """Share of next tokens on the corpus test split that are among the model's top-k predictions."""
+    import torch
+    from tqdm import tqdm
+
+    from tiergram.corpus import corpus_dir
+    from tiergram.model.checkpoint import load_pretrained
+    from tiergram.model.evaluate import document_windows, eval_documents
+
+    model, tok = load_pretrained(model_dir)
+    docs = eval_documents(corpus_dir(), "test", tok, max_tokens_per_category=max_tokens // 4)
+    windows = document_windows(docs, model.config.max_seq)
+    hits = dict.fromkeys(ks, 0)
+    total = 0
+    with torch.no_grad():
+        for _, w in tqdm(windows, desc="top-k", disable=not progress):
+            if len(w) < 2:
+                continue
+            x = torch.from_numpy(w[:-1]).unsqueeze(0)
+            y = torch.from_numpy(w[1:])
+            logits, _ = model(x)
+            top = logits[0].topk(max(ks), dim=-1).indices
+            for k in ks:
+                hits[k] += int((top[:, :k] == y[:, None]).any(-1).sum())
+            total += len(y)
+            if total >= max_tokens:
+                break
+    return {k: hits[k] / max(1, total) for k in ks} | {"tokens": total}  # type: ignore[dict-item]
+
+
+# --------------------------------------------------------------------------------------------- output
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_offload(res: dict[str, Any], path: Path) -> Path:
+    """(1) device vs host fronts, one panel per machine and workload."""
+    from tiergram.bench.common import save_figure
+
+    plt = _plt()
+    keys = list(res)
+    cols = len(WORKLOADS)
+    rows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), dpi=100, squeeze=False)
+    for ax, key in zip(axes.flat, keys, strict=False):
+        for f in res[key]["fronts"]:
+            pts = f.pareto
+            if pts:
+                ax.plot([p.interactivity for p in pts], [p.throughput_tok_s for p in pts], marker=".",
+                        label=f"{f.placement.label} (c<={f.limit.concurrency})")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"PREDICTED {key}", fontsize=8)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+        ax.set_xlabel("tok/s per user", fontsize=7)
+        ax.set_ylabel("tok/s", fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
+    """(2) file / host best throughput against drive count."""
+    from tiergram.bench.common import save_figure
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=100)
+    for hname, f in sorted({(h, f) for h, f, _ in res}):
+        ds = sorted(d for h, ff, d in res if h == hname and ff == f)
+        ax.plot(ds, [res[(hname, f, d)]["max_tok_s_ratio"] for d in ds], marker="o", label=f"{hname}, cache {f:.0%}")
+    ax.axhline(52 / 121, color="grey", ls="--", lw=1,
+               label="SemiAnalysis mmap path, tokens/$ (52M vs 121M)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("NVMe drives")
+    ax.set_ylabel("file / host, best throughput (= tokens per $)")
+    ax.set_title("PREDICTED: DeepSeek-V4.1-Flash 8K/1K, NVMe vs DRAM tables", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def plot_contention(res: dict[Any, Any], path: Path) -> Path:
+    """(3) throughput against concurrency with K/V offload, tables in HBM or in host DRAM."""
+    from tiergram.bench.common import save_figure
+
+    plt = _plt()
+    hnames = sorted({h for h, _ in res})
+    fig, axes = plt.subplots(1, len(hnames), figsize=(5.0 * len(hnames), 3.8), dpi=100, squeeze=False)
+    for ax, h in zip(axes.flat, hnames, strict=True):
+        for (hh, label), r in res.items():
+            if hh != h or not r["front"].points:
+                continue
+            pts = r["front"].points
+            ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker=".",
+                    label=f"{label} (c<={r['limit']:,})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("tok/s")
+        ax.set_title(f"PREDICTED {h}: 128K in / 4K out", fontsize=9)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> Path:
+    """(4) exposed stall per decode step, without and with speculative top-k prefetch."""
+    from tiergram.bench.common import save_figure
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
+    for ax, pl in zip(axes, sorted({r["placement"] for r in rows}), strict=True):
+        rs = [r for r in rows if r["placement"] == pl]
+        cs = [r["c"] for r in rs]
+        ax.plot(cs, [r["exposed_ms"] for r in rs], marker="o", label="no speculation")
+        for k in ks:
+            ax.plot(cs, [r[f"spec_k{k}_exposed_ms"] for r in rs], marker=".", label=f"top-{k} prefetched")
+        ax.plot(cs, [r["step_ms"] for r in rs], color="grey", ls=":", label="step")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.set_xlabel("decode batch (sequences)")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"PREDICTED H200 decode, {pl}", fontsize=9)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: int = 20000) -> str:
+    """All four studies: PNGs into `out`, a markdown summary returned (every figure labelled a prediction)."""
+    from tiergram.plan.specs import load_hardware, load_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_model("deepseek-v4.1-flash")
+    h200, b200, gb300 = (load_hardware(n) for n in ("h200", "b200", "gb300"))
+    md = ["All figures below are PREDICTIONS of `tiergram plan` from the shipped specs (`tiergram plan studies`)."]
+    # (1)
+    md.append("\n### (1) DRAM offload against HBM-resident tables\n")
+    md.append("| machine, workload (in/out) | K/V bytes/token | limit resident → host | host / resident at equal "
+              "interactivity: median, max | share of the range where host is >1% better |")
+    md.append("|---|---|---|---|---|")
+    res1 = {}
+    for label, m in (("V4.1 spec", model), ("10x K/V (V3.2-style MLA)", replace(model, kv_bytes_per_token=70272.0))):
+        r = offload_vs_resident(m, {"H200": h200, "B200": b200})
+        for key, v in r.items():
+            res1[f"{key} ({label})"] = v
+            md.append(f"| {key} | {m.kv_bytes_per_token:,.0f} | {v['device_limit']:,} ({v['device_binding']}) → "
+                      f"{v['host_limit']:,} ({v['host_binding']}) | {v['median_ratio']:.3f}, {v['max_ratio']:.3f} | "
+                      f"{v['share_host_better']:.0%} |")
+    plot_offload({k: v for k, v in res1.items() if "V4.1" in k}, out / "offload-vs-resident.png")
+    plot_offload({k: v for k, v in res1.items() if "10x" in k}, out / "offload-vs-resident-10x-kv.png")
+    # (2)
+    res2 = ssd_vs_dram(model, {"H200": h200, "B200": b200})
+    plot_ssd(res2, out / "ssd-vs-dram.png")
+    md.append("\n### (2) NVMe against DRAM, by drive count (8K/1K; file / host best throughput = tokens per $)\n")
+    drives = sorted({d for _, _, d in res2})
+    md.append("| machine | cache | " + " | ".join(f"{d} drives" for d in drives) + " |")
+    md.append("|---|---|" + "---|" * len(drives))
+    for h, f in sorted({(h, f) for h, f, _ in res2}):
+        md.append(f"| {h} | {f:.0%} | " + " | ".join(
+            f"{res2[(h, f, d)]['max_tok_s_ratio']:.2f} ({res2[(h, f, d)]['binding_at_max']})" for d in drives) + " |")
+    # (3)
+    res3 = contention(model, {"H200": h200, "B200": b200, "GB300": gb300})
+    plot_contention(res3, out / "kv-engram-contention.png")
+    md.append("\n### (3) K/V offload and Engram sharing host DRAM and the link (128K in / 4K out)\n")
+    md.append("| machine | placement | concurrency limit (binds) | peak tok/s | cliff: first c where the K/V link "
+              "binds |")
+    md.append("|---|---|---|---|---|")
+    for (h, label), v in res3.items():
+        md.append(f"| {h} | {label} | {v['limit']:,} ({v['limit_binding']}) | {v['peak_tok_s']:,.0f} | "
+                  f"{v['cliff_c'] if v['cliff_c'] is not None else '-'} |")
+    # (4)
+    hits = {1: 0.0, 4: 0.0, 16: 0.0}
+    measured = ""
+    if model_dir:
+        got = topk_hit_rate(model_dir, tuple(hits), topk_tokens, progress)
+        hits = {k: float(got[k]) for k in hits}
+        measured = (f"top-k hit rates of `{Path(model_dir).name}` on {got['tokens']:,} test-split tokens: "
+                    + ", ".join(f"k={k}: {v:.1%}" for k, v in hits.items()))
+    rows = decode_stall(model, h200, hits)
+    plot_decode(rows, tuple(hits), out / "decode-stall-h200.png")
+    md.append("\n### (4) Decode on H200: exposed stall per step (8K context, file with a 10% host cache)\n")
+    if measured:
+        md.append(measured + "\n")
+    md.append("| placement | c | step ms | fetch ms | hidden by embedding + block 0, ms | exposed ms | "
+              + " | ".join(f"top-{k} spec. exposed ms" for k in hits) + " |")
+    md.append("|---|---|---|---|---|---|" + "---|" * len(hits))
+    for r in rows:
+        md.append(f"| {r['placement']} | {r['c']} | {r['step_ms']:.2f} | {r['fetch_ms']:.3f} | {r['hide_ms']:.3f} | "
+                  f"{r['exposed_ms']:.3f} | " + " | ".join(f"{r[f'spec_k{k}_exposed_ms']:.3f}" for k in hits) + " |")
+    return "\n".join(md) + "\n"
