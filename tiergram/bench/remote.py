@@ -181,12 +181,16 @@ def _read_bytes(path: Path) -> bytes:
         return b""
 
 
-def _holder_main(master: str, segment_bytes: int) -> int:
-    """A holder: a store client lending memory to the cluster until its stdin closes (its parent went)."""
+def _holder_main(master: str, segment_bytes: int, local_hostname: str = "127.0.0.1") -> int:
+    """A holder: a store client lending memory to the cluster until its stdin closes (its parent went).
+
+    local_hostname is the address other clients reach this holder at (127.0.0.1 for a local cluster)."""
     from mooncake.store import MooncakeDistributedStore  # not tiergram.tiers.mooncake: no torch import here
 
+    for k in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
+        os.environ.setdefault(k, "65535")  # batches over ~1,024 keys wedge a client without them
     store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "", master)
+    rc = store.setup(local_hostname, "P2PHANDSHAKE", segment_bytes, 16 << 20, "tcp", "", master)
     if rc != 0:
         print(f"holder setup against {master} failed: {rc}", flush=True)
         return 1
@@ -199,9 +203,10 @@ def _holder_main(master: str, segment_bytes: int) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "holder":
-        sys.exit(_holder_main(sys.argv[2], int(sys.argv[3])))
-    sys.exit(f"usage: python -m tiergram.bench.remote holder MASTER SEGMENT_BYTES (got {sys.argv[1:]})")
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "holder":
+        sys.exit(_holder_main(sys.argv[2], int(sys.argv[3]), *sys.argv[4:]))
+    sys.exit(f"usage: python -m tiergram.bench.remote holder MASTER SEGMENT_BYTES [LOCAL_HOSTNAME] "
+             f"(got {sys.argv[1:]})")
 
 
 # -- tiergram bench lookup --tier mooncake --------------------------------------------------------------------
