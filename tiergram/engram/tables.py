@@ -65,4 +65,8 @@ class RowSourceTable(nn.Module):
         if rows.shape[:-1] != row_ids.shape:
             raise ValueError(f"row source returned shape {tuple(rows.shape)} for row ids of shape "
                              f"{tuple(row_ids.shape)}; expected {tuple(row_ids.shape)} + (D,)")
+        return self.adopt(rows)
+
+    def adopt(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [..., H, D] fetched from the source (e.g. a prefetch ticket's) in this module's dtype and device."""
         return rows.to(device=self._like.device, dtype=self._like.dtype)

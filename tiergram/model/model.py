@@ -314,7 +314,7 @@ class EngramLM(nn.Module):
             source = table.source if isinstance(table, RowSourceTable) else None
             if isinstance(source, RowStore):  # a store: prefetch now, wait when the layer runs
                 ticket = source.prefetch(row_ids[layer])  # reads while the blocks before this one run
-                fetchers[layer] = lambda tk=ticket, tb=table: tk.wait().to(tb._like)
+                fetchers[layer] = lambda tk=ticket, tb=table: tb.adopt(tk.wait())
             else:
                 fetchers[layer] = lambda tb=table, r=row_ids[layer]: tb(r)
         return fetchers
