@@ -154,6 +154,26 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
     report = FuzzReport()
     statuses: Counter = Counter()
     deadline = time.monotonic() + timeout_s
+    explicit = {  # valid requests of every shape, so each kind of answer is checked whatever the draw
+        "/v1/completions": [{"prompt": PROMPT, "max_tokens": 3, "stream": stream, "stop": "\n",
+                             "stream_options": {"include_usage": True} if stream else None}
+                            for stream in (False, True)],
+        "/v1/chat/completions": [{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
+                                 for stream in (False, True)],
+    }
+    for path, bodies in explicit.items():
+        op = schema[path]["POST"]
+        for body in bodies:
+            case = op.Case(body=body, media_type="application/json")
+            response = case.call(base_url=url, timeout=60)
+            report.cases += 1
+            statuses[str(response.status_code)] += 1
+            try:
+                case.validate_response(response, checks=checks)
+            except BaseException as e:  # noqa: BLE001 - schemathesis raises an exception group
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                report.failures.append(f"{path} {body}: {str(e).strip()[:600]}")
     for result in schema.get_all_operations():
         op = result.ok()
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.method.upper() == "POST" else \
@@ -173,7 +193,9 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
 
             try:
                 run()
-            except Exception as e:  # noqa: BLE001 - a failed check: reported, and the next operation runs
+            except BaseException as e:  # a failed check (schemathesis raises an exception group): reported
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
                 report.failures.append(f"{op.label} ({mode.value}): {str(e).strip()[:600]}")
     report.statuses = dict(sorted(statuses.items()))
     return report
@@ -485,6 +507,7 @@ class SoakConfig:
     max_waiting: int = 8
     overload_factor: float = 2.0  # clients = factor x capacity
     max_tokens: int = 8
+    max_model_len: int = 128
     fuzz_examples: int = 50  # per operation and mode
     fuzz_timeout_s: float = 180.0
     disconnect_clients: int = 32
@@ -516,7 +539,9 @@ def _log(progress: bool, msg: str) -> None:
 def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
     """Every phase, against `tiergram serve` subprocesses on loopback."""
     res = SoakResult(config=asdict(cfg))
-    common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting)]
+    # a short context bounds every request the fuzzer may send (max_tokens up to the context)
+    common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
+              "--max-model-len", str(cfg.max_model_len)]
     if cfg.torch_threads:
         common += ["--torch-threads", str(cfg.torch_threads)]
     with ServerProcess(cfg.model_dir, "--placement", "host", *common) as server:

@@ -98,7 +98,9 @@ def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits:
             "responses": {"200": {"description": "the generation (server-sent events when stream is true)",
                                   "content": {"application/json": {"schema": {
                                       "$ref": "#/components/schemas/Generation"}},
-                                      "text/event-stream": {"schema": {"type": "string"}}}},
+                                      "text/event-stream": {"schema": {
+                                          "type": "object", "required": ["data"],
+                                          "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}},
                           **_error_responses()}}}
 
     return {
