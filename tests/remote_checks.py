@@ -305,3 +305,19 @@ def test_engine_serves_a_layer_from_mooncake_with_the_same_tokens(cluster, tmp_p
         assert all(sum(s["bytes_read"].values()) > 0 for s in per_layer.values())
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:  # the pushed tables are reused
         assert eng.generate(PROMPTS[:1], GREEDY) == expected(model_dir, PROMPTS[:1])
+
+
+def test_side_by_side_bench_runs_on_a_tiny_table(tmp_path, monkeypatch):
+    from tiergram.bench.remote import RemoteLookupConfig, lookup_to_text, run_lookup
+
+    monkeypatch.setenv("TIERGRAM_CACHE", str(tmp_path / "cache"))
+    cfg = RemoteLookupConfig(rows=3000, dim=64, batches=(1, 64), dists=("uniform", "zipf"), calls=2,
+                             warmup_calls=1)
+    res = run_lookup(cfg, tmp_path, progress=False)  # checks every system's rows against EngramStore's first
+    assert set(res["per_dist"]) == {"uniform", "zipf"}
+    for per in res["per_dist"].values():
+        assert {"mooncake_engramstore", "tiergram_mooncake", "tiergram_mooncake_cache10", "tiergram_file",
+                "file_limit", "tiergram_host", "mooncake_raw", "mooncake_runs"} <= set(per)
+        assert all(d["rows_per_s"] > 0 and d["p99_ms"] >= d["p50_ms"] > 0 for b in per.values() for d in b.values())
+    assert res["mooncake_engramstore_rows_per_s"] is None  # no 1,024-row batch in this run
+    assert "tiergram mooncake vs EngramStore" in lookup_to_text(res)

@@ -222,7 +222,7 @@ class RemoteLookupConfig:
     rows: int = 65536
     dim: int = 256
     batches: tuple[int, ...] = BATCHES
-    dists: tuple[str, ...] = ("uniform", "zipf")
+    dists: tuple[str, ...] = ("uniform", "zipf", "stream")  # stream: 2-gram row ids of real text, in order
     calls: int = 12  # timed calls per system, batch size and distribution (interleaved)
     warmup_calls: int = 4  # untimed calls first (they fill tiergram's cache)
     cache_fraction: float = 0.10
@@ -313,13 +313,25 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
                 raise AssertionError(f"{name} returned rows that differ from Mooncake's EngramStore")
         rng = np.random.default_rng(cfg.seed + 1)
         heads = np.array([m_rows], dtype=np.int64)
+        stream = _token_stream(m_rows, cfg.seed) if "stream" in cfg.dists else np.zeros(0, dtype=np.int64)
+        cursor = 0
+
+        def draw(dist: str, batch: int) -> np.ndarray:
+            nonlocal cursor
+            if dist != "stream":
+                return draw_ids(dist, (batch, 1), heads, rng)
+            if cursor + batch > stream.size:
+                cursor = 0
+            cursor += batch
+            return stream[cursor - batch:cursor].reshape(batch, 1)
+
         total = len(cfg.dists) * len(cfg.batches) * (cfg.calls + cfg.warmup_calls)
         bar = tqdm(total=total, unit="round", disable=not progress, desc="mooncake lookup")
         times: dict[tuple[str, int, str], list[float]] = {}
         for dist in cfg.dists:
             for batch in cfg.batches:
                 for k in range(cfg.warmup_calls + cfg.calls):
-                    ids = draw_ids(dist, (batch, 1), heads, rng)
+                    ids = draw(dist, batch)
                     order = list(calls) if k % 2 == 0 else list(calls)[::-1]  # interleaved, alternating order
                     for name in order:
                         t0 = time.perf_counter()
@@ -350,10 +362,26 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         if 1024 in cfg.batches else None,
         "tiergram_rows_per_s": u["tiergram_mooncake"]["1024"]["rows_per_s"] if 1024 in cfg.batches else None,
         "headline_dist": cfg.dists[0],
+        "at_1024": {dist: {name: per[name]["1024"]["rows_per_s"] for name in
+                           ("mooncake_engramstore", "tiergram_mooncake", "tiergram_mooncake_cache10")}
+                    for dist, per in results.items()} if 1024 in cfg.batches else None,
         "per_dist": results,
         "cache_stats": {k: {"hit_rate": v.get("hit_rate"), "remote": v.get("remote")} for k, v in stats.items()},
         "config": asdict(cfg),
     }
+
+
+def _token_stream(rows: int, seed: int, tokens: int = 200_000) -> np.ndarray:
+    """Row ids int64 [n] of a real token stream: the 2-gram hashes (one head) of the corpus validation split (the
+    Python stdlib's source when no corpus is built), folded into `rows` rows, in text order."""
+    from tiergram.bench.cache import CacheBenchConfig, load_docs
+    from tiergram.hashing import NgramHasher, build_compression
+
+    docs = load_docs(CacheBenchConfig(max_tokens=tokens, seed=seed))
+    lookup, compressed = build_compression(docs.tokenizer)
+    hasher = NgramHasher([64 * compressed], 2, 1, [1], docs.pad_id, seed, compression=lookup)
+    ids = hasher.row_ids(np.concatenate(docs.docs)[None, :])[1].reshape(-1)
+    return (ids % rows).astype(np.int64)
 
 
 def _put_runs(store: Any, path: Path) -> Any:
