@@ -70,6 +70,14 @@ def test_file_step_exposes_what_compute_before_the_first_engram_layer_does_not_h
     assert p.hit_rate == 0.5
 
 
+def test_other_host_traffic_steals_copy_time_from_the_cores() -> None:
+    hw = replace(CPU, cores=2)
+    wl = replace(WL, host_traffic_bps=5e9)  # half of one core's copy rate (host_bw 10 GB/s)
+    p = predict_point(MODEL, hw, wl, Placement("device"), 2)
+    assert p.step_s == pytest.approx(7.8e-3 * 2 / 1.5)
+    assert predict_point(MODEL, CPU, wl, Placement("device"), 2).step_s == pytest.approx(7.8e-3)  # cores unknown
+
+
 def test_token_budget_stretches_a_request_over_more_steps() -> None:
     wl = replace(WL, max_num_batched_tokens=16)
     p = predict_point(MODEL, CPU, wl, Placement("device"), 8)

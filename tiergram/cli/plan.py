@@ -66,6 +66,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
     p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
     p.add_argument("--plot", default=None, help="PNG of predicted fronts with the measured points")
+    p.add_argument("--host-traffic-gbps", type=float, default=0.0,
+                   help="other traffic that streamed through host memory during the sweep, GB/s (e.g. "
+                        "`python -m tiergram.plan.stream`)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -174,7 +177,7 @@ def _validate(a: argparse.Namespace) -> int:
             raise ValueError(f"{path}: not a `bench serve` sweep (no `{key}`)")
     model = load_model(a.model or sweep["config"]["model_dir"])
     hw = load_hardware(a.hardware)
-    res = predict.validate(sweep, model, hw)
+    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9)
     if a.plot:
         from dataclasses import replace
 

@@ -311,7 +311,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_mrows_s": round(g["rows_per_s"] / 1e6, 3), "gather_call_us": round(g["per_call_s"] * 1e6 * n_layers, 1),
         "file_gather_mrows_s": round(fc["hit_rows_per_s"] / 1e6, 3),
         "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
-        "link_gbps": 0.0,
+        "link_gbps": 0.0, "cores": os.cpu_count() or 1,
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"]}
@@ -330,6 +330,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_mrows_s": f"{how}: TieredTable host lookups of [1, T, {spec.engram.heads}] ids, T = 8..512",
         "gather_call_us": f"{how}: the same fit, per call, x {n_layers} Engram layers",
         "link_gbps": "a CPU-only machine has no host-to-device link",
+        "cores": "os.cpu_count()",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "
                                "T = 8 and 128, 10% cache)",
         "file_call_us": f"{how}: the same, per call, x {n_layers} Engram layers",

@@ -105,6 +105,7 @@ class HardwareSpec:
     gather_call_s: float = 0.0  # fixed cost of the host tier's lookups in one step (all Engram layers)
     file_gather_rows_s: float = 0.0  # the file tier's all-hit path (cache probe + gather), rows/s; 0: gather_rows_s
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
+    cores: int = 0  # CPU cores (cpu kind: what other host-memory traffic steals its copying time from)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class Workload:
     max_output_len: int | None = None
     queue_depth: int = 128  # reads in flight the file tier keeps
     host_reserve_bytes: float = 0.0  # host DRAM the planner must leave alone (OS, other processes)
+    host_traffic_bps: float = 0.0  # other traffic through host DRAM (bytes/s moved, e.g. K/V swaps of other jobs)
 
     @property
     def seq_tokens(self) -> int:
@@ -296,19 +298,27 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     hide = model.hide_fraction * compute
     if hw.kind == "gpu":
         link_s = _shared(link_bytes / hw.link_bw, kv_link / hw.link_bw) if link_bytes else 0.0
-        dram_s = _shared(dram_bytes / hw.host_bw, kv_dram / hw.host_bw) if dram_bytes else 0.0
+        host_bw = max(1.0, hw.host_bw - wl.host_traffic_bps)  # what other host-memory traffic leaves
+        dram_s = _shared(dram_bytes / host_bw, kv_dram / host_bw) if dram_bytes else 0.0
         fetch = max(link_s, dram_s, io_wait, cpu_fetch)
         terms["engram fetch"] = fetch
         terms["engram exposed"] = max(0.0, fetch - hide)
         terms["kv link"] = kv_link / hw.link_bw if kv_link else 0.0
         step = max(compute + terms["engram exposed"], (link_bytes + kv_link) / hw.link_bw if hw.link_bw else 0.0,
-                   (dram_bytes + kv_dram) / hw.host_bw) + terms["overhead"]
+                   (dram_bytes + kv_dram) / host_bw) + terms["overhead"]
     else:
+        if wl.host_traffic_bps > 0 and hw.cores > 0:
+            # other traffic through host memory is copied by these cores: at host_bw per core it takes
+            # traffic / host_bw of a core, and everything the cores do in a step stretches by what is left
+            steal = min(0.9 * hw.cores, wl.host_traffic_bps / hw.host_bw)
+            stretch = hw.cores / (hw.cores - steal)
+            compute, cpu_fetch = compute * stretch, cpu_fetch * stretch
+            terms["compute"], terms["overhead"] = compute, terms["overhead"] * stretch
         # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
         terms["engram cpu"] = cpu_fetch
         terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch)
         step = compute + cpu_fetch + terms["engram exposed"] + terms["overhead"] + terms.get("engram gather", 0.0)
-        dram_s = (dram_bytes + kv_dram) / hw.host_bw
+        dram_s = (dram_bytes + kv_dram) / max(1.0, hw.host_bw - wl.host_traffic_bps)
         step = max(step, dram_s)
     terms = {k: v for k, v in terms.items() if v > 0}
     binding = _binding(terms, placement)

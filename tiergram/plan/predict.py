@@ -137,10 +137,12 @@ def sweep_workload(cfg: dict[str, Any]) -> Workload:
                     max_output_len=int(cfg["output_len"]))
 
 
-def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec) -> dict[str, Any]:
-    """Every measured point against the prediction for the same model, settings and placement."""
+def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0
+             ) -> dict[str, Any]:
+    """Every measured point against the prediction for the same model, settings and placement (and any other
+    host-memory traffic that ran beside the sweep)."""
     cfg = sweep["config"]
-    wl = sweep_workload(cfg)
+    wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
     fraction = float(cfg.get("cache_fraction", 0.1))

@@ -56,6 +56,7 @@ HARDWARE_FIELDS = (
     Field("file_gather_mrows_s", "file_gather_rows_s", 1e6, required=False),
     Field("file_call_us", "file_call_s", 1e-6, required=False),
     Field("link_gbps", "link_bw", GB),
+    Field("cores", "cores", kind="int", required=False),
 )
 DISK_FIELDS = (
     Field("drives", "drives", kind="int", positive=True),
