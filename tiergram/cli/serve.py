@@ -6,7 +6,7 @@ import argparse
 
 # mirror engine.config.PLACEMENT_KINDS and cache.POLICIES (kept here so that `tiergram --help` imports no torch;
 # tests/test_one_of_each.py checks that they agree)
-PLACEMENTS = ("device", "host", "file")
+PLACEMENTS = ("device", "host", "file", "mooncake")
 CACHE_POLICIES = ("lru", "lookahead", "lfu")
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -28,8 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options shared by `serve` (placement, memory budget, batching, queue)."""
     g = p.add_argument_group("engine")
     g.add_argument("--placement", default="host", choices=PLACEMENTS,
-                   help="where the Engram tables live: device (resident), host (DRAM) or file (SSD)")
-    g.add_argument("--cache-bytes", type=byte_size, default=0, help="hot-row cache of the file placement, e.g. 64M")
+                   help="where the Engram tables live: device (resident), host (DRAM), file (SSD) or mooncake "
+                        "(Mooncake Store at --mooncake-master, docs/remote.md)")
+    g.add_argument("--mooncake-master", default="", metavar="HOST:PORT",
+                   help="the mooncake_master of the mooncake placement (each layer's table is pushed once)")
+    g.add_argument("--cache-bytes", type=byte_size, default=0,
+                   help="hot-row cache of the file or mooncake placement, e.g. 64M")
     g.add_argument("--cache-policy", default="lru", choices=CACHE_POLICIES)
     g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                    help="do not read the next step's prompt rows into the file placement's cache ahead of time")
@@ -55,7 +59,7 @@ def engine_config(args: argparse.Namespace):
     from tiergram.engine import EngineConfig, Placement
 
     placement = Placement(kind=args.placement, cache_bytes=args.cache_bytes, cache_policy=args.cache_policy,
-                          codec=args.codec)
+                          codec=args.codec, master=args.mooncake_master if args.placement == "mooncake" else "")
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
