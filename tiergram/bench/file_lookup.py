@@ -472,14 +472,14 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
             for p, bs in cases.items():
                 for name, st in [("host", host), *stores.items()]:
                     outs = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
-                    (calls0, ns0), n, t0 = _native.fetch_timing(), 0, time.perf_counter()
+                    (calls0, ns0, _), n, t0 = _native.fetch_timing(), 0, time.perf_counter()
                     while time.perf_counter() - t0 < seg:
                         st.lookup(bs[n % len(bs)], out=outs)
                         n += 1
                     wall = time.perf_counter() - t0
                     us = 1e6 * wall / n
                     best[p, name] = min(best.get((p, name), us), us)
-                    calls, ns = _native.fetch_timing()
+                    calls, ns, _ = _native.fetch_timing()
                     if name == "native" and calls - calls0 == n:
                         py = (1e6 * wall - 1e-3 * (ns - ns0)) / n
                         python_us[p] = min(python_us.get(p, py), py)
