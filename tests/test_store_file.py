@@ -384,6 +384,30 @@ def test_close_with_tickets_in_flight(table, host, policy, monkeypatch):
     assert int(store.cache.pins.sum()) == 0
 
 
+def test_close_while_a_native_fetch_is_inside_its_reads(table, host):
+    """close() waits for a fetch held inside the native call (hits pinned, reads not yet done), drops the queued one,
+    and leaves no pins; the held fetch delivers its rows."""
+    store = open_file_store(table, "direct", "lru", cache_rows=30, row_bytes=host.manifest.row_bytes)
+    ids, queued_ids = np.array([[1, 2, 3], [40, 41, 42]]), np.array([[4, 5, 6]])
+    store.lookup(ids[:1])  # some hits to pin
+    store.cache.native.hold_next_fetch()
+    running = store.prefetch(ids)
+    assert store.cache.native.wait_held(30)
+    queued = store.prefetch(queued_ids)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the fetch inside the native call
+    assert int(store.cache.pins.sum()) == 3
+    store.cache.native.release_held()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert_same(running.wait(30), host.lookup(ids))
+    with pytest.raises(CancelledError):
+        queued.wait(30)
+    assert_clean(store)
+
+
 # --- read faults and corruption --------------------------------------------------------------------------
 
 
