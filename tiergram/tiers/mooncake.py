@@ -41,6 +41,8 @@ KEY_PREFIX = "tiergram"
 DEFAULT_TIMEOUT_S = 10.0  # a dead master blocks a call ~4.3 s before Mooncake answers -900
 MAX_KEYS_PER_CALL = 4096  # keys per batch call (bounds one call's time and its buffer)
 PUSH_CHUNK_PAGES = 1024
+ABANDON_GRACE_S = 300.0  # a buffer a failed transfer may still write is reused only after this long
+_UNSAFE_BUFFERS: list[np.ndarray] = []  # abandoned buffers of closed tiers: never freed (see MooncakeTier.close)
 # Without these, a batch of more than ~1,024 keys wedges the client for 60 s and breaks it (measured, 0.3.13).
 ENV_DEFAULTS = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
 # Mooncake's ErrorCode values (mooncake-store types.h); the Python binding returns them as plain ints.
@@ -248,7 +250,8 @@ class MooncakeTier:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._registered: list[np.ndarray] = []  # every staging buffer registered with the store
-        self._abandoned: list[np.ndarray] = []  # buffers a failed transfer may still write: never reused
+        # (time, buffer) a failed or abandoned transfer may still write into: reused only after ABANDON_GRACE_S
+        self._abandoned: list[tuple[float, np.ndarray]] = []
         self._caller = _Caller(timeout_s)
         self.fallback: FileTier | None = None
         if fallback is not None:
@@ -366,12 +369,15 @@ class MooncakeTier:
         """Unregister the staging buffers, close the fallback and (when this tier made it) the client."""
         self._caller.close()
         for buf in self._registered:
-            if not any(buf is a for a in self._abandoned):
+            if not any(buf is a for _, a in self._abandoned):
                 try:
                     self.store.unregister_buffer(buf.ctypes.data)
                 except Exception:  # noqa: BLE001 - a dead client cannot unregister; the process frees the memory
                     pass
         self._registered.clear()
+        with self._lock:  # a late transfer may still land in these: they live as long as the process
+            _UNSAFE_BUFFERS.extend(buf for _, buf in self._abandoned)
+            self._abandoned.clear()
         self._local = threading.local()
         if self.fallback is not None:
             self.fallback.close()
@@ -435,22 +441,41 @@ class MooncakeTier:
         buf = getattr(self._local, "staging", None)
         if buf is None or buf.size < nbytes:
             size = max(nbytes, 2 * buf.size if buf is not None else 1 << 20)
-            buf = aligned_empty(size)
-            rc = self.store.register_buffer(buf.ctypes.data, buf.nbytes)
-            if rc != 0:
-                raise PageReadError(errno.EIO, f"mooncake table {self.table_name!r}: could not register a "
-                                               f"{size}-byte staging buffer: Mooncake {error_name(rc)}")
-            with self._lock:
-                self._registered.append(buf)
+            old, buf = buf, self._reclaim(size)
+            if buf is None:
+                buf = aligned_empty(size)
+                rc = self.store.register_buffer(buf.ctypes.data, buf.nbytes)
+                if rc != 0:
+                    raise PageReadError(errno.EIO, f"mooncake table {self.table_name!r}: could not register a "
+                                                   f"{size}-byte staging buffer: Mooncake {error_name(rc)}")
+                with self._lock:
+                    self._registered.append(buf)
+            if old is not None:  # outgrown: this thread's earlier calls are done with it
+                self._release(old)
             self._local.staging = buf
         return buf[:nbytes]
+
+    def _reclaim(self, size: int) -> np.ndarray | None:
+        """An abandoned buffer of at least size bytes whose grace period is over, or None."""
+        now = time.monotonic()
+        with self._lock:
+            for k, (t, buf) in enumerate(self._abandoned):
+                if now - t > ABANDON_GRACE_S and buf.size >= size:
+                    del self._abandoned[k]
+                    return buf
+        return None
+
+    def _release(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._registered = [b for b in self._registered if b is not buf]
+        self.store.unregister_buffer(buf.ctypes.data)
 
     def _abandon(self, buf: np.ndarray) -> None:
         """Never hand this thread's staging buffer out again: a transfer may still be writing into it."""
         staging = getattr(self._local, "staging", None)
         if staging is not None:
             with self._lock:
-                self._abandoned.append(staging)
+                self._abandoned.append((time.monotonic(), staging))
             self._local.staging = None
 
 
