@@ -121,7 +121,10 @@ class Compared:
     predicted_interactivity: float
     measured_interactivity: float | None
     hit_rate: float | None
-    hit_rate_source: str | None  # "model spec" or "sweep (measured)"
+    hit_rate_source: str | None  # "model spec" or "sweep (...)"
+    measured_binding: str  # from the sweep's own evidence: disk reads against its limit, exposed stall, else CPU
+    stall_share: float  # exposed stall seconds / measured seconds
+    disk_share: float  # file pages/s / the disk's limit measured in the same sweep
 
 
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
@@ -148,6 +151,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     fraction = float(cfg.get("cache_fraction", 0.1))
     rows: list[Compared] = []
     limits: dict[str, dict[str, Any]] = {}
+    disk_limit = min((sweep.get("disk_pages_per_s") or {}).values(), default=0.0)  # the slower of before/after
     for pt in sweep["points"]:
         kind = pt["placement"]
         pl = Placement(kind, cache_fraction=fraction if kind == "file" else 0.0)
@@ -168,9 +172,13 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
+        stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
+        disk = float(pt.get("file_pages_per_s") or 0.0) / disk_limit if disk_limit else 0.0
+        seen = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}[kind]
+        binds = "engram (disk)" if disk > 0.8 else seen if stall > 0.25 else "compute"
         rows.append(Compared(kind, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
                              p.binding, p.interactivity, float(inter) if inter is not None else None, p.hit_rate,
-                             source))
+                             source, binds, round(stall, 4), round(disk, 4)))
         if kind not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -181,6 +189,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(wl),
             "points": [asdict(r) for r in rows], "limits": limits,
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
+                        "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
                         "mean_abs_error": sum(errs) / len(errs) if errs else None}}
 
@@ -188,16 +197,18 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
 def validate_text(res: dict[str, Any]) -> str:
     """The comparison as a table."""
     lines = [f"predicted vs measured: {res['model']} on {res['hardware']}",
-             f"{'placement':<10}{'c':>4}{'predicted':>12}{'measured':>12}{'meas/pred':>11}  predicted binding"]
+             f"{'placement':<10}{'c':>4}{'predicted':>12}{'measured':>12}{'meas/pred':>11}  predicted binding "
+             "(measured: stall share, disk share of its limit)"]
     for r in res["points"]:
         hit = f" (hit {r['hit_rate']:.0%} from {r['hit_rate_source']})" if r["hit_rate"] is not None else ""
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
-                     f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']}{hit}")
+                     f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']} (measured "
+                     f"{r['measured_binding']}: stall {r['stall_share']:.1%}, disk {r['disk_share']:.0%}){hit}")
     for kind, lim in res["limits"].items():
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
     s = res["summary"]
     if s["points"]:
         lines.append(f"{s['within_15pct']}/{s['points']} points within 15%; mean |error| {s['mean_abs_error']:.1%}, "
-                     f"max {s['max_abs_error']:.1%}")
+                     f"max {s['max_abs_error']:.1%}; binding named as measured at {s['binding_named']}/{s['points']}")
     return "\n".join(lines)
