@@ -321,3 +321,13 @@ def test_side_by_side_bench_runs_on_a_tiny_table(tmp_path, monkeypatch):
         assert all(d["rows_per_s"] > 0 and d["p99_ms"] >= d["p50_ms"] > 0 for b in per.values() for d in b.values())
     assert res["mooncake_engramstore_rows_per_s"] is None  # no 1,024-row batch in this run
     assert "tiergram mooncake vs EngramStore" in lookup_to_text(res)
+
+
+def test_an_unreachable_master_fails_fast(tmp_path):
+    from tiergram.bench.remote import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"{addr} is not reachable"):
+        TieredTable(f"mooncake://{addr}/x", tier="mooncake")
+    assert time.monotonic() - t0 < BOUND_S

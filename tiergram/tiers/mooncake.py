@@ -14,13 +14,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import queue
+import socket
 import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,17 +110,30 @@ def _import_store() -> Any:
 
 
 def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: int = 0,
-            buffer_bytes: int = 64 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE") -> Any:
+            buffer_bytes: int = 64 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE",
+            timeout_s: float = 20.0) -> Any:
     """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT.
 
     segment_bytes is the memory this process lends the store (0: it only reads and writes, holds nothing).
-    ConnectionError names the master and Mooncake's code when setup fails.
+    ConnectionError names the master and Mooncake's code when setup fails, or says it did not answer in time.
     """
     check_master(master)
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
+    host, _, port = master.rpartition(":")
+    try:  # setup holds the GIL while it retries an unreachable master for ~90 s: fail fast here instead
+        socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 5.0)).close()
+    except OSError as e:
+        raise ConnectionError(f"Mooncake master {master} is not reachable: {e}") from None
     store = _import_store()()
-    rc = store.setup(local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, "", master)
+    caller = _Caller(timeout_s)
+    try:  # an unreachable master makes setup retry for ~90 s
+        rc = caller(store.setup, local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, "",
+                    master)
+    except TimeoutError:
+        raise ConnectionError(f"Mooncake master {master} did not answer within {timeout_s:g} s") from None
+    finally:
+        caller.close()
     if rc != 0:
         raise ConnectionError(f"Mooncake setup against master {master} failed: {error_name(rc)}")
     return store
@@ -136,32 +149,63 @@ def replicate_config(replicas: int = 1, *, hard_pin: bool = True) -> Any:
 
 
 class _Caller:
-    """Runs store calls on a worker thread so that each returns or fails within `timeout_s`.
+    """Runs store calls on a worker thread so that each returns or fails within `timeout_s` (TimeoutError).
 
-    A call that overruns is abandoned: its worker is left to finish alone (Mooncake cannot cancel it) and a
-    fresh worker serves the next call.
+    A call that overruns is abandoned: its worker, a daemon thread (it never holds up interpreter exit), is
+    left to finish alone (Mooncake cannot cancel it) and a fresh worker serves the next call.
     """
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-mooncake")
         self._lock = threading.Lock()
+        self._worker: _Worker | None = None
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self._lock:
-            pool = self._pool
-        fut = pool.submit(fn, *args)
-        try:
-            return fut.result(self.timeout_s)
-        except FutureTimeout:
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-mooncake")
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
+            if self._worker is None or self._worker.stuck:
+                self._worker = _Worker()
+            worker = self._worker
+        return worker.run(fn, args, self.timeout_s)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order."""
+
+    def __init__(self) -> None:
+        self.stuck = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="tiergram-mooncake", daemon=True).start()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> Any:
+        done = threading.Event()
+        box: list[Any] = []
+        self._jobs.put((fn, args, box, done))
+        if not done.wait(timeout_s):
+            self.stuck = True
+            self._jobs.put(None)  # the thread exits once the stuck call returns
+            raise TimeoutError(f"the Mooncake call did not return within {timeout_s:g} s")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, box, done = job
+            try:
+                box.append((True, fn(*args)))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append((False, e))
+            done.set()
 
 
 def fetch_manifest(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
@@ -171,7 +215,7 @@ def fetch_manifest(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_
         key = manifest_key(name)
         try:
             size = caller(store.get_size, key)
-        except FutureTimeout:
+        except TimeoutError:
             raise TimeoutError(f"Mooncake did not answer for {key} within {timeout_s:g} s") from None
         if size == OBJECT_NOT_FOUND or size == 0:
             raise FileNotFoundError(f"Mooncake holds no table {name!r} (no {key}; push it with "
@@ -398,7 +442,7 @@ class MooncakeTier:
         t0 = time.perf_counter()
         try:
             codes = self._caller(self.store.batch_get_into, keys, ptrs, [ps] * len(keys))
-        except FutureTimeout:
+        except TimeoutError:
             self._abandon(buf)
             return {i: TIMEOUT for i in positions}
         dt = time.perf_counter() - t0
