@@ -26,7 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     lk.add_argument("--min-time", type=float, default=None,
                     help="seconds per measurement over all rounds (default: 1 host; file: 4 per reader)")
     fg = lk.add_argument_group("file tier")
-    fg.add_argument("--table-gib", type=float, default=2.0, help="size of the benchmark table file (created once)")
+    lk.add_argument("--table-gib", type=float, default=None,
+                    help="size of the benchmark table file (file: default 2, created once; host: rows per head to "
+                         "fit, created at disk speed and removed afterwards unless --keep-table)")
+    lk.add_argument("--keep-table", action="store_true", help="host: keep the --table-gib table in the bench cache")
     fg.add_argument("--table", default=None, help="table file path (default: in the bench cache folder)")
     fg.add_argument("--queue-depths", type=_ints, default=(1, 32, 128),
                     help="queue depths of the limit measurement, comma-separated")
@@ -80,6 +83,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--table", default=None, help="table file path (default: in the bench cache folder)")
     pf.add_argument("--json", action="store_true", help="print one JSON object")
     pf.set_defaults(func=cmd_prefetch)
+
+    tb = bsub.add_parser("table", help="create / verify / open a large V4.1-geometry table against this disk's "
+                                       "sequential write and read limits, measured in the same run")
+    tb.add_argument("--table-gib", type=float, default=8.0, help="table size in GiB")
+    tb.add_argument("--dir", default=None, help="folder on the disk to measure (default: the bench cache folder)")
+    tb.add_argument("--keep", action="store_true", help="keep the table file (default: removed at the end)")
+    tb.add_argument("--json", action="store_true", help="print one JSON object")
+    tb.set_defaults(func=cmd_table)
 
     sv = bsub.add_parser("serve", help="throughput vs interactivity of the real HTTP server per table placement "
                                        "(closed-loop streaming clients, pareto fronts, acceptance ratios)")
@@ -158,7 +169,7 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     cfg = lookup.LookupBenchConfig(heads=args.heads, rows_per_head=args.rows_per_head or 65537, dim=args.dim,
                                    codec=args.codec, positions=args.positions or 2048, dtype=args.dtype,
                                    rounds=args.rounds, seconds=(args.min_time or 1.0) / args.rounds,
-                                   threads=args.threads)
+                                   threads=args.threads, table_gib=args.table_gib, keep_table=args.keep_table)
     res = lookup.run(cfg, progress=not args.json)
     print(lookup.to_json(res) if args.json else lookup.to_text(res))
     return 0
@@ -171,7 +182,7 @@ def cmd_lookup_file(args: argparse.Namespace) -> int:
     if args.threads:
         _native.set_num_threads(args.threads)
     cfg = file_lookup.FileLookupBenchConfig(
-        table_gib=args.table_gib, heads=args.heads, rows_per_head=args.rows_per_head or 0, dim=args.dim,
+        table_gib=args.table_gib or 2.0, heads=args.heads, rows_per_head=args.rows_per_head or 0, dim=args.dim,
         codec=args.codec, positions=args.positions or 256, queue_depths=args.queue_depths,
         store_queue_depth=args.queue_depth, py_threads=args.py_threads, min_time=args.min_time or 4.0,
         rounds=args.rounds, dtype=args.dtype, backend=args.backend, table=args.table)
@@ -205,6 +216,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_table(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tiergram.bench import table_io
+    from tiergram.bench.common import cache_dir
+
+    directory = Path(args.dir) if args.dir else cache_dir("bench")
+    return table_io.main(args.table_gib, directory, as_json=args.json, keep=args.keep)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tiergram.bench import serve
 
@@ -226,6 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     print(serve.to_json(res) if args.json else serve.to_text(res))
     return 0
+
 
 def cmd_soak(args: argparse.Namespace) -> int:
     import sys

@@ -31,16 +31,25 @@ class HostTier:
         self.head_rows = table.head_rows
         self.shm_path: Path | None = None
         self._mmap: mmap.mmap | None = None
+        self._private: mmap.mmap | None = None
         if shared:
             self.shm_path = _shared_copy(table, progress=progress)
             self.data = self._map_shared(self.shm_path)
         else:
-            self.data = table.read_data(progress=progress)
+            self._private, buf = huge_page_buffer(self.manifest.data_bytes)
+            self.data = table.read_data(buf, progress=progress)
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the table occupies."""
         return int(self.data.nbytes)
+
+    def stats(self) -> dict:
+        """Where the rows live: bytes, shared or private, and how many of them sit on transparent huge pages
+        (a random row read from a table of many GiB is bound by TLB misses; 2 MiB pages take most of them away)."""
+        huge = huge_page_bytes(self.data.ctypes.data, self.data.nbytes) if self.data.nbytes else 0
+        return {"bytes": self.nbytes, "shared": self.shm_path is not None, "huge_page_bytes": huge,
+                "huge_pages": huge >= self.nbytes // 2 and huge > 0, "thp": thp_mode(shared=self.shm_path is not None)}
 
     def check_ids(self, ids: np.ndarray) -> None:
         """IndexError naming head and id for any id of int64 [N, H] outside its head."""
@@ -58,18 +67,80 @@ class HostTier:
             self._mmap = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        _advise_huge(self._mmap, 0, len(self._mmap))  # tmpfs gives them only where shmem_enabled allows
         start = self.table.data_offset
         return np.frombuffer(self._mmap, dtype=np.uint8, count=self.manifest.data_bytes, offset=start)
 
     def close(self) -> None:
         """Drop this process's mapping (the /dev/shm file stays for other processes)."""
         self.data = np.empty(0, dtype=np.uint8)
+        if self._private is not None:
+            try:
+                self._private.close()
+            except BufferError:  # a caller still holds a view; the memory goes when it does
+                pass
+            self._private = None
         if self._mmap is not None:
             try:
                 self._mmap.close()
             except BufferError:  # a caller still holds a view; the mapping goes when it does
                 pass
             self._mmap = None
+
+
+HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size
+
+
+def huge_page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """(mapping, zeroed uint8 [nbytes] view) starting on a 2 MiB boundary, advised MADV_HUGEPAGE before any page is
+    touched, so the kernel backs it with transparent huge pages where it allows (THP 'always' or 'madvise')."""
+    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to slide the start to a boundary
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(mm, dtype=np.uint8)
+    start = -base.ctypes.data % HUGE_PAGE
+    _advise_huge(mm, start, size - start)
+    view = base[start:start + nbytes]
+    del base
+    return mm, view
+
+
+def _advise_huge(mm: mmap.mmap, start: int, length: int) -> None:
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or length <= 0:
+        return
+    try:
+        mm.madvise(advice, start, length)
+    except OSError:  # a kernel without THP: 4 KiB pages, as before
+        pass
+
+
+def thp_mode(*, shared: bool = False) -> str:
+    """The kernel's transparent huge page mode for anonymous (or, shared=True, tmpfs) memory, e.g. 'madvise'."""
+    name = "shmem_enabled" if shared else "enabled"
+    try:
+        text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
+    except OSError:
+        return "unavailable"
+    chosen = [w for w in text.split() if w.startswith("[")]
+    return chosen[0].strip("[]") if chosen else text.strip()
+
+
+def huge_page_bytes(address: int, length: int) -> int:
+    """Bytes of [address, address + length) that /proc/self/smaps shows on huge pages (AnonHugePages,
+    ShmemPmdMapped, FilePmdMapped of the mappings overlapping it, capped at length)."""
+    end, total, inside = address + length, 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                first = line.split(None, 1)[0]
+                if "-" in first and not first.endswith(":"):
+                    lo, hi = (int(x, 16) for x in first.split("-"))
+                    inside = lo < end and hi > address
+                elif inside and first in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return min(total, length)
 
 
 SHM_PREFIX = "tiergram-"

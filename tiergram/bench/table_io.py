@@ -1,0 +1,165 @@
+"""`tiergram bench table`: creating, verifying and opening a large table against this disk's sequential limits.
+
+The limits are measured in the same run, around the measured operations (write limit, create, read limit, verify,
+open, then both limits again): a plain O_DIRECT writer of zeros of the table's size (what `dd if=/dev/zero
+oflag=direct bs=32M` does) and a plain O_DIRECT sequential reader of the table file, with no checksum.
+Every byte is real: the zeros file and the table are written, never truncated into holes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tiergram.format import TableFile, TableManifest, create_random_table
+from tiergram.format.writer import aligned_pages, free_bytes
+from tiergram.model.init_model import CODEC, GEOMETRIES, PAGE_SIZE
+
+BLOCK = 32 << 20  # bytes per O_DIRECT request of the limits, as the table writer and reader use
+
+
+@dataclass
+class TableIOResult:
+    """One run: sizes, rates (bytes/s) and the ratios against the limits of the same run."""
+
+    table_bytes: int
+    write_limit_before: float
+    create: float
+    read_limit_before: float
+    verify: float
+    write_limit_after: float
+    read_limit_after: float
+    open_s: float  # TieredTable(path, tier="file") construction
+    open_read_bytes: int  # bytes the open read from storage (/proc/self/io rchar)
+    open_rss_bytes: int  # resident memory the open added
+    create_ratio: float  # create / mean write limit
+    verify_ratio: float  # verify / mean read limit
+
+
+def disk_write_limit(directory: Path, nbytes: int, *, progress: bool = False) -> float:
+    """Bytes/s of a plain O_DIRECT sequential write of nbytes of zeros (32 MiB requests, fsync), file removed."""
+    path = directory / f".tiergram-disk-limit-{os.getpid()}"
+    buf = aligned_pages(BLOCK)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        t0 = time.perf_counter()
+        with tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                  desc="disk write limit") as bar:
+            done = 0
+            while done < nbytes:
+                n = min(BLOCK, nbytes - done)
+                done += os.pwrite(fd, memoryview(buf)[:n], done)
+                bar.update(n)
+            os.fsync(fd)
+        return nbytes / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def disk_read_limit(path: Path, *, progress: bool = False) -> float:
+    """Bytes/s of a plain O_DIRECT sequential read of the whole file (32 MiB requests, nothing checked)."""
+    size = path.stat().st_size
+    buf = aligned_pages(BLOCK)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        with tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                  desc="disk read limit") as bar:
+            while done < size:
+                n = os.preadv(fd, [buf], done)
+                if n <= 0:
+                    break
+                done += n
+                bar.update(n)
+        return done / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run(table_gib: float, directory: Path, *, progress: bool = True, keep: bool = False) -> TableIOResult:
+    """Measure create / verify / open of a V4.1-geometry table of table_gib GiB in directory."""
+    from tiergram.store import TieredTable
+
+    geo = GEOMETRIES["deepseek-v4.1"]
+    rows = geo.rows_per_head(int(table_gib * 2**30)) * geo.n_layers  # one file holding both layers' bytes
+    m = TableManifest(codec=CODEC, dim=geo.dim, head_rows=(rows,) * geo.n_heads, page_size=PAGE_SIZE, layer_id=1,
+                      provenance={"tool": "tiergram bench table"})
+    size = m.encode()[1] + m.data_bytes
+    directory.mkdir(parents=True, exist_ok=True)
+    if 2 * size > free_bytes(directory):  # the table and the zeros file of the write limit
+        raise OSError(f"{directory}: bench table needs {2 * size:,} bytes free (the table and the write limit's "
+                      f"file), the disk has {free_bytes(directory):,}")
+    path = directory / f"bench-table-{table_gib:g}g.tgram"
+    try:
+        w0 = disk_write_limit(directory, size, progress=progress)
+        t0 = time.perf_counter()
+        create_random_table(path, m, progress=progress)
+        create = size / (time.perf_counter() - t0)
+        r0 = disk_read_limit(path, progress=progress)
+        t0 = time.perf_counter()
+        bad = TableFile.open(path).verify(progress=progress)
+        verify = m.data_bytes / (time.perf_counter() - t0)
+        if bad:
+            raise RuntimeError(f"{path}: freshly written table has bad pages {bad[:10]}")
+        rss0, rchar0 = _rss(), _rchar()
+        t0 = time.perf_counter()
+        table = TieredTable(path, tier="file")
+        open_s = time.perf_counter() - t0
+        open_read, open_rss = _rchar() - rchar0, _rss() - rss0
+        ids = np.zeros((1, m.n_heads), dtype=np.int64)
+        table.lookup(ids)  # it serves
+        table.close()
+        w1 = disk_write_limit(directory, size, progress=progress)
+        r1 = disk_read_limit(path, progress=progress)
+    finally:
+        if not keep:
+            path.unlink(missing_ok=True)
+    wl, rl = (w0 + w1) / 2, (r0 + r1) / 2
+    return TableIOResult(size, w0, create, r0, verify, w1, r1, open_s, open_read, max(0, open_rss),
+                         create / wl, verify / rl)
+
+
+def report(r: TableIOResult) -> str:
+    """A readable summary with the ratios against the limits."""
+    gib = 2**30
+    return "\n".join([
+        f"table {r.table_bytes / gib:.2f} GiB (V4.1 rows, 24 heads, fp8_e4m3), peak RSS of this process "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+        f"  disk sequential write (O_DIRECT zeros)  {r.write_limit_before / gib:6.2f} / {r.write_limit_after / gib:.2f}"
+        " GiB/s (before / after)",
+        f"  table create                            {r.create / gib:6.2f} GiB/s  = {r.create_ratio:.2f} x the write "
+        "limit (target >= 0.80)",
+        f"  disk sequential read (O_DIRECT)         {r.read_limit_before / gib:6.2f} / {r.read_limit_after / gib:.2f}"
+        " GiB/s (before / after)",
+        f"  table verify                            {r.verify / gib:6.2f} GiB/s  = {r.verify_ratio:.2f} x the read "
+        "limit (target >= 0.80)",
+        f"  TieredTable(tier='file') open           {r.open_s * 1e3:6.1f} ms, read {r.open_read_bytes:,} B, "
+        f"RSS +{r.open_rss_bytes / 2**20:.1f} MiB",
+    ])
+
+
+def main(table_gib: float, directory: Path, *, as_json: bool = False, progress: bool = True,
+         keep: bool = False) -> int:
+    """Run, print the report (or JSON); the table is removed unless keep."""
+    r = run(table_gib, directory, progress=progress and not as_json, keep=keep)
+    print(json.dumps(asdict(r)) if as_json else report(r))
+    return 0
