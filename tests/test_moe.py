@@ -113,6 +113,8 @@ def test_aux_loss_is_scaled_and_absent_for_a_dense_model():
     dense = EngramLM(tiny_config(V))
     dense(torch.randint(0, V, (2, 8)))
     assert aux_loss(dense) is None and moe_layers(dense) == {}
+    model.eval()(torch.randint(0, V, (2, 8)))
+    assert m.aux_loss is None and aux_loss(model) is None  # inference does not compute it
 
 
 def test_forced_routing():

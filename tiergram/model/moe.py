@@ -36,7 +36,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, settings.n_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(d_model, settings.expert_ffn) for _ in range(settings.n_experts))
         self.shared = SwiGLU(d_model, settings.shared_ffn) if settings.shared_ffn else None
-        self.aux_loss: torch.Tensor | None = None  # load-balancing loss of the last forward (scalar)
+        self.aux_loss: torch.Tensor | None = None  # load-balancing loss of the last training-mode forward (scalar)
         self.record = False  # keep the last forward's choices in last_choices
         self.last_choices: torch.Tensor | None = None  # int64 [..., k]
         self.forced: torch.Tensor | None = None  # int64 [..., k]: use these experts instead of the top-k
@@ -61,7 +61,8 @@ class MoE(nn.Module):
         choices, weights, probs = self.route(flat)
         if self.record:
             self.last_choices = choices.reshape(*shape[:-1], self.top_k).detach()
-        self.aux_loss = load_balancing_loss(probs, choices, self.n_experts)
+        # the balance loss only matters to training; inference (eval mode, the engine) skips its bookkeeping
+        self.aux_loss = load_balancing_loss(probs, choices, self.n_experts) if self.training else None
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = (choices == e).nonzero(as_tuple=True)
