@@ -73,14 +73,15 @@ _EXPECTED: dict[tuple, list[int]] = {}
 
 def reference(model_dir: Path, codec: str) -> EngramLM:
     """EngramLM reading the same rows the engine serves: the trained fp32 tables, or the exported codec's file."""
-    if codec not in _REFERENCE:
+    key = f"{model_dir}:{codec}"  # per model directory: other test modules build their own models
+    if key not in _REFERENCE:
         model, _ = load_pretrained(model_dir, tier="memory")
         if codec != "fp32":
             for layer in model.engram_layers:
                 path = model_dir / "export" / table_filename(layer, codec)
                 model.blocks[layer].engram.table = RowSourceTable(TieredTable(path, tier="host"))
-        _REFERENCE[codec] = model
-    return _REFERENCE[codec]
+        _REFERENCE[key] = model
+    return _REFERENCE[key]
 
 
 def expected(model_dir: Path, prompts: list[list[int]], max_tokens: int = 12, codec: str = "fp32") -> list[list[int]]:

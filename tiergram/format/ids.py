@@ -46,11 +46,12 @@ def check_row_ids(row_ids: RowIds, head_rows: Sequence[int] | np.ndarray, *, hos
         if arr.dtype.kind not in "iu":
             raise ValueError(f"row ids must be integers, got {arr.dtype}")
         _check_shape(arr.shape, h)
-        if arr.dtype == np.uint64 and arr.size:
-            big = arr.reshape(-1, h) > np.uint64(INT64_MAX)
-            if big.any():  # as int64 it would wrap to a negative id and be reported as a different one
-                pos, head = divmod(int(np.flatnonzero(big)[0]), h)
-                raise IndexError(out_of_range(int(arr.reshape(-1, h)[pos, head]), head, int(head_rows[head]), pos))
+        if arr.dtype == np.uint64 and arr.size and (arr > np.uint64(INT64_MAX)).any():
+            # as int64 such an id would wrap to a negative one and be reported as a different id: report the
+            # first bad id (this one or an earlier one too large for its head) from the unsigned values
+            flat = arr.reshape(-1, h)
+            pos, head = divmod(int(np.flatnonzero(flat >= head_rows.astype(np.uint64))[0]), h)
+            raise IndexError(out_of_range(int(flat[pos, head]), head, int(head_rows[head]), pos))
         ids = np.ascontiguousarray(arr, dtype=np.int64)
     _check_shape(tuple(ids.shape), h)
     if check_range:
