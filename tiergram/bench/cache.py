@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 
 from tiergram.bench.common import cache_dir, save_figure
-from tiergram.cache.policies import belady_hit_rate
+from tiergram.cache.policies import POLICIES, belady_hit_rate
 from tiergram.cache.row_cache import RowCache
 from tiergram.hashing import NgramHasher, build_compression
 
-ONLINE = ("lru", "lfu", "lookahead")
+ONLINE = tuple(POLICIES)  # every policy a cache can run (Belady needs the whole future: offline)
 ALL_POLICIES = (*ONLINE, "belady")
 STDLIB_VOCAB = 8192
 STDLIB_TRAIN_BYTES = 6 << 20  # the fallback BPE is trained on the first 6 MB of sorted stdlib source

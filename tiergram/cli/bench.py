@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tiergram.bench import cache, lookup
+from tiergram.cli.serve import CACHE_POLICIES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--warmup", type=int, default=10, help="steps before the measured ones")
     pf.add_argument("--dist", default="zipf", choices=["uniform", "zipf"], help="row id distribution")
     pf.add_argument("--cache-fraction", type=float, default=0.10, help="host cache of file+cache, of the table")
-    pf.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "lookahead"])
+    pf.add_argument("--cache-policy", default="lru", choices=CACHE_POLICIES)
     pf.add_argument("--compute-ms", type=float, default=0.0,
                     help="compute per step (0: per store, about its synchronous fetch time)")
     pf.add_argument("--hidden", type=int, default=512, help="width of the compute's matmuls")
