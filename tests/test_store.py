@@ -177,7 +177,8 @@ def test_out_of_range_uint64_id_is_reported_as_given(opened):
     tt = opened[("int8", torch.float32)]
     ids = np.zeros((2, 3), np.uint64)
     ids[1, 2] = 2**64 - 1
-    with pytest.raises(IndexError, match=rf"row id {2**64 - 1} out of range for head 2 \(rows 0\.\.{HEAD_ROWS[2] - 1}\) at position 1"):
+    want = rf"row id {2**64 - 1} out of range for head 2 \(rows 0\.\.{HEAD_ROWS[2] - 1}\) at position 1"
+    with pytest.raises(IndexError, match=want):
         tt.lookup(ids)
     ids[1, 2] = 200  # in range again: uint64 ids are fine
     assert tuple(tt.lookup(ids).shape) == (2, 3, DIM)
