@@ -307,3 +307,16 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     assert len(obj["points"]) == 9 and (tmp_path / "v.png").is_file()
     assert main(["plan", "validate", str(tmp_path / "none.json"), "--hardware", str(spec)]) == 2
     assert "cannot read the sweep JSON" in capsys.readouterr().err
+
+
+def test_repeated_sweeps_merge_by_their_mean_and_refuse_other_settings() -> None:
+    from tiergram.plan.predict import merge_sweeps
+
+    a, b = _sweep("m", 1.0), _sweep("m", 1.2)
+    merged = merge_sweeps([a, b], ["a.json", "b.json"])
+    res = validate(merged, MODEL, CPU)
+    for r in res["points"]:
+        assert r["ratio"] == pytest.approx(1.1) and len(r["measured_runs"]) == 2
+    b["config"]["input_len"] = 99
+    with pytest.raises(ValueError, match=r"b\.json: not a repeat of a\.json: settings \['input_len'\]"):
+        merge_sweeps([a, b], ["a.json", "b.json"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
        tiergram plan calibrate [MODEL_DIR] [--out SPEC.toml]
-       tiergram plan validate SWEEP_JSON --hardware SPEC [--model MODEL] [--json]
+       tiergram plan validate SWEEP_JSON... --hardware SPEC [--model MODEL] [--json]
        tiergram plan studies [--out DIR] [--model-dir DIR]   the predictions of docs/planner.md, with plots
 
 MODEL: a model spec name or .toml (shipped: deepseek-v4.1-flash) or a trained model directory.
@@ -62,7 +62,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiergram plan validate",
                                 description="Compare a measured `bench serve` sweep with the prediction, point by "
                                             "point.")
-    p.add_argument("sweep_json", help="the JSON `tiergram bench serve --json` / `tiergram demo` wrote")
+    p.add_argument("sweep_json", nargs="+",
+                   help="the JSON `tiergram bench serve --json` / `tiergram demo` wrote; several repeats of one sweep "
+                        "are compared by their mean")
     p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
     p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
     p.add_argument("--plot", default=None, help="PNG of predicted fronts with the measured points")
@@ -167,14 +169,18 @@ def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan import predict
     from tiergram.plan.specs import load_hardware, load_model
 
-    path = Path(a.sweep_json)
-    try:
-        sweep = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read the sweep JSON ({e})") from None
-    for key in ("config", "points"):
-        if key not in sweep:
-            raise ValueError(f"{path}: not a `bench serve` sweep (no `{key}`)")
+    sweeps = []
+    for name in a.sweep_json:
+        path = Path(name)
+        try:
+            sweep = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read the sweep JSON ({e})") from None
+        for key in ("config", "points"):
+            if key not in sweep:
+                raise ValueError(f"{path}: not a `bench serve` sweep (no `{key}`)")
+        sweeps.append(sweep)
+    sweep = predict.merge_sweeps(sweeps, list(a.sweep_json))
     model = load_model(a.model or sweep["config"]["model_dir"])
     hw = load_hardware(a.hardware)
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9)

@@ -122,6 +122,7 @@ class Compared:
     measured_interactivity: float | None
     hit_rate: float | None
     hit_rate_source: str | None  # "model spec" or "sweep (...)"
+    measured_runs: list[float]  # each run's throughput when several repeats were merged
     measured_binding: str  # from the sweep's own evidence: disk reads against its limit, exposed stall, else CPU
     stall_share: float  # exposed stall seconds / measured seconds
     disk_share: float  # file pages/s / the disk's limit measured in the same sweep
@@ -138,6 +139,39 @@ def sweep_workload(cfg: dict[str, Any]) -> Workload:
                     max_num_batched_tokens=int(cfg.get("max_num_batched_tokens", 512)),
                     block_size=int(cfg.get("block_size", 16)), max_input_len=int(cfg["input_len"]),
                     max_output_len=int(cfg["output_len"]))
+
+
+SAME_SETTINGS = ("model_dir", "input_len", "output_len", "device_memory", "cache_fraction", "max_num_seqs",
+                 "max_num_batched_tokens", "block_size")
+
+
+def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -> dict[str, Any]:
+    """Repeated runs of one sweep as one: each point's throughput the mean of the runs (each run kept)."""
+    if len(sweeps) == 1:
+        return sweeps[0]
+    names = names or [f"run {i}" for i in range(len(sweeps))]
+    base = sweeps[0]["config"]
+    for name, sw in zip(names[1:], sweeps[1:], strict=True):
+        diff = [k for k in SAME_SETTINGS if sw["config"].get(k) != base.get(k)]
+        if diff:
+            raise ValueError(f"{name}: not a repeat of {names[0]}: settings {diff} differ")
+    keyed = [{(p["placement"], p["concurrency"]): p for p in sw["points"]} for sw in sweeps]
+    points = []
+    for key, first in keyed[0].items():
+        runs = [k[key] for k in keyed if key in k]
+        if len(runs) < len(sweeps):
+            continue
+        merged = dict(first)
+        for f in ("throughput_tok_s", "file_pages_per_s", "interactivity_p50"):
+            vals = [float(r[f]) for r in runs if r.get(f) is not None]
+            merged[f] = sum(vals) / len(vals) if vals else None
+        for f in ("exposed_stall_s", "duration_s"):
+            merged[f] = sum(float(r.get(f) or 0.0) for r in runs)
+        merged["throughput_runs"] = [float(r["throughput_tok_s"]) for r in runs]
+        points.append(merged)
+    disk = [v for sw in sweeps for v in (sw.get("disk_pages_per_s") or {}).values()]
+    return {**sweeps[0], "points": points, "disk_pages_per_s": {"min over runs": min(disk)} if disk else {},
+            "runs": names}
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0
@@ -178,7 +212,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         binds = "engram (disk)" if disk > 0.8 else seen if stall > 0.25 else "compute"
         rows.append(Compared(kind, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
                              p.binding, p.interactivity, float(inter) if inter is not None else None, p.hit_rate,
-                             source, binds, round(stall, 4), round(disk, 4)))
+                             source, [round(x, 1) for x in pt.get("throughput_runs", [measured])], binds,
+                             round(stall, 4), round(disk, 4)))
         if kind not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -187,6 +222,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                             "measured": (sweep.get("servers", {}).get(kind) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(wl),
+            "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits,
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
@@ -201,6 +237,8 @@ def validate_text(res: dict[str, Any]) -> str:
              "(measured: stall share, disk share of its limit)"]
     for r in res["points"]:
         hit = f" (hit {r['hit_rate']:.0%} from {r['hit_rate_source']})" if r["hit_rate"] is not None else ""
+        if len(r["measured_runs"]) > 1:
+            hit += " runs: " + ", ".join(f"{x:,.0f}" for x in r["measured_runs"])
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
                      f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']} (measured "
                      f"{r['measured_binding']}: stall {r['stall_share']:.1%}, disk {r['disk_share']:.0%}){hit}")
