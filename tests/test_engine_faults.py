@@ -11,9 +11,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine import V, drain, engine, expected, make_model_dir, prompts_of
+from test_engine import V, drain, engine, make_model_dir, prompts_of
 
 from tiergram.engine import Placement, SamplingParams
+from tiergram.model.checkpoint import load_pretrained
+from tiergram.model.generate import generate
 from tiergram.model.sampling import MIN_TEMPERATURE, NonFiniteLogitsError, sample_token
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -22,6 +24,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("faults") / "model")
+
+
+_REF: dict[str, object] = {}
+
+
+def expected(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """EngramLM's own greedy tokens on this module's model (test_engine's cache is keyed by codec only)."""
+    if str(model_dir) not in _REF:
+        _REF[str(model_dir)] = load_pretrained(model_dir, tier="memory")[0]
+    return [generate(_REF[str(model_dir)], p, max_tokens).ids for p in prompts]
 
 
 # ----------------------------------------------------------------------------------------- sampling
