@@ -18,7 +18,7 @@ HARDWARE: a hardware spec name or .toml (shipped: h200, b200, gb300; `this-machi
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="predict each placement's throughput/interactivity front from hardware and model "
-                                    "specs (also: plan calibrate, plan validate)", usage=USAGE, add_help=False)
+                                    "specs (also: plan calibrate, validate, studies)", usage=USAGE, add_help=False)
     p.add_argument("-h", "--help", action="store_true", dest="plan_help", help=argparse.SUPPRESS)
     p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_plan)
