@@ -320,3 +320,11 @@ def test_repeated_sweeps_merge_by_their_mean_and_refuse_other_settings() -> None
     b["config"]["input_len"] = 99
     with pytest.raises(ValueError, match=r"b\.json: not a repeat of a\.json: settings \['input_len'\]"):
         merge_sweeps([a, b], ["a.json", "b.json"])
+
+
+def test_the_kv_swap_streamer_moves_blocks_and_refuses_bad_sizes() -> None:
+    from tiergram.plan.stream import stream
+
+    assert stream(1e9, 1 << 16, 1 << 20, seconds=0.05, report=False) > 0
+    with pytest.raises(ValueError, match="pool"):
+        stream(1e9, 1 << 20, 1 << 16, seconds=0.05, report=False)
