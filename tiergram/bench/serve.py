@@ -67,6 +67,14 @@ class SweepConfig:
     startup_timeout_s: float = 300.0
     plot: str | None = None
     markdown: str | None = None
+    # file placement at several cache sizes, each its own server labelled file-<pct>% (None: cache_fraction alone)
+    cache_fractions: tuple[float, ...] | None = None
+    # a second model (the same backbone and tokenizer, larger tables) served by the file placement as "file-big", with
+    # a per-layer cache of big_cache_bytes (None: the same bytes as the first file placement's): tables larger than
+    # the host's memory, at a fixed host-memory budget
+    big_model_dir: str | None = None
+    big_cache_bytes: int | None = None
+    host_memory: int | None = None  # every server's --host-memory (bytes)
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -79,6 +87,37 @@ class SweepConfig:
                              f"{self.torch_threads}")
         if not 0 < self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
+        if self.cache_fractions is not None:
+            self.cache_fractions = tuple(float(f) for f in self.cache_fractions)
+            if not self.cache_fractions or any(not 0 < f <= 1 for f in self.cache_fractions):
+                raise ValueError(f"cache_fractions must each be in (0, 1], got {self.cache_fractions}")
+
+    @property
+    def fractions(self) -> tuple[float, ...]:
+        """The file placement's cache fractions."""
+        return self.cache_fractions or (self.cache_fraction,)
+
+    def labels(self) -> list[str]:
+        """Every server of the sweep: the placements, the file one once per cache fraction, then file-big."""
+        out = []
+        for p in self.placements:
+            if p == "file" and len(self.fractions) > 1:
+                out += [file_label(f) for f in self.fractions]
+            else:
+                out.append(p)
+        if self.big_model_dir:
+            out.append("file-big")
+        return out
+
+
+def file_label(fraction: float) -> str:
+    """file-10% for a cache of 10% of the table."""
+    return f"file-{100 * fraction:g}%"
+
+
+def kind_of(label: str) -> str:
+    """The placement kind a server label runs (file-10% and file-big are file)."""
+    return "file" if label.startswith("file") else label
 
 
 @dataclass
@@ -108,6 +147,7 @@ class Point:
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
     file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
     cpu_ms_per_token: float = 0.0  # the server process's CPU time (all threads) per token served
+    server_peak_rss_bytes: int = 0  # the server process's peak resident memory (VmHWM) at the end of this point
 
 
 @dataclass
@@ -195,8 +235,9 @@ class Trace:
 class ServerProcess:
     """`tiergram serve` in a subprocess on a free loopback port; stopped with SIGTERM (drained)."""
 
-    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int) -> None:
-        cmd = [sys.executable, "-m", "tiergram", "serve", cfg.model_dir, "--placement", placement,
+    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
+                 model_dir: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "tiergram", "serve", model_dir or cfg.model_dir, "--placement", placement,
                "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
@@ -207,6 +248,8 @@ class ServerProcess:
             cmd += ["--torch-threads", str(cfg.torch_threads)]
         if cfg.device_memory is not None:
             cmd += ["--device-memory", str(cfg.device_memory)]
+        if cfg.host_memory is not None:
+            cmd += ["--host-memory", str(cfg.host_memory)]
         self.cmd, self.timeout = cmd, cfg.startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -237,6 +280,15 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def peak_rss(pid: int) -> int:
+    """A live process's peak resident memory (VmHWM), bytes; 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
 
 
 def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -449,8 +501,16 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
 
     t_start = time.perf_counter()
     tables = layer_tables(cfg.model_dir)  # (exports when needed)
+    labels = cfg.labels()
     # the cache is per layer (one Placement serves every layer): a fraction of the smallest layer's table
-    cache_bytes = int(cfg.cache_fraction * min(path.stat().st_size for path in tables))
+    smallest = min(path.stat().st_size for path in tables)
+    caches = {label: 0 for label in labels}
+    for fraction in cfg.fractions:
+        caches[file_label(fraction) if len(cfg.fractions) > 1 else "file"] = int(fraction * smallest)
+    if cfg.big_model_dir:
+        first_file = next((caches[lb] for lb in labels if lb != "file-big" and kind_of(lb) == "file"),
+                          int(cfg.fractions[0] * smallest))
+        caches["file-big"] = cfg.big_cache_bytes if cfg.big_cache_bytes is not None else first_file
     tokenizer = load_tokenizer_of(cfg.model_dir)
     if tokenizer is None:
         raise ValueError(f"{cfg.model_dir} has no tokenizer.json to tokenize the trace with")
@@ -460,23 +520,32 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
     _log(progress, f"trace: {len(tokens)} tokens of the {source}")
     disk: dict[str, float] = {}
-    if "file" in cfg.placements:
-        disk["before"] = disk_limit(tables[0])
+    disk_table = layer_tables(cfg.big_model_dir)[0] if cfg.big_model_dir else tables[0]
+    if any(kind_of(lb) == "file" for lb in labels):
+        disk["before"] = disk_limit(disk_table)
         _log(progress, f"disk limit (native reader, QD128, O_DIRECT): {disk['before']:.0f} pages/s")
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
-    live: dict[str, tuple[str, str, list[int]]] = {}  # placement -> (url, model name, its concurrency levels)
+    live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
+    procs: dict[str, int] = {}  # label -> server pid
     with ExitStack() as stack:
-        for placement in cfg.placements:
-            cb = cache_bytes if placement == "file" else 0
+        for placement in labels:
+            cb = caches[placement]
             _log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
             waiting = max(256, 2 * cfg.max_concurrency)
-            server = stack.enter_context(ServerProcess(cfg, placement, cb, max_waiting=waiting))
+            server = stack.enter_context(ServerProcess(
+                cfg, kind_of(placement), cb, max_waiting=waiting,
+                model_dir=cfg.big_model_dir if placement == "file-big" else None))
+            procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
             limit = min(cfg.max_num_seqs, int(health["kv_blocks_total"]) // blocks_per_seq)
             servers[placement] = {"kv_blocks_total": health["kv_blocks_total"], "concurrency_limit": limit,
-                                  "cache_bytes": cb, "model": health["model"]}
+                                  "cache_bytes": cb, "model": health["model"],
+                                  "model_dir": cfg.big_model_dir if placement == "file-big" else cfg.model_dir,
+                                  "table_bytes": sum(layer_table_bytes(cfg.big_model_dir if placement == "file-big"
+                                                                       else cfg.model_dir)),
+                                  "peak_rss_bytes_at_start": peak_rss(server.proc.pid)}
             if limit < 1:
                 _log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
                                "sequence; skipped")
@@ -498,18 +567,21 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                     rounds[pl].append(Round(timings, wall, before, scrape(url)))
             for pl in members:
                 p = summarize(pl, c, rounds[pl])
+                p.server_peak_rss_bytes = peak_rss(procs[pl])
                 points.append(p)
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
-                reads = f", {p.file_pages_per_s:.0f} pages/s" if pl == "file" else ""
-                reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token"
+                reads = f", {p.file_pages_per_s:.0f} pages/s" if kind_of(pl) == "file" else ""
+                reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
                 _log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
                                f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
+        for pl, pid in procs.items():
+            servers[pl]["peak_rss_bytes"] = peak_rss(pid)
     if disk:
-        disk["after"] = disk_limit(tables[0])
+        disk["after"] = disk_limit(disk_table)
         _log(progress, f"disk limit after the sweep: {disk['after']:.0f} pages/s")
-    points.sort(key=lambda p: (cfg.placements.index(p.placement), p.concurrency))
-    fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in cfg.placements}
+    points.sort(key=lambda p: (labels.index(p.placement), p.concurrency))
+    fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in labels}
     res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk)
     res.checks = checks(res)
     res.seconds = round(time.perf_counter() - t_start, 1)
@@ -546,15 +618,37 @@ def checks(res: SweepResult) -> dict[str, Any]:
             out["budget"] = {"binds": limits["device"] < limits["host"], "device_limit": limits["device"],
                              "host_limit": limits["host"], "host_max_tok_s": max(offloaded),
                              "device_max_tok_s": max(resident), "ratio": max(offloaded) / max(resident)}
-    if "file" in limits and "host" in limits:
-        r = _ratios(res, "file", "host")
-        out["file_vs_host"] = {"ratios": r, "target": FILE_TARGET, "passed": bool(r) and min(r.values()) >= FILE_TARGET,
-                               "cache_fraction": res.config.cache_fraction,
-                               "cache_bytes": res.servers["file"]["cache_bytes"],
-                               "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, "file").items()},
-                               "cpu_per_token_vs_host": _ratios(res, "file", "host", "cpu_ms_per_token"),
-                               "disk_pages_per_s": res.disk_pages_per_s}
+    for label in (lb for lb in limits if kind_of(lb) == "file" and "host" in limits):
+        r = _ratios(res, label, "host")
+        target = FILE_TARGET if label != "file-big" else BIG_TARGET
+        out[_check_key(label)] = {
+            "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target,
+            "cache_fraction": _fraction(res, label),
+            "cache_bytes": res.servers[label]["cache_bytes"],
+            "table_bytes": res.servers[label].get("table_bytes"),
+            "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
+            "cpu_per_token_vs_host": _ratios(res, label, "host", "cpu_ms_per_token"),
+            "disk_pages_per_s": res.disk_pages_per_s}
     return out
+
+
+BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller tables
+
+
+def _check_key(label: str) -> str:
+    """file_vs_host for the file placement (its historical key), file-10%_vs_host etc. for the others."""
+    return f"{label}_vs_host"
+
+
+def _fraction(res: SweepResult, label: str) -> float:
+    """The cache of a file server as a fraction of its tables (file-big: its cache bytes over its tables)."""
+    if label == "file":
+        return res.config.cache_fraction
+    if label != "file-big":
+        return float(label.removeprefix("file-").removesuffix("%")) / 100
+    s = res.servers[label]
+    layers = len(layer_table_bytes(s["model_dir"]))
+    return s["cache_bytes"] * layers / s["table_bytes"] if s.get("table_bytes") else float("nan")
 
 
 def checks_text(res: SweepResult) -> str:
@@ -578,15 +672,22 @@ def checks_text(res: SweepResult) -> str:
         else:
             lines.append(f"  device budget does not bind (both reach c={b['device_limit']}); max throughput host/"
                          f"resident = {b['ratio']:.3f}; pass --device-memory to make it bind")
-    if "file_vs_host" in ck:
-        f = ck["file_vs_host"]
-        lines.append(f"  file (host cache {f['cache_fraction']:.0%} of the table, {f['cache_bytes']} B) >= "
-                     f"{f['target']:.0%} of host at every concurrency: {'PASS' if f['passed'] else 'FAIL'} "
+    for key, f in ck.items():
+        if not key.endswith("_vs_host") or key == "host_vs_device":
+            continue
+        label = key.removesuffix("_vs_host")
+        size = f" on {f['table_bytes'] / 2**30:.1f} GiB tables" if f.get("table_bytes") else ""
+        lines.append(f"  {label}{size} (host cache {f['cache_fraction']:.1%} of the tables, {f['cache_bytes']} B per "
+                     f"layer) >= {f['target']:.0%} of host at every concurrency: {'PASS' if f['passed'] else 'FAIL'} "
                      f"[{rs(f['ratios'])}]")
         reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
         lines.append(f"    file tier reads, pages/s: {reads}; the disk's limit (QD128), pages/s: {disk} the sweep")
-        lines.append(f"    server CPU per token, file / host: {rs(f['cpu_per_token_vs_host'])}")
+        lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
+    peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
+                      if s_.get("peak_rss_bytes"))
+    if peaks:
+        lines.append(f"  servers' peak RSS: {peaks}")
     if len(lines) == 1:
         lines.append("  none (they need device+host or host+file placements)")
     return "\n".join(lines)
@@ -602,7 +703,7 @@ def plot(res: SweepResult, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
-    for placement in res.config.placements:
+    for placement in res.config.labels():
         pts = sorted((p for p in res.points if p.placement == placement), key=lambda p: p.concurrency)
         if not pts:
             continue
@@ -626,7 +727,7 @@ def plot(res: SweepResult, path: Path) -> Path:
 def to_markdown(res: SweepResult) -> str:
     """A markdown table of every point (front points marked)."""
     head = ("| placement | concurrency | throughput tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
-            "E2E p90 ms | tok/s/user p90 | cache hit | file pages/s | stall s | CPU ms/token | front |")
+            "E2E p90 ms | tok/s/user p90 | cache hit | file pages/s | stall s | CPU ms/token | peak RSS GiB | front |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for p in res.points:
         hit = "-" if p.engram_cache_hit_rate is None else f"{100 * p.engram_cache_hit_rate:.1f}%"
@@ -634,7 +735,8 @@ def to_markdown(res: SweepResult) -> str:
         lines.append(f"| {p.placement} | {p.concurrency} | {p.throughput_tok_s:.1f} | {p.ttft_p50_ms:.1f} / "
                      f"{p.ttft_p90_ms:.1f} / {p.ttft_p99_ms:.1f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} / "
                      f"{p.itl_p99_ms:.1f} | {p.e2e_p90_ms:.0f} | {p.interactivity_p90:.1f} | {hit} | "
-                     f"{p.file_pages_per_s:.0f} | {p.exposed_stall_s:.3f} | {p.cpu_ms_per_token:.2f} | {front} |")
+                     f"{p.file_pages_per_s:.0f} | {p.exposed_stall_s:.3f} | {p.cpu_ms_per_token:.2f} | "
+                     f"{p.server_peak_rss_bytes / 2**30:.2f} | {front} |")
     return "\n".join(lines) + "\n"
 
 

@@ -110,6 +110,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="device memory budget of every server, e.g. 64M (a small one makes resident tables bind)")
     sv.add_argument("--cache-fraction", type=float, default=0.10,
                     help="file placement: host cache per layer as a fraction of that layer's table")
+    sv.add_argument("--cache-fractions", type=_fractions, default=None,
+                    help="file placement at several cache sizes, each a server of its own (file-1%%, file-10%%, ...), "
+                         "e.g. 0.01,0.1")
+    sv.add_argument("--big-model", default=None, metavar="DIR",
+                    help="also serve this model (same backbone, larger tables, e.g. larger than RAM) with the file "
+                         "placement, as file-big")
+    sv.add_argument("--big-cache-bytes", type=_size, default=None,
+                    help="file-big's host cache per layer (default: the same bytes as the first file placement's)")
+    sv.add_argument("--host-memory", type=_size, default=None, help="every server's --host-memory, e.g. 12G")
     sv.add_argument("--cache-policy", default="lru", choices=["lru", "lookahead", "lfu"])
     sv.add_argument("--torch-threads", type=int, default=0, help="each server's torch CPU threads (0: default)")
     sv.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
@@ -147,6 +156,16 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0.01,0.1, got {text!r}") from None
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"fractions must lie in (0, 1], got {text!r}")
     return values
 
 
@@ -234,7 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
         max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
         warmup_per_user=args.warmup_per_user, rounds=args.rounds, device_memory=args.device_memory,
-        cache_fraction=args.cache_fraction,
+        cache_fraction=args.cache_fraction, cache_fractions=args.cache_fractions, big_model_dir=args.big_model,
+        big_cache_bytes=args.big_cache_bytes, host_memory=args.host_memory,
         cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,

@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-memory", type=byte_size, default=None,
                    help="device memory budget for weights, resident tables, activations and K/V, e.g. 4G "
                         "(default: CUDA's free memory; on the CPU $TIERGRAM_DEVICE_BYTES or 2G)")
+    g.add_argument("--host-memory", type=byte_size, default=None,
+                   help="host memory the Engram tables may use in all, e.g. 4G, split evenly over the layers: a host "
+                        "placement must fit it; a file placement's cache (unless --cache-bytes), staging and index are "
+                        "sized to it (default: no limit)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per K/V block")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one step at most")
@@ -63,7 +67,8 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead)
+                        max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead,
+                        host_memory_bytes=getattr(args, "host_memory", None))
 
 
 def _device(name: str) -> str:

@@ -66,6 +66,10 @@ class Placement:
     codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
     master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
+    # host memory this layer's table may use (None: no limit): host, the whole table must fit; file / mooncake, the
+    # cache (sized from it unless cache_bytes is given), staging and index. EngineConfig.host_memory_bytes splits a
+    # server-wide budget evenly over the layers into this field.
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in PLACEMENT_KINDS:
@@ -81,6 +85,10 @@ class Placement:
         if self.cache_bytes and self.kind not in ("file", "mooncake"):
             raise ValueError(f"a {self.kind} placement has the whole table in memory: cache_bytes applies to "
                              "placements 'file' and 'mooncake' only")
+        if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool)
+                                                   or int(self.host_memory_bytes) != self.host_memory_bytes
+                                                   or self.host_memory_bytes < 1):
+            raise ValueError(f"host_memory_bytes must be a positive integer or None, got {self.host_memory_bytes!r}")
         if (self.kind == "mooncake") != bool(self.master):
             raise ValueError("placement 'mooncake' needs master (HOST:PORT of the mooncake_master), and only it "
                              f"takes one; got kind {self.kind!r}, master {self.master!r}")
@@ -154,6 +162,9 @@ class EngineConfig:
     # read the rows of the next step's prompt chunks into the file tier's cache during this step (and a new
     # request's while the step it arrived in runs): prefill rows are known before their step is scheduled
     read_ahead: bool = True
+    # host memory the Engram tables may use in all (None: no limit), split evenly over the Engram layers: a host
+    # placement must fit its share whole; a file placement's cache, staging and index are sized to fit it
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.model_dir = str(self.model_dir)
@@ -169,6 +180,11 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool)
+                                                   or int(self.host_memory_bytes) != self.host_memory_bytes
+                                                   or self.host_memory_bytes < 1):
+            raise ValueError(f"EngineConfig.host_memory_bytes must be a positive integer or None, got "
+                             f"{self.host_memory_bytes!r}")
         if self.device_memory_bytes is not None and (int(self.device_memory_bytes) != self.device_memory_bytes
                                                      or self.device_memory_bytes < 0):
             raise ValueError(f"EngineConfig.device_memory_bytes must be an integer >= 0, got "
@@ -177,12 +193,21 @@ class EngineConfig:
     def placements_for(self, layers: list[int]) -> dict[int, Placement]:
         """{layer: Placement} for the model's Engram layers; ValueError for a missing or unknown layer."""
         if isinstance(self.placement, Placement):
-            return {layer: self.placement for layer in layers}
-        unknown, missing = set(self.placement) - set(layers), set(layers) - set(self.placement)
-        if unknown or missing:
-            raise ValueError(f"placement must name exactly the Engram layers {layers}; unknown "
-                             f"{sorted(unknown)}, missing {sorted(missing)}")
-        return {layer: self.placement[layer] for layer in layers}
+            placements = {layer: self.placement for layer in layers}
+        else:
+            unknown, missing = set(self.placement) - set(layers), set(layers) - set(self.placement)
+            if unknown or missing:
+                raise ValueError(f"placement must name exactly the Engram layers {layers}; unknown "
+                                 f"{sorted(unknown)}, missing {sorted(missing)}")
+            placements = {layer: self.placement[layer] for layer in layers}
+        if self.host_memory_bytes is None or not layers:
+            return placements
+        share = self.host_memory_bytes // len(layers)
+        if share < 1:
+            raise ValueError(f"host_memory_bytes {self.host_memory_bytes} cannot be split over {len(layers)} layers")
+        # a placement that names its own budget keeps it
+        return {layer: p if p.host_memory_bytes is not None or p.kind == "device"
+                else dataclasses.replace(p, host_memory_bytes=share) for layer, p in placements.items()}
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> EngineConfig:

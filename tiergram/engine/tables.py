@@ -46,21 +46,52 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
     the UVA kernel (pinned host memory) behind an HBM cache of `cache_bytes`; on the CPU, TieredTable."""
     if placement.kind == "device":
         return DeviceTable(path, device=device, tier="device")
+    cache_bytes, budget = check_host_memory(path, placement)
     if placement.kind == "mooncake":
         if device.type == "cuda":
             raise ValueError("placement 'mooncake' is served by the CPU engine only (the GPU path reads host or "
                              "file tables)")
         from tiergram.tiers.mooncake import ensure_pushed  # optional dependency (the remote extra)
 
-        return TieredTable(ensure_pushed(path, placement.master), tier="mooncake", cache_bytes=placement.cache_bytes,
-                           cache_policy=placement.cache_policy)
+        return TieredTable(ensure_pushed(path, placement.master), tier="mooncake", cache_bytes=cache_bytes,
+                           cache_policy=placement.cache_policy, host_memory_bytes=budget)
     if device.type == "cuda":
         return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
                            cache_policy=placement.cache_policy, file_mode=placement.file_mode)
     if placement.kind == "host":
-        return TieredTable(path, tier="host")
-    return TieredTable(path, tier="file", cache_bytes=placement.cache_bytes, cache_policy=placement.cache_policy,
-                       file_mode=placement.file_mode)
+        return TieredTable(path, tier="host", host_memory_bytes=budget)
+    return TieredTable(path, tier="file", cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
+                       file_mode=placement.file_mode, host_memory_bytes=budget)
+
+
+def check_host_memory(path: Path, placement: Placement) -> tuple[int | None, int | None]:
+    """(cache_bytes, host_memory_bytes) to open a host / file table with under the placement's host-memory budget.
+
+    ValueError naming the sizes when a host table does not fit its share, or an explicit cache (with staging and
+    index) does not. Without an explicit cache_bytes, the file tier sizes its cache from the budget (cache_bytes
+    None); without a budget everything is as configured."""
+    budget = placement.host_memory_bytes
+    if budget is None:
+        return placement.cache_bytes, None
+    from tiergram.format import TableFile
+
+    m = TableFile.open(path).manifest
+    if placement.kind == "host":
+        if m.data_bytes > budget:
+            raise ValueError(f"host placement: {path.name} (layer {m.layer_id}) needs {m.data_bytes:,} bytes "
+                             f"({m.data_bytes / 2**30:.2f} GiB) of host memory, more than its share of {budget:,} "
+                             f"bytes ({budget / 2**30:.2f} GiB) of the host-memory budget; use placement 'file' (its "
+                             "cache is sized to the budget) or raise --host-memory")
+        return 0, budget
+    if not placement.cache_bytes:
+        return None, budget  # the tier sizes its cache from the budget (what staging and index leave)
+    room = TieredTable._budget_cache_bytes(budget, m.row_bytes, "python")  # the larger index: a safe bound
+    if placement.cache_bytes > room:
+        raise ValueError(f"{placement.kind} placement: a cache of {placement.cache_bytes:,} bytes for {path.name} does "
+                         f"not fit its share of {budget:,} bytes of the host-memory budget (staging and the cache's "
+                         f"index leave {room:,} bytes for rows); lower --cache-bytes or leave it out to size the cache "
+                         "from the budget")
+    return placement.cache_bytes, budget
 
 
 def device_bytes(source: Any, placement: Placement, device: torch.device) -> int:
