@@ -97,17 +97,17 @@ def test_a_page_corrupted_on_disk_is_never_served(model_dir, tmp_path):
     prompts = soak.fault_prompts(16, seed=3)
     with running(model, Placement("file")) as base:
         want = soak.greedy_tokens(base, prompts, 4)
-    table = sorted(model.glob("engram_layer*.fp8_e4m3.*"))[0]
-    from tiergram.format import TableFile
-
-    soak.corrupt_page(table, TableFile.open(table).manifest.n_pages // 2)  # one page: some prompts read it
+    table, page = soak.page_read_by(model, prompts[0])  # one page, which the first prompt reads
+    soak.corrupt_page(table, page)
     with running(model, Placement("file")) as base:
         got = soak.compare_to_reference(soak.greedy_tokens(base, prompts, 4), want)
-        assert got["wrong"] == got["other"] == 0 and got["failed_cleanly"] > 0 and got["ok"] > 0, got
+        assert got["wrong"] == got["other"] == 0 and got["failed_cleanly"] >= 1 and got["ok"] > 0, got
         health = httpx.get(f"{base}/health").json()  # 200, or 503 "unhealthy" once 8 steps in a row failed
         assert health["faults"] == got["failed_cleanly"] and "cannot read page" in health["last_fault"]
         assert soak.answers_cleanly(base)
-    assert TableFile.open(table).verify()  # the damage is there for `table verify` to find
+    from tiergram.format import TableFile
+
+    assert TableFile.open(table).verify() == [page]  # the damage is there for `table verify` to find
 
 
 def test_kill_9_under_load_then_restart_serves_again(model_dir, tmp_path):

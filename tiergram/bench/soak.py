@@ -483,6 +483,23 @@ def corrupt_page(path: Path, page: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
+def page_read_by(model_dir: Path, prompt: str, codec: str = "fp8_e4m3") -> tuple[Path, int]:
+    """(table file, page) holding a row that `prompt` reads (its last token, the first Engram layer, head 0) in
+    an exported model directory."""
+    import numpy as np
+
+    from tiergram.format import TableFile
+    from tiergram.model.checkpoint import hasher_of, load_tokenizer_of, read_config
+    from tiergram.model.export import table_filename
+
+    tok = load_tokenizer_of(model_dir)
+    rows = hasher_of(read_config(model_dir), tok).row_ids(np.asarray([tok.encode(prompt).ids], dtype=np.int64))
+    layer = min(rows)
+    path = model_dir / table_filename(layer, codec)
+    t = TableFile.open(path)
+    return path, int(t.head_offsets[0] + rows[layer][0, -1, 0]) // t.manifest.rows_per_page
+
+
 def copy_export(model_dir: Path, out: Path, codec: str = "fp8_e4m3") -> Path:
     """An exported copy of a model (its tables can then be damaged without touching the original)."""
     from tiergram.engine.tables import export_dir_for
@@ -507,6 +524,7 @@ class SoakConfig:
     max_waiting: int = 8
     overload_factor: float = 2.0  # clients = factor x capacity
     max_tokens: int = 8
+    retry_after_s: float = 0.1  # a client answered 429 waits this long before its next request
     max_model_len: int = 128
     fuzz_examples: int = 50  # per operation and mode
     fuzz_timeout_s: float = 180.0
@@ -567,7 +585,7 @@ def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
                 rss_at["after_warmup"] = scrape(url)["process_resident_memory_bytes"]
 
         load = overload(url, clients=clients, requests=cfg.requests, max_tokens=cfg.max_tokens, progress=progress,
-                        on_progress=note_rss)
+                        on_progress=note_rss, retry_after_s=cfg.retry_after_s)
         rss_at["end"] = scrape(url)["process_resident_memory_bytes"]
         res.load = asdict(load)
         res.rss = {**rss_at, "growth_after_warmup": rss_at["end"] - rss_at.get("after_warmup", rss_at["start"]),
@@ -594,11 +612,8 @@ def storage_faults_subprocess(cfg: SoakConfig, progress: bool) -> dict[str, Any]
         model = copy_export(Path(cfg.model_dir), Path(tmp) / "model")
         with ServerProcess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
             want = greedy_tokens(server.url, prompts, 4)
-        tables = sorted(model.glob("engram_layer*.fp8_e4m3.*"))
-        from tiergram.format import TableFile
-
-        pages = TableFile.open(tables[0]).manifest.n_pages
-        corrupt_page(tables[0], pages // 2)
+        table, page = page_read_by(model, prompts[0])
+        corrupt_page(table, page)
         with ServerProcess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
             got = greedy_tokens(server.url, prompts, 4)
             health = httpx.get(f"{server.url}/health")
@@ -613,7 +628,9 @@ def storage_faults_subprocess(cfg: SoakConfig, progress: bool) -> dict[str, Any]
 def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[float, ...] = (0.01, 1.0),
                    progress: bool = False) -> dict[str, Any]:
     """In-process server (file placement, no cache: every row from disk); for each rate, that fraction of every
-    table's pages fails every read (checksum-failing bit flips at 1%, I/O errors at 100%)."""
+    table's pages is made to fail. Below 1: the next read of each such page and its re-read see a flipped bit
+    (the checksum catches it; the request reading it fails, later reads succeed), as transient faults on 1% of
+    page reads would. At 1: every read of every page fails with an I/O error, for as long as it lasts."""
     import uvicorn
 
     from tiergram.engine import EngineConfig, LLMEngine, Placement
@@ -643,7 +660,7 @@ def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[fl
             for src in engine.sources.values():
                 n = src.manifest.n_pages
                 for page in rng.sample(range(n), max(1, round(rate * n))):
-                    src.tier.reader.inject_fault("flip" if rate < 1 else "eio", page, 1 << 30)
+                    src.tier.reader.inject_fault(*(("flip", page, 2) if rate < 1 else ("eio", page, 1 << 30)))
                     injected += 1
             got = greedy_tokens(url, prompts, 4)
             for src in engine.sources.values():
