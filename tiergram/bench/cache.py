@@ -61,6 +61,8 @@ class CacheBenchConfig:
     max_ngram_size: int = 4
     n_head_per_ngram: int = 8
     table_factor: int = 64  # rows per head ~ table_factor x compressed vocabulary
+    rows_per_head: int | None = None  # rows per head (each head the next distinct prime); overrides table_factor
+    capacity_of: str = "touched"  # capacities as fractions of the distinct rows "touched", or of the "table"
     layer_id: int = 1
     capacities: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25)  # fractions of the distinct rows touched
     policies: tuple[str, ...] = ALL_POLICIES
@@ -108,8 +110,8 @@ class CacheBenchResult:
 
 
 def cap_key(frac: float) -> str:
-    """A capacity fraction as a JSON key: 0.01 -> "0.01"."""
-    return f"{frac:g}" if frac >= 0.1 else f"{frac:.2f}".rstrip("0")
+    """A capacity fraction as a JSON key: 0.01 -> "0.01", 0.0001 -> "0.0001"."""
+    return f"{frac:g}" if frac >= 0.1 or frac < 0.01 else f"{frac:.2f}".rstrip("0")
 
 
 # ---------------------------------------------------------------- token sources
@@ -308,7 +310,12 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
     distinct = int(np.unique(flat).size)
     facts = {**(stream or {}), "steps": len(steps), "accesses": int(flat.size), "distinct_rows": distinct,
              "reuse": 1 - distinct / flat.size if flat.size else 0.0}
-    caps = {cap_key(f): max(1, round(f * distinct)) for f in cfg.capacities}
+    if cfg.capacity_of not in ("touched", "table"):
+        raise ValueError(f"capacity_of must be 'touched' or 'table', got {cfg.capacity_of!r}")
+    if cfg.capacity_of == "table" and not (stream or {}).get("table_rows"):
+        raise ValueError("capacities as fractions of the table need the table's rows (a hashed stream)")
+    base = int(stream["table_rows"]) if cfg.capacity_of == "table" else distinct
+    caps = {cap_key(f): max(1, round(f * base)) for f in cfg.capacities}
     res = CacheBenchResult(cfg, facts, caps)
     for name in cfg.policies:
         t0 = time.perf_counter()
@@ -340,7 +347,10 @@ def run(cfg: CacheBenchConfig, docs: TokenDocs | None = None, progress: bool = T
     else:
         compression = {"compressed_vocab_size": docs.vocab_size}
         compressed = docs.vocab_size
-    hasher = NgramHasher([cfg.table_factor * compressed] * (cfg.max_ngram_size - 1), cfg.max_ngram_size,
+    if cfg.rows_per_head is not None and cfg.rows_per_head < 1:
+        raise ValueError(f"rows_per_head must be >= 1, got {cfg.rows_per_head}")
+    rows = cfg.rows_per_head or cfg.table_factor * compressed
+    hasher = NgramHasher([rows] * (cfg.max_ngram_size - 1), cfg.max_ngram_size,
                          cfg.n_head_per_ngram, [cfg.layer_id], docs.pad_id, cfg.seed, **compression)
     requests = make_requests(docs.docs, cfg)
     if not requests:
@@ -375,7 +385,8 @@ def plot(res: CacheBenchResult, path: Path) -> Path:
     ax.axhline(100 * float(res.stream["reuse"]), color="gray", linestyle=":", label="every reuse a hit")
     ax.set_xscale("log")
     ax.set_xticks(fracs, [f"{100 * f:g}%" for f in fracs])
-    ax.set_xlabel("cache capacity (fraction of distinct rows touched)")
+    ax.set_xlabel("cache capacity (fraction of the table)" if res.config.capacity_of == "table"
+                  else "cache capacity (fraction of distinct rows touched)")
     ax.set_ylabel("hit rate (%)")
     s = res.stream
     ax.set_title(f"{s['accesses'] / 1e6:.2f}M accesses, {s['distinct_rows']} rows, lookahead window "

@@ -53,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--max-ngram", type=int, default=4, help="n-gram orders 2..N")
     ca.add_argument("--heads", type=int, default=8, help="hash heads per n-gram order")
     ca.add_argument("--table-factor", type=int, default=64, help="rows per head ~ this x the compressed vocabulary")
+    ca.add_argument("--rows-per-head", type=int, default=None,
+                    help="rows per head (DeepSeek-V4.1: about 16000000); overrides --table-factor")
+    ca.add_argument("--capacity-of", default="touched", choices=["touched", "table"],
+                    help="capacities as fractions of the distinct rows the stream touches, or of the table")
     ca.add_argument("--capacities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25],
                     help="cache sizes as fractions of the distinct rows the stream touches")
     ca.add_argument("--policies", nargs="+", default=list(cache.ALL_POLICIES), choices=list(cache.ALL_POLICIES))
@@ -229,6 +233,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
                                  prompt_len=args.prompt_len, decode_len=args.decode_len, max_seqs=args.max_seqs,
                                  step_tokens=args.step_tokens, max_ngram_size=args.max_ngram,
                                  n_head_per_ngram=args.heads, table_factor=args.table_factor,
+                                 rows_per_head=args.rows_per_head, capacity_of=args.capacity_of,
                                  capacities=tuple(args.capacities), policies=tuple(args.policies),
                                  window=args.window, seed=args.seed, plot=args.plot)
     res = cache.run(cfg, progress=not args.json)
