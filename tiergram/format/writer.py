@@ -36,7 +36,7 @@ PageFiller = Callable[[np.ndarray, int, int], None]
 _CHUNK_PAGES: int | None = None  # pages per write; None: _CHUNK_BYTES worth (tests set small values)
 _CHUNK_BYTES = 32 << 20  # large O_DIRECT writes: the disk's sequential rate needs MiBs in flight
 _DIRECT_ALIGN = 4096  # O_DIRECT needs block-aligned buffers, offsets and sizes; 4 KiB covers 512 B and 4 KiB disks
-_BUFFERS = 3  # one being filled, one being written, one spare so neither waits on the other
+_BUFFERS = 4  # one being filled, one being sealed, one being written, one spare so no stage waits on another
 
 
 def chunk_pages(page_size: int) -> int:
@@ -195,8 +195,23 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
     free: queue.Queue = queue.Queue()
     for b in bufs:
         free.put(b)
+    sealing: queue.Queue = queue.Queue(maxsize=len(bufs))
     todo: queue.Queue = queue.Queue(maxsize=len(bufs))
     failed: list[BaseException] = []
+
+    def sealer() -> None:  # page trailers (CRC-32C, native, GIL released) while the next chunk is filled
+        while True:
+            item = sealing.get()
+            if item is None:
+                todo.put(None)
+                return
+            buf, n, p0 = item
+            try:
+                if not failed:
+                    _native.seal_pages(buf[:n], ps, p0)
+            except BaseException as e:  # reported to the filling thread
+                failed.append(e)
+            todo.put((buf, n))
 
     def writer() -> None:
         offset = len(head)
@@ -213,8 +228,10 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
                 failed.append(e)
             free.put(buf)
 
-    thread = threading.Thread(target=writer, name="tiergram-table-writer", daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=sealer, name="tiergram-table-sealer", daemon=True),
+               threading.Thread(target=writer, name="tiergram-table-writer", daemon=True)]
+    for t in threads:
+        t.start()
     bar = tqdm(total=manifest.data_bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                desc=f"writing {name}", miniters=1)
     try:
@@ -223,14 +240,13 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
             buf = free.get()
             if failed:
                 raise failed[0]
-            pages = buf[: n * ps].reshape(n, ps)
-            fill(pages, p0, n)
-            _native.seal_pages(buf[: n * ps], ps, p0)
-            todo.put((buf, n * ps))
+            fill(buf[: n * ps].reshape(n, ps), p0, n)
+            sealing.put((buf, n * ps, p0))
             bar.update(n * ps)
     finally:
-        todo.put(None)
-        thread.join()
+        sealing.put(None)
+        for t in threads:
+            t.join()
         bar.close()
     if failed:
         raise failed[0]
