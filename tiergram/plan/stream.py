@@ -9,6 +9,7 @@ that is not the Engram table's does to the host placement (docs/planner.md).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-mib", type=float, default=1024.0, help="the K/V pool streamed through, MiB (default 1024)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long (default: until interrupted)")
     a = p.parse_args(argv)
+    # stopped by SIGTERM or SIGINT alike (a background job of a script ignores SIGINT)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     got = stream(a.rate_gbps * 1e9, int(a.block_mib * 2**20), int(a.pool_mib * 2**20), a.seconds)
     print(f"streamed at {got / 1e9:.2f} GB/s", file=sys.stderr)
     return 0
