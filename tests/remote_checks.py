@@ -331,3 +331,28 @@ def test_an_unreachable_master_fails_fast(tmp_path):
     with pytest.raises(ConnectionError, match=f"{addr} is not reachable"):
         TieredTable(f"mooncake://{addr}/x", tier="mooncake")
     assert time.monotonic() - t0 < BOUND_S
+
+
+def test_any_ids_read_remotely_equal_the_host_tier(cluster, client, tmp_path_factory):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from hypothesis.extra.numpy import arrays
+
+    rows = (211, 97)
+    path = _table(tmp_path_factory.mktemp("prop") / "prop.tgram", codec="bf16", rows=rows, dim=40)
+    push_table(path, cluster.master_addr, "prop", progress=False, store=client)
+    host = TieredTable(path, tier="host")
+    remote = TieredTable(f"mooncake://{cluster.master_addr}/prop", tier="mooncake", cache_bytes=2048,
+                         remote_options={"store": client})
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(arrays(np.int64, st.tuples(st.integers(1, 40), st.just(2)), elements=st.integers(0, 96)))
+    def check(ids):
+        assert torch.equal(remote.lookup(ids), host.lookup(ids))
+
+    try:
+        check()
+        assert remote.stats()["remote"]["errors"] == 0
+    finally:
+        remote.close()
+        host.close()
