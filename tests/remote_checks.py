@@ -189,6 +189,31 @@ def test_holder_killed_raises_within_bound_never_wrong_rows(tmp_path):
             t.close()
 
 
+def test_with_two_replicas_a_killed_holder_costs_reads_only_until_the_master_expires_it(tmp_path):
+    with LocalCluster(tmp_path / "logs", holders=2, segment_bytes=32 << 20) as c:
+        path = _table(tmp_path / "r.tgram")
+        push_table(path, c.master_addr, replicas=2, progress=False)
+        host = TieredTable(path, tier="host")
+        t = TieredTable(f"mooncake://{c.master_addr}/r", tier="mooncake")
+        try:
+            ids = _ids((700, 523, 301), 40)
+            assert torch.equal(t.lookup(ids), host.lookup(ids))
+            c.kill_holder(0)
+            deadline = time.monotonic() + 30.0  # the master's client TTL is 10 s
+            while True:
+                try:
+                    got = t.lookup(ids)
+                    break
+                except PageReadError as e:  # the replica on the dead holder was chosen: an error, never wrong rows
+                    assert e.mooncake_code in (-800, -704)
+                    assert time.monotonic() < deadline, "reads did not move to the surviving replica"
+                    time.sleep(1.0)
+            assert torch.equal(got, host.lookup(ids))
+        finally:
+            t.close()
+            host.close()
+
+
 def test_master_killed_then_restarted_raises_within_bound(tmp_path):
     with LocalCluster(tmp_path / "logs", holders=1, segment_bytes=32 << 20) as c:
         path = _table(tmp_path / "g.tgram")
