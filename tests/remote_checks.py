@@ -381,3 +381,17 @@ def test_any_ids_read_remotely_equal_the_host_tier(cluster, client, tmp_path_fac
     finally:
         remote.close()
         host.close()
+
+
+def test_tables_of_one_master_share_one_client(cluster, client, tmp_path):
+    path = _table(tmp_path / "s.tgram")
+    uri = push_table(path, cluster.master_addr, "s", progress=False, store=client)
+    a = TieredTable(uri, tier="mooncake")
+    b = TieredTable(uri, tier="mooncake", cache_bytes=4096)
+    try:
+        assert a.tier.store is b.tier.store
+        ids = _ids((700, 523, 301), 10)
+        assert torch.equal(a.lookup(ids), b.lookup(ids))
+    finally:
+        a.close()
+        b.close()

@@ -110,7 +110,7 @@ def _import_store() -> Any:
 
 
 def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: int = 0,
-            buffer_bytes: int = 64 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE",
+            buffer_bytes: int = 16 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE",
             timeout_s: float = 20.0) -> Any:
     """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT.
 
@@ -137,6 +137,34 @@ def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: in
     if rc != 0:
         raise ConnectionError(f"Mooncake setup against master {master} failed: {error_name(rc)}")
     return store
+
+
+_CLIENTS: dict[tuple[str, str], list] = {}  # (master, local_hostname) -> [client, tiers using it]
+_CLIENTS_LOCK = threading.Lock()
+
+
+def shared_client(master: str, local_hostname: str = "127.0.0.1") -> Any:
+    """This process's client of master, shared by every table read from it (a client costs threads, ports and
+    its local buffer); give it back with release_client."""
+    key = (master, local_hostname)
+    with _CLIENTS_LOCK:
+        entry = _CLIENTS.get(key)
+        if entry is None:
+            entry = _CLIENTS[key] = [connect(master, local_hostname=local_hostname), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_client(store: Any) -> None:
+    """One user fewer of a shared client; the last one closes it."""
+    with _CLIENTS_LOCK:
+        for key, entry in list(_CLIENTS.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _CLIENTS[key]
+                    store.close()
+                return
 
 
 def replicate_config(replicas: int = 1, *, hard_pin: bool = True) -> Any:
@@ -312,12 +340,12 @@ class MooncakeTier:
         master, name = parse_uri(uri, allow_no_master=store is not None)
         owns = store is None
         if store is None:
-            store = connect(master, local_hostname=local_hostname)
+            store = shared_client(master, local_hostname)
         try:
             manifest, data_offset = fetch_manifest(store, name, timeout_s=timeout_s)
         except BaseException:
             if owns:
-                store.close()
+                release_client(store)
             raise
         return cls(store, name, manifest=manifest, data_offset=data_offset, master=master, timeout_s=timeout_s,
                    fallback=fallback, owns_store=owns)
@@ -426,7 +454,8 @@ class MooncakeTier:
         if self.fallback is not None:
             self.fallback.close()
         if self._owns_store:
-            self.store.close()
+            release_client(self.store)
+            self._owns_store = False
 
     # -- internals -------------------------------------------------------------------------------------
 
@@ -580,14 +609,14 @@ def ensure_pushed(path: str | os.PathLike, master: str, *, progress: bool = Fals
     st = Path(path).stat()
     digest = hashlib.sha256(manifest_blob(table) + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     name = f"{Path(path).stem}-{digest}"
-    store = connect(master)
+    store = shared_client(master)  # the table opened next reuses it
     try:
         try:
             fetch_manifest(store, name)
         except FileNotFoundError:
             push_table(path, master, name, progress=progress, store=store)
     finally:
-        store.close()
+        release_client(store)
     return table_uri(master, name)
 
 
