@@ -290,7 +290,7 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
 
         def raw_get(ids: np.ndarray) -> None:  # Mooncake's batch_get_into of the same pages, unverified
             pages = pages_of(ids)
-            buf = raw_tier._staging(pages.size * manifest.page_size)
+            buf = raw_tier.staging(pages.size * manifest.page_size)
             ps = manifest.page_size
             keys = [f"tiergram/bench/p{p}" for p in pages]
             store.batch_get_into(keys, [buf.ctypes.data + i * ps for i in range(pages.size)], [ps] * pages.size)
@@ -298,7 +298,7 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         calls: dict[str, Any] = {
             "mooncake_engramstore": lambda ids: engram.lookup(ids.reshape(1, -1, 1)),
             "mooncake_raw": raw_get,
-            "mooncake_runs": lambda ids: runs_get(pages_of(ids), raw_tier._staging(pages_of(ids).size
+            "mooncake_runs": lambda ids: runs_get(pages_of(ids), raw_tier.staging(pages_of(ids).size
                                                                                    * manifest.page_size)),
             "file_limit": lambda ids: reader.read_pages(pages_of(ids), limit_buf[: pages_of(ids).size
                                                                                  * manifest.page_size]),

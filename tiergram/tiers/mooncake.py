@@ -389,7 +389,7 @@ class MooncakeTier:
         """The verified pages int64 [M] (distinct) as uint8 [M * page_size], page i at i * page_size."""
         ps = self.manifest.page_size
         pages = np.asarray(pages, dtype=np.int64)
-        buf = self._staging(pages.size * ps)
+        buf = self.staging(pages.size * ps)
         failed: dict[int, int | str] = {}  # position in pages -> code
         for lo in range(0, pages.size, MAX_KEYS_PER_CALL):
             failed.update(self._get(pages, lo, min(lo + MAX_KEYS_PER_CALL, pages.size), buf))
@@ -509,7 +509,7 @@ class MooncakeTier:
         with self._lock:
             self.counters.fallback_pages += len(positions)
 
-    def _staging(self, nbytes: int) -> np.ndarray:
+    def staging(self, nbytes: int) -> np.ndarray:
         """This thread's registered, page-aligned staging buffer of at least nbytes (grown by doubling)."""
         buf = getattr(self._local, "staging", None)
         if buf is None or buf.size < nbytes:
