@@ -79,6 +79,21 @@ def _tail(log: Path, n: int = 2000) -> str:
         return ""
 
 
+def master_binary() -> str:
+    """The mooncake_master executable: on PATH, else the copy inside the installed mooncake package."""
+    found = shutil.which("mooncake_master")
+    if found:
+        return found
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        inside = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
+        if inside.is_file() and os.access(inside, os.X_OK):
+            return str(inside)
+    raise RuntimeError("mooncake_master not found: pip install 'tiergram[remote]'")
+
+
 class LocalCluster:
     """A `mooncake_master` on 127.0.0.1 and `holders` processes lending `segment_bytes` each.
 
@@ -91,8 +106,7 @@ class LocalCluster:
         if not allow_shared_network and not private_netns():
             raise RuntimeError("refusing to start Mooncake outside a private network namespace (its clients "
                                "listen on every interface); run under tiergram.bench.remote.run_in_netns")
-        if shutil.which("mooncake_master") is None:
-            raise RuntimeError("mooncake_master not found: pip install 'tiergram[remote]'")
+        self.master_bin = master_binary()
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
@@ -123,7 +137,7 @@ class LocalCluster:
 
     def start_master(self) -> None:
         """Start (or restart, on the same port) the master; a restarted master has lost every key."""
-        argv = [shutil.which("mooncake_master") or "mooncake_master", "--rpc_address=127.0.0.1",
+        argv = [self.master_bin, "--rpc_address=127.0.0.1",
                 f"--rpc_port={self.port}", "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"]
         self.master, log = self._popen(argv, "master.log")
         _wait_port(self.port, self.master, self.start_timeout, "mooncake_master", log)
