@@ -60,6 +60,9 @@ def to_text(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front
         at = f"; there the step is bound by {last.binding}" if last else ""
         lines.append(f"  {f.placement.label:<26} c = {f.limit.concurrency:,} ({f.limit.binding}){at}")
     lines.append("(* = on the placement's pareto front)")
+    if not model.hit_rate_curve and any(f.placement.kind == "file" for f in fronts):
+        lines.append("note: the model spec has no hit_rate_curve, so file placements assume no cache hits (the "
+                     "worst case); `plan validate` takes the hit rate from a measured sweep instead")
     return "\n".join(lines)
 
 
