@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiergram.analysis.cka import alignment, collect_states, compare_layers, linear_cka
+from tiergram.analysis.cka import LayerComparison, alignment, collect_states, compare_layers, linear_cka, verdict
 from tiergram.analysis.trace import load_windows
 from tiergram.cli import main
 from tiergram.corpus import PAD, build_corpus, directory_source, load_tokenizer, train_tokenizer
@@ -60,6 +60,17 @@ def test_alignment_summary():
     assert best == [0, 2, 1]
     assert soft[0] == pytest.approx((1.0 * 0 + 0.2 * 1) / 1.2)
     assert soft[1] == pytest.approx((0.9 * 2 + 0.3 * 1) / 1.2)
+
+
+def test_verdict_needs_a_margin_beyond_the_sampling_spread():
+    cka = [[1.0, 0.6, 0.5], [0.6, 0.70, 0.80], [0.5, 0.7, 0.9]]  # A's block 1 looks like B's block 2
+
+    def result(spread: float) -> LayerComparison:
+        best, soft = alignment(np.array(cka))
+        return LayerComparison("a", "b", "validation", 100, cka, spread, best, soft)
+
+    assert verdict(result(0.05)).endswith("A's early layers look like deeper layers of B")
+    assert "no sign, beyond noise" in verdict(result(0.2))  # a 0.1 margin inside a 0.2 spread is not evidence
 
 
 @pytest.fixture(scope="module")

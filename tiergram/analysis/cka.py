@@ -150,17 +150,20 @@ def compare_layers(a: EngramLM, b: EngramLM, windows: list[Window], *, batch_siz
 
 
 def verdict(result: LayerComparison) -> str:
-    """One sentence: do A's early blocks (first half, embeddings excluded) match deeper layers of B?"""
+    """One sentence: do A's early blocks (first half, embeddings excluded) match deeper layers of B by more than the
+    sampling spread?"""
     n = len(result.cka) - 1
     early = range(1, max(2, n // 2 + 1))
-    shifts = [result.soft_index[j] - j for j in early]
-    mean = float(np.mean(shifts))
-    ahead = [j for j in early if result.best_match[j] > j]
+    cka = np.array(result.cka)
+    mean = float(np.mean([result.soft_index[j] - j for j in early]))
+    ahead = [j for j in early if result.best_match[j] > j
+             and cka[j, result.best_match[j]] - cka[j, min(j, cka.shape[1] - 1)] > result.half_spread]
     text = (f"A's blocks 1..{early[-1]} sit on average {mean:+.2f} layers from B's by the soft alignment index; "
-            f"best matches deeper in B for {len(ahead)} of {len(early)}")
-    if ahead and mean > 0:
+            f"{len(ahead)} of {len(early)} match a deeper layer of B better than their own depth by more than the "
+            f"sampling spread ({result.half_spread:.3f})")
+    if ahead:
         return text + " — A's early layers look like deeper layers of B"
-    return text + " — no sign that A's early layers look like deeper layers of B"
+    return text + " — no sign, beyond noise, that A's early layers look like deeper layers of B"
 
 
 def to_markdown(result: LayerComparison) -> str:
