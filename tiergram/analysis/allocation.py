@@ -302,24 +302,28 @@ def to_markdown(report: AllocationReport) -> str:
 
 
 def plot(report: AllocationReport, path: str | os.PathLike) -> None:
-    """Validation loss against the actual Engram share, 95% intervals, one dot per seed, to a PNG."""
+    """Two panels against the actual Engram share, to a PNG: validation loss (95% intervals over documents, one dot
+    per seed), and its paired difference from the best share (the comparison the verdict uses)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
     x = np.array([s.actual_share * 100 for s in report.shares])
-    y = np.array([s.loss.value for s in report.shares])
-    err = np.array([[s.loss.value - s.loss.ci95[0] for s in report.shares],
-                    [s.loss.ci95[1] - s.loss.value for s in report.shares]])
-    ax.errorbar(x, y, yerr=err, fmt="o-", capsize=4, label="validation loss (95% CI over documents)")
+    for axis, key in ((ax, "loss"), (bx, "delta_vs_best")):
+        est = [getattr(s, key) for s in report.shares]
+        y = np.array([e.value for e in est])
+        err = np.array([[e.value - e.ci95[0] for e in est], [e.ci95[1] - e.value for e in est]])
+        axis.errorbar(x, y, yerr=err, fmt="o-", capsize=4)
+        axis.set_xlabel("Engram share of the sparse parameters (%)")
     for s in report.shares:
         ax.plot([s.actual_share * 100] * len(s.seed_losses), s.seed_losses, "k.", alpha=0.5)
-    ax.set_xlabel("Engram share of the sparse parameters (%)")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title(f"{report.budget / 1e6:.2f}M sparse params, {report.config['tokens']:,} tokens/model", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("validation loss (nats/token), 95% CI over documents")
+    bx.axhline(0, color="gray", lw=0.8)
+    bx.set_ylabel("Δ loss vs the best share (paired over documents)")
+    fig.suptitle(f"{report.budget / 1e6:.2f}M sparse parameters, {report.config['tokens']:,} tokens per model, "
+                 f"seeds {list(report.config['seeds'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
