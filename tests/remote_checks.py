@@ -395,3 +395,19 @@ def test_tables_of_one_master_share_one_client(cluster, client, tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_bench_serve_sweeps_the_mooncake_placement_on_a_local_cluster(tmp_path):
+    from test_server import make_tiny_model
+
+    from tiergram.bench.serve import SweepConfig, run
+
+    model = make_tiny_model(tmp_path / "model")
+    cfg = SweepConfig(str(model), placements=("host", "mooncake"), input_len=24, output_len=6, max_concurrency=1,
+                      requests_per_user=2, warmup_per_user=1, rounds=1, source="stdlib")
+    res = run(cfg, progress=False)  # starts its own master and holder (this namespace is private)
+    by = {p.placement: p for p in res.points}
+    assert set(by) == {"host", "mooncake"}
+    moon = by["mooncake"]
+    assert moon.throughput_tok_s > 0 and moon.exposed_stall_s >= 0 and moon.engram_cache_hit_rate is not None
+    assert res.servers["mooncake"]["cache_bytes"] > 0

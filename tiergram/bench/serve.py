@@ -38,7 +38,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, cache_dir, save_figure
 
-PLACEMENTS = ("device", "host", "file")
+PLACEMENTS = ("device", "host", "file", "mooncake")
 
 
 @dataclass
@@ -75,6 +75,9 @@ class SweepConfig:
     big_model_dir: str | None = None
     big_cache_bytes: int | None = None
     host_memory: int | None = None  # every server's --host-memory (bytes)
+    # mooncake placement: the mooncake_master's HOST:PORT (None: a local cluster started for the sweep, which needs
+    # a private network namespace: docs/remote.md); its cache is the file placement's first fraction
+    mooncake_master: str | None = None
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -250,6 +253,8 @@ class ServerProcess:
             cmd += ["--device-memory", str(cfg.device_memory)]
         if cfg.host_memory is not None:
             cmd += ["--host-memory", str(cfg.host_memory)]
+        if placement == "mooncake":
+            cmd += ["--mooncake-master", cfg.mooncake_master or ""]
         self.cmd, self.timeout = cmd, cfg.startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -507,6 +512,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     caches = {label: 0 for label in labels}
     for fraction in cfg.fractions:
         caches[file_label(fraction) if len(cfg.fractions) > 1 else "file"] = int(fraction * smallest)
+    if "mooncake" in caches:  # the same host cache as the file placement
+        caches["mooncake"] = int(cfg.fractions[0] * smallest)
     if cfg.big_model_dir:
         first_file = next((caches[lb] for lb in labels if lb != "file-big" and kind_of(lb) == "file"),
                           int(cfg.fractions[0] * smallest))
@@ -529,6 +536,16 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
     procs: dict[str, int] = {}  # label -> server pid
     with ExitStack() as stack:
+        if "mooncake" in labels and not cfg.mooncake_master:
+            from dataclasses import replace
+
+            from tiergram.bench.remote import LocalCluster
+
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tiergram-serve-mooncake-")))
+            segment = 2 * sum(path.stat().st_size for path in tables) + (64 << 20)  # pages + per-object room
+            cluster = stack.enter_context(LocalCluster(logs, segment_bytes=segment))
+            _log(progress, f"[mooncake] local cluster: master {cluster.master_addr}, one holder of {segment} bytes")
+            cfg = replace(cfg, mooncake_master=cluster.master_addr)
         for placement in labels:
             cb = caches[placement]
             _log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))

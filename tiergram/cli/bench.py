@@ -101,7 +101,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "(closed-loop streaming clients, pareto fronts, acceptance ratios)")
     sv.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (its tables are exported on first use)")
     sv.add_argument("--placements", type=_names, default=("device", "host", "file"),
-                    help="comma-separated: device, host, file")
+                    help="comma-separated: device, host, file, mooncake (docs/remote.md)")
+    sv.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
+                    help="the mooncake placement's master (default: a local cluster in a private network namespace, "
+                         "the command re-running itself in one)")
     sv.add_argument("--input-len", type=int, default=128, help="prompt tokens: uniform in [0.8 L, L]")
     sv.add_argument("--output-len", type=int, default=32, help="output tokens: uniform in [0.8 L, L]")
     sv.add_argument("--max-concurrency", type=int, default=64, help="highest concurrency (also capped by the engine)")
@@ -254,6 +257,14 @@ def cmd_table(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tiergram.bench import serve
 
+    if "mooncake" in args.placements and not args.mooncake_master:
+        import sys
+
+        from tiergram.bench.remote import private_netns, run_in_netns
+
+        if not private_netns():  # Mooncake's clients listen on every interface: fence the local cluster
+            return run_in_netns([sys.executable, "-m", "tiergram", *sys.argv[1:]]).returncode
+
     cfg = serve.SweepConfig(
         model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
         max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
@@ -263,7 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
-        plot=args.plot, markdown=args.markdown)
+        plot=args.plot, markdown=args.markdown, mooncake_master=args.mooncake_master)
     try:
         res = serve.run(cfg, progress=not args.json)
     except RuntimeError as e:  # a server that did not start, or a request that failed: say which, no traceback
