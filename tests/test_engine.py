@@ -217,7 +217,9 @@ def test_prefill_ahead_guesses_the_next_steps_prompt_chunks(model_dir):
 def finish_warmups(eng: LLMEngine) -> None:
     """Wait for the read-aheads queued so far (each table warms on a worker of its own, in order)."""
     for src in eng.sources.values():
-        if getattr(src, "_warm_executor", None) is not None:
+        if hasattr(src, "drain_warm"):
+            src.drain_warm(30)
+        elif getattr(src, "_warm_executor", None) is not None:
             src._warm_executor.submit(lambda: None).result(30)
 
 

@@ -297,8 +297,28 @@ def test_concurrent_lookups_and_prefetches_on_a_tiny_cache(table, host, policy):
 # --- cancellation ----------------------------------------------------------------------------------------
 
 
+class _QueueHold:
+    """gate/entered over the native fetch queue's test hook: its next job waits, running, until released."""
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+        queue.hold_next()
+
+    def set(self) -> None:
+        self.queue.release_held()
+
+    def wait(self, timeout: float) -> bool:
+        return self.queue.wait_held(timeout)
+
+
 def gate_first_fetch(store: TieredTable, monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """Make the worker's first fetch wait for `gate` (so later tickets queue behind it); `entered` when it waits."""
+    """Make the worker's first fetch wait for `gate` (so later tickets queue behind it); `entered` when it waits.
+
+    The native pipeline's prefetches run on its C++ queue (no Python `_fetch`): its hook holds the first job.
+    """
+    if store.pipeline == "native":
+        hold = _QueueHold(store._queue)
+        return hold, hold
     gate, entered = threading.Event(), threading.Event()
     real = store._fetch
     first = [True]
@@ -741,3 +761,24 @@ def test_direct_refused_reports_buffered(tmp_path):
     finally:
         shutil.rmtree(d)
 
+
+
+@pytest.mark.parametrize("pipeline", ["auto", "python"])
+def test_tickets_dropped_unwaited_still_run(table, host, pipeline):
+    """The engine fires read-aheads and forgets them: a dropped ticket's fetch runs to the end (its arrays kept
+    alive meanwhile), as a dropped Future's does."""
+    import gc
+
+    with open_file_store(table, "direct", "lru", cache_rows=200, row_bytes=66, pipeline=pipeline) as store:
+        ids = stat_batches(5, 1)[0]
+        n_unique = np.unique(ids + store.table.head_offsets).size
+        store.warm(ids.copy())  # neither the ticket nor the ids array is kept
+        gc.collect()
+        store.drain_warm(30)
+        assert store.stats()["warmed_rows"] == n_unique
+        for _ in range(3):
+            store.prefetch(ids.copy())
+        gc.collect()
+        assert_same(store.prefetch(ids).wait(30), host.lookup(ids))  # queued behind the dropped ones
+        assert store.stats()["lookups"] == 4
+        assert_clean(store)

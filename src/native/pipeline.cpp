@@ -4,6 +4,11 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <thread>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -168,40 +173,58 @@ inline void add(int64_t *at, int64_t v) {
 // Nanoseconds spent in fetch without the GIL, and calls, over the process (the benchmark's Python-time split).
 std::atomic<uint64_t> g_fetch_ns{0}, g_fetch_calls{0}, g_fetch_total_ns{0};
 
-int64_t fetch_impl(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
-              uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc, Counts tier_acc) {
-  const Table t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
-  const uint64_t H = t.n_heads, row_bytes = t.view.geo.row_bytes;
+// A cancelled queued fetch stops at a phase boundary by throwing this (the queue turns it into CancelledError).
+struct Cancelled {};
+
+// Everything one fetch needs, as raw pointers into the caller's arrays (valid while the caller keeps them).
+struct FetchArgs {
+  PageSource *src = nullptr;
+  NativeRowCache *cache = nullptr;
+  Table t;
+  const int64_t *ids = nullptr;
+  size_t n = 0;
+  OutKind kind = OutKind::kF32;
+  void *out = nullptr;
+  int64_t *acc = nullptr, *tier_acc = nullptr;
+};
+
+// Checks the arguments (GIL held) and captures them.
+FetchArgs prepare_fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
+                        uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc, Counts tier_acc) {
+  FetchArgs a;
+  a.t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
+  const uint64_t H = a.t.n_heads, row_bytes = a.t.view.geo.row_bytes;
   require(cache == nullptr || cache->row_bytes() == row_bytes,
           "cache rows are " + std::to_string(cache ? cache->row_bytes() : 0) + " bytes, the table's " +
               std::to_string(row_bytes));
   require(ids.size() % H == 0, "row ids: last dimension must equal the table's " + std::to_string(H) + " heads");
+  require(ids.size() < (uint64_t{1} << 32), "a lookup of " + std::to_string(ids.size()) + " ids is over 2^32");
   require(acc.size() == 4 * H + 4, "acc must be int64 [4 * H + 4] = [" + std::to_string(4 * H + 4) + "]");
   require(tier_acc.size() == 2, "tier_acc must be int64 [2]");
-  const OutKind kind = out_kind(out);
-  check_out_size(out, kind, ids.size(), dim, row_bytes);
-  const int64_t *id = ids.data();
-  const size_t n = ids.size();
-  int64_t *sum = acc.data(), *tier_sum = tier_acc.data();
-  void *dst = out.data();
+  a.kind = out_kind(out);
+  check_out_size(out, a.kind, ids.size(), dim, row_bytes);
+  a.src = &src, a.cache = cache, a.ids = ids.data(), a.n = ids.size(), a.out = out.data();
+  a.acc = acc.data(), a.tier_acc = tier_acc.data();
+  return a;
+}
 
-  nb::gil_scoped_release release;
-  const auto t0 = std::chrono::steady_clock::now();
-  struct Clock {
-    std::chrono::steady_clock::time_point t0;
-    ~Clock() {
-      g_fetch_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-      ++g_fetch_calls;
-    }
-  } clock{t0};
-  check_ids(t.view, id, n);  // RowIndexError -> IndexError naming head, id and position
+// The fetch itself, without the GIL. With a cache, a set `cancel` stops it before the probe or before the reads
+// (as the reference pipeline: without a cache a started fetch runs to the end).
+int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
+  const Table &t = a.t;
+  const uint64_t H = t.n_heads, row_bytes = t.view.geo.row_bytes;
+  NativeRowCache *cache = a.cache;
+  int64_t *sum = a.acc, *tier_sum = a.tier_acc;
+  const size_t n = a.n;
+  auto stop = [&] { return cache && cancel && cancel->load(); };
+  check_ids(t.view, a.ids, n);  // RowIndexError -> IndexError naming head, id and position
+  if (stop()) throw Cancelled{};
   if (n == 0) {
     add(sum + 4 * H, 1);
     return 0;
   }
-  require(n < (uint64_t{1} << 32), "a lookup of " + std::to_string(n) + " ids is over the 2^32 limit");
   Dedup d;
-  dedup(t, id, n, d);
+  dedup(t, a.ids, n, d);
   const std::vector<int64_t> &uniq = d.uniq;
   std::vector<int64_t> slots(uniq.size(), -1);
   if (cache) {
@@ -222,9 +245,10 @@ int64_t fetch_impl(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head
   std::vector<int64_t> pages;
   std::vector<uint64_t> at;
   plan_pages(t, miss, pages, at);
+  if (!pages.empty() && stop()) throw Cancelled{};
   AlignedBuffer oversize;
   uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize);
-  src.read_nogil(pages.data(), pages.size(), buf, true);
+  a.src->read_nogil(pages.data(), pages.size(), buf, true);
 
   // Hits decode from their pinned slots; misses from the staging buffer (an admitted row may be evicted by a
   // concurrent lookup before this one's gather runs, its staged copy cannot).
@@ -237,7 +261,7 @@ int64_t fetch_impl(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head
     std::lock_guard<std::mutex> lock(cache->mutex());
     cache->admit_locked(miss.data(), miss.size(), miss_rows.data(), true);
   }
-  gather_located(rows.data(), d.which.data(), n, kind, codec, dim, row_bytes, dst);
+  gather_located(rows.data(), d.which.data(), n, a.kind, t.view.codec, t.view.dim, row_bytes, a.out);
 
   // acc: ids [H], distinct rows [H], hits [H], misses [H], then lookups, pages, hit rows, miss rows
   std::vector<int64_t> per_head(2 * H, 0);
@@ -259,38 +283,58 @@ int64_t fetch_impl(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head
   return static_cast<int64_t>(pages.size());
 }
 
-// The whole call once its arguments are converted, GIL reacquisition included (fetch_impl times its GIL-free part).
+struct Timer {
+  std::atomic<uint64_t> &ns;
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~Timer() { ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(); }
+};
+
 int64_t fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
               uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc, Counts tier_acc) {
-  const auto t0 = std::chrono::steady_clock::now();
-  struct Clock {
-    std::chrono::steady_clock::time_point t0;
-    ~Clock() {
-      g_fetch_total_ns +=
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    }
-  } clock{t0};
-  return fetch_impl(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
+  Timer whole{g_fetch_total_ns};  // the call after argument conversion, GIL reacquisition included
+  const FetchArgs a =
+      prepare_fetch(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
+  nb::gil_scoped_release release;
+  Timer nogil{g_fetch_ns};
+  ++g_fetch_calls;
+  return run_fetch(a, nullptr);
 }
 
-std::pair<int64_t, int64_t> warm(PageSource &src, NativeRowCache &cache, IdsIn ids, IdsIn head_offsets,
-                                 IdsIn head_rows, uint64_t rows_per_page, int codec, uint64_t dim) {
-  const Table t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
-  require(cache.row_bytes() == t.view.geo.row_bytes, "cache rows are " + std::to_string(cache.row_bytes()) +
-                                                         " bytes, the table's " + std::to_string(t.view.geo.row_bytes));
-  require(ids.size() % t.n_heads == 0,
-          "row ids: last dimension must equal the table's " + std::to_string(t.n_heads) + " heads");
-  const int64_t *id = ids.data();
-  const size_t n = ids.size();
+// A read-ahead: the rows of ids the cache lacks, read and admitted; no pins, no probes counted.
+struct WarmArgs {
+  PageSource *src = nullptr;
+  NativeRowCache *cache = nullptr;
+  Table t;
+  const int64_t *ids = nullptr;
+  size_t n = 0;
+  int64_t *acc = nullptr, *tier_acc = nullptr;  // acc: rows admitted, pages read
+};
 
-  nb::gil_scoped_release release;
-  check_ids(t.view, id, n);
+WarmArgs prepare_warm(PageSource &src, NativeRowCache &cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
+                      uint64_t rows_per_page, int codec, uint64_t dim, Counts acc, Counts tier_acc) {
+  WarmArgs a;
+  a.t = make_table(src, head_offsets, head_rows, rows_per_page, codec, dim);
+  require(cache.row_bytes() == a.t.view.geo.row_bytes, "cache rows are " + std::to_string(cache.row_bytes()) +
+                                                           " bytes, the table's " +
+                                                           std::to_string(a.t.view.geo.row_bytes));
+  require(ids.size() % a.t.n_heads == 0,
+          "row ids: last dimension must equal the table's " + std::to_string(a.t.n_heads) + " heads");
+  require(acc.size() == 2 && tier_acc.size() == 2, "acc and tier_acc must be int64 [2]");
+  a.src = &src, a.cache = &cache, a.ids = ids.data(), a.n = ids.size(), a.acc = acc.data();
+  a.tier_acc = tier_acc.data();
+  return a;
+}
+
+std::pair<int64_t, int64_t> run_warm(const WarmArgs &a, const std::atomic<bool> *cancel) {
+  const Table &t = a.t;
+  check_ids(t.view, a.ids, a.n);
+  if (cancel && cancel->load()) throw Cancelled{};
   std::vector<int64_t> uniq, miss;
-  sorted_unique(t, id, n, uniq);
+  sorted_unique(t, a.ids, a.n, uniq);
   {
-    std::lock_guard<std::mutex> lock(cache.mutex());
+    std::lock_guard<std::mutex> lock(a.cache->mutex());
     for (int64_t k : uniq)
-      if (!cache.contains_locked(k)) miss.push_back(k);
+      if (!a.cache->contains_locked(k)) miss.push_back(k);
   }
   if (miss.empty()) return {0, 0};
   std::vector<int64_t> pages;
@@ -298,17 +342,306 @@ std::pair<int64_t, int64_t> warm(PageSource &src, NativeRowCache &cache, IdsIn i
   plan_pages(t, miss, pages, at);
   AlignedBuffer oversize;
   uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize);
-  src.read_nogil(pages.data(), pages.size(), buf, true);
+  a.src->read_nogil(pages.data(), pages.size(), buf, true);
   std::vector<const uint8_t *> rows(miss.size());
   for (size_t j = 0; j < miss.size(); ++j) rows[j] = buf + at[j];
-  std::lock_guard<std::mutex> lock(cache.mutex());
-  const uint64_t entered = cache.admit_locked(miss.data(), miss.size(), rows.data(), true);
+  uint64_t entered;
+  {
+    std::lock_guard<std::mutex> lock(a.cache->mutex());
+    entered = a.cache->admit_locked(miss.data(), miss.size(), rows.data(), true);
+  }
+  add(a.acc, static_cast<int64_t>(entered));
+  add(a.acc + 1, static_cast<int64_t>(pages.size()));
+  add(a.tier_acc, static_cast<int64_t>(miss.size()));
+  add(a.tier_acc + 1, static_cast<int64_t>(pages.size()));
   return {static_cast<int64_t>(entered), static_cast<int64_t>(pages.size())};
+}
+
+std::pair<int64_t, int64_t> warm(PageSource &src, NativeRowCache &cache, IdsIn ids, IdsIn head_offsets,
+                                 IdsIn head_rows, uint64_t rows_per_page, int codec, uint64_t dim, Counts acc,
+                                 Counts tier_acc) {
+  const WarmArgs a = prepare_warm(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, acc, tier_acc);
+  nb::gil_scoped_release release;
+  return run_warm(a, nullptr);
+}
+
+// ---- the native job queue: prefetches and read-aheads run on a C++ thread, in submission order, and a Ticket
+// waits on the job without the GIL (no Python worker thread, so a fetch never waits for the GIL to start).
+
+struct Job {
+  enum State { kPending, kRunning, kDone, kCancelled };
+  std::function<void(const std::atomic<bool> *)> work;
+  std::mutex mu;
+  std::condition_variable cv;
+  State state = kPending;
+  std::exception_ptr error;
+  std::atomic<bool> cancel{false};
+};
+
+// What a queued job's raw pointers point into (Python objects: taken and let go with the GIL held).
+struct Keep {
+  nb::object reader, cache;
+  IdsIn ids, head_offsets, head_rows;
+  AnyOut out;
+  Counts acc, tier_acc;
+};
+
+// Handles dropped before their job ended (the engine fires read-aheads and forgets them): their arrays wait here
+// until the job ends, and are let go by the next call into the queue, which holds the GIL.
+struct Orphans {
+  std::mutex mu;
+  std::vector<std::pair<std::shared_ptr<Job>, Keep>> list;
+
+  void add(std::shared_ptr<Job> job, Keep keep) {
+    std::lock_guard<std::mutex> lock(mu);
+    list.emplace_back(std::move(job), std::move(keep));
+  }
+  // GIL held. Lets go of the arrays of the jobs that ended.
+  void reap() {
+    std::vector<Keep> dead;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (size_t i = 0; i < list.size();) {
+        bool ended;
+        {
+          std::lock_guard<std::mutex> jl(list[i].first->mu);
+          ended = list[i].first->state == Job::kDone || list[i].first->state == Job::kCancelled;
+        }
+        if (ended) {
+          dead.push_back(std::move(list[i].second));
+          list[i] = std::move(list.back());
+          list.pop_back();
+        } else {
+          ++i;
+        }
+      }
+    }
+  }  // dead's references go here, outside the lock
+};
+
+class FetchQueue {
+ public:
+  ~FetchQueue() {
+    shutdown(true);
+    orphans_->reap();
+  }
+
+  const std::shared_ptr<Orphans> &orphans() const { return orphans_; }
+
+  // GIL held.
+  void submit(const std::shared_ptr<Job> &job) {
+    orphans_->reap();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) throw std::invalid_argument("the fetch queue is shut down (the table was closed)");
+    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+    q_.push_back(job);
+    cv_.notify_one();
+  }
+
+  // Stops taking jobs; cancel_pending: queued jobs are cancelled, else they run first. Waits for the running one.
+  void shutdown(bool cancel_pending) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      if (cancel_pending) {
+        for (auto &job : q_) {
+          std::lock_guard<std::mutex> jl(job->mu);
+          if (job->state == Job::kPending) job->state = Job::kCancelled;
+          job->cv.notify_all();
+        }
+        q_.clear();
+      }
+    }
+    cv_.notify_all();
+    if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  }
+
+  // Test hook: the next job waits, once running, until release_held().
+  void hold_next() {
+    std::lock_guard<std::mutex> lock(hold_mu_);
+    hold_ = kArmed;
+  }
+  bool wait_held(double timeout_s) {
+    std::unique_lock<std::mutex> lock(hold_mu_);
+    return hold_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [&] { return hold_ == kHeld; });
+  }
+  void release_held() {
+    std::lock_guard<std::mutex> lock(hold_mu_);
+    hold_ = hold_ == kHeld ? kReleased : kNone;
+    hold_cv_.notify_all();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !q_.empty(); });
+        if (q_.empty()) return;  // stopped and drained
+        job = std::move(q_.front());
+        q_.pop_front();
+      }
+      {
+        std::lock_guard<std::mutex> jl(job->mu);
+        if (job->state != Job::kPending) continue;  // cancelled while queued
+        job->state = Job::kRunning;
+      }
+      {
+        std::unique_lock<std::mutex> lock(hold_mu_);
+        if (hold_ == kArmed) {
+          hold_ = kHeld;
+          hold_cv_.notify_all();
+          hold_cv_.wait(lock, [&] { return hold_ == kReleased; });
+          hold_ = kNone;
+        }
+      }
+      Job::State end = Job::kDone;
+      std::exception_ptr error;
+      try {
+        job->work(&job->cancel);
+      } catch (const Cancelled &) {
+        end = Job::kCancelled;
+      } catch (...) {
+        error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> jl(job->mu);
+      job->state = end;
+      job->error = error;
+      job->work = nullptr;  // what it captured goes now
+      job->cv.notify_all();
+    }
+  }
+
+  std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> q_;
+  bool stop_ = false;
+  std::thread worker_;
+  enum Hold { kNone, kArmed, kHeld, kReleased };
+  std::mutex hold_mu_;
+  std::condition_variable hold_cv_;
+  Hold hold_ = kNone;
+};
+
+PyObject *g_cancelled_error = nullptr;  // concurrent.futures.CancelledError
+
+// The Python handle of a queued job. It keeps every array the job reads or writes alive; dropped before the job
+// ended (a job runs whether or not anyone waits for it, as a Future does), it leaves them to the queue's orphans.
+class FetchJob {
+ public:
+  FetchJob(std::shared_ptr<Job> job, Keep keep, std::shared_ptr<Orphans> orphans)
+      : job_(std::move(job)), keep_(std::move(keep)), orphans_(std::move(orphans)) {}
+  FetchJob(const FetchJob &) = delete;
+  FetchJob &operator=(const FetchJob &) = delete;
+  ~FetchJob() {
+    if (!done()) orphans_->add(job_, std::move(keep_));
+  }
+
+  bool done() {
+    std::lock_guard<std::mutex> lock(job_->mu);
+    return job_->state == Job::kDone || job_->state == Job::kCancelled;
+  }
+
+  const char *state() {
+    std::lock_guard<std::mutex> lock(job_->mu);
+    switch (job_->state) {
+      case Job::kPending: return "pending";
+      case Job::kRunning: return "running";
+      case Job::kDone: return "done";
+      default: return "cancelled";
+    }
+  }
+
+  // True once the job ended (timeout_s < 0: no limit); the GIL is released while waiting.
+  bool wait(double timeout_s) {
+    nb::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(job_->mu);
+    auto ended = [&] { return job_->state == Job::kDone || job_->state == Job::kCancelled; };
+    if (timeout_s < 0) {
+      job_->cv.wait(lock, ended);
+      return true;
+    }
+    return job_->cv.wait_for(lock, std::chrono::duration<double>(timeout_s), ended);
+  }
+
+  // Raises the job's error (IndexError, PageReadError, ...) or CancelledError; the job must have ended.
+  void result() {
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(job_->mu);
+      if (job_->state == Job::kCancelled) {
+        PyErr_SetString(g_cancelled_error, "the fetch was cancelled");
+        throw nb::python_error();
+      }
+      require(job_->state == Job::kDone, "the fetch has not finished");
+      error = job_->error;
+    }
+    if (error) std::rethrow_exception(error);
+  }
+
+  // Cancels a queued job (True); a running one is asked to stop at its next phase (False: wait, then look).
+  bool cancel() {
+    std::lock_guard<std::mutex> lock(job_->mu);
+    if (job_->state == Job::kPending) {
+      job_->state = Job::kCancelled;
+      job_->cv.notify_all();
+      return true;
+    }
+    if (job_->state == Job::kRunning) job_->cancel = true;
+    return job_->state == Job::kCancelled;
+  }
+
+ private:
+  std::shared_ptr<Job> job_;
+  Keep keep_;
+  std::shared_ptr<Orphans> orphans_;
+};
+
+FetchJob *submit_fetch(FetchQueue &q, nb::handle reader, nb::handle cache_obj, IdsIn ids, IdsIn head_offsets,
+                       IdsIn head_rows, uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc,
+                       Counts tier_acc) {
+  PageSource &src = nb::cast<PageSource &>(reader);
+  NativeRowCache *cache = cache_obj.is_none() ? nullptr : &nb::cast<NativeRowCache &>(cache_obj);
+  const FetchArgs a =
+      prepare_fetch(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
+  auto job = std::make_shared<Job>();
+  job->work = [a](const std::atomic<bool> *cancel) { run_fetch(a, cancel); };
+  auto *handle = new FetchJob(job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows,
+                                        out, acc, tier_acc}, q.orphans());
+  try {
+    q.submit(job);
+  } catch (...) {
+    delete handle;
+    throw;
+  }
+  return handle;
+}
+
+FetchJob *submit_warm(FetchQueue &q, nb::handle reader, nb::handle cache_obj, IdsIn ids, IdsIn head_offsets,
+                      IdsIn head_rows, uint64_t rows_per_page, int codec, uint64_t dim, Counts acc, Counts tier_acc) {
+  PageSource &src = nb::cast<PageSource &>(reader);
+  NativeRowCache &cache = nb::cast<NativeRowCache &>(cache_obj);
+  const WarmArgs a = prepare_warm(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, acc, tier_acc);
+  auto job = std::make_shared<Job>();
+  job->work = [a](const std::atomic<bool> *cancel) { run_warm(a, cancel); };
+  auto *handle = new FetchJob(job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows,
+                                        AnyOut(), acc, tier_acc}, q.orphans());
+  try {
+    q.submit(job);
+  } catch (...) {
+    delete handle;
+    throw;
+  }
+  return handle;
 }
 
 }  // namespace
 
 void register_pipeline(nb::module_ &m) {
+  g_cancelled_error = nb::module_::import_("concurrent.futures").attr("CancelledError").ptr();
+  Py_INCREF(g_cancelled_error);
   m.def("fetch", &fetch, nb::arg("reader"), nb::arg("cache").none(), nb::arg("ids").noconvert(),
         nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
         nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("acc").noconvert(),
@@ -318,16 +651,73 @@ void register_pipeline(nb::module_ &m) {
         "[4H + 4] the ids, distinct rows, hits and misses per head, then lookups, pages read, hit rows and miss "
         "rows; into tier_acc int64 [2] rows and pages read. Returns the pages read. IndexError names head and id; "
         "a page that cannot be read raises PageReadError and admits nothing.");
+  m.def("warm", &warm, nb::arg("reader"), nb::arg("cache"), nb::arg("ids").noconvert(),
+        nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
+        nb::arg("codec"), nb::arg("dim"), nb::arg("acc").noconvert(), nb::arg("tier_acc").noconvert(),
+        "Read the rows of per-head ids int64 [N, H] that the cache lacks into it (no pins, no probes counted); adds "
+        "rows admitted and pages read into acc int64 [2], rows and pages read into tier_acc; returns both.");
   m.def(
       "fetch_timing",
       []() { return std::make_tuple(g_fetch_calls.load(), g_fetch_ns.load(), g_fetch_total_ns.load()); },
       "(calls, nanoseconds without the GIL, nanoseconds in the whole call after argument conversion) of fetch, "
       "over the process.");
-  m.def("warm", &warm, nb::arg("reader"), nb::arg("cache"), nb::arg("ids").noconvert(),
-        nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
-        nb::arg("codec"), nb::arg("dim"),
-        "Read the rows of per-head ids int64 [N, H] that the cache lacks into it (no pins, no probes counted); "
-        "returns (rows admitted, pages read).");
+
+  nb::class_<FetchJob>(m, "FetchJob", "A queued fetch or read-ahead; keeps its arrays alive until it ends.")
+      .def("done", &FetchJob::done)
+      .def_prop_ro("state", &FetchJob::state, "'pending', 'running', 'done' or 'cancelled'.")
+      .def("wait", &FetchJob::wait, nb::arg("timeout_s") = -1.0,
+           "True once the job ended (timeout_s < 0: wait as long as it takes); the GIL is released meanwhile.")
+      .def("result", &FetchJob::result, "Raise the job's error, or CancelledError; nothing if it succeeded.")
+      .def("cancel", &FetchJob::cancel,
+           "Cancel a queued job (True); a running one is asked to stop at its next phase (returns False).");
+
+  nb::class_<FetchQueue>(m, "FetchQueue",
+                         "One C++ worker thread running fetches (and read-aheads) in submission order.")
+      .def(nb::init<>())
+      .def("fetch", &submit_fetch, nb::arg("reader"), nb::arg("cache").none(), nb::arg("ids").noconvert(),
+           nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
+           nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("acc").noconvert(),
+           nb::arg("tier_acc").noconvert(), nb::rv_policy::take_ownership,
+           "Queue what fetch() does; argument errors raise here, read errors from the job's result().")
+      .def("warm", &submit_warm, nb::arg("reader"), nb::arg("cache"), nb::arg("ids").noconvert(),
+           nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
+           nb::arg("codec"), nb::arg("dim"), nb::arg("acc").noconvert(), nb::arg("tier_acc").noconvert(),
+           nb::rv_policy::take_ownership, "Queue what warm() does.")
+      .def(
+          "marker",
+          [](FetchQueue &q) {
+            auto job = std::make_shared<Job>();
+            job->work = [](const std::atomic<bool> *) {};
+            auto *handle = new FetchJob(job, Keep{}, q.orphans());
+            try {
+              q.submit(job);
+            } catch (...) {
+              delete handle;
+              throw;
+            }
+            return handle;
+          },
+          nb::rv_policy::take_ownership, "A job that does nothing: it ends once every job queued before it has.")
+      .def(
+          "shutdown",
+          [](FetchQueue &q, bool cancel_pending) {
+            {
+              nb::gil_scoped_release release;
+              q.shutdown(cancel_pending);
+            }
+            q.orphans()->reap();  // every job has ended now
+          },
+          nb::arg("cancel_pending") = true,
+          "Take no more jobs; cancel the queued ones (or run them first); wait for the running one.")
+      .def("hold_next", &FetchQueue::hold_next, "Test hook: the next job waits, once running, until release_held().")
+      .def(
+          "wait_held",
+          [](FetchQueue &q, double timeout_s) {
+            nb::gil_scoped_release release;
+            return q.wait_held(timeout_s);
+          },
+          nb::arg("timeout_s"))
+      .def("release_held", &FetchQueue::release_held);
 }
 
 }  // namespace tiergram

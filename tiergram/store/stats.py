@@ -27,12 +27,14 @@ class StoreStats:
     # What the native fetch pipeline adds itself, atomically, without the GIL: ids, distinct rows, hits, misses
     # per head [4 * H], then lookups, pages read, hit rows, miss rows. snapshot() folds it in.
     native: np.ndarray = field(init=False, repr=False)
+    native_warm: np.ndarray = field(init=False, repr=False)  # native read-aheads: rows admitted, pages read
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("ids", "unique", "hits", "misses"):
             setattr(self, name, np.zeros(self.n_heads, dtype=np.int64))
         self.native = np.zeros(4 * self.n_heads + 4, dtype=np.int64)
+        self.native_warm = np.zeros(2, dtype=np.int64)
 
     def record(self, *, ids: np.ndarray, unique: np.ndarray | None = None, hits: np.ndarray | None = None,
                misses: np.ndarray | None = None, tier_bytes: dict[str, int] | None = None, pages: int = 0) -> None:
@@ -62,10 +64,12 @@ class StoreStats:
             per_head = {name: getattr(self, name) + nat[i * h:(i + 1) * h]
                         for i, name in enumerate(("ids", "unique", "hits", "misses"))}
             lookups, pages, hit_rows, _ = (int(v) for v in nat[4 * h:])
+            warmed, warm_pages = (int(v) for v in self.native_warm)
+            pages += warm_pages
             by_tier = dict(self.bytes_by_tier)
-            if lookups:
+            if lookups or warm_pages:
                 by_tier["file"] = by_tier.get("file", 0) + pages * self.page_size
-                if self.cached:
+                if self.cached and lookups:
                     by_tier["cache"] = by_tier.get("cache", 0) + hit_rows * self.row_bytes
             hits, misses = int(per_head["hits"].sum()), int(per_head["misses"].sum())
             file_bytes = by_tier.get("file", 0)
@@ -77,7 +81,7 @@ class StoreStats:
                 "misses": misses,
                 "hit_rate": hits / (hits + misses) if hits + misses else None,
                 "pages_read": self.pages_read + pages,
-                "warmed_rows": self.warmed_rows,
+                "warmed_rows": self.warmed_rows + warmed,
                 "bytes_read": by_tier,
                 # None without file reads to count (mmap: the kernel's page faults are not seen)
                 "read_amplification": file_bytes / (misses * self.row_bytes) if misses and file_bytes else None,

@@ -17,7 +17,7 @@ from tiergram.format import TableFile
 from tiergram.format.ids import check_row_ids
 from tiergram.store.contract import ManifestGeometry
 from tiergram.store.stats import StoreStats, per_head_counts
-from tiergram.store.ticket import Ticket
+from tiergram.store.ticket import NativeTicket, Ticket
 from tiergram.tiers import FileTier, HostTier
 from tiergram.tiers.file import STAGING_KEEP_BYTES
 
@@ -104,6 +104,10 @@ class TieredTable(ManifestGeometry):
         if self.pipeline == "native":  # the native call's constant arguments, looked up once
             self._native_table = (m.rows_per_page, m.codec_id, m.dim)
             self._native_cache = self.cache.native if self.cache is not None else None
+            # prefetches and read-aheads run on C++ threads of their own (read-aheads never queue in front of a
+            # step's fetch); tickets wait on them without the GIL
+            self._queue = _native.FetchQueue()
+            self._warm_queue = _native.FetchQueue() if self.cache is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
@@ -124,6 +128,16 @@ class TieredTable(ManifestGeometry):
         flat = ids.reshape(-1, self.num_heads)
         self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
         out = torch.empty((*ids.shape, self.dim), dtype=self.dtype)
+        if self.pipeline == "native":
+            rpp, codec, dim = self._native_table
+            try:
+                job = self._queue.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows,
+                                        rpp, codec, dim, out.numpy() if out.dtype == torch.float32 else out,
+                                        self.stats_.native, self.tier.native_counts)
+            except ValueError:
+                self._check_open()  # close() ran meanwhile: say so
+                raise
+            return NativeTicket(job, out)
         uniq = batch = None
         if self.cache is not None and self.pipeline == "python":
             uniq = np.unique(flat + self._offsets)
@@ -153,9 +167,17 @@ class TieredTable(ManifestGeometry):
             return None
         flat = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
         self.tier.check_ids(flat)
-        cancelled = threading.Event()
         if self.pipeline == "native":
-            return Ticket(self._warm_executor.submit(self._warm_native, flat, cancelled), cancelled, lambda: None)
+            rpp, codec, dim = self._native_table
+            try:
+                job = self._warm_queue.warm(self.tier.reader, self._native_cache, flat, self._offsets,
+                                            self._head_rows, rpp, codec, dim, self.stats_.native_warm,
+                                            self.tier.native_counts)
+            except ValueError:
+                self._check_open()
+                raise
+            return NativeTicket(job, None)
+        cancelled = threading.Event()
         keys = np.unique(flat + self._offsets)
 
         def run() -> None:
@@ -169,6 +191,17 @@ class TieredTable(ManifestGeometry):
                 self.stats_.record_warm(self.cache.admit(miss, raw), {"file": pages * m.page_size}, pages)
 
         return Ticket(self._warm_executor.submit(run), cancelled, lambda: None)
+
+    def drain_warm(self, timeout: float | None = None) -> None:
+        """Wait until the read-aheads queued so far have ended (TimeoutError after `timeout` s); their errors are
+        theirs (read-aheads are advisory)."""
+        self._check_open()
+        if self.cache is None:
+            return
+        if self.pipeline == "native":
+            NativeTicket(self._warm_queue.marker(), None).wait(timeout)
+        elif self._warm_executor is not None:
+            self._warm_executor.submit(lambda: None).result(timeout)
 
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
@@ -190,6 +223,10 @@ class TieredTable(ManifestGeometry):
     def close(self) -> None:
         """Stop the prefetch worker (running fetches finish, queued ones are cancelled) and release the tier."""
         self._closed = True
+        if self.pipeline == "native":
+            self._queue.shutdown(True)
+            if self._warm_queue is not None:
+                self._warm_queue.shutdown(True)
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self._warm_executor is not None:
             self._warm_executor.shutdown(wait=True, cancel_futures=True)
@@ -297,14 +334,3 @@ class TieredTable(ManifestGeometry):
         # a float32 tensor passes as numpy (cheaper than DLPack); bfloat16 has no numpy dtype
         _native.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows, rpp, codec, dim,
                       out.numpy() if out.dtype == torch.float32 else out, self.stats_.native, self.tier.native_counts)
-
-    def _warm_native(self, flat: np.ndarray, cancelled: threading.Event) -> None:
-        """Read-ahead in one native call: the uncached rows of flat ids [N, H] into the cache."""
-        if cancelled.is_set():
-            raise CancelledError
-        m = self.manifest
-        admitted, pages = _native.warm(self.tier.reader, self.cache.native, flat, self._offsets, self._head_rows,
-                                       m.rows_per_page, m.codec_id, m.dim)
-        if pages:
-            self.tier.count(admitted, pages)
-            self.stats_.record_warm(admitted, {"file": pages * m.page_size}, pages)

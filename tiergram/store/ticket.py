@@ -48,3 +48,37 @@ class Ticket:
         if not f.done():
             return True  # being abandoned
         return f.cancelled() or isinstance(f.exception(), CancelledError)
+
+
+class NativeTicket:
+    """Rows being fetched by a native job (`_native.FetchJob`) on the table's C++ worker: no Python thread runs it,
+    and `wait()` waits without the GIL. The same interface as Ticket."""
+
+    def __init__(self, job: object, value: torch.Tensor | None) -> None:
+        self._job = job
+        self._value = value
+        self._asked = False
+
+    def done(self) -> bool:
+        """True once the rows are ready (or the fetch failed or was cancelled)."""
+        return self._job.done()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        """The rows [..., H, D]; raises the fetch's error, CancelledError, or TimeoutError after `timeout` s."""
+        if not self._job.wait(-1.0 if timeout is None else max(0.0, timeout)):
+            raise TimeoutError(f"the fetch did not finish within {timeout} s")
+        self._job.result()
+        return self._value
+
+    def cancel(self) -> bool:
+        """Abandon the fetch: a queued one never runs, a running one stops at its next phase. True if stopped."""
+        self._asked = True
+        if self._job.cancel():
+            return True
+        self._job.wait(-1.0)
+        return self._job.state == "cancelled"
+
+    @property
+    def cancelled(self) -> bool:
+        """True once `cancel()` was asked and the fetch did not deliver (False if it finished or failed first)."""
+        return self._asked and self._job.state != "done"
