@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,7 +77,8 @@ def test_cli_refuses_a_table_too_big_for_the_disk(tmp_path, capsys):
     rc = main(["table", "create", str(tmp_path / "big.tgt"), "--heads", "1", "--rows-per-head", str(rows),
                "--dim", "256", "--quiet"])
     err = capsys.readouterr().err
-    assert rc != 0 and "the table needs" in err and f"{free:,}"[:3] in err
+    # the free space moves while other jobs write: check the message's shape, not the figure
+    assert rc != 0 and re.search(r"the table needs [\d,]+ bytes .* has [\d,]+ bytes \([\d.]+ GiB\) free", err)
     assert os.listdir(tmp_path) == []
 
 
