@@ -166,6 +166,7 @@ class LLMEngine:
                 return  # unknown or already finished: nothing to do
             if request_id in self._inflight:
                 self._deferred_aborts.append(seq)
+                self._stats.deferred_aborts += 1
                 return
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq.output([]))

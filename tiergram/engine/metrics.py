@@ -38,3 +38,4 @@ class EngineMetrics:
     consecutive_faults: int = 0  # failed steps since the last one that succeeded
     last_fault: str | None = None  # the cause of the last failed step
     failed_requests: int = 0  # requests that ended with finish_reason "error" (a failed step or their own sampling)
+    deferred_aborts: int = 0  # aborts of a sequence the step in flight computed: its blocks freed when it ended
