@@ -54,6 +54,7 @@ HOSTILE_FIELDS = [
     ({"prompt": "x" * (32 * CTX + 1)}, 400, "prompt"),  # characters beyond the limit
     ({"prompt": [5] * CTX}, 400, "prompt"),  # tokens: no room for one output token
     ({"prompt_token_ids": [5] * (CTX + 1)}, 400, "prompt_token_ids"),
+    ({"prompt_token_ids": [5, 10**6]}, 400, "prompt_token_ids"),
     ({"prompt": PROMPT, "max_tokens": CTX + 1}, 400, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": 10**30}, 400, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": "5"}, 400, "max_tokens"),

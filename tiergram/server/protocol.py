@@ -107,13 +107,15 @@ def _text(value: str, param: str) -> str:
 
 
 def _int_list(value: Any, param: str, max_len: int, vocab_size: int | None = None) -> list[int]:
-    """A list of at most max_len non-negative ints (below vocab_size when given), or a 400 naming the field."""
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    """A list of at most max_len ints (in [0, vocab_size) when given), or a 400 naming the field."""
+    if not isinstance(value, list):
         raise bad(f"'{param}' must be a list of integer token ids", param)
-    if len(value) > max_len:
+    if len(value) > max_len:  # before looking at the items: a long list costs nothing more
         raise bad(f"'{param}' holds {len(value)} ids, more than the {max_len} allowed", param,
                   "context_length_exceeded" if param in ("prompt", "prompt_token_ids") else None)
-    if any(v < 0 for v in value):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise bad(f"'{param}' must be a list of integer token ids", param)
+    if vocab_size is not None and any(v < 0 for v in value):
         raise bad(f"'{param}' holds a negative token id", param)
     if vocab_size is not None and any(v >= vocab_size for v in value):
         raise bad(f"'{param}' holds token id {max(value)}, outside the vocabulary of {vocab_size}", param)
@@ -161,14 +163,14 @@ def _completion_prompt(body: dict[str, Any], max_model_len: int, vocab_size: int
     if body.get("prompt_token_ids") is not None:
         if body.get("prompt") is not None:
             raise bad("give 'prompt' or 'prompt_token_ids', not both", "prompt_token_ids")
-        return _int_list(body["prompt_token_ids"], "prompt_token_ids", max_model_len, vocab_size)
+        return _int_list(body["prompt_token_ids"], "prompt_token_ids", max_model_len)  # ranges: check_prompt
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return _text(prompt, "prompt")
     if isinstance(prompt, list):
-        return _int_list(prompt, "prompt", max_model_len, vocab_size)
+        return _int_list(prompt, "prompt", max_model_len)  # the ids' range is check_prompt's, as in the engine
     if prompt is None:
         raise bad("'prompt' is required", "prompt")
     raise bad("'prompt' must be a string, a list of token ids, or a batch of one of them", "prompt")
@@ -299,7 +301,8 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     if isinstance(prompt, str):
         req.prompt_text = prompt
     else:
-        set_prompt(req, prompt, max_model_len=max_model_len, vocab_size=vocab_size)
+        field_name = "prompt_token_ids" if body.get("prompt_token_ids") is not None else "prompt"
+        set_prompt(req, prompt, max_model_len=max_model_len, vocab_size=vocab_size, param=field_name)
     return req
 
 
@@ -312,9 +315,10 @@ def tokenize(req: GenerationRequest, tokenizer: Any, *, max_model_len: int, voca
     return req
 
 
-def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vocab_size: int) -> None:
+def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vocab_size: int,
+               param: str | None = None) -> None:
     """Check the prompt and max_tokens against the context (engine.validate, as the engine checks them)."""
-    param = "messages" if req.kind == "chat" else "prompt"
+    param = param or ("messages" if req.kind == "chat" else "prompt")
     try:
         ids = check_prompt(ids, vocab_size=vocab_size, max_model_len=max_model_len, param=param)
         room = max_model_len - len(ids)
