@@ -328,3 +328,13 @@ def test_the_kv_swap_streamer_moves_blocks_and_refuses_bad_sizes() -> None:
     assert stream(1e9, 1 << 16, 1 << 20, seconds=0.05, report=False) > 0
     with pytest.raises(ValueError, match="pool"):
         stream(1e9, 1 << 20, 1 << 16, seconds=0.05, report=False)
+
+
+def test_studies_write_their_plots_and_label_every_figure_a_prediction(tmp_path: Path) -> None:
+    from tiergram.plan.studies import run
+
+    md = run(tmp_path, None, progress=False)
+    assert md.startswith("All figures below are PREDICTIONS")
+    for name in ("offload-vs-resident", "ssd-vs-dram", "kv-engram-contention", "decode-stall-h200"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+    assert "| H200 | host + KV offload |" in md and "top-16 spec. exposed ms" in md
