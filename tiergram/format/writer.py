@@ -186,12 +186,18 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
                 name: str) -> None:
     ps, n_pages = manifest.page_size, manifest.n_pages
     per = chunk_pages(ps)
-    direct = ps % _DIRECT_ALIGN == 0 and len(head) % _DIRECT_ALIGN == 0 and open_direct(fd)
-    bufs = [aligned_pages(min(per, n_pages) * ps) for _ in range(min(_BUFFERS, -(-n_pages // per) + 1))]
-    first = bufs[0][: len(head)] if len(head) <= bufs[0].size else aligned_pages(len(head))
-    first[:] = np.frombuffer(head, dtype=np.uint8)
-    _write_all(fd, first, direct, 0)
-    first[:] = 0  # the buffer goes back to holding pages, whose padding must read as zeros
+    hb = len(head)  # data_offset: a whole number of pages
+    direct = ps % _DIRECT_ALIGN == 0 and hb % _DIRECT_ALIGN == 0 and open_direct(fd)
+    # The header shares the first chunk's buffer and write, so that every write starts at a multiple of the chunk
+    # size in the file: requests misaligned by the header's 4 KiB would straddle the device's request boundaries.
+    lead = max(0, per - hb // ps) if direct and hb < per * ps else 0  # pages in the first chunk, behind the header
+    size = max(hb + min(lead, n_pages) * ps, min(per, n_pages) * ps)
+    starts = ([0] if lead else []) + list(range(min(lead, n_pages) if lead else 0, n_pages, per))
+    bufs = [aligned_pages(size) for _ in range(min(_BUFFERS, len(starts) + 1))]
+    if not lead:  # a header longer than a chunk: written on its own
+        first = aligned_pages(hb)
+        first[:] = np.frombuffer(head, dtype=np.uint8)
+        _write_all(fd, first, direct, 0)
     free: queue.Queue = queue.Queue()
     for b in bufs:
         free.put(b)
@@ -205,25 +211,25 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
             if item is None:
                 todo.put(None)
                 return
-            buf, n, p0 = item
+            buf, lo, hi, p0, offset = item
             try:
                 if not failed:
-                    _native.seal_pages(buf[:n], ps, p0)
+                    _native.seal_pages(buf[lo:hi], ps, p0)
             except BaseException as e:  # reported to the filling thread
                 failed.append(e)
-            todo.put((buf, n))
+            todo.put((buf, lo, hi, offset))
 
     def writer() -> None:
-        offset = len(head)
         while True:
             item = todo.get()
             if item is None:
                 return
-            buf, n = item
+            buf, lo, hi, offset = item
             try:
                 if not failed:
-                    _write_all(fd, buf[:n], direct, offset)
-                offset += n
+                    _write_all(fd, buf[:hi] if offset == 0 else buf[lo:hi], direct, 0 if offset == 0 else offset)
+                if offset == 0 and lo:
+                    buf[:lo] = 0  # the header's bytes: the buffer goes back to holding pages, whose padding is zero
             except BaseException as e:  # reported to the filling thread
                 failed.append(e)
             free.put(buf)
@@ -235,13 +241,17 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
     bar = tqdm(total=manifest.data_bytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                desc=f"writing {name}", miniters=1)
     try:
-        for p0 in range(0, n_pages, per):
-            n = min(per, n_pages - p0)
+        for i, p0 in enumerate(starts):
+            first = lead and i == 0
+            n = min(lead if first else per, n_pages - p0)
             buf = free.get()
             if failed:
                 raise failed[0]
-            fill(buf[: n * ps].reshape(n, ps), p0, n)
-            sealing.put((buf, n * ps, p0))
+            lo = hb if first else 0
+            if first:
+                buf[:hb] = np.frombuffer(head, dtype=np.uint8)
+            fill(buf[lo:lo + n * ps].reshape(n, ps), p0, n)
+            sealing.put((buf, lo, lo + n * ps, p0, 0 if first else hb + p0 * ps))
             bar.update(n * ps)
     finally:
         sealing.put(None)
