@@ -1,0 +1,42 @@
+"""bench serve at scale: file servers at several cache fractions and on a second model, their checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiergram.bench import serve as sv
+
+
+def point(label: str, c: int, tok_s: float, cpu: float = 1.0) -> sv.Point:
+    return sv.Point(placement=label, concurrency=c, requests=4, duration_s=1.0, throughput_tok_s=tok_s,
+                    output_tok_s=tok_s / 5, ttft_p50_ms=1, ttft_p90_ms=2, ttft_p99_ms=3, itl_p50_ms=1, itl_p90_ms=2,
+                    itl_p99_ms=3, e2e_p50_ms=1, e2e_p90_ms=2, e2e_p99_ms=3, interactivity_p50=1, interactivity_p90=1,
+                    engram_cache_hit_rate=0.5, exposed_stall_s=0.1, cpu_ms_per_token=cpu, file_pages_per_s=100.0,
+                    server_peak_rss_bytes=1 << 30)
+
+
+def test_labels_expand_the_file_placement_per_cache_fraction():
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), big_model_dir="b")
+    assert cfg.labels() == ["host", "file-1%", "file-10%", "file-big"]
+    assert [sv.kind_of(lb) for lb in cfg.labels()] == ["host", "file", "file", "file"]
+    assert sv.SweepConfig(model_dir="m", placements=("host", "file")).labels() == ["host", "file"]
+    with pytest.raises(ValueError, match="cache_fractions"):
+        sv.SweepConfig(model_dir="m", cache_fractions=(0.5, 1.5))
+
+
+def test_checks_compare_every_file_server_with_host():
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1))
+    servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 2 << 30}
+               for lb in cfg.labels()}
+    points = [point("host", 1, 100.0, 2.0), point("host", 2, 200.0, 2.0), point("file-1%", 1, 80.0, 2.2),
+              point("file-1%", 2, 150.0, 2.4), point("file-10%", 1, 95.0), point("file-10%", 2, 190.0)]
+    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0})
+    ck = sv.checks(res)
+    assert ck["file-1%_vs_host"]["ratios"] == {1: 0.8, 2: 0.75} and not ck["file-1%_vs_host"]["passed"]
+    assert ck["file-10%_vs_host"]["ratios"] == {1: 0.95, 2: 0.95} and ck["file-10%_vs_host"]["passed"]
+    assert ck["file-1%_vs_host"]["cache_fraction"] == 0.01 and ck["file-10%_vs_host"]["cache_fraction"] == 0.1
+    assert ck["file-1%_vs_host"]["cpu_per_token_vs_host"] == {1: pytest.approx(1.1), 2: pytest.approx(1.2)}
+    res.checks = ck
+    text = sv.checks_text(res)
+    assert "file-1%" in text and "file-10%" in text and "peak RSS: host 2.00 GiB" in text
+    assert "peak RSS GiB" in sv.to_markdown(res)
