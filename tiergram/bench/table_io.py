@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from tiergram.format import TableFile, TableManifest, create_random_table
-from tiergram.format.writer import aligned_pages, free_bytes
+from tiergram.format.writer import LAST_WRITE_STATS, aligned_pages, free_bytes
 from tiergram.model.init_model import CODEC, GEOMETRIES, PAGE_SIZE
 
 BLOCK = 32 << 20  # bytes per O_DIRECT request of the limits, as the table writer and reader use
@@ -47,6 +47,7 @@ class TableIOResult:
     verify_ratio: float  # verify / mean read limit
     create_cpu_s_per_gib: float
     verify_cpu_s_per_gib: float
+    create_waits: dict  # writer idle (disk starved) / writing / filler waiting for a buffer (disk behind), seconds
 
 
 def disk_write_limit(directory: Path, nbytes: int, *, zeros: bool = False, progress: bool = False) -> float:
@@ -124,6 +125,7 @@ def run(table_gib: float, directory: Path, *, progress: bool = True, keep: bool 
         t0, c0 = time.perf_counter(), time.process_time()
         create_random_table(path, m, progress=progress)
         create, create_cpu = size / (time.perf_counter() - t0), time.process_time() - c0
+        waits = dict(LAST_WRITE_STATS)
         r0 = disk_read_limit(path, progress=progress)
         t0, c0 = time.perf_counter(), time.process_time()
         bad = TableFile.open(path).verify(progress=progress)
@@ -147,12 +149,12 @@ def run(table_gib: float, directory: Path, *, progress: bool = True, keep: bool 
     wl, rl = (w0 + w1) / 2, (r0 + r1) / 2
     gib = size / 2**30
     return TableIOResult(size, w0, (z0 + z1) / 2, create, r0, verify, w1, r1, open_s, open_read, max(0, open_rss),
-                         create / wl, verify / rl, create_cpu / gib, verify_cpu / gib)
+                         create / wl, verify / rl, create_cpu / gib, verify_cpu / gib, waits)
 
 
 def report(r: TableIOResult) -> str:
     """A readable summary with the ratios against the limits."""
-    gib = 2**30
+    gib, w = 2**30, r.create_waits
     return "\n".join([
         f"table {r.table_bytes / gib:.2f} GiB (V4.1 rows, 24 heads, fp8_e4m3), peak RSS of this process "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
@@ -161,6 +163,8 @@ def report(r: TableIOResult) -> str:
         " GiB/s (before / after)",
         f"  table create                            {r.create / gib:6.2f} GiB/s  = {r.create_ratio:.2f} x the data "
         f"write limit, {r.create / r.zeros_limit:.2f} x zeros (target >= 0.80); {r.create_cpu_s_per_gib:.2f} CPU-s/GiB",
+        f"    create's writer thread: idle {w.get('writer_idle_s', 0):.2f} s (waiting for filled pages), writing "
+        f"{w.get('write_s', 0):.2f} s; the filler waited {w.get('fill_wait_s', 0):.2f} s for a free buffer",
         f"  disk sequential read (O_DIRECT)         {r.read_limit_before / gib:6.2f} / {r.read_limit_after / gib:.2f}"
         " GiB/s (before / after)",
         f"  table verify                            {r.verify / gib:6.2f} GiB/s  = {r.verify_ratio:.2f} x the read "

@@ -17,6 +17,7 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +37,9 @@ PageFiller = Callable[[np.ndarray, int, int], None]
 _CHUNK_PAGES: int | None = None  # pages per write; None: _CHUNK_BYTES worth (tests set small values)
 _CHUNK_BYTES = 32 << 20  # large O_DIRECT writes: the disk's sequential rate needs MiBs in flight
 _DIRECT_ALIGN = 4096  # O_DIRECT needs block-aligned buffers, offsets and sizes; 4 KiB covers 512 B and 4 KiB disks
+# Where the last write_pages call's time went (seconds): the writer thread waiting for a sealed chunk (the disk
+# idle: filling or sealing is behind), writing, and the filling thread waiting for a free buffer (the disk behind).
+LAST_WRITE_STATS: dict[str, float] = {}
 _BUFFERS = 4  # one being filled, one being sealed, one being written, one spare so no stage waits on another
 
 
@@ -219,15 +223,21 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
                 failed.append(e)
             todo.put((buf, lo, hi, offset))
 
+    waits = {"writer_idle_s": 0.0, "write_s": 0.0, "fill_wait_s": 0.0}
+
     def writer() -> None:
         while True:
+            t0 = time.perf_counter()
             item = todo.get()
+            t1 = time.perf_counter()
+            waits["writer_idle_s"] += t1 - t0
             if item is None:
                 return
             buf, lo, hi, offset = item
             try:
                 if not failed:
                     _write_all(fd, buf[:hi] if offset == 0 else buf[lo:hi], direct, 0 if offset == 0 else offset)
+                waits["write_s"] += time.perf_counter() - t1
                 if offset == 0 and lo:
                     buf[:lo] = 0  # the header's bytes: the buffer goes back to holding pages, whose padding is zero
             except BaseException as e:  # reported to the filling thread
@@ -244,7 +254,9 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
         for i, p0 in enumerate(starts):
             first = lead and i == 0
             n = min(lead if first else per, n_pages - p0)
+            t0 = time.perf_counter()
             buf = free.get()
+            waits["fill_wait_s"] += time.perf_counter() - t0
             if failed:
                 raise failed[0]
             lo = hb if first else 0
@@ -258,6 +270,8 @@ def _write_file(fd: int, manifest: TableManifest, head: bytes, fill: PageFiller,
         for t in threads:
             t.join()
         bar.close()
+        LAST_WRITE_STATS.clear()
+        LAST_WRITE_STATS.update(waits, direct=float(direct))
     if failed:
         raise failed[0]
 
