@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tiergram.format import TableManifest, create_table, random_values
-from tiergram.store import RowStore, Ticket, TieredTable
+from tiergram.store import RowStore, RowTicket, TieredTable
 from tiergram.store.device_table import DeviceTable
 
 METHODS = ("lookup", "prefetch", "warm", "stats", "close")
@@ -56,11 +56,12 @@ def test_tables_satisfy_the_contract(table_path, kind):
         rows = t.lookup(ids)
         assert tuple(rows.shape) == (3, 2, 8)
         ticket = t.prefetch(ids)
-        assert isinstance(ticket, Ticket)
+        assert isinstance(ticket, RowTicket)
         assert torch.equal(ticket.wait().cpu(), rows.cpu())
         warmed = t.warm(ids)
         assert (warmed is None) == (t.cache is None)
         if warmed is not None:
+            assert isinstance(warmed, RowTicket)
             warmed.wait()
         assert isinstance(t.stats(), dict)
 

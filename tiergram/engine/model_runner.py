@@ -24,7 +24,7 @@ from tiergram.engine.sequence import Sequence
 from tiergram.engram import Engram
 from tiergram.model.context import EngramInput, StepContext, step_context
 from tiergram.model.model import EngramLM
-from tiergram.store.contract import RowStore
+from tiergram.store.contract import RowStore, RowTicket
 
 
 @dataclass
@@ -130,7 +130,7 @@ class ModelRunner:
         return StepResult(logits, total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall,
                           skipped)
 
-    def _wait(self, ticket: Any, layer: int, gpu_waits: dict[int, tuple[Any, Any]]) -> torch.Tensor:
+    def _wait(self, ticket: RowTicket, layer: int, gpu_waits: dict[int, tuple[Any, Any]]) -> torch.Tensor:
         """The ticket's rows. On CUDA a device table's wait only orders the compute stream after the fetch, so the
         exposed stall is on the GPU: timing events around the wait measure it (read after the step's forward)."""
         if self.device.type != "cuda":

@@ -7,7 +7,28 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tiergram.format.ids import RowIds
-from tiergram.store.ticket import Ticket
+
+
+@runtime_checkable
+class RowTicket(Protocol):
+    """A fetch in flight (store.ticket.Ticket, NativeTicket, DeviceTicket): its rows once ready, or its error."""
+
+    def done(self) -> bool:
+        """True once the rows are ready (or the fetch failed or was cancelled)."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The rows [..., H, D]; raises the fetch's error, CancelledError, or TimeoutError after `timeout` s."""
+        ...
+
+    def cancel(self) -> bool:
+        """Abandon the fetch; True if it was stopped before delivering."""
+        ...
+
+    @property
+    def cancelled(self) -> bool:
+        """True once cancel() was asked and the fetch did not deliver."""
+        ...
 
 
 @runtime_checkable
@@ -34,11 +55,11 @@ class RowStore(Protocol):
         """Rows [..., H, D] of ids [..., H] (into `out` if given); IndexError names head and id."""
         ...
 
-    def prefetch(self, row_ids: RowIds) -> Ticket:
+    def prefetch(self, row_ids: RowIds) -> RowTicket:
         """Start fetching now; `ticket.wait()` gives what `lookup` would, `ticket.cancel()` abandons it."""
         ...
 
-    def warm(self, row_ids: RowIds) -> Ticket | None:
+    def warm(self, row_ids: RowIds) -> RowTicket | None:
         """Read rows into the cache ahead of need (advisory); None when the table has no cache."""
         ...
 
