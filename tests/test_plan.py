@@ -34,7 +34,7 @@ from tiergram.plan.specs import SpecError, load_hardware, load_model, shipped
 MODEL = ModelSpec(name="hand", n_layers=4, active_params=1e6, weight_bytes=2e5, active_weight_bytes=2e5,
                   kv_bytes_per_token=100.0, engram=EngramGeometry(layers=(1, 2), heads=4, row_bytes=40,
                                                                   rows_per_layer=1000, dim=32))
-CPU = HardwareSpec(name="hand-cpu", kind="cpu", device_memory_bytes=1e6, device_bw=1e10, compute_flops=1e9,
+CPU = HardwareSpec(name="hand-cpu", kind="cpu", device_memory_bytes=1e6, device_bw=1e10, compute_flops=2e9,
                    step_overhead_s=2e-3, per_seq_s=1e-4, host_memory_bytes=1e9, host_bw=1e10, gather_rows_s=1e6,
                    link_bw=0.0, disk=DiskSpec(drives=1, iops_curve=((1.0, 1000.0),)), per_token_s=1e-3)
 WL = Workload(input_len=10, output_len=5, max_num_seqs=1000)
@@ -338,3 +338,14 @@ def test_studies_write_their_plots_and_label_every_figure_a_prediction(tmp_path:
     for name in ("offload-vs-resident", "ssd-vs-dram", "kv-engram-contention", "decode-stall-h200"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     assert "| H200 | host + KV offload |" in md and "top-16 spec. exposed ms" in md
+
+
+def test_sweep_placement_names() -> None:
+    from tiergram.plan.predict import sweep_placement
+
+    cfg = {"cache_fraction": 0.1, "cache_fractions": [0.01, 0.1]}
+    assert sweep_placement("file-1%", cfg).cache_fraction == pytest.approx(0.01)
+    assert sweep_placement("file-big", cfg).cache_fraction == pytest.approx(0.01)
+    assert sweep_placement("host", cfg) == Placement("host")
+    with pytest.raises(ValueError, match="'mooncake'"):
+        sweep_placement("mooncake", cfg)

@@ -187,23 +187,20 @@ def _validate(a: argparse.Namespace) -> int:
     if a.plot:
         from dataclasses import replace
 
-        from tiergram.plan.model import Placement
-
         cfg = sweep["config"]
         hw2 = replace(hw, device_memory_bytes=float(cfg["device_memory"])) if cfg.get("device_memory") else hw
         wl = predict.sweep_workload(cfg)
         pls = []
-        for kind in cfg.get("placements", ["device", "host", "file"]):
-            pl = Placement(kind, cache_fraction=float(cfg.get("cache_fraction", 0.1)) if kind == "file" else 0.0)
-            if kind == "file" and not model.hit_rate_curve:
-                hits = [r["hit_rate"] for r in res["points"] if r["placement"] == "file" and r["hit_rate"] is not None]
+        for name in dict.fromkeys(p["placement"] for p in sweep["points"]):
+            pl = predict.sweep_placement(name, cfg)
+            if pl.kind == "file" and not model.hit_rate_curve:
+                hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
                 pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
             pls.append(pl)
         fronts = predict.predict_all(model, hw2, wl, pls, int(cfg.get("max_concurrency", 64)))
         measured: dict[str, list[tuple[float, float, int]]] = {}
         for p in sweep["points"]:
-            label = Placement(p["placement"], cache_fraction=float(cfg.get("cache_fraction", 0.1))
-                              if p["placement"] == "file" else 0.0).label
+            label = predict.sweep_placement(p["placement"], cfg).label
             measured.setdefault(label, []).append((p["interactivity_p50"], p["throughput_tok_s"], p["concurrency"]))
         predict.plot(fronts, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured)
     if a.json:

@@ -99,7 +99,7 @@ class HardwareSpec:
     gather_rows_s: float  # host gather + dequant rate, rows/s (cpu: native threads on these cores)
     link_bw: float  # host -> device bytes/s (PCIe / NVLink-C2C); 0 on a CPU-only machine
     disk: DiskSpec
-    per_token_s: float = 0.0  # measured backbone seconds per token (cpu calibration); 0: from compute_flops
+    per_token_s: float = 0.0  # measured backbone seconds per token of the calibrated model (informational)
     request_overhead_s: float = 0.0  # per request: HTTP, tokenizing, admission (one user's gap between requests)
     device_gather_rows_s: float = 0.0  # gather from a device-resident table, rows/s (0: free against compute)
     gather_call_s: float = 0.0  # fixed cost of the host tier's lookups in one step (all Engram layers)
@@ -256,8 +256,10 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     rows = tokens * g.rows_per_token
     terms: dict[str, float] = {}
     # backbone compute
-    if hw.per_token_s > 0:
-        compute = tokens * hw.per_token_s
+    if hw.kind == "cpu":
+        # calibrate measured seconds per token on one model and wrote compute_flops = its FLOPs per token / that:
+        # the same model gets back exactly the measured cost, another model its FLOPs' share of it
+        compute = tokens * model.flops_per_token / hw.compute_flops
     else:
         flops = tokens * model.flops_per_token / hw.compute_flops
         weights = min(model.weight_bytes, tokens * model.active_weight_bytes) / hw.device_bw

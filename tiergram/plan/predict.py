@@ -177,6 +177,23 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
             "runs": names}
 
 
+def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
+    """The placement a sweep point names: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
+    file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway)."""
+    kind, _, tail = name.partition("-")
+    if kind not in ("device", "host", "file"):
+        raise ValueError(f"sweep point placement {name!r}: not device, host or file[-N%|-big]")
+    if kind != "file":
+        return Placement(kind)
+    if tail.endswith("%"):
+        try:
+            return Placement("file", cache_fraction=float(tail[:-1]) / 100)
+        except ValueError:
+            raise ValueError(f"sweep point placement {name!r}: cache fraction not understood") from None
+    fractions = cfg.get("cache_fractions") or [cfg.get("cache_fraction", 0.1)]
+    return Placement("file", cache_fraction=float(min(fractions)))
+
+
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0
              ) -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
@@ -185,13 +202,13 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
-    fraction = float(cfg.get("cache_fraction", 0.1))
     rows: list[Compared] = []
     limits: dict[str, dict[str, Any]] = {}
     disk_limit = min((sweep.get("disk_pages_per_s") or {}).values(), default=0.0)  # the slower of before/after
     for pt in sweep["points"]:
-        kind = pt["placement"]
-        pl = Placement(kind, cache_fraction=fraction if kind == "file" else 0.0)
+        name = pt["placement"]
+        pl = sweep_placement(name, cfg)
+        kind = pl.kind
         source = None
         if kind == "file":
             if model.hit_rate_curve:
@@ -213,16 +230,16 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         disk = float(pt.get("file_pages_per_s") or 0.0) / disk_limit if disk_limit else 0.0
         seen = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}[kind]
         binds = "engram (disk)" if disk > 0.8 else seen if stall > 0.25 else "compute"
-        rows.append(Compared(kind, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
+        rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
                              p.binding, p.interactivity, float(inter) if inter is not None else None, p.hit_rate,
                              source, [round(x, 1) for x in pt.get("throughput_runs", [measured])], binds,
                              round(stall, 4), round(disk, 4)))
-        if kind not in limits:
+        if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
             lim = concurrency_limit(model, hw, wl, pl)
-            limits[kind] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
-                            "measured": (sweep.get("servers", {}).get(kind) or {}).get("concurrency_limit")}
+            limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
+                            "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(wl),
             "runs": sweep.get("runs", [1]),
