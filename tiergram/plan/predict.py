@@ -203,11 +203,16 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
     rows: list[Compared] = []
+    skipped: set[str] = set()
     limits: dict[str, dict[str, Any]] = {}
     disk_limit = min((sweep.get("disk_pages_per_s") or {}).values(), default=0.0)  # the slower of before/after
     for pt in sweep["points"]:
         name = pt["placement"]
-        pl = sweep_placement(name, cfg)
+        try:
+            pl = sweep_placement(name, cfg)
+        except ValueError:
+            skipped.add(name)  # a placement the planner does not model (e.g. mooncake, a remote store)
+            continue
         kind = pl.kind
         source = None
         if kind == "file":
@@ -243,7 +248,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     errs = [abs(r.ratio - 1) for r in rows]
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(wl),
             "runs": sweep.get("runs", [1]),
-            "points": [asdict(r) for r in rows], "limits": limits,
+            "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
@@ -265,6 +270,8 @@ def validate_text(res: dict[str, Any]) -> str:
     for kind, lim in res["limits"].items():
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
+    if res.get("skipped_placements"):
+        lines.append(f"not modelled, skipped: {', '.join(res['skipped_placements'])}")
     s = res["summary"]
     if s["points"]:
         lines.append(f"{s['within_15pct']}/{s['points']} points within 15%; mean |error| {s['mean_abs_error']:.1%}, "
