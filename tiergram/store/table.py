@@ -121,7 +121,7 @@ class TieredTable(ManifestGeometry):
         self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim), None, None)
         return out
 
-    def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> Ticket:
+    def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | NativeTicket:
         """Start fetching rows in the background; `ticket.wait()` returns what `lookup` would."""
         self._check_open()
         ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
@@ -157,7 +157,7 @@ class TieredTable(ManifestGeometry):
             raise
         return Ticket(future, cancelled, retire)
 
-    def warm(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | None:
+    def warm(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | NativeTicket | None:
         """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, on a worker of
         their own (beside the prefetches, never in front of them); None when there is no cache. Advisory: a lookup
         re-reads whatever a failed, cancelled or not yet finished warm-up left out (and raises any read error
