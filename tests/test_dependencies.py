@@ -10,7 +10,7 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL = ("fastapi", "uvicorn", "httpx", "matplotlib")
+OPTIONAL = ("fastapi", "uvicorn", "httpx", "matplotlib", "prometheus_client")
 
 
 @pytest.mark.parametrize("package", ["tiergram.store", "tiergram.format", "tiergram.hashing", "tiergram.tiers",
@@ -24,13 +24,13 @@ def test_library_imports_no_optional_dependency(package):
 
 
 def test_extras_are_declared_where_they_are_used():
-    """fastapi/uvicorn/httpx/matplotlib are extras, not core; torch is at least 2.5 (enable_gqa)."""
+    """fastapi/uvicorn/httpx/matplotlib/prometheus-client are extras, not core; torch is at least 2.5 (enable_gqa)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
-    assert not [m for m in OPTIONAL if m in core]
+    assert not [m for m in OPTIONAL if m.replace("_", "-") in core]
     extras = project["optional-dependencies"]
-    assert {"fastapi", "uvicorn"} <= {r.split(">")[0] for r in extras["serve"]}
+    assert {"fastapi", "uvicorn", "prometheus-client"} <= {r.split(">")[0] for r in extras["serve"]}
     assert {"matplotlib", "httpx", "fastapi", "uvicorn"} <= {r.split(">")[0] for r in extras["bench"]}
     dev = {r.split(">")[0].split(";")[0].strip("'\" ") for r in extras["dev"]}
-    assert set(OPTIONAL) <= dev
+    assert {m.replace("_", "-") for m in OPTIONAL} <= dev
     assert "torch>=2.5" in project["dependencies"]

@@ -248,29 +248,3 @@ def _shared_copy(table: TableFile, *, progress: bool) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return dst
-    need = table.data_offset + table.manifest.data_bytes
-    free = shutil.disk_usage(SHM_DIR).free
-    if free < need:
-        raise OSError(f"{SHM_DIR} has {free} bytes free, the table {table.path} needs {need}")
-    tmp = dst.with_name(f"{dst.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.truncate(need)
-        with open(tmp, "r+b") as f:
-            mm = mmap.mmap(f.fileno(), need)
-            try:
-                with open(table.path, "rb") as src:
-                    mm[: table.data_offset] = src.read(table.data_offset)
-                view = np.frombuffer(mm, dtype=np.uint8, count=table.manifest.data_bytes, offset=table.data_offset)
-                table.read_data(view, progress=progress)
-                del view  # the mapping cannot close while a view exports it
-            finally:
-                try:
-                    mm.close()
-                except BufferError:  # a failed read's traceback still holds the view: the error must win
-                    pass
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return dst
