@@ -40,3 +40,8 @@ def test_checks_compare_every_file_server_with_host():
     text = sv.checks_text(res)
     assert "file-1%" in text and "file-10%" in text and "peak RSS: host 2.00 GiB" in text
     assert "peak RSS GiB" in sv.to_markdown(res)
+
+
+def test_default_sweep_starts_no_mooncake_cluster():
+    """The demo's sweep uses the defaults: Mooncake (which needs a master or a private namespace) is opt-in."""
+    assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()

@@ -39,6 +39,7 @@ import numpy as np
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, cache_dir, save_figure
 
 PLACEMENTS = ("device", "host", "file", "mooncake")
+DEFAULT_PLACEMENTS = ("device", "host", "file")  # mooncake needs a master or a private network namespace
 
 
 @dataclass
@@ -46,7 +47,7 @@ class SweepConfig:
     """What to sweep and how the load is shaped."""
 
     model_dir: str
-    placements: tuple[str, ...] = PLACEMENTS
+    placements: tuple[str, ...] = DEFAULT_PLACEMENTS
     input_len: int = 128
     output_len: int = 32
     max_concurrency: int = 64
