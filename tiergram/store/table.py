@@ -214,8 +214,6 @@ class TieredTable(ManifestGeometry):
         snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
-        if isinstance(self.tier, HostTier):  # bytes, shared or private, and whether it got huge pages
-            snap["host"] = self.tier.stats()
         if self.cache is not None:
             snap["cache"] = {"rows": len(self.cache), "capacity_rows": self.cache.capacity,
                              "bytes": self.cache.nbytes, "policy": self.cache.policy.name,
