@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from tiergram import _native
@@ -372,18 +371,8 @@ class MooncakeTier:
             self.counters.rows += rows.size
         return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
-    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes].
-
-        Returns (the sorted distinct global rows read, pages read).
-        """
-        self.check_ids(ids)
-        glob = (ids + self.head_offsets).reshape(-1)
-        uniq, inverse = np.unique(glob, return_inverse=True)
-        buf, offsets, pages = self.read_rows(uniq)
-        m = self.manifest
-        _native.decode_at(buf, offsets[inverse.reshape(-1)], m.codec_id, m.dim, out)
-        return uniq, pages
+    # the same dedup + one read_rows + decode as the file tier: it needs only check_ids, read_rows and the geometry
+    gather = FileTier.gather
 
     def read_pages(self, pages: np.ndarray) -> np.ndarray:
         """The verified pages int64 [M] (distinct) as uint8 [M * page_size], page i at i * page_size."""
