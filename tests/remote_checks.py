@@ -80,6 +80,9 @@ def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
             r = st["remote"]
             assert r["calls"] >= 1 and r["pages_read"] > 0 and r["bytes_read"] == r["pages_read"] * 4096
             assert r["latency_ms_p50"] > 0 and r["errors"] == 0
+            # remote bytes are counted as the mooncake tier's, not the file tier's
+            assert st["bytes_read"]["mooncake"] == r["bytes_read"] and "file" not in st["bytes_read"]
+            assert st["read_amplification"] >= 1.0
             if cache:
                 assert st["hits"] > 0
         finally:
@@ -327,7 +330,7 @@ def test_engine_serves_a_layer_from_mooncake_with_the_same_tokens(cluster, tmp_p
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:
         assert eng.generate(PROMPTS, GREEDY) == expected(model_dir, PROMPTS)
         per_layer = eng.metrics().engram["per_layer"]
-        assert all(sum(s["bytes_read"].values()) > 0 for s in per_layer.values())
+        assert all(s["bytes_read"].get("mooncake", 0) > 0 and "file" not in s["bytes_read"] for s in per_layer.values())
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:  # the pushed tables are reused
         assert eng.generate(PROMPTS[:1], GREEDY) == expected(model_dir, PROMPTS[:1])
 

@@ -188,7 +188,7 @@ class TieredTable(ManifestGeometry):
                 buf, offsets, pages = self.tier.read_rows(miss)
                 raw = np.empty((miss.size, m.row_bytes), dtype=np.uint8)
                 _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
-                self.stats_.record_warm(self.cache.admit(miss, raw), {"file": pages * m.page_size}, pages)
+                self.stats_.record_warm(self.cache.admit(miss, raw), {self.tier.name: pages * m.page_size}, pages)
 
         return Ticket(self._warm_executor.submit(run), cancelled, lambda: None)
 
@@ -214,6 +214,9 @@ class TieredTable(ManifestGeometry):
         snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
+            remote_bytes = snap["bytes_read"].get("mooncake", 0)  # counted apart from the file tier's
+            miss_bytes = snap["misses"] * self.manifest.row_bytes
+            snap["read_amplification"] = remote_bytes / miss_bytes if miss_bytes and remote_bytes else None
         if self.cache is not None:
             snap["cache"] = {"rows": len(self.cache), "capacity_rows": self.cache.capacity,
                              "bytes": self.cache.nbytes, "policy": self.cache.policy.name,
@@ -279,7 +282,7 @@ class TieredTable(ManifestGeometry):
             uniq, pages = self.tier.gather(flat, out)
             counts = per_head_counts(uniq, self._offsets)
             self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
-                               tier_bytes={"file": pages * m.page_size}, pages=pages)
+                               tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)
             return
         self._fetch_cached(flat, out, cancelled, announced)
 
@@ -321,7 +324,7 @@ class TieredTable(ManifestGeometry):
             ids=np.full(self.num_heads, flat.shape[0], dtype=np.int64),
             unique=per_head_counts(uniq, self._offsets), hits=per_head_counts(uniq[hit], self._offsets),
             misses=per_head_counts(miss_keys, self._offsets),
-            tier_bytes={"cache": int(hit.sum()) * m.row_bytes, "file": pages * m.page_size}, pages=pages)
+            tier_bytes={"cache": int(hit.sum()) * m.row_bytes, self.tier.name: pages * m.page_size}, pages=pages)
 
     def _fetch_native(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None) -> None:
         """The whole lookup in one native call without the GIL (see `_native.fetch`); it counts the statistics too.
