@@ -1,0 +1,146 @@
+"""The load `tiergram bench serve` offers: a trace of held-out text cut into requests, and a closed loop of
+streaming HTTP clients (httpx, async) that replays it against a server and times every token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------------ the trace
+
+def _stdlib_texts() -> Iterator[str]:
+    """The Python standard library's source files (tests and site-packages left out), in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if not {"test", "tests", "site-packages"} & set(path.relative_to(root).parts):
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
+                 ) -> tuple[np.ndarray, str]:
+    """At least `need` tokens of held-out text (documents joined by <|endoftext|>), and where they came from."""
+    from tiergram.corpus import EOT, corpus_dir, load_split
+
+    folder = Path(corpus) if corpus else corpus_dir()
+    use_corpus = source == "corpus" or (source == "auto" and (folder / "test.jsonl").is_file())
+    if source not in ("auto", "corpus", "stdlib"):
+        raise ValueError(f"unknown trace source {source!r} (valid: auto, corpus, stdlib)")
+    texts = (doc.text for doc in load_split(folder, "test")) if use_corpus else _stdlib_texts()
+    what = f"corpus test split ({folder})" if use_corpus else "Python stdlib source"
+    eot = tokenizer.token_to_id(EOT)
+    parts: list[np.ndarray] = []
+    have = 0
+    for text in texts:
+        ids = tokenizer.encode(text).ids + ([eot] if eot is not None else [])
+        parts.append(np.asarray(ids, dtype=np.int64))
+        have += len(ids)
+        if have >= need:
+            break
+    if not have:
+        raise ValueError(f"no text in the {what}")
+    return np.concatenate(parts), what
+
+
+@dataclass
+class TraceRequest:
+    """A prompt and the output the server is made to produce."""
+
+    prompt: list[int]
+    output: list[int]
+
+
+class Trace:
+    """Requests cut from a token stream: lengths uniform in [0.8 L, L], consecutive windows of the text."""
+
+    def __init__(self, tokens: np.ndarray, input_len: int, output_len: int, seed: int) -> None:
+        self.tokens, self.input_len, self.output_len = tokens, input_len, output_len
+        self.rng = np.random.default_rng(seed)
+        self.cursor = 0
+
+    def take(self, n: int) -> list[TraceRequest]:
+        """The next n requests."""
+        out = []
+        for _ in range(n):
+            li = int(self.rng.integers(max(1, int(0.8 * self.input_len)), self.input_len + 1))
+            lo = int(self.rng.integers(max(1, int(0.8 * self.output_len)), self.output_len + 1))
+            if self.cursor + li + lo > len(self.tokens):
+                self.cursor = 0
+            w = self.tokens[self.cursor:self.cursor + li + lo].tolist()
+            self.cursor += li + lo
+            out.append(TraceRequest(w[:li], w[li:]))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- the client
+
+@dataclass
+class Timing:
+    """What one streamed request looked like from the client."""
+
+    ttft_s: float
+    gaps_s: list[float]  # one per output token after the first
+    e2e_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> Timing:
+    """Send one streaming completion (the output forced from the trace) and time its tokens."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": len(req.output), "forced_tokens": req.output,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, last, gaps, got = None, 0.0, [], 0
+    usage: dict[str, int] = {}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(f"server error mid-stream: {obj['error']}")
+            usage = obj.get("usage") or usage
+            n = sum(len(c.get("token_ids") or []) for c in obj.get("choices", []))
+            if not n:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+                gaps += [0.0] * (n - 1)  # several tokens in the first chunk: no gap to measure between them
+            else:
+                gaps += [(now - last) / n] * n
+            last, got = now, got + n
+    end = time.perf_counter()
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    return Timing(first - t0, gaps, end - t0, usage.get("prompt_tokens", len(req.prompt)),
+                  usage.get("completion_tokens", got))
+
+
+async def closed_loop(url: str, model: str, requests: list[TraceRequest], concurrency: int) -> tuple[list[Timing],
+                                                                                                     float]:
+    """c users each sending their next request as soon as the previous one ends; (timings, wall seconds)."""
+    import httpx
+
+    pending = list(reversed(requests))
+    timings: list[Timing] = []
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0)) as client:
+        async def user() -> None:
+            while pending:
+                timings.append(await one_request(client, url, model, pending.pop()))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        return timings, time.perf_counter() - t0

@@ -1,0 +1,90 @@
+"""`tiergram bench serve`'s configuration: the placements it can sweep, the load's shape, the servers' labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLACEMENTS = ("device", "host", "file", "mooncake")
+DEFAULT_PLACEMENTS = ("device", "host", "file")  # mooncake needs a master or a private network namespace
+
+
+@dataclass
+class SweepConfig:
+    """What to sweep and how the load is shaped."""
+
+    model_dir: str
+    placements: tuple[str, ...] = DEFAULT_PLACEMENTS
+    input_len: int = 128
+    output_len: int = 32
+    max_concurrency: int = 64
+    requests_per_user: int = 4  # measured requests per point and round = this x concurrency
+    warmup_per_user: int = 2  # warm-up requests per point = this x concurrency (before the first round)
+    rounds: int = 3  # interleaved rounds per point: each placement in turn serves the same requests
+    device_memory: int | None = None  # device memory budget of the engine (bytes)
+    cache_fraction: float = 0.10  # file placement: host cache per layer, as a fraction of that layer's table
+    cache_policy: str = "lru"  # the engine announces one step ahead: lookahead adds cost, not hits
+    read_ahead: bool = True  # file placement: prompt rows read into the cache before their step
+    torch_threads: int = 0  # each server's torch CPU threads (0: torch's default)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    source: str = "auto"  # auto (corpus test split if built, else stdlib), corpus, stdlib
+    corpus: str | None = None
+    seed: int = 0
+    startup_timeout_s: float = 300.0
+    plot: str | None = None
+    markdown: str | None = None
+    # file placement at several cache sizes, each its own server labelled file-<pct>% (None: cache_fraction alone)
+    cache_fractions: tuple[float, ...] | None = None
+    # a second model (the same backbone and tokenizer, larger tables) served by the file placement as "file-big", with
+    # a per-layer cache of big_cache_bytes (None: the same bytes as the first file placement's): tables larger than
+    # the host's memory, at a fixed host-memory budget
+    big_model_dir: str | None = None
+    big_cache_bytes: int | None = None
+    host_memory: int | None = None  # every server's --host-memory (bytes)
+    # mooncake placement: the mooncake_master's HOST:PORT (None: a local cluster started for the sweep, which needs
+    # a private network namespace: docs/remote.md); its cache is the file placement's first fraction
+    mooncake_master: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.placements if p not in PLACEMENTS]
+        if bad or not self.placements:
+            raise ValueError(f"unknown placements {bad} (valid: {', '.join(PLACEMENTS)})")
+        if min(self.input_len, self.output_len, self.max_concurrency, self.requests_per_user, self.rounds) < 1:
+            raise ValueError("input_len, output_len, max_concurrency, requests_per_user and rounds must be >= 1")
+        if self.warmup_per_user < 0 or self.torch_threads < 0:
+            raise ValueError(f"warmup_per_user and torch_threads must be >= 0, got {self.warmup_per_user}, "
+                             f"{self.torch_threads}")
+        if not 0 < self.cache_fraction <= 1:
+            raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
+        if self.cache_fractions is not None:
+            self.cache_fractions = tuple(float(f) for f in self.cache_fractions)
+            if not self.cache_fractions or any(not 0 < f <= 1 for f in self.cache_fractions):
+                raise ValueError(f"cache_fractions must each be in (0, 1], got {self.cache_fractions}")
+
+    @property
+    def fractions(self) -> tuple[float, ...]:
+        """The file placement's cache fractions."""
+        return self.cache_fractions or (self.cache_fraction,)
+
+    def labels(self) -> list[str]:
+        """Every server of the sweep: the placements, the file one once per cache fraction, then file-big."""
+        out = []
+        for p in self.placements:
+            if p == "file" and len(self.fractions) > 1:
+                out += [file_label(f) for f in self.fractions]
+            else:
+                out.append(p)
+        if self.big_model_dir:
+            out.append("file-big")
+        return out
+
+
+def file_label(fraction: float) -> str:
+    """file-10% for a cache of 10% of the table."""
+    return f"file-{100 * fraction:g}%"
+
+
+def kind_of(label: str) -> str:
+    """The placement kind a server label runs (file-10% and file-big are file)."""
+    return "file" if label.startswith("file") else label

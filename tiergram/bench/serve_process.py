@@ -1,0 +1,142 @@
+"""The servers of `tiergram bench serve`: a `tiergram serve` subprocess, its memory (host cache per layer, the
+concurrency its K/V budget holds, peak RSS), its /metrics, and the table files it places."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tiergram.bench.serve_config import SweepConfig, file_label, kind_of
+
+
+class ServerProcess:
+    """`tiergram serve` in a subprocess on a free loopback port; stopped with SIGTERM (drained)."""
+
+    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
+                 model_dir: str | None = None) -> None:
+        cmd = [sys.executable, "-m", "tiergram", "serve", model_dir or cfg.model_dir, "--placement", placement,
+               "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
+               "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+               "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
+               "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
+        if not cfg.read_ahead:
+            cmd.append("--no-read-ahead")
+        if cfg.torch_threads:
+            cmd += ["--torch-threads", str(cfg.torch_threads)]
+        if cfg.device_memory is not None:
+            cmd += ["--device-memory", str(cfg.device_memory)]
+        if cfg.host_memory is not None:
+            cmd += ["--host-memory", str(cfg.host_memory)]
+        if placement == "mooncake":
+            cmd += ["--mooncake-master", cfg.mooncake_master or ""]
+        self.cmd, self.timeout = cmd, cfg.startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+
+    def __enter__(self) -> ServerProcess:
+        self.log = tempfile.TemporaryFile(mode="w+")  # stderr: a file, so a chatty server never blocks on a pipe
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
+            if " on http://" not in line:
+                self.proc.wait(10)
+                self.log.seek(0)
+                raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{line}{self.log.read()}")
+            self.url = line.strip().rsplit(" on ", 1)[1]
+            _wait_healthy(self.url, self.timeout, self.proc)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def peak_rss(pid: int) -> int:
+    """A live process's peak resident memory (VmHWM), bytes; 0 when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
+
+
+def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"the server at {url} did not become healthy in {timeout:.0f} s (exit status {proc.poll()})")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics samples."""
+    import httpx
+
+    from tiergram.server.metrics import parse
+
+    return parse(httpx.get(f"{url}/metrics", timeout=30).text)
+
+
+def layer_tables(model_dir: str, codec: str = "fp8_e4m3") -> list[Path]:
+    """Each Engram layer's table file (exported first, as the engine would, when missing)."""
+    from tiergram.engine.tables import export_dir_for
+    from tiergram.model.checkpoint import read_config
+    from tiergram.model.export import table_path
+
+    engram = read_config(model_dir)["model"].get("engram")
+    if not engram:
+        raise ValueError(f"{model_dir} has no Engram layers: there is no table to place")
+    src = export_dir_for(Path(model_dir), sorted(engram["layers"]), {codec})
+    return [table_path(src, layer, codec) for layer in sorted(engram["layers"])]
+
+
+def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
+    """Bytes of each Engram layer's table file."""
+    return [path.stat().st_size for path in layer_tables(model_dir, codec)]
+
+
+def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
+    """Each server label's host cache per layer, bytes (0: none): a fraction of the smallest layer's table.
+
+    The cache is per layer (one Placement serves every layer). mooncake gets the first file fraction's cache;
+    file-big gets big_cache_bytes, or else the first file server's bytes.
+    """
+    labels = cfg.labels()
+    smallest = min(path.stat().st_size for path in tables)
+    caches = {label: 0 for label in labels}
+    for fraction in cfg.fractions:
+        caches[file_label(fraction) if len(cfg.fractions) > 1 else "file"] = int(fraction * smallest)
+    if "mooncake" in caches:  # the same host cache as the file placement
+        caches["mooncake"] = int(cfg.fractions[0] * smallest)
+    if cfg.big_model_dir:
+        first_file = next((caches[lb] for lb in labels if lb != "file-big" and kind_of(lb) == "file"),
+                          int(cfg.fractions[0] * smallest))
+        caches["file-big"] = cfg.big_cache_bytes if cfg.big_cache_bytes is not None else first_file
+    return caches
+
+
+def concurrency_limit(cfg: SweepConfig, kv_blocks_total: int) -> int:
+    """The sequences of input_len + output_len tokens a server's K/V blocks hold at once, capped by max_num_seqs."""
+    blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
+    return min(cfg.max_num_seqs, kv_blocks_total // blocks_per_seq)

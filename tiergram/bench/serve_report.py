@@ -1,0 +1,114 @@
+"""The output of `tiergram bench serve`: the checks in words, the throughput/interactivity plot (PNG), the
+markdown table, JSON and the text report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from tiergram.bench.common import save_figure
+from tiergram.bench.serve_stats import SweepResult
+
+
+def checks_text(res: SweepResult) -> str:
+    """The acceptance checks in words, with the measured ratios."""
+    ck, lines = res.checks, ["acceptance checks (ratios of throughput measured in this run):"]
+
+    def rs(r: dict[int, float]) -> str:
+        return ", ".join(f"c={c} {v:.3f}" for c, v in r.items()) or "no common concurrency"
+
+    if "host_vs_device" in ck:
+        h = ck["host_vs_device"]
+        note = " (the device budget binds: compared where both ran)" if h["memory_binds"] else ""
+        lines.append(f"  host >= {h['target']:.0%} of resident (device) at every concurrency{note}: "
+                     f"{'PASS' if h['passed'] else 'FAIL'} [{rs(h['ratios'])}]")
+    if "budget" in ck:
+        b = ck["budget"]
+        if b["binds"]:
+            lines.append(f"  binding device budget: resident reaches c={b['device_limit']}, host c={b['host_limit']}; "
+                         f"front max throughput host {b['host_max_tok_s']:.1f} vs resident {b['device_max_tok_s']:.1f}"
+                         f" tok/s = {b['ratio']:.3f}x ({100 * (b['ratio'] - 1):+.1f}%)")
+        else:
+            lines.append(f"  device budget does not bind (both reach c={b['device_limit']}); max throughput host/"
+                         f"resident = {b['ratio']:.3f}; pass --device-memory to make it bind")
+    for key, f in ck.items():
+        if not key.endswith("_vs_host") or key == "host_vs_device":
+            continue
+        label = key.removesuffix("_vs_host")
+        size = f" on {f['table_bytes'] / 2**30:.1f} GiB tables" if f.get("table_bytes") else ""
+        lines.append(f"  {label}{size} (host cache {f['cache_fraction']:.1%} of the tables, {f['cache_bytes']} B per "
+                     f"layer) >= {f['target']:.0%} of host at every concurrency: {'PASS' if f['passed'] else 'FAIL'} "
+                     f"[{rs(f['ratios'])}]")
+        reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
+        disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
+        lines.append(f"    file tier reads, pages/s: {reads}; the disk's limit (QD128), pages/s: {disk} the sweep")
+        lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
+    peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
+                      if s_.get("peak_rss_bytes"))
+    if peaks:
+        lines.append(f"  servers' peak RSS: {peaks}")
+    if len(lines) == 1:
+        lines.append("  none (they need device+host or host+file placements)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+def plot(res: SweepResult, path: Path) -> Path:
+    """Throughput against interactivity: every point faint, each placement's front as a line, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    for placement in res.config.labels():
+        pts = sorted((p for p in res.points if p.placement == placement), key=lambda p: p.concurrency)
+        if not pts:
+            continue
+        front = [p for p in pts if p.concurrency in res.fronts.get(placement, [])]
+        line, = ax.plot([p.interactivity_p90 for p in front], [p.throughput_tok_s for p in front], marker="o",
+                        label=f"{placement} (front)")
+        ax.scatter([p.interactivity_p90 for p in pts], [p.throughput_tok_s for p in pts], color=line.get_color(),
+                   alpha=0.35, s=18)
+        for p in front:
+            ax.annotate(str(p.concurrency), (p.interactivity_p90, p.throughput_tok_s), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("interactivity (tokens/s per user, at ITL p90)")
+    ax.set_ylabel("throughput (tokens/s, prompt + output)")
+    ax.set_title(f"{Path(res.config.model_dir).name}: input {res.config.input_len}, output {res.config.output_len}"
+                 " (labels: concurrency)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return save_figure(fig, path)
+
+
+def to_markdown(res: SweepResult) -> str:
+    """A markdown table of every point (front points marked)."""
+    head = ("| placement | concurrency | throughput tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
+            "E2E p90 ms | tok/s/user p90 | cache hit | file pages/s | stall s | CPU ms/token | peak RSS GiB | front |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for p in res.points:
+        hit = "-" if p.engram_cache_hit_rate is None else f"{100 * p.engram_cache_hit_rate:.1f}%"
+        front = "yes" if p.concurrency in res.fronts.get(p.placement, []) else ""
+        lines.append(f"| {p.placement} | {p.concurrency} | {p.throughput_tok_s:.1f} | {p.ttft_p50_ms:.1f} / "
+                     f"{p.ttft_p90_ms:.1f} / {p.ttft_p99_ms:.1f} | {p.itl_p50_ms:.1f} / {p.itl_p90_ms:.1f} / "
+                     f"{p.itl_p99_ms:.1f} | {p.e2e_p90_ms:.0f} | {p.interactivity_p90:.1f} | {hit} | "
+                     f"{p.file_pages_per_s:.0f} | {p.exposed_stall_s:.3f} | {p.cpu_ms_per_token:.2f} | "
+                     f"{p.server_peak_rss_bytes / 2**30:.2f} | {front} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(res: SweepResult) -> str:
+    """One JSON object: points, fronts, checks, servers, config."""
+    obj = {"points": [asdict(p) for p in res.points], "fronts": res.fronts, "checks": res.checks,
+           "disk_pages_per_s": res.disk_pages_per_s,
+           "servers": res.servers, "source": res.source, "seconds": res.seconds, "plot": res.plot,
+           "config": asdict(res.config)}
+    return json.dumps(obj, indent=2, default=str)
+
+
+def to_text(res: SweepResult) -> str:
+    """The table, the checks and where the plot is."""
+    return "\n".join([f"trace: {res.source}", to_markdown(res).rstrip(), checks_text(res), f"plot: {res.plot}"])

@@ -1,0 +1,182 @@
+"""The statistics of `tiergram bench serve`: a point from its rounds' timings and /metrics, the pareto front,
+and the acceptance checks as measured ratios."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tiergram.bench.common import FILE_TARGET, HOST_TARGET
+from tiergram.bench.load import Timing
+from tiergram.bench.serve_config import SweepConfig, kind_of
+from tiergram.bench.serve_process import layer_table_bytes
+
+
+@dataclass
+class Point:
+    """One placement at one concurrency."""
+
+    placement: str
+    concurrency: int
+    requests: int
+    duration_s: float
+    throughput_tok_s: float
+    output_tok_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    itl_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p90_ms: float
+    e2e_p99_ms: float
+    interactivity_p50: float
+    interactivity_p90: float
+    engram_cache_hit_rate: float | None
+    exposed_stall_s: float
+    engram_bytes_read: dict[str, float] = field(default_factory=dict)
+    throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
+    file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
+    cpu_ms_per_token: float = 0.0  # the server process's CPU time (all threads) per token served
+    server_peak_rss_bytes: int = 0  # the server process's peak resident memory (VmHWM) at the end of this point
+
+
+@dataclass
+class SweepResult:
+    """Every point, the fronts, the per-placement server facts and the acceptance checks."""
+
+    config: SweepConfig
+    source: str
+    points: list[Point]
+    fronts: dict[str, list[int]]  # placement -> concurrencies on its pareto front
+    servers: dict[str, dict[str, Any]]
+    checks: dict[str, Any]
+    seconds: float
+    disk_pages_per_s: dict[str, float] = field(default_factory=dict)  # the disk's limit before/after the sweep
+    plot: str | None = None
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@dataclass
+class Round:
+    """One placement's share of one round: its requests' timings, the wall time, /metrics around it."""
+
+    timings: list[Timing]
+    wall_s: float
+    before: dict[str, float]
+    after: dict[str, float]
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.output_tokens + t.prompt_tokens for t in self.timings)
+
+
+def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: int = 4096) -> Point:
+    """A point from its rounds: throughput is the median round's; latencies pool every request; counters sum."""
+    timings = [t for r in rounds for t in r.timings]
+    wall_s = sum(r.wall_s for r in rounds)
+    ttft = [t.ttft_s * 1e3 for t in timings]
+    itl = [g * 1e3 for t in timings for g in t.gaps_s]
+    e2e = [t.e2e_s * 1e3 for t in timings]
+    per_round = [r.tokens / r.wall_s for r in rounds]
+    out_share = sum(t.output_tokens for t in timings) / max(1, sum(r.tokens for r in rounds))
+
+    def total(key: str) -> float:
+        return sum(_delta(r.after, r.before, key) for r in rounds)
+
+    lookups = total("tiergram_engram_cache_probes_total")
+    hit = total("tiergram_engram_cache_hits_total") / lookups if lookups > 0 else None  # None: no cache
+    keys = {k for r in rounds for k in r.after if k.startswith("tiergram_engram_bytes_read_total{")}
+    tiers = {k.split('tier="')[1].rstrip('"}'): total(k) for k in sorted(keys)}
+    itl50, itl90 = _pct(itl, 50), _pct(itl, 90)
+    throughput = float(np.median(per_round))
+    return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
+                 throughput_tok_s=throughput, output_tok_s=throughput * out_share,
+                 ttft_p50_ms=_pct(ttft, 50), ttft_p90_ms=_pct(ttft, 90), ttft_p99_ms=_pct(ttft, 99),
+                 itl_p50_ms=itl50, itl_p90_ms=itl90, itl_p99_ms=_pct(itl, 99),
+                 e2e_p50_ms=_pct(e2e, 50), e2e_p90_ms=_pct(e2e, 90), e2e_p99_ms=_pct(e2e, 99),
+                 interactivity_p50=1000 / itl50 if itl50 > 0 else float("nan"),
+                 interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
+                 engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
+                 engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
+                 file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
+                 cpu_ms_per_token=1e3 * total("process_cpu_seconds_total") / max(1, sum(r.tokens for r in rounds)))
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both throughput and interactivity (sorted by concurrency)."""
+    def beaten(p: Point) -> bool:
+        return any(q.throughput_tok_s >= p.throughput_tok_s and q.interactivity_p90 >= p.interactivity_p90
+                   and (q.throughput_tok_s > p.throughput_tok_s or q.interactivity_p90 > p.interactivity_p90)
+                   for q in points)
+    return sorted((p for p in points if not beaten(p)), key=lambda p: p.concurrency)
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+def _by_c(res: SweepResult, placement: str) -> dict[int, Point]:
+    return {p.concurrency: p for p in res.points if p.placement == placement}
+
+
+def _ratios(res: SweepResult, num: str, den: str, field: str = "throughput_tok_s") -> dict[int, float]:
+    """A point field of one placement over another's, at each concurrency both ran (and den's is non-zero)."""
+    a, b = _by_c(res, num), _by_c(res, den)
+    return {c: getattr(a[c], field) / getattr(b[c], field) for c in sorted(set(a) & set(b)) if getattr(b[c], field)}
+
+
+def checks(res: SweepResult) -> dict[str, Any]:
+    """The acceptance checks, as measured ratios (no check is run without both of its placements)."""
+    out: dict[str, Any] = {}
+    limits = {p: s["concurrency_limit"] for p, s in res.servers.items()}
+    if "device" in limits and "host" in limits:
+        r = _ratios(res, "host", "device")
+        out["host_vs_device"] = {"ratios": r, "target": HOST_TARGET,
+                                 "passed": bool(r) and min(r.values()) >= HOST_TARGET,
+                                 "memory_binds": limits["device"] < limits["host"]}
+        offloaded = [p.throughput_tok_s for p in res.points if p.placement == "host"]
+        resident = [p.throughput_tok_s for p in res.points if p.placement == "device"]
+        if offloaded and resident:
+            out["budget"] = {"binds": limits["device"] < limits["host"], "device_limit": limits["device"],
+                             "host_limit": limits["host"], "host_max_tok_s": max(offloaded),
+                             "device_max_tok_s": max(resident), "ratio": max(offloaded) / max(resident)}
+    for label in (lb for lb in limits if kind_of(lb) == "file" and "host" in limits):
+        r = _ratios(res, label, "host")
+        target = FILE_TARGET if label != "file-big" else BIG_TARGET
+        out[_check_key(label)] = {
+            "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target,
+            "cache_fraction": _fraction(res, label),
+            "cache_bytes": res.servers[label]["cache_bytes"],
+            "table_bytes": res.servers[label].get("table_bytes"),
+            "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
+            "cpu_per_token_vs_host": _ratios(res, label, "host", "cpu_ms_per_token"),
+            "disk_pages_per_s": res.disk_pages_per_s}
+    return out
+
+
+BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller tables
+
+
+def _check_key(label: str) -> str:
+    """file_vs_host for the file placement (its historical key), file-10%_vs_host etc. for the others."""
+    return f"{label}_vs_host"
+
+
+def _fraction(res: SweepResult, label: str) -> float:
+    """The cache of a file server as a fraction of its tables (file-big: its cache bytes over its tables)."""
+    if label == "file":
+        return res.config.cache_fraction
+    if label != "file-big":
+        return float(label.removeprefix("file-").removesuffix("%")) / 100
+    s = res.servers[label]
+    layers = len(layer_table_bytes(s["model_dir"]))
+    return s["cache_bytes"] * layers / s["table_bytes"] if s.get("table_bytes") else float("nan")
