@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import spread
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -37,20 +38,6 @@ def make_model_dir(path: Path) -> Path:
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<|pad|>"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
     return save_pretrained(model, path, tokenizer=tokenizer)
-
-
-@torch.no_grad()
-def spread(model: EngramLM, seed: int) -> EngramLM:
-    """Re-draw the dense weights larger than the training init (and the convs and biases non-zero)."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.ndim == 2 and "table" not in name and p is not model.tok_emb.weight or "short_conv.conv" in name \
-                or name.endswith(".bias"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        elif "table" in name:
-            p.copy_(torch.randn(p.shape, generator=g))  # rows of unit scale, so fp8 rounding visibly matters
-    model.tok_emb.weight.mul_(10)
-    return model.eval()
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

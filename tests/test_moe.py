@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import spread
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -30,20 +31,6 @@ FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
 V = 97
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@torch.no_grad()
-def spread(model: EngramLM, seed: int) -> EngramLM:
-    """Dense weights re-drawn larger than the training init, so greedy tokens and expert choices are far from ties."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if p.ndim == 2 and "table" not in name and p is not model.tok_emb.weight or "short_conv.conv" in name \
-                or name.endswith(".bias"):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        elif "table" in name:
-            p.copy_(torch.randn(p.shape, generator=g))
-    model.tok_emb.weight.mul_(10)
-    return model.eval()
 
 
 def one_expert(cfg: ModelConfig, layers: list[int]) -> ModelConfig:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import uvicorn
+from support import spread
 
 from tiergram.corpus import PAD, build_corpus, directory_source, load_tokenizer, train_tokenizer
 from tiergram.engine import EngineConfig, LLMEngine, Placement
@@ -44,8 +45,6 @@ def make_tiny_model(root: Path, spread_weights: bool = False) -> Path:
     torch.manual_seed(0)
     model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok))
     if spread_weights:
-        from test_engine import spread
-
         model = spread(model, seed=0)
     return save_pretrained(model, root / "tiny-engram", tokenizer=tok_path)
 
