@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
-from tiergram.model import EngramLM
+import torch
+from tokenizers import Tokenizer
+
+from tiergram.corpus import PAD, Source, build_corpus, directory_source, train_tokenizer
+from tiergram.corpus.sources import python_group, stdlib_root
+from tiergram.model import EngramLM, ModelConfig, tiny_config
+
+FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
+STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
+
+
+def fixture_source() -> Source:
+    """The fixture folder as a source."""
+    return directory_source("fixture", FIXTURE, "CC0-1.0")
+
+
+def stdlib_source() -> Source:
+    """A handful of real stdlib modules, named like the real stdlib source."""
+    return directory_source(
+        "python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES, group=python_group
+    )
+
+
+def fixture_corpus(cache: Path, vocab_size: int | None = 512) -> Path:
+    """The fixture corpus plus STDLIB_FILES built under `cache`, with a BPE of vocab_size (None: no tokenizer)."""
+    corpus = build_corpus(cache, [fixture_source(), stdlib_source()], progress=False)
+    if vocab_size is not None:
+        train_tokenizer(corpus, vocab_size, progress=False)
+    return corpus
+
+
+def tiny_config_for(tok: Tokenizer) -> ModelConfig:
+    """tiny_config sized to a tokenizer's vocabulary, Engram padding with its <|pad|> id."""
+    cfg = tiny_config(tok.get_vocab_size())
+    cfg.engram.pad_id = tok.token_to_id(PAD)
+    return cfg
 
 
 @torch.no_grad()

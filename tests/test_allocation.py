@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support import fixture_corpus
 
 from tiergram.analysis.allocation import AllocationConfig, ShareResult, plan, verdict
 from tiergram.analysis.stats import Estimate
 from tiergram.cli import main
-from tiergram.corpus import build_corpus, directory_source, train_tokenizer
-from tiergram.corpus.sources import python_group, stdlib_root
 from tiergram.model import EngramLM
-
-FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
-STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,11 +51,7 @@ def test_verdict():
 
 
 def test_tiny_sweep_trains_scores_and_plots(tmp_path, capsys):
-    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
-           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
-                            group=python_group)]
-    corpus = build_corpus(tmp_path / "cache", src, progress=False)
-    train_tokenizer(corpus, 512, progress=False)
+    corpus = fixture_corpus(tmp_path / "cache")
     out, png, md = tmp_path / "sweep", tmp_path / "sweep.png", tmp_path / "sweep.md"
     args = ["sweep-allocation", "--out", str(out), "--shares", "0,50", "--tokens", str(3 * 4 * 32), "--d-model", "32",
             "--layers", "2", "--max-seq", "32", "--experts", "4", "--expert-ffn", "16", "--batch-size", "4",

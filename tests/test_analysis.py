@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support import fixture_corpus, tiny_config_for
 
 from tiergram.analysis.ablate import (
     SETTINGS,
@@ -27,35 +27,26 @@ from tiergram.analysis.skipping import skip_losses, skip_study
 from tiergram.analysis.trace import EngramHooks, batches, load_windows, trace
 from tiergram.cli import main
 from tiergram.corpus import (
-    PAD,
     BuildConfig,
     build_corpus,
     directory_source,
     load_split,
     load_tokenizer,
-    train_tokenizer,
 )
-from tiergram.corpus.sources import python_group, stdlib_root
+from tiergram.corpus.sources import python_group
 from tiergram.engram.sketch import CountMinSketch
-from tiergram.model import EngramLM, tiny_config
+from tiergram.model import EngramLM
 from tiergram.model.checkpoint import save_pretrained
 from tiergram.model.evaluate import evaluate
 from tiergram.model.model import make_hasher
-
-FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
-STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(corpus, model dir, model, tokenizer): a tiny random-init model whose convs and biases are non-zero."""
-    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
-           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
-                            group=python_group)]
-    corpus = build_corpus(tmp_path_factory.mktemp("cache"), src, progress=False)
-    tok = load_tokenizer(train_tokenizer(corpus, 512, progress=False))
-    cfg = tiny_config(tok.get_vocab_size())
-    cfg.engram.pad_id = tok.token_to_id(PAD)
+    corpus = fixture_corpus(tmp_path_factory.mktemp("cache"))
+    tok = load_tokenizer(corpus / "tokenizer.json")
+    cfg = tiny_config_for(tok)
     torch.manual_seed(0)
     model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok))
     with torch.no_grad():

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from support import fixture_corpus, tiny_config_for
 
 from tiergram.analysis.cka import LayerComparison, alignment, collect_states, compare_layers, linear_cka, verdict
 from tiergram.analysis.trace import load_windows
 from tiergram.cli import main
-from tiergram.corpus import PAD, build_corpus, directory_source, load_tokenizer, train_tokenizer
-from tiergram.corpus.sources import python_group, stdlib_root
-from tiergram.model import EngramLM, tiny_config
+from tiergram.corpus import load_tokenizer
+from tiergram.model import EngramLM
 from tiergram.model.checkpoint import save_pretrained
 from tiergram.model.model import make_hasher
-
-FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
-STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,13 +72,9 @@ def test_verdict_needs_a_margin_beyond_the_sampling_spread():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(corpus, tokenizer, {name: (dir, model)}): a tiny Engram model and a no-Engram twin, random init."""
-    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
-           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
-                            group=python_group)]
-    corpus = build_corpus(tmp_path_factory.mktemp("cache"), src, progress=False)
-    tok = load_tokenizer(train_tokenizer(corpus, 512, progress=False))
-    cfg = tiny_config(tok.get_vocab_size())
-    cfg.engram.pad_id = tok.token_to_id(PAD)
+    corpus = fixture_corpus(tmp_path_factory.mktemp("cache"))
+    tok = load_tokenizer(corpus / "tokenizer.json")
+    cfg = tiny_config_for(tok)
     out = {}
     for name, c, seed in (("engram", cfg, 0), ("base", cfg.without_engram(), 1)):
         torch.manual_seed(seed)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import FIXTURE, STDLIB_FILES, fixture_source, stdlib_source
 
 from tiergram.corpus import (
     SOURCES,
@@ -25,22 +26,7 @@ from tiergram.corpus import (
     train_tokenizer,
 )
 from tiergram.corpus.clean import boilerplate_share, categorise, clean_text, content_hash
-from tiergram.corpus.sources import apt_package, python_group, resolve_sources, shakespeare_group, stdlib_root
-
-FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
-STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
-
-
-def fixture_source() -> Source:
-    """The fixture folder as a source."""
-    return directory_source("fixture", FIXTURE, "CC0-1.0")
-
-
-def stdlib_source() -> Source:
-    """A handful of real stdlib modules, named like the real stdlib source."""
-    return directory_source(
-        "python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES, group=python_group
-    )
+from tiergram.corpus.sources import apt_package, python_group, resolve_sources, shakespeare_group
 
 
 def failing_source(name: str = "offline") -> Source:

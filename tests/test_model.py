@@ -9,18 +9,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support import fixture_corpus
 
 from tiergram.cli import main
-from tiergram.corpus import build_corpus, directory_source, train_tokenizer
-from tiergram.corpus.sources import python_group, stdlib_root
 from tiergram.engram import RowSourceTable, TrainableTable
 from tiergram.model import EngramLM, ModelConfig, tiny_config
 from tiergram.model.checkpoint import load_pretrained, save_pretrained
 from tiergram.model.generate import generate
 from tiergram.model.train import TrainConfig, lr_at, make_optimizers, train
 
-FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
-STDLIB_FILES = {"bisect.py", "colorsys.py", "heapq.py", "textwrap.py", "json/__init__.py", "json/decoder.py"}
 V = 97
 
 
@@ -195,12 +192,7 @@ def test_config_errors_are_clear():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """The fixture corpus plus a few stdlib modules, with a 512-token tokenizer."""
-    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
-           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
-                            group=python_group)]
-    out = build_corpus(tmp_path_factory.mktemp("cache"), src, progress=False)
-    train_tokenizer(out, 512, progress=False)
-    return out
+    return fixture_corpus(tmp_path_factory.mktemp("cache"))
 
 
 def run_config(out: Path, corpus: Path, **kw) -> TrainConfig:
@@ -215,10 +207,7 @@ def log_losses(out: Path) -> list[float]:
 
 def test_train_builds_a_missing_tokenizer(tmp_path, capsys):
     """`tiergram train` on a corpus with no tokenizer yet trains one first (with progress) instead of stopping."""
-    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
-           directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep=lambda r: r in STDLIB_FILES,
-                            group=python_group)]
-    corpus = build_corpus(tmp_path / "cache", src, progress=False)
+    corpus = fixture_corpus(tmp_path / "cache", vocab_size=None)
     assert not (corpus / "tokenizer.json").exists()
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--corpus", str(corpus), "--config", "tiny", "--tokens", "512",

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import spread
+from support import fixture_source, spread
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -27,7 +27,6 @@ from tiergram.model.model import SwiGLU
 from tiergram.model.moe import MoE, aux_loss, load_balancing_loss, moe_layers, routing
 from tiergram.model.train import TrainConfig, train
 
-FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
 V = 97
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -159,7 +158,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     for i in range(24):  # modules with short-output doctests: held-out ones give the doctest tasks
         (mods / f"mod{i:02d}.py").write_text(f'"""Module {i}: adds numbers and joins words.\n\n>>> {i} + 1\n{i + 1}\n'
                                              f'>>> sorted([{i}, 1, 0])\n{sorted([i, 1, 0])}\n"""\n\nX = {i}\n')
-    src = [directory_source("fixture", FIXTURE, "CC0-1.0"),
+    src = [fixture_source(),
            directory_source("python-stdlib", mods, "PSF-2.0", group=python_group)]
     corpus = build_corpus(tmp_path_factory.mktemp("cache"), src, progress=False,
                           config=BuildConfig(validation=0.25, test=0.25))
