@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,16 @@ def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) 
                    help=f"tokens per category {what} (0: the whole split; default {max_tokens})")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--tier", default="memory", choices=TIERS, help="where the tables are read from")
+    _inputs_outputs(p, "write the full result as JSON")
+
+
+def _inputs_outputs(p: argparse.ArgumentParser, json_help: str, plot_help: str | None = None) -> None:
+    """--corpus, --device, (--plot,) --json, --markdown and --quiet, which every study command takes."""
     p.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
     p.add_argument("--device", default="auto")
-    p.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    if plot_help:
+        p.add_argument("--plot", metavar="PATH", help=plot_help)
+    p.add_argument("--json", metavar="PATH", help=json_help)
     p.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -74,12 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--split", default="validation", choices=["validation", "test"])
     c.add_argument("--max-tokens", type=int, default=8192, help="tokens per category (0: the whole split)")
     c.add_argument("--batch-size", type=int, default=8)
-    c.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
-    c.add_argument("--device", default="auto")
-    c.add_argument("--plot", metavar="PATH", help="heat map PNG")
-    c.add_argument("--json", metavar="PATH", help="write the CKA matrix and alignment as JSON")
-    c.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
-    c.add_argument("--quiet", action="store_true", help="no progress bars")
+    _inputs_outputs(c, "write the CKA matrix and alignment as JSON", "heat map PNG")
     c.set_defaults(func=cmd_compare_layers)
 
     w = sub.add_parser("sweep-allocation", help="train MoE+Engram models at one sparse-parameter budget with the "
@@ -98,12 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
     w.add_argument("--warmup-steps", type=int, help="default 20")
     w.add_argument("--eval-tokens", type=int, help="validation tokens per category (default 16384)")
-    w.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
-    w.add_argument("--device", default="auto")
-    w.add_argument("--plot", metavar="PATH", help="loss vs Engram share PNG")
-    w.add_argument("--json", metavar="PATH", help="write the sweep as JSON (it is also in OUT/sweep.json)")
-    w.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
-    w.add_argument("--quiet", action="store_true", help="no progress bars")
+    _inputs_outputs(w, "write the sweep as JSON (it is also in OUT/sweep.json)", "loss vs Engram share PNG")
     w.set_defaults(func=cmd_sweep_allocation)
 
 
@@ -123,8 +121,11 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False)  # the text, built first if missing
 
 
-def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str) -> None:
-    """Write --json / --markdown, or print the markdown."""
+def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str,
+          draw: Callable[[str], Any] | None = None) -> None:
+    """Draw --plot (with `draw(path)`, when given), write --json / --markdown, or print the markdown."""
+    if draw is not None and getattr(args, "plot", None):
+        draw(args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
     if args.markdown:
@@ -183,9 +184,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         _, gate_windows = load_windows(model, corpus, args.split, tokenizer, args.gate_tokens)
         tr = trace(model, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
     report, points = analyze(model, windows, tr, model_name=str(args.dir), split=args.split)
-    if args.plot and points:
-        plot(points, args.plot)
-    _emit(args, report.to_dict(), to_markdown(report))
+    _emit(args, report.to_dict(), to_markdown(report), (lambda path: plot(points, path)) if points else None)
     return 0
 
 
@@ -222,9 +221,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
                                    fit_split=args.fit_split, eval_split=args.split, progress=not args.quiet)
     if args.save:
         predictor.save(args.save)
-    if args.plot:
-        plot(report, args.plot)
-    _emit(args, report.to_dict(), to_markdown(report))
+    _emit(args, report.to_dict(), to_markdown(report), lambda path: plot(report, path))
     return 0
 
 
@@ -245,9 +242,7 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
     _, windows = load_windows(a, corpus, args.split, tok_a, args.max_tokens or None)
     result = compare_layers(a, b, windows, batch_size=args.batch_size, model_a=str(args.a), model_b=str(args.b),
                             split=args.split, progress=not args.quiet)
-    if args.plot:
-        plot(result, args.plot)
-    _emit(args, result.to_dict(), to_markdown(result))
+    _emit(args, result.to_dict(), to_markdown(result), lambda path: plot(result, path))
     return 0
 
 
@@ -266,7 +261,5 @@ def cmd_sweep_allocation(args: argparse.Namespace) -> int:
                            warmup_steps=args.warmup_steps, eval_tokens=args.eval_tokens, corpus=args.corpus,
                            device=args.device)
     report = run_sweep(cfg, progress=not args.quiet)
-    if args.plot:
-        plot(report, args.plot)
-    _emit(args, report.to_dict(), to_markdown(report))
+    _emit(args, report.to_dict(), to_markdown(report), lambda path: plot(report, path))
     return 0
