@@ -1,9 +1,10 @@
-"""The native LRU row cache makes the Python reference's decisions, bit for bit.
+"""The native row cache makes the Python reference's decisions, bit for bit, under every policy.
 
-Hypothesis drives `NativeRowCache` and `RowCache(policy="lru")` with the same operations — probes (with
-duplicates), admits (with duplicates and resident keys), unpins of held probes, `missing` — and after every step
-checks the same slots, hits, admitted counts, victims (the key -> slot index and the LRU order), pins, counters and
-the whole slot array.
+Hypothesis drives `NativeRowCache` and `RowCache` with the same policy (LRU, LFU, lookahead) through the same
+operations — probes (with duplicates, and probes of announced batches), admits (with duplicates and resident keys),
+unpins of held probes, `missing`, announcements and retirements — and after every step checks the same slots, hits,
+admitted counts, victims (the key -> slot index), the policy's own state (LRU order; LFU counts; lookahead idle,
+parked and planned keys with their next uses, live batches), pins, counters and the whole slot array.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tiergram.cache import RowCache
 from tiergram.cache.native import NativeRowCache
 
 ROW_BYTES = 12
+POLICIES = ["lru", "lfu", "lookahead"]
+KEYS = np.arange(0, 25, dtype=np.int64)  # every key the operations use
 
 
 def rows_of(keys: list[int], salt: int) -> np.ndarray:
@@ -30,8 +33,17 @@ def rows_of(keys: list[int], salt: int) -> np.ndarray:
 def assert_same_state(py: RowCache, nat: NativeRowCache) -> None:
     py.check_invariants()
     nat.check_invariants()
-    assert list(py.policy._order) == list(nat.index)  # LRU order, least recent first
     assert py.index == nat.index
+    policy = py.policy
+    if policy.name == "lru":
+        assert list(policy._order) == list(nat.index)  # LRU order, least recent first
+    elif policy.name == "lfu":
+        assert [policy.freq.get(k, 0) for k in KEYS.tolist()] == nat.native.frequencies(KEYS)
+    else:
+        idle, held, planned, next_use = nat.native.lookahead_state()
+        assert list(policy._idle) == idle and list(policy._held) == held
+        assert policy._planned == dict(zip(planned, next_use, strict=True))
+        assert py.live_batches() == nat.live_batches()
     assert vars(py.counters) == vars(nat.counters)
     assert np.array_equal(py.pins, nat.pins)
     assert np.array_equal(py.slot_key, nat.slot_key)
@@ -46,24 +58,32 @@ ops_st = st.lists(
         st.tuples(st.just("admit"), keys_st),
         st.tuples(st.just("unpin"), st.integers(0, 7)),
         st.tuples(st.just("missing"), keys_st),
+        st.tuples(st.just("announce"), keys_st),
+        st.tuples(st.just("probe_announced"), st.integers(0, 7)),
+        st.tuples(st.just("retire"), st.integers(0, 7)),
     ),
     min_size=1, max_size=60,
 )
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(1, 9), ops=ops_st)
-def test_native_lru_equals_reference(capacity, ops):
-    py, nat = RowCache(capacity, ROW_BYTES, "lru"), NativeRowCache(capacity, ROW_BYTES, "lru")
+def test_native_equals_reference(policy, capacity, ops):
+    py, nat = RowCache(capacity, ROW_BYTES, policy), NativeRowCache(capacity, ROW_BYTES, policy)
     held: list[tuple[np.ndarray, np.ndarray]] = []
+    announced: list[tuple[np.ndarray, int | None, int | None]] = []  # keys, reference batch, native batch
+
+    def probe(keys: np.ndarray, batches: tuple[int | None, int | None] = (None, None)) -> None:
+        a, b = py.probe(keys, batches[0]), nat.probe(keys, batches[1])
+        assert np.array_equal(a, b)
+        hit = a >= 0
+        assert np.array_equal(py.rows[a[hit]], nat.rows[b[hit]])  # the rows a lookup would decode
+        held.append((a, b))
+
     for step, (op, arg) in enumerate(ops):
         if op == "probe":
-            keys = np.array(arg, dtype=np.int64)
-            a, b = py.probe(keys), nat.probe(keys)
-            assert np.array_equal(a, b)
-            hit = a >= 0
-            assert np.array_equal(py.rows[a[hit]], nat.rows[b[hit]])  # the rows a lookup would decode
-            held.append((a, b))
+            probe(np.array(arg, dtype=np.int64))
         elif op == "admit":
             keys = np.array(arg, dtype=np.int64)
             rows = rows_of(arg, step)
@@ -75,6 +95,18 @@ def test_native_lru_equals_reference(capacity, ops):
         elif op == "missing":
             keys = np.array(arg, dtype=np.int64)
             assert np.array_equal(py.missing(keys), nat.missing(keys))
+        elif op == "announce":
+            keys = np.array(arg, dtype=np.int64)
+            a, b = py.announce(keys), nat.announce(keys)
+            assert a == b  # None for LRU and LFU
+            announced.append((keys, a, b))
+        elif op == "probe_announced" and announced:  # what a prefetch does: probe its batch, retiring it
+            keys, a, b = announced.pop(arg % len(announced))
+            probe(keys, (a, b))
+        elif op == "retire" and announced:  # a cancelled prefetch
+            _, a, b = announced.pop(arg % len(announced))
+            py.retire(a)
+            nat.retire(b)
         assert_same_state(py, nat)
     for a, b in held:
         py.unpin(a)
@@ -83,48 +115,74 @@ def test_native_lru_equals_reference(capacity, ops):
     assert not nat.pins.any()
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @settings(max_examples=50, deadline=None)
 @given(capacity=st.integers(1, 40), stream=st.lists(st.integers(0, 60), min_size=1, max_size=300),
-       batch=st.integers(1, 12))
-def test_lookup_shaped_streams_match(capacity, stream, batch):
-    """What a lookup does: probe the sorted distinct keys, admit the misses, unpin; many lookups in a row."""
-    py, nat = RowCache(capacity, ROW_BYTES, "lru"), NativeRowCache(capacity, ROW_BYTES, "lru")
-    for i in range(0, len(stream), batch):
-        keys = np.unique(np.array(stream[i:i + batch], dtype=np.int64))
-        a, b = py.probe(keys), nat.probe(keys)
+       batch=st.integers(1, 12), window=st.integers(0, 4))
+def test_lookup_shaped_streams_match(policy, capacity, stream, batch, window):
+    """What the pipeline does: announce each lookup's sorted distinct keys `window` lookups ahead (lookahead), probe
+    them (retiring the announcement), admit the misses, unpin; many lookups in a row."""
+    py, nat = RowCache(capacity, ROW_BYTES, policy), NativeRowCache(capacity, ROW_BYTES, policy)
+    lookups = [np.unique(np.array(stream[i:i + batch], dtype=np.int64)) for i in range(0, len(stream), batch)]
+    batches: list[tuple[int | None, int | None]] = []
+    for t, keys in enumerate(lookups):
+        while len(batches) <= min(t + window, len(lookups) - 1):
+            nxt = lookups[len(batches)]
+            batches.append((py.announce(nxt), nat.announce(nxt)))
+        a, b = py.probe(keys, batches[t][0]), nat.probe(keys, batches[t][1])
         assert np.array_equal(a, b)
         miss = keys[a < 0]
         assert py.admit(miss, rows_of(miss.tolist(), 0)) == nat.admit(miss, rows_of(miss.tolist(), 0))
         py.unpin(a)
         nat.unpin(b)
     assert_same_state(py, nat)
+    assert nat.live_batches() == 0
 
 
 def test_refusals():
     with pytest.raises(ValueError, match="at least one row"):
         NativeRowCache(0, ROW_BYTES)
-    with pytest.raises(ValueError, match="not 'lfu'"):
-        NativeRowCache(4, ROW_BYTES, "lfu")
+    with pytest.raises(ValueError, match="not 'mru'"):
+        NativeRowCache(4, ROW_BYTES, "mru")
     c = NativeRowCache(4, ROW_BYTES)
     with pytest.raises(ValueError, match=r"rows must be uint8 \[2, 12\]"):
         c.admit(np.array([1, 2]), np.zeros((2, 3), dtype=np.uint8))
     with pytest.raises(IndexError, match="slot 9 at index 0 is outside the cache's 4 slots"):
         c.unpin(np.array([9]))
+    with pytest.raises(ValueError, match="not lookahead"):
+        c.native.lookahead_state()
 
 
-def test_all_slots_pinned_rejects():
-    c = NativeRowCache(3, ROW_BYTES)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_all_slots_pinned_rejects(policy):
+    c = NativeRowCache(3, ROW_BYTES, policy)
     c.admit(np.array([1, 2, 3]), rows_of([1, 2, 3], 0))
     slots = c.probe(np.array([1, 2, 3]))
     assert c.admit(np.array([7, 8]), rows_of([7, 8], 0)) == 0
     assert c.counters.rejected == 2 and c.counters.evicted == 0 and set(c.index) == {1, 2, 3}
     c.unpin(slots)
-    assert c.admit(np.array([7]), rows_of([7], 0)) == 1 and 1 not in c.index  # 1 was the least recently used
+    if policy == "lru":
+        assert c.admit(np.array([7]), rows_of([7], 0)) == 1 and 1 not in c.index  # 1 was the least recently used
 
 
-def test_concurrent_use_keeps_invariants():
-    """Threads probing, admitting and unpinning at once (the native calls run without the GIL)."""
-    c = NativeRowCache(16, ROW_BYTES)
+def test_lookahead_keeps_the_row_needed_soonest():
+    """A full cache of announced rows: the one needed furthest ahead is evicted, and a row needed later than every
+    resident one does not enter."""
+    c = NativeRowCache(2, ROW_BYTES, "lookahead")
+    c.admit(np.array([1, 2]), rows_of([1, 2], 0))
+    first, second = c.announce(np.array([2])), c.announce(np.array([1, 3]))
+    assert c.admit(np.array([3]), rows_of([3], 0)) == 0  # 3 is needed after both 1 and 2
+    assert c.counters.rejected == 1
+    c.retire(first)  # 2 has no known use now: the first victim
+    assert c.admit(np.array([3]), rows_of([3], 0)) == 1 and set(c.index) == {1, 3}
+    c.unpin(c.probe(np.array([1, 3]), second))
+    assert c.live_batches() == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_concurrent_use_keeps_invariants(policy):
+    """Threads announcing, probing, admitting and unpinning at once (the native calls run without the GIL)."""
+    c = NativeRowCache(16, ROW_BYTES, policy)
     errors: list[BaseException] = []
 
     def work(seed: int) -> None:
@@ -132,7 +190,7 @@ def test_concurrent_use_keeps_invariants():
         try:
             for _ in range(300):
                 keys = np.unique(rng.integers(0, 64, 6))
-                slots = c.probe(keys)
+                slots = c.probe(keys, c.announce(keys))
                 hit = slots >= 0
                 assert (c.rows[slots[hit]] == rows_of(keys[hit].tolist(), 0)).all()  # pinned rows stay put
                 miss = keys[~hit]
@@ -148,4 +206,4 @@ def test_concurrent_use_keeps_invariants():
         t.join(60)
     assert not errors, errors[0]
     c.check_invariants()
-    assert not c.pins.any()
+    assert not c.pins.any() and c.live_batches() == 0

@@ -29,7 +29,7 @@ from tiergram.store import TieredTable
 
 MODES = ["direct", "buffered", "mmap"]
 POLICIES = [None, "lru", "lfu", "lookahead"]
-NATIVE_POLICIES = (None, "lru")  # what the native fetch pipeline serves (the rest take the Python reference path)
+NATIVE_POLICIES = (None, "lru", "lfu", "lookahead")  # what the native fetch pipeline serves (every policy)
 # (mode, policy, pipeline): the default ('auto': native where it can) and, where that is native, the reference too
 CASES = [(mode, policy, pipe) for mode in MODES for policy in POLICIES
          for pipe in (("auto", "python") if mode != "mmap" and policy in NATIVE_POLICIES else ("auto",))]
@@ -63,8 +63,7 @@ def assert_clean(store: TieredTable) -> None:
         return
     cache.check_invariants()
     assert int(cache.pins.sum()) == 0, "pins left behind"
-    if cache.policy.name == "lookahead":
-        assert cache.policy._batches == {}, "an announced batch was never retired"
+    assert cache.live_batches() == 0, "an announced batch was never retired"
 
 
 def open_file_store(path, mode="direct", policy=None, cache_rows=0, row_bytes=0, **kw) -> TieredTable:
@@ -198,7 +197,7 @@ def test_empty_batches_and_bad_ids(table, host, mode, policy):
 
 
 @pytest.mark.parametrize(("policy", "pipeline"),
-                         [("lru", "native"), ("lru", "python"), ("lfu", "python"), ("lookahead", "python")])
+                         [(p, pipe) for p in ("lru", "lfu", "lookahead") for pipe in ("native", "python")])
 def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy, pipeline):
     """Between a lookup's probe and its copy of the hit rows, another thread's misses must not evict them."""
     rb = host.manifest.row_bytes
@@ -209,9 +208,9 @@ def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy, pipelin
         assert len(store.cache) == 6
         intruder = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])  # 9 rows, all misses
         if policy == "lfu":  # make them frequent enough that LFU's admission would let them in
-            for key in (intruder + store.table.head_offsets).reshape(-1).tolist():
-                for _ in range(10):
-                    store.cache.policy.observe(key)
+            keys = np.unique(intruder + store.table.head_offsets)
+            for _ in range(10):
+                store.cache.unpin(store.cache.probe(keys))  # each probe counts a use
         seen = {}
         if pipeline == "native":  # the probe runs inside the native call: hold that call after its probe
             store.cache.native.hold_next_fetch()
@@ -350,7 +349,7 @@ def test_cancel_pending_ticket(table, host, policy, pipeline, monkeypatch):
         with pytest.raises(CancelledError):
             tickets[2].wait()
         if policy == "lookahead":
-            assert len(store.cache.policy._batches) == 3  # the cancelled one's announcement is retired
+            assert store.cache.live_batches() == 3  # the cancelled one's announcement is retired
         gate.set()
         for i in (3, 1, 0):
             assert_same(tickets[i].wait(30), host.lookup(batches[i]))
@@ -717,7 +716,7 @@ def test_calls_after_close_raise_and_leak_nothing(table, host, policy, pipeline)
 
 
 def test_budget_sizes_the_cache(table, host):
-    from tiergram.store.table import INDEX_BYTES_PER_ROW, STAGING_RESERVE_BYTES
+    from tiergram.store.table import INDEX_BYTES_PER_ROW, NATIVE_POLICY_EXTRA_BYTES_PER_ROW, STAGING_RESERVE_BYTES
 
     rb = host.manifest.row_bytes
     budget = STAGING_RESERVE_BYTES + 1000 * (rb + INDEX_BYTES_PER_ROW["native"])
@@ -729,9 +728,12 @@ def test_budget_sizes_the_cache(table, host):
         assert_same(store.lookup(ids), host.lookup(ids))
         assert_same(store.lookup(ids), host.lookup(ids))
         assert store.stats()["hits"] == 6
-    with TieredTable(table, tier="file", host_memory_bytes=budget, cache_policy="lfu") as store:
+    with TieredTable(table, tier="file", host_memory_bytes=budget, cache_policy="lfu", pipeline="python") as store:
         assert store.stats()["cache"]["capacity_rows"] == (budget - STAGING_RESERVE_BYTES) // (
             rb + INDEX_BYTES_PER_ROW["python"])
+    with TieredTable(table, tier="file", host_memory_bytes=budget, cache_policy="lookahead") as store:
+        assert store.stats()["cache"]["capacity_rows"] == (budget - STAGING_RESERVE_BYTES) // (
+            rb + INDEX_BYTES_PER_ROW["native"] + NATIVE_POLICY_EXTRA_BYTES_PER_ROW["lookahead"])
     with TieredTable(table, tier="file", host_memory_bytes=budget, cache_bytes=10 * rb) as store:
         assert store.stats()["cache"]["capacity_rows"] == 10  # an explicit cache_bytes wins
     with TieredTable(table, tier="file") as store:

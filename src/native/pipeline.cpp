@@ -186,6 +186,16 @@ struct FetchArgs {
   OutKind kind = OutKind::kF32;
   void *out = nullptr;
   int64_t *acc = nullptr, *tier_acc = nullptr;
+  int64_t batch = -1;  // the lookahead batch announced for these ids (a queued prefetch), retired by the probe
+};
+
+// Retires an announced batch unless the probe (which retires it itself) was reached.
+struct RetireUnlessProbed {
+  NativeRowCache *cache;
+  int64_t batch;
+  ~RetireUnlessProbed() {
+    if (cache && batch >= 0) cache->retire(batch);
+  }
 };
 
 // Checks the arguments (GIL held) and captures them.
@@ -217,6 +227,7 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
   int64_t *sum = a.acc, *tier_sum = a.tier_acc;
   const size_t n = a.n;
   auto stop = [&] { return cache && cancel && cancel->load(); };
+  RetireUnlessProbed retire{cache, a.batch};
   check_ids(t.view, a.ids, n);  // RowIndexError -> IndexError naming head, id and position
   if (stop()) throw Cancelled{};
   if (n == 0) {
@@ -229,7 +240,8 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
   std::vector<int64_t> slots(uniq.size(), -1);
   if (cache) {
     std::lock_guard<std::mutex> lock(cache->mutex());
-    cache->probe_locked(uniq.data(), uniq.size(), slots.data());
+    cache->probe_locked(uniq.data(), uniq.size(), slots.data(), a.batch);
+    retire.batch = -1;
   }
   Unpin unpin{cache, slots};
   if (cache) cache->maybe_hold();
@@ -371,6 +383,7 @@ std::pair<int64_t, int64_t> warm(PageSource &src, NativeRowCache &cache, IdsIn i
 struct Job {
   enum State { kPending, kRunning, kDone, kCancelled };
   std::function<void(const std::atomic<bool> *)> work;
+  std::function<void()> on_cancel;  // run (without the job's lock) when a job is cancelled before it ran
   std::mutex mu;
   std::condition_variable cv;
   State state = kPending;
@@ -445,9 +458,14 @@ class FetchQueue {
       stop_ = true;
       if (cancel_pending) {
         for (auto &job : q_) {
-          std::lock_guard<std::mutex> jl(job->mu);
-          if (job->state == Job::kPending) job->state = Job::kCancelled;
-          job->cv.notify_all();
+          bool dropped;
+          {
+            std::lock_guard<std::mutex> jl(job->mu);
+            dropped = job->state == Job::kPending;
+            if (dropped) job->state = Job::kCancelled;
+            job->cv.notify_all();
+          }
+          if (dropped && job->on_cancel) job->on_cancel();
         }
         q_.clear();
       }
@@ -583,14 +601,17 @@ class FetchJob {
 
   // Cancels a queued job (True); a running one is asked to stop at its next phase (False: wait, then look).
   bool cancel() {
-    std::lock_guard<std::mutex> lock(job_->mu);
-    if (job_->state == Job::kPending) {
+    {
+      std::lock_guard<std::mutex> lock(job_->mu);
+      if (job_->state != Job::kPending) {
+        if (job_->state == Job::kRunning) job_->cancel = true;
+        return job_->state == Job::kCancelled;
+      }
       job_->state = Job::kCancelled;
       job_->cv.notify_all();
-      return true;
     }
-    if (job_->state == Job::kRunning) job_->cancel = true;
-    return job_->state == Job::kCancelled;
+    if (job_->on_cancel) job_->on_cancel();  // outside the job's lock: it takes the cache's
+    return true;
   }
 
  private:
@@ -604,15 +625,25 @@ FetchJob *submit_fetch(FetchQueue &q, nb::handle reader, nb::handle cache_obj, I
                        Counts tier_acc) {
   PageSource &src = nb::cast<PageSource &>(reader);
   NativeRowCache *cache = cache_obj.is_none() ? nullptr : &nb::cast<NativeRowCache &>(cache_obj);
-  const FetchArgs a =
-      prepare_fetch(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
+  FetchArgs a = prepare_fetch(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
   auto job = std::make_shared<Job>();
+  if (cache && cache->policy() == Policy::kLookahead) {
+    // Tell the lookahead policy these rows are coming (sorted distinct keys, as the reference announces them), in
+    // queue order; the job's probe retires the batch, a cancellation or a failure before the probe too.
+    check_ids(a.t.view, a.ids, a.n);
+    std::vector<int64_t> uniq;
+    sorted_unique(a.t, a.ids, a.n, uniq);
+    a.batch = cache->announce(uniq.data(), uniq.size());
+    const int64_t batch = a.batch;
+    job->on_cancel = [cache, batch] { cache->retire(batch); };
+  }
   job->work = [a](const std::atomic<bool> *cancel) { run_fetch(a, cancel); };
   auto *handle = new FetchJob(job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows,
                                         out, acc, tier_acc}, q.orphans());
   try {
     q.submit(job);
   } catch (...) {
+    if (job->on_cancel) job->on_cancel();  // never queued: nothing will probe the announced batch
     delete handle;
     throw;
   }

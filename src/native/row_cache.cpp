@@ -1,15 +1,33 @@
-// The native row cache (see row_cache.h): LRU over a slot array, with the Python reference's decisions.
+// The native row cache (see row_cache.h): LRU, LFU or lookahead over a slot array, with the Python reference's
+// decisions.
 #include "row_cache.h"
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
 
 namespace tiergram {
 
-NativeRowCache::NativeRowCache(uint64_t capacity, uint64_t row_bytes) : capacity_(capacity), row_bytes_(row_bytes) {
+Policy policy_from_name(const std::string &name) {
+  if (name == "lru") return Policy::kLRU;
+  if (name == "lfu") return Policy::kLFU;
+  if (name == "lookahead") return Policy::kLookahead;
+  throw std::invalid_argument("unknown cache policy '" + name + "' (valid: lru, lfu, lookahead)");
+}
+
+const char *policy_name(Policy p) {
+  switch (p) {
+    case Policy::kLRU: return "lru";
+    case Policy::kLFU: return "lfu";
+    default: return "lookahead";
+  }
+}
+
+NativeRowCache::NativeRowCache(uint64_t capacity, uint64_t row_bytes, Policy policy)
+    : capacity_(capacity), row_bytes_(row_bytes), policy_(policy) {
   if (capacity < 1) throw std::invalid_argument("cache capacity must be at least one row, got " + std::to_string(capacity));
   if (row_bytes < 1 || row_bytes > (1u << 30)) throw std::invalid_argument("row_bytes must be in [1, 2^30]");
   if (capacity > (uint64_t{1} << 40) / row_bytes)
@@ -18,8 +36,14 @@ NativeRowCache::NativeRowCache(uint64_t capacity, uint64_t row_bytes) : capacity
   rows_.assign(capacity * row_bytes, 0);
   slot_key_.assign(capacity, -1);
   pins_.assign(capacity, 0);
-  prev_.assign(capacity + 1, static_cast<int64_t>(capacity));
-  next_.assign(capacity + 1, static_cast<int64_t>(capacity));
+  // two list sentinels: capacity (LRU / idle) and capacity + 1 (parked)
+  prev_.assign(capacity + 2, 0);
+  next_.assign(capacity + 2, 0);
+  for (int64_t s : {static_cast<int64_t>(capacity), static_cast<int64_t>(capacity + 1)}) prev_[s] = next_[s] = s;
+  if (policy == Policy::kLookahead) {
+    state_.assign(capacity, 0);
+    planned_.assign(capacity, -1);
+  }
   size_t buckets = 16;
   while (buckets < 2 * capacity) buckets <<= 1;  // load factor <= 0.5: short probe runs
   hkeys_.assign(buckets, -1);
@@ -66,8 +90,7 @@ void NativeRowCache::erase(int64_t key) {
   --resident_;
 }
 
-void NativeRowCache::link_tail(int64_t slot) {
-  const int64_t s = static_cast<int64_t>(capacity_);
+void NativeRowCache::link_tail(int64_t slot, int64_t s) {
   const int64_t last = prev_[s];
   next_[last] = slot;
   prev_[slot] = last;
@@ -85,32 +108,284 @@ void NativeRowCache::place(int64_t slot, int64_t key, const uint8_t *src) {
   slot_key_[slot] = key;
 }
 
-void NativeRowCache::probe_locked(const int64_t *keys, size_t n, int64_t *slots) {
+void NativeRowCache::probe_locked(const int64_t *keys, size_t n, int64_t *slots, int64_t batch) {
   uint64_t hits = 0;
   constexpr size_t kAhead = 8;  // index buckets in flight: a large cache's index is DRAM-latency bound
   for (size_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(&hkeys_[home(keys[i])]);
   for (size_t i = 0; i < n; ++i) {
     if (i + kAhead < n) __builtin_prefetch(&hkeys_[home(keys[i + kAhead])]);
+    if (policy_ != Policy::kLRU) p_observe(keys[i]);
     const int64_t slot = find(keys[i]);
     slots[i] = slot;
     if (slot < 0) continue;
     ++hits;
-    unlink(slot);  // touch: most recently used
-    link_tail(slot);
+    p_touch(keys[i], slot);
     if (pins_[slot]++ == 0) ++pinned_slots_;
   }
+  if (batch >= 0) retire_locked(batch);
   counters_.probes += n;
   counters_.hits += hits;
 }
 
-void NativeRowCache::probe(const int64_t *keys, size_t n, int64_t *slots) {
+void NativeRowCache::probe(const int64_t *keys, size_t n, int64_t *slots, int64_t batch) {
   std::lock_guard<std::mutex> lock(mu_);
-  probe_locked(keys, n, slots);
+  probe_locked(keys, n, slots, batch);
+}
+
+int64_t NativeRowCache::announce(const int64_t *keys, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return announce_locked(keys, n);
+}
+
+void NativeRowCache::retire(int64_t batch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  retire_locked(batch);
+}
+
+uint64_t NativeRowCache::live_batches() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return batches_.size();
+}
+
+// ---- the policies ----------------------------------------------------------------------------------------
+
+void NativeRowCache::p_observe(int64_t key) {
+  if (policy_ == Policy::kLFU) {
+    ++freq_[key];
+    if (++ticks_ % kDecayEvery == 0) {  // age: halve every count, forget the ones that reach 0 or 1 -> 0
+      for (auto it = freq_.begin(); it != freq_.end();) {
+        if (it->second > 1) {
+          it->second /= 2;
+          ++it;
+        } else {
+          it = freq_.erase(it);
+        }
+      }
+      lfu_rebuild();
+    }
+  } else if (policy_ == Policy::kLookahead) {
+    // accesses are learnt from announced batches; a new probe returns parked keys to the candidates
+    const int64_t hs = static_cast<int64_t>(capacity_ + 1);
+    if (next_[hs] != hs || !held_plans_.empty()) unpark();
+  }
+}
+
+void NativeRowCache::p_touch(int64_t key, int64_t slot) {
+  switch (policy_) {
+    case Policy::kLRU:
+      unlink(slot);  // most recently used
+      link_tail(slot);
+      break;
+    case Policy::kLFU:
+      lfu_push(freq(key), key);
+      if (lfu_heap_.size() > 4 * resident_ + 64) lfu_rebuild();
+      break;
+    case Policy::kLookahead:
+      if (state_[slot] == kIdle || state_[slot] == kHeld) {
+        unlink(slot);
+        link_tail(slot);
+        state_[slot] = kIdle;
+      }
+      break;
+  }
+}
+
+void NativeRowCache::p_insert(int64_t key, int64_t slot) {
+  switch (policy_) {
+    case Policy::kLRU: link_tail(slot); break;
+    case Policy::kLFU: lfu_push(freq(key), key); break;
+    case Policy::kLookahead: plan(key, slot); break;
+  }
+}
+
+void NativeRowCache::p_remove(int64_t, int64_t slot) {
+  if (policy_ == Policy::kLRU) {
+    unlink(slot);
+  } else if (policy_ == Policy::kLookahead) {
+    if (state_[slot] == kIdle || state_[slot] == kHeld) unlink(slot);
+    state_[slot] = 0;
+    planned_[slot] = -1;
+  }  // LFU: residency is the index's; stale heap entries are skipped
+}
+
+bool NativeRowCache::p_admit(int64_t key, int64_t victim) {
+  if (victim < 0) return true;
+  if (policy_ == Policy::kLFU) return freq(key) > freq(victim);
+  if (policy_ == Policy::kLookahead) return next_use(key) <= next_use(victim);
+  return true;
+}
+
+int64_t NativeRowCache::p_victim() {
+  if (policy_ == Policy::kLFU) {
+    // the unpinned resident key with the lowest count; pinned entries are put back after
+    std::vector<std::pair<int64_t, int64_t>> skipped;
+    int64_t found = -1;
+    while (!lfu_heap_.empty()) {
+      const auto top = lfu_heap_.front();
+      const int64_t slot = find(top.second);
+      if (slot < 0 || top.first != freq(top.second)) {
+        std::pop_heap(lfu_heap_.begin(), lfu_heap_.end(), std::greater<>());
+        lfu_heap_.pop_back();
+      } else if (pins_[slot] > 0) {
+        std::pop_heap(lfu_heap_.begin(), lfu_heap_.end(), std::greater<>());
+        lfu_heap_.pop_back();
+        skipped.push_back(top);
+      } else {
+        found = top.second;
+        break;
+      }
+    }
+    for (const auto &e : skipped) lfu_push(e.first, e.second);
+    return found;
+  }
+  // lookahead: an idle key (LRU first), else the planned key used furthest ahead; keys met pinned are parked
+  // until the next probe, and looked at once more only when nothing else is left
+  int64_t found = la_unpinned();
+  const int64_t hs = static_cast<int64_t>(capacity_ + 1);
+  if (found < 0 && (next_[hs] != hs || !held_plans_.empty())) {
+    unpark();
+    found = la_unpinned();
+  }
+  return found;
+}
+
+void NativeRowCache::lfu_push(int64_t f, int64_t key) {
+  lfu_heap_.emplace_back(f, key);
+  std::push_heap(lfu_heap_.begin(), lfu_heap_.end(), std::greater<>());
+}
+
+void NativeRowCache::lfu_rebuild() {
+  lfu_heap_.clear();
+  for (uint64_t slot = 0; slot < next_free_; ++slot) lfu_heap_.emplace_back(freq(slot_key_[slot]), slot_key_[slot]);
+  std::make_heap(lfu_heap_.begin(), lfu_heap_.end(), std::greater<>());
+}
+
+int64_t NativeRowCache::next_use(int64_t key) {
+  auto it = uses_.find(key);
+  if (it == uses_.end()) return kNever;
+  std::deque<int64_t> &q = it->second;
+  while (!q.empty() && batches_.find(q.front() >> 32) == batches_.end()) q.pop_front();  // retired batches' uses
+  if (q.empty()) {
+    uses_.erase(it);
+    return kNever;
+  }
+  return q.front();
+}
+
+void NativeRowCache::la_push(int64_t neg, int64_t key) {
+  la_heap_.emplace_back(neg, key);
+  std::push_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
+}
+
+void NativeRowCache::la_pop() {
+  std::pop_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
+  la_heap_.pop_back();
+}
+
+// Files a resident key by its next use: idle (no known use; appended to the idle list unless there already) or
+// planned (pushed on the heap).
+void NativeRowCache::plan(int64_t key, int64_t slot) {
+  const int64_t nu = next_use(key);
+  uint8_t st = state_[slot];
+  if (st == kHeld) {
+    unlink(slot);
+    st = 0;
+  }
+  if (nu == kNever) {
+    if (st != kIdle) link_tail(slot);
+    state_[slot] = kIdle;
+    planned_[slot] = -1;
+  } else {
+    if (st == kIdle) unlink(slot);
+    state_[slot] = kPlanned;
+    planned_[slot] = nu;
+    la_push(-nu, key);
+  }
+}
+
+void NativeRowCache::unpark() {
+  const int64_t hs = static_cast<int64_t>(capacity_ + 1);
+  while (next_[hs] != hs) {  // pinned by a lookup a moment ago: the most recently used idle keys
+    const int64_t slot = next_[hs];
+    unlink(slot);
+    link_tail(slot);
+    state_[slot] = kIdle;
+  }
+  for (const auto &e : held_plans_) la_push(e.first, e.second);  // entries gone stale meanwhile are skipped
+  held_plans_.clear();
+}
+
+int64_t NativeRowCache::la_unpinned() {
+  const int64_t s = static_cast<int64_t>(capacity_), hs = s + 1;
+  while (next_[s] != s) {
+    const int64_t slot = next_[s];
+    if (pins_[slot] == 0) return slot_key_[slot];
+    unlink(slot);
+    link_tail(slot, hs);
+    state_[slot] = kHeld;
+  }
+  while (!la_heap_.empty()) {
+    const auto top = la_heap_.front();
+    const int64_t key = top.second, slot = find(key);
+    if (slot < 0 || state_[slot] != kPlanned || planned_[slot] != -top.first) {
+      la_pop();  // stale: evicted or re-planned since
+    } else if (next_use(key) != -top.first) {
+      la_pop();
+      plan(key, slot);  // its batch retired since: re-file it (it may have become idle)
+      if (state_[slot] == kIdle && pins_[slot] == 0) return key;
+    } else if (pins_[slot] > 0) {
+      held_plans_.push_back(top);
+      la_pop();
+    } else {
+      return key;
+    }
+  }
+  for (int64_t v = next_[s]; v != s; v = next_[v])
+    if (pins_[v] == 0) return slot_key_[v];
+  return -1;
+}
+
+int64_t NativeRowCache::announce_locked(const int64_t *keys, size_t n) {
+  if (policy_ != Policy::kLookahead) return -1;
+  if (n >= (uint64_t{1} << 32)) throw std::invalid_argument("an announced batch of " + std::to_string(n) +
+                                                             " keys is over 2^32");
+  const int64_t batch = next_batch_++;
+  batches_.emplace(batch, std::vector<int64_t>(keys, keys + n));
+  for (size_t i = 0; i < n; ++i) {
+    uses_[keys[i]].push_back(batch << 32 | static_cast<int64_t>(i));
+    const int64_t slot = find(keys[i]);
+    if (slot >= 0 && (state_[slot] == kIdle || state_[slot] == kHeld)) plan(keys[i], slot);
+  }
+  return batch;
+}
+
+void NativeRowCache::retire_locked(int64_t batch) {
+  if (batch < 0) return;
+  auto it = batches_.find(batch);
+  if (it == batches_.end()) return;
+  const std::vector<int64_t> keys = std::move(it->second);
+  batches_.erase(it);
+  for (int64_t k : keys) {
+    const int64_t slot = find(k);
+    if (slot >= 0 && state_[slot] == kPlanned) plan(k, slot);
+    else next_use(k);  // drops the retired uses (the reference does so lazily; the answers are the same), so that
+                       // keys announced and never cached do not pile up
+  }
 }
 
 void NativeRowCache::missing(const int64_t *keys, size_t n, uint8_t *out) {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = 0; i < n; ++i) out[i] = find(keys[i]) < 0;
+}
+
+void NativeRowCache::replace(int64_t victim, int64_t key, const uint8_t *src) {
+  const int64_t slot = find(victim);
+  erase(victim);
+  p_remove(victim, slot);
+  ++counters_.evicted;
+  put(key, slot);
+  place(slot, key, src);
+  p_insert(key, slot);
 }
 
 uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8_t *const *src, bool unique) {
@@ -128,31 +403,34 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
   for (size_t k = 0; k < n_free; ++k) {
     const int64_t slot = static_cast<int64_t>(next_free_++);
     put(keys[fresh[k]], slot);
-    link_tail(slot);
     place(slot, keys[fresh[k]], src[fresh[k]]);
+    p_insert(keys[fresh[k]], slot);
   }
   const size_t rest = fresh.size() - n_free;
-  if (rest > 0) {
-    if (pinned_slots_ == capacity_) {
-      counters_.rejected += rest;  // no victim can exist
-    } else {
-      // Every victim in one pass over the LRU order before any is replaced (so the call's own later keys are
-      // never victims of each other), skipping pinned slots.
-      std::vector<int64_t> victims;
-      victims.reserve(rest);
-      const int64_t s = static_cast<int64_t>(capacity_);
-      for (int64_t v = next_[s]; v != s && victims.size() < rest; v = next_[v])
-        if (pins_[v] == 0) victims.push_back(v);
-      counters_.rejected += rest - victims.size();
-      for (size_t j = 0; j < victims.size(); ++j) {
-        const int64_t slot = victims[j];
-        const size_t i = fresh[n_free + j];
-        erase(slot_key_[slot]);
-        unlink(slot);
-        ++counters_.evicted;
-        put(keys[i], slot);
-        link_tail(slot);
-        place(slot, keys[i], src[i]);
+  if (rest > 0 && pinned_slots_ == capacity_) {
+    counters_.rejected += rest;  // no victim can exist
+  } else if (rest > 0 && policy_ == Policy::kLRU) {
+    // Every victim in one pass over the LRU order before any is replaced (so the call's own later keys are
+    // never victims of each other), skipping pinned slots.
+    std::vector<int64_t> victims;
+    victims.reserve(rest);
+    const int64_t s = static_cast<int64_t>(capacity_);
+    for (int64_t v = next_[s]; v != s && victims.size() < rest; v = next_[v])
+      if (pins_[v] == 0) victims.push_back(slot_key_[v]);
+    counters_.rejected += rest - victims.size();
+    for (size_t j = 0; j < victims.size(); ++j) {
+      const size_t i = fresh[n_free + j];
+      replace(victims[j], keys[i], src[i]);
+    }
+  } else if (rest > 0) {
+    // LFU / lookahead: one victim per key, which the policy may refuse to give up for it
+    for (size_t j = n_free; j < fresh.size(); ++j) {
+      const size_t i = fresh[j];
+      const int64_t victim = p_victim();
+      if (victim < 0 || !p_admit(keys[i], victim)) {
+        ++counters_.rejected;
+      } else {
+        replace(victim, keys[i], src[i]);
       }
     }
   }
@@ -191,11 +469,36 @@ NativeRowCache::Counters NativeRowCache::counters() {
 
 void NativeRowCache::order(std::vector<int64_t> &keys, std::vector<int64_t> &slots) {
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t s = static_cast<int64_t>(capacity_);
-  for (int64_t v = next_[s]; v != s; v = next_[v]) {
-    keys.push_back(slot_key_[v]);
-    slots.push_back(v);
+  auto walk = [&](int64_t s) {
+    for (int64_t v = next_[s]; v != s; v = next_[v]) keys.push_back(slot_key_[v]), slots.push_back(v);
+  };
+  if (policy_ != Policy::kLFU) walk(static_cast<int64_t>(capacity_));
+  if (policy_ == Policy::kLookahead) walk(static_cast<int64_t>(capacity_ + 1));
+  if (policy_ == Policy::kLRU) return;
+  for (uint64_t v = 0; v < next_free_; ++v) {
+    if (policy_ == Policy::kLFU || state_[v] == kPlanned) {
+      keys.push_back(slot_key_[v]);
+      slots.push_back(static_cast<int64_t>(v));
+    }
   }
+}
+
+void NativeRowCache::lookahead_state(std::vector<int64_t> &idle, std::vector<int64_t> &held,
+                                     std::vector<int64_t> &planned, std::vector<int64_t> &next_use) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (policy_ != Policy::kLookahead) throw std::invalid_argument("the cache's policy is not lookahead");
+  const int64_t s = static_cast<int64_t>(capacity_);
+  for (int64_t v = next_[s]; v != s; v = next_[v]) idle.push_back(slot_key_[v]);
+  for (int64_t v = next_[s + 1]; v != s + 1; v = next_[v]) held.push_back(slot_key_[v]);
+  for (uint64_t v = 0; v < next_free_; ++v)
+    if (state_[v] == kPlanned) planned.push_back(slot_key_[v]), next_use.push_back(planned_[v]);
+}
+
+std::vector<int64_t> NativeRowCache::frequencies(const int64_t *keys, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = freq(keys[i]);
+  return out;
 }
 
 void NativeRowCache::hold_next_fetch() {
@@ -228,14 +531,31 @@ void NativeRowCache::check_invariants() {
   std::lock_guard<std::mutex> lock(mu_);
   auto fail = [](const std::string &what) { throw std::logic_error("native row cache invariant broken: " + what); };
   uint64_t linked = 0, pinned = 0;
+  auto walk = [&](int64_t s, uint8_t want) {
+    for (int64_t v = next_[s]; v != s; v = next_[v]) {
+      if (++linked > capacity_) fail("a slot list has a cycle");
+      if (slot_key_[v] < 0) fail("free slot " + std::to_string(v) + " in a slot list");
+      if (find(slot_key_[v]) != v) fail("slot " + std::to_string(v) + " key not indexed to it");
+      if (next_[prev_[v]] != v) fail("list links disagree at slot " + std::to_string(v));
+      if (want && state_[v] != want) fail("slot " + std::to_string(v) + " is in the wrong lookahead list");
+    }
+  };
   const int64_t s = static_cast<int64_t>(capacity_);
-  for (int64_t v = next_[s]; v != s; v = next_[v]) {
-    if (++linked > capacity_) fail("LRU list has a cycle");
-    if (slot_key_[v] < 0) fail("free slot " + std::to_string(v) + " in the LRU list");
-    if (find(slot_key_[v]) != v) fail("slot " + std::to_string(v) + " key not indexed to it");
-    if (next_[prev_[v]] != v) fail("LRU links disagree at slot " + std::to_string(v));
+  if (policy_ == Policy::kLRU) walk(s, 0);
+  if (policy_ == Policy::kLookahead) {
+    walk(s, kIdle);
+    walk(s + 1, kHeld);
+    for (uint64_t v = 0; v < next_free_; ++v) {
+      if (state_[v] == kPlanned) ++linked;
+      else if (state_[v] != kIdle && state_[v] != kHeld) fail("resident slot " + std::to_string(v) + " not filed");
+    }
   }
-  if (linked != resident_) fail("LRU list holds " + std::to_string(linked) + " slots, index " + std::to_string(resident_));
+  if (policy_ == Policy::kLFU) {
+    linked = resident_;
+    for (uint64_t v = 0; v < next_free_; ++v)
+      if (find(slot_key_[v]) != static_cast<int64_t>(v)) fail("slot " + std::to_string(v) + " key not indexed to it");
+  }
+  if (linked != resident_) fail("the policy holds " + std::to_string(linked) + " slots, index " + std::to_string(resident_));
   if (resident_ + (capacity_ - next_free_) != capacity_) fail("resident + free != capacity");
   for (uint64_t v = 0; v < capacity_; ++v) {
     if (pins_[v] < 0) fail("slot " + std::to_string(v) + " has negative pins");

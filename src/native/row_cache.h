@@ -1,29 +1,50 @@
-// The native row cache: encoded rows of one table in a slot array, a key -> slot index, LRU order, pins.
+// The native row cache: encoded rows of one table in a slot array, a key -> slot index, pins, and an eviction
+// policy: LRU, LFU with frequency admission, or lookahead (windowed Belady over announced batches).
 //
-// It makes the same decisions as the Python reference (tiergram/cache/row_cache.py with the LRU policy), call for
-// call: free slots are handed out in increasing order, a probe touches its hits in the order given, an admit takes
-// its victims in one pass over the LRU order (pinned slots skipped) before placing any of the call's keys in them.
-// A property test drives both with the same operations and compares hits, victims and rows bit for bit.
+// It makes the same decisions as the Python reference (tiergram/cache/row_cache.py with the policies of
+// tiergram/cache/policies.py), call for call: free slots are handed out in increasing order, a probe observes and
+// touches its keys in the order given; an LRU admit takes its victims in one pass over the LRU order (pinned slots
+// skipped) before placing any of the call's keys in them, an LFU or lookahead admit asks for one victim per key and
+// lets the policy refuse it. A property test drives both with the same operations and compares hits, victims, the
+// policy's order and rows bit for bit.
 #pragma once
 
 #include <cstdint>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace tiergram {
 
+enum class Policy { kLRU, kLFU, kLookahead };
+// The policy named "lru", "lfu" or "lookahead"; invalid_argument names the valid ones.
+Policy policy_from_name(const std::string &name);
+const char *policy_name(Policy p);
+
 class NativeRowCache {
  public:
-  NativeRowCache(uint64_t capacity, uint64_t row_bytes);
+  NativeRowCache(uint64_t capacity, uint64_t row_bytes, Policy policy = Policy::kLRU);
 
   uint64_t capacity() const { return capacity_; }
   uint64_t row_bytes() const { return row_bytes_; }
+  Policy policy() const { return policy_; }
   uint64_t size();
 
-  // slots[i] = slot of keys[i] or -1; every hit is touched (LRU) and pinned. Counts probes and hits.
-  void probe(const int64_t *keys, size_t n, int64_t *slots);
+  // slots[i] = slot of keys[i] or -1; every key is observed, every hit touched and pinned. Counts probes and hits.
+  // batch >= 0: the id announce() gave for these keys (lookahead); probing retires it.
+  void probe(const int64_t *keys, size_t n, int64_t *slots, int64_t batch = -1);
+  // Lookahead: tells the policy the keys [n] a later probe will ask for, in order; returns the batch id (-1 for the
+  // other policies, which learn nothing from it).
+  int64_t announce(const int64_t *keys, size_t n);
+  // Forgets an announced batch that will not be probed (a cancelled prefetch); batch < 0 is ignored.
+  void retire(int64_t batch);
+  // Announced batches not yet probed or retired.
+  uint64_t live_batches();
   // out[i] = 1 if keys[i] is not resident (no pins, nothing counted, no touch).
   void missing(const int64_t *keys, size_t n, uint8_t *out);
   // Offers keys [n] whose encoded rows are at src[i] (row_bytes each); returns how many entered. Duplicates and
@@ -42,8 +63,14 @@ class NativeRowCache {
     uint64_t probes = 0, hits = 0, admitted = 0, rejected = 0, evicted = 0;
   };
   Counters counters();
-  // Resident keys, least recently used first, with their slots.
+  // Resident keys with their slots: LRU least recently used first; LFU in slot order; lookahead idle keys (least
+  // recently used first), then parked keys, then planned keys in slot order.
   void order(std::vector<int64_t> &keys, std::vector<int64_t> &slots);
+  // Lookahead: (idle keys in LRU order, parked keys in order, planned keys, their next use), for tests.
+  void lookahead_state(std::vector<int64_t> &idle, std::vector<int64_t> &held, std::vector<int64_t> &planned,
+                       std::vector<int64_t> &next_use);
+  // LFU: the count of each key (0 if never seen or aged out).
+  std::vector<int64_t> frequencies(const int64_t *keys, size_t n);
   // Throws std::logic_error naming the first broken invariant (index, slot keys, LRU links, pins).
   void check_invariants();
 
@@ -56,7 +83,9 @@ class NativeRowCache {
   void maybe_hold();  // called by the fetch pipeline after its probe, without the cache lock
 
   // The lock-held parts, for the fetch pipeline (which takes mutex() itself around them).
-  void probe_locked(const int64_t *keys, size_t n, int64_t *slots);
+  void probe_locked(const int64_t *keys, size_t n, int64_t *slots, int64_t batch = -1);
+  int64_t announce_locked(const int64_t *keys, size_t n);
+  void retire_locked(int64_t batch);
   uint64_t admit_locked(const int64_t *keys, size_t n, const uint8_t *const *src, bool unique);
   void unpin_locked(const int64_t *slots, size_t n);
   bool contains_locked(int64_t key) const { return find(key) >= 0; }
@@ -70,11 +99,45 @@ class NativeRowCache {
     return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9E3779B97F4A7C15ull) >> shift_);
   }
 
-  void link_tail(int64_t slot);
+  // Intrusive lists over slots: sentinel capacity_ heads the LRU list (lookahead: the idle list), capacity_ + 1
+  // the lookahead's parked list.
+  void link_tail(int64_t slot, int64_t sentinel);
+  void link_tail(int64_t slot) { link_tail(slot, static_cast<int64_t>(capacity_)); }
   void unlink(int64_t slot);
   void place(int64_t slot, int64_t key, const uint8_t *src);
+  bool pinned_key(int64_t key) const { return pins_[find(key)] > 0; }
+
+  // The policy's hooks, in the reference's terms (keys are global row ids; all but observe/admit_ok see resident
+  // keys only). LRU keeps its order in the LRU list alone.
+  void p_observe(int64_t key);
+  void p_touch(int64_t key, int64_t slot);
+  void p_insert(int64_t key, int64_t slot);
+  void p_remove(int64_t key, int64_t slot);
+  int64_t p_victim();  // a resident unpinned key, or -1
+  bool p_admit(int64_t key, int64_t victim);
+  void replace(int64_t victim, int64_t key, const uint8_t *src);  // victim's slot to key
+
+  // LFU (TinyLFU-style ageing: counts halve every kDecayEvery observations).
+  static constexpr uint64_t kDecayEvery = uint64_t{1} << 20;
+  int64_t freq(int64_t key) const {
+    auto it = freq_.find(key);
+    return it == freq_.end() ? 0 : it->second;
+  }
+  void lfu_push(int64_t f, int64_t key);
+  void lfu_rebuild();
+
+  // Lookahead.
+  static constexpr int64_t kNever = int64_t{1} << 62;
+  enum : uint8_t { kIdle = 1, kHeld = 2, kPlanned = 3 };
+  int64_t next_use(int64_t key);
+  void plan(int64_t key, int64_t slot);
+  void unpark();
+  int64_t la_unpinned();
+  void la_push(int64_t neg, int64_t key);
+  void la_pop();
 
   uint64_t capacity_, row_bytes_;
+  Policy policy_;
   std::vector<uint8_t> rows_;
   std::vector<int64_t> slot_key_;  // -1: free
   std::vector<int32_t> pins_;
@@ -89,6 +152,20 @@ class NativeRowCache {
   unsigned shift_ = 0;
   Counters counters_;
   std::mutex mu_;
+
+  // LFU: count per key seen (resident or not), min-heap of (count when pushed, key), stale entries skipped.
+  std::unordered_map<int64_t, int64_t> freq_;
+  std::vector<std::pair<int64_t, int64_t>> lfu_heap_;
+  uint64_t ticks_ = 0;
+
+  // Lookahead: announced uses per key (batch << 32 | index, in order), live batches, per-slot state and next use,
+  // a max-heap on next use (as a min-heap of (-next use, key)), and the heap entries parked until the next probe.
+  std::unordered_map<int64_t, std::deque<int64_t>> uses_;
+  std::unordered_map<int64_t, std::vector<int64_t>> batches_;
+  int64_t next_batch_ = 0;
+  std::vector<uint8_t> state_;
+  std::vector<int64_t> planned_;
+  std::vector<std::pair<int64_t, int64_t>> la_heap_, held_plans_;
 
   enum class Hold { kNone, kArmed, kHeld, kReleased };
   std::mutex hold_mu_;

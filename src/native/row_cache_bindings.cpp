@@ -1,5 +1,7 @@
 // Python bindings of the native row cache; the Python wrapper is tiergram.cache.native.NativeRowCache.
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <vector>
@@ -23,22 +25,52 @@ nb::ndarray<nb::numpy, T> view(T *data, const size_t (&shape)[D], nb::handle own
 }  // namespace
 
 void register_row_cache(nb::module_ &m) {
-  nb::class_<NativeRowCache>(m, "RowCacheLRU",
-                             "Native LRU row cache over a slot array [capacity, row_bytes]: key -> slot index, pins, "
-                             "counters; the same decisions as tiergram.cache.RowCache(policy='lru').")
-      .def(nb::init<uint64_t, uint64_t>(), nb::arg("capacity"), nb::arg("row_bytes"))
+  nb::class_<NativeRowCache>(m, "RowCache",
+                             "Native row cache over a slot array [capacity, row_bytes]: key -> slot index, pins, "
+                             "counters, policy 'lru', 'lfu' or 'lookahead'; the same decisions as "
+                             "tiergram.cache.RowCache with that policy.")
+      .def(
+          "__init__",
+          [](NativeRowCache *self, uint64_t capacity, uint64_t row_bytes, const std::string &policy) {
+            new (self) NativeRowCache(capacity, row_bytes, policy_from_name(policy));
+          },
+          nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("policy") = "lru")
+      .def_prop_ro("policy", [](NativeRowCache &c) { return std::string(policy_name(c.policy())); })
       .def_prop_ro("capacity", &NativeRowCache::capacity)
       .def_prop_ro("row_bytes", &NativeRowCache::row_bytes)
       .def("__len__", &NativeRowCache::size)
       .def(
           "probe",
-          [](NativeRowCache &c, IdsIn keys, SlotsOut slots) {
+          [](NativeRowCache &c, IdsIn keys, SlotsOut slots, int64_t batch) {
             require(slots.size() == keys.size(), "slots must be int64 [n] like keys");
             nb::gil_scoped_release release;
-            c.probe(keys.data(), keys.size(), slots.data());
+            c.probe(keys.data(), keys.size(), slots.data(), batch);
           },
-          nb::arg("keys").noconvert(), nb::arg("slots").noconvert(),
-          "slots[i] = slot of keys[i] or -1 (int64 [n]); hits are touched and pinned.")
+          nb::arg("keys").noconvert(), nb::arg("slots").noconvert(), nb::arg("batch") = -1,
+          "slots[i] = slot of keys[i] or -1 (int64 [n]); hits are touched and pinned; batch >= 0 (announce's id) "
+          "is retired.")
+      .def(
+          "announce",
+          [](NativeRowCache &c, IdsIn keys) {
+            nb::gil_scoped_release release;
+            return c.announce(keys.data(), keys.size());
+          },
+          nb::arg("keys").noconvert(),
+          "Lookahead: the keys int64 [n] a later probe will ask for; returns the batch id (-1: other policies).")
+      .def("retire", &NativeRowCache::retire, nb::arg("batch"),
+           "Forget an announced batch that will not be probed (batch < 0 ignored).")
+      .def("live_batches", &NativeRowCache::live_batches, "Announced batches not yet probed or retired.")
+      .def("lookahead_state",
+           [](NativeRowCache &c) {
+             std::vector<int64_t> idle, held, planned, next_use;
+             c.lookahead_state(idle, held, planned, next_use);
+             return std::make_tuple(idle, held, planned, next_use);
+           },
+           "(idle keys LRU first, parked keys, planned keys, their next uses): for tests.")
+      .def(
+          "frequencies",
+          [](NativeRowCache &c, IdsIn keys) { return c.frequencies(keys.data(), keys.size()); },
+          nb::arg("keys").noconvert(), "LFU: the count of each key of int64 [n].")
       .def(
           "missing",
           [](NativeRowCache &c, IdsIn keys, MaskOut out) {
@@ -79,7 +111,7 @@ void register_row_cache(nb::module_ &m) {
              c.order(keys, slots);
              return std::make_pair(keys, slots);
            },
-           "(resident keys least recently used first, their slots).")
+           "(resident keys in the policy's order, their slots): see row_cache.h.")
       .def("check_invariants", &NativeRowCache::check_invariants)
       .def("hold_next_fetch", &NativeRowCache::hold_next_fetch,
            "Test hook: the next fetch through this cache waits after its probe (hits pinned) until release_held().")

@@ -1,9 +1,9 @@
-"""NativeRowCache: the LRU row cache in C++ (index, LRU order, pins, counters over a slot array).
+"""NativeRowCache: the row cache in C++ (index, LRU / LFU / lookahead policy, pins, counters over a slot array).
 
 The file tier's fetch pipeline (`tiergram._native.fetch`) probes, admits and reads it without the GIL; this
 wrapper gives it RowCache's interface so that callers, statistics and tests see one kind of cache. It makes the
-same decisions as `RowCache(policy="lru")` call for call (tests/test_native_cache.py checks hits, victims and
-rows bit for bit).
+same decisions as `RowCache` with the same policy, call for call (tests/test_native_cache.py checks hits, victims,
+the policy's order and rows bit for bit).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 from tiergram import _native
 from tiergram.cache.row_cache import CacheCounters
 
-NATIVE_POLICIES = ("lru",)
+NATIVE_POLICIES = ("lru", "lfu", "lookahead")
 
 
 class _PolicyName:
@@ -24,7 +24,7 @@ class _PolicyName:
 
 
 class NativeRowCache:
-    """Up to `capacity` encoded rows of `row_bytes` each, LRU, thread-safe; the interface of RowCache."""
+    """Up to `capacity` encoded rows of `row_bytes` each under `policy`, thread-safe; the interface of RowCache."""
 
     def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
         if policy not in NATIVE_POLICIES:
@@ -35,7 +35,7 @@ class NativeRowCache:
         self.capacity = int(capacity)
         self.row_bytes = int(row_bytes)
         self.policy = _PolicyName(policy)
-        self.native = _native.RowCacheLRU(self.capacity, self.row_bytes)
+        self.native = _native.RowCache(self.capacity, self.row_bytes, policy)
         # views of the native arrays (they live as long as self.native)
         self.rows: np.ndarray = self.native.rows
         self.pins: np.ndarray = self.native.pins
@@ -60,22 +60,31 @@ class NativeRowCache:
 
     @property
     def index(self) -> dict[int, int]:
-        """A snapshot of key -> slot, least recently used first (for tests and inspection)."""
+        """A snapshot of key -> slot in the policy's order (LRU: least recently used first; for tests)."""
         keys, slots = self.native.order()
         return dict(zip(keys, slots, strict=True))
 
-    def announce(self, keys: np.ndarray) -> None:
-        """LRU learns nothing from announcements: no batch id."""
-        return None
+    def announce(self, keys: np.ndarray) -> int | None:
+        """Tell a lookahead policy a batch of keys int64 [n] that a later probe will ask for; its batch id (else
+        None: the other policies learn nothing from it)."""
+        batch = self.native.announce(np.ascontiguousarray(keys, dtype=np.int64).reshape(-1))
+        return None if batch < 0 else int(batch)
 
     def retire(self, batch: int | None) -> None:
-        """Nothing to retire (announce gives no batch)."""
+        """Forget an announced batch that will not be probed (a cancelled prefetch)."""
+        if batch is not None:
+            self.native.retire(batch)
+
+    def live_batches(self) -> int:
+        """Announced batches not yet probed or retired."""
+        return int(self.native.live_batches())
 
     def probe(self, keys: np.ndarray, batch: int | None = None) -> np.ndarray:
-        """int64 slots [n] for keys int64 [n] (-1 for a miss); every hit comes back pinned."""
+        """int64 slots [n] for keys int64 [n] (-1 for a miss); every hit comes back pinned; probing retires
+        `batch`."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
         slots = np.empty(keys.size, dtype=np.int64)
-        self.native.probe(keys, slots)
+        self.native.probe(keys, slots, -1 if batch is None else batch)
         return slots
 
     def missing(self, keys: np.ndarray) -> np.ndarray:
@@ -97,5 +106,5 @@ class NativeRowCache:
         self.native.unpin(np.ascontiguousarray(slots, dtype=np.int64).reshape(-1))
 
     def check_invariants(self) -> None:
-        """Raise if the index, LRU links, slot keys or pins disagree (used by tests)."""
+        """Raise if the index, the policy's lists, slot keys or pins disagree (used by tests)."""
         self.native.check_invariants()

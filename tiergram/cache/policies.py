@@ -159,6 +159,10 @@ class LookaheadPolicy:
                 self._plan(k)
         return batch
 
+    def live_batches(self) -> int:
+        """Announced batches not yet finished."""
+        return len(self._batches)
+
     def finish(self, batch: int) -> None:
         """Retire an announced batch (probed, or cancelled): its keys' next uses move on."""
         for k in self._batches.pop(batch, ()):

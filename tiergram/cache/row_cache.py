@@ -62,6 +62,12 @@ class RowCache:
         with self._lock:
             return extend(np.asarray(keys).reshape(-1).tolist())
 
+    def live_batches(self) -> int:
+        """Announced batches not yet probed or retired (0 for policies without announcements)."""
+        with self._lock:
+            live = getattr(self.policy, "live_batches", None)
+            return live() if live is not None else 0
+
     def retire(self, batch: int | None) -> None:
         """Forget an announced batch that will not be probed (a cancelled prefetch)."""
         if batch is not None:

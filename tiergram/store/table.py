@@ -27,9 +27,11 @@ PIPELINES = ("auto", "native", "python")
 # Host-memory budget (host_memory_bytes without cache_bytes): what the cache does not get. Staging: the buffer each
 # reading thread keeps (the prefetch worker, the warm-up worker and one caller thread). Index: per cached row, the
 # native cache's key -> slot table (2-4 buckets of 16 B), LRU links (16 B), slot key (8 B) and pins (4 B); the
-# Python reference cache's dict and ordered dict take about 256 B.
+# Python reference cache's dict and ordered dict take about 256 B. The native lookahead policy adds a state byte,
+# a next use (8 B) and its heap entries (16 B each); native LFU its heap (up to 4 entries of 16 B) and the counts.
 STAGING_RESERVE_BYTES = 3 * STAGING_KEEP_BYTES
 INDEX_BYTES_PER_ROW = {"native": 96, "python": 256}
+NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
 
 
 class TieredTable(ManifestGeometry):
@@ -45,9 +47,9 @@ class TieredTable(ManifestGeometry):
     Without `cache_bytes`, a `host_memory_bytes` budget sizes the file tier's cache: what is left after the staging
     buffers and the cache's index (docs/placement.md); with neither there is no cache. pipeline 'auto' serves the
     file tier's O_DIRECT/buffered reads through the native fetch pipeline (one call without the GIL per lookup:
-    dedup, cache probe, page reads, checksums, admission, decode) when the cache policy is LRU or there is no
-    cache, and everything else (mmap, lfu/lookahead caches, other tiers) through the Python reference path;
-    'python' forces the reference path, 'native' refuses a table it cannot serve natively.
+    dedup, cache probe, page reads, checksums, admission, decode; a native cache of any policy), and everything
+    else (mmap, other tiers) through the Python reference path; 'python' forces the reference path, 'native'
+    refuses a table it cannot serve natively.
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
@@ -91,11 +93,11 @@ class TieredTable(ManifestGeometry):
                      and (cache_policy in NATIVE_POLICIES or not wants_cache))
         if pipeline == "native" and not native_ok:
             raise ValueError(f"the native fetch pipeline serves tier='file' with file_mode 'direct' or 'buffered' and "
-                             f"an LRU cache or none, not tier={tier!r} file_mode={file_mode!r} "
-                             f"cache_policy={cache_policy!r}")
+                             f"a cache policy of {', '.join(NATIVE_POLICIES)} (or no cache), not tier={tier!r} "
+                             f"file_mode={file_mode!r} cache_policy={cache_policy!r}")
         self.pipeline = "native" if native_ok and pipeline != "python" else "python"
         if cache_bytes is None and host_memory_bytes is not None and tier != "host":
-            cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline)
+            cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
         cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
         self.cache = cache_cls.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
         self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None)
@@ -248,9 +250,11 @@ class TieredTable(ManifestGeometry):
             raise ValueError(f"TieredTable for {self.table.path} is closed")
 
     @staticmethod
-    def _budget_cache_bytes(budget: int, row_bytes: int, pipeline: str) -> int:
+    def _budget_cache_bytes(budget: int, row_bytes: int, pipeline: str, policy: str = "lru") -> int:
         """Cache bytes a host-memory budget leaves: (budget - staging) rows of row_bytes + index; ValueError if none."""
         per_row = row_bytes + INDEX_BYTES_PER_ROW[pipeline]
+        if pipeline == "native":
+            per_row += NATIVE_POLICY_EXTRA_BYTES_PER_ROW.get(policy, 0)
         rows = (budget - STAGING_RESERVE_BYTES) // per_row
         if rows < 1:
             raise ValueError(f"host_memory_bytes={budget} leaves no room for a cache: staging takes "
