@@ -118,7 +118,7 @@ def _load(args: argparse.Namespace):
         raise ValueError(f"{args.dir} has no tokenizer.json")
     if not model.engram_layers:
         raise ValueError(f"{args.dir} has no Engram layers to study")
-    return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False)  # the text, built first if missing
+    return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False, progress=not args.quiet)  # built if missing
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str,
@@ -228,7 +228,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
 def cmd_compare_layers(args: argparse.Namespace) -> int:
     from tiergram.analysis.cka import compare_layers, plot, to_markdown
     from tiergram.analysis.trace import load_windows
-    from tiergram.corpus import corpus_dir
+    from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.tiers.device import resolve_device
 
@@ -238,7 +238,7 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
     if tok_a is None or tok_b is None or tok_a.to_str() != tok_b.to_str():
         raise ValueError(f"{args.a} and {args.b} must both have the same tokenizer.json (CKA compares the models on "
                          "the same tokens)")
-    corpus = Path(args.corpus) if args.corpus else corpus_dir()
+    corpus = ensure_corpus(args.corpus, tokenizer=False, progress=not args.quiet)  # the text, built first if missing
     _, windows = load_windows(a, corpus, args.split, tok_a, args.max_tokens or None)
     result = compare_layers(a, b, windows, batch_size=args.batch_size, model_a=str(args.a), model_b=str(args.b),
                             split=args.split, progress=not args.quiet)
