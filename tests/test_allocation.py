@@ -51,12 +51,13 @@ def test_verdict():
 
 
 def test_tiny_sweep_trains_scores_and_plots(tmp_path, capsys):
-    corpus = fixture_corpus(tmp_path / "cache")
+    corpus = fixture_corpus(tmp_path / "cache", vocab_size=None)  # the sweep trains the missing tokenizer first
     out, png, md = tmp_path / "sweep", tmp_path / "sweep.png", tmp_path / "sweep.md"
     args = ["sweep-allocation", "--out", str(out), "--shares", "0,50", "--tokens", str(3 * 4 * 32), "--d-model", "32",
             "--layers", "2", "--max-seq", "32", "--experts", "4", "--expert-ffn", "16", "--batch-size", "4",
             "--warmup-steps", "1", "--eval-tokens", "200", "--corpus", str(corpus), "--device", "cpu", "--quiet"]
     assert main(args + ["--plot", str(png), "--markdown", str(md)]) == 0
+    assert (corpus / "tokenizer.json").is_file()
     result = json.loads((out / "sweep.json").read_text())
     assert [p["run"] for p in result["points"]] == ["share00-s0", "share50-s0"]
     assert all(p["steps"] == 3 and np.isfinite(p["loss"]["value"]) for p in result["points"])

@@ -184,7 +184,7 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationRepo
     import torch
     from tqdm import tqdm
 
-    from tiergram.corpus import PAD, corpus_dir, load_tokenizer
+    from tiergram.corpus import PAD, ensure_corpus, load_tokenizer
     from tiergram.model.checkpoint import load_pretrained, write_json
     from tiergram.model.evaluate import eval_documents, score_documents
     from tiergram.model.train import TrainConfig, train
@@ -192,7 +192,7 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationRepo
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = Path(cfg.corpus) if cfg.corpus else corpus_dir()
+    corpus = ensure_corpus(cfg.corpus, progress=progress)  # a missing corpus / tokenizer is built first, as train does
     tokenizer = load_tokenizer(corpus / "tokenizer.json")
     pad = tokenizer.token_to_id(PAD)
     if pad is None:
