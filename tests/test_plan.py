@@ -349,3 +349,23 @@ def test_sweep_placement_names() -> None:
     assert sweep_placement("host", cfg) == Placement("host")
     with pytest.raises(ValueError, match="'mooncake'"):
         sweep_placement("mooncake", cfg)
+
+
+def test_calibrate_times_large_tables_with_the_host_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiergram.plan.calibrate import RESIDENT_STEP_TABLE_BYTES, step_placement
+
+    assert step_placement(33 << 20) == "device"  # the demo's tables: timed resident
+    assert step_placement(RESIDENT_STEP_TABLE_BYTES + 1) == "host"  # an init-model V4.1 table: as a sweep serves it
+    assert main(["plan", "calibrate", str(tmp_path / "a"), "--model", str(tmp_path / "b")]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
+def test_validate_reports_the_predicted_stall_share_beside_the_measured() -> None:
+    res = validate(_sweep("unused", 1.0), MODEL, CPU)
+    for r in res["points"]:
+        p = predict_point(MODEL, CPU, Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10,
+                                               max_output_len=5),
+                          Placement(r["placement"], 0.1 if r["placement"] == "file" else 0.0, hit_rate=r["hit_rate"]),
+                          r["concurrency"])
+        assert r["predicted_stall_share"] == pytest.approx(p.terms.get("engram exposed", 0.0) / p.step_s, abs=1e-4)
+        assert (r["predicted_stall_share"] > 0) == (r["placement"] == "file")

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
-       tiergram plan calibrate [MODEL_DIR] [--out SPEC.toml]
+       tiergram plan calibrate [MODEL_DIR | --model DIR] [--out SPEC.toml]
        tiergram plan validate SWEEP_JSON... --hardware SPEC [--model MODEL] [--json]
        tiergram plan studies [--out DIR] [--model-dir DIR]   the predictions of docs/planner.md, with plots
 
@@ -51,10 +51,13 @@ def _calibrate_parser() -> argparse.ArgumentParser:
                                             "and write a hardware spec.")
     p.add_argument("model_dir", nargs="?", default=None,
                    help="a trained model directory to time steps on (default: the demo's model in the cache)")
+    p.add_argument("--model", dest="model_opt", default=None, metavar="DIR",
+                   help="the same as MODEL_DIR: calibrate on the model you will predict (its backbone's steps, its "
+                        "tables' row size and codec, the disk under its table files), e.g. an `init-model` one")
     p.add_argument("--out", default=None, help="spec path (default: this-machine.toml in the cache)")
     p.add_argument("--disk-seconds", type=float, default=1.0, help="seconds per queue depth (default 1)")
     p.add_argument("--no-serve", action="store_true",
-                   help="skip the HTTP-path measurement (a real server under a closed loop at c = 1 and 4)")
+                   help="skip the HTTP-path measurement (a real server under a closed loop at c = 1, 4, 16)")
     return p
 
 
@@ -153,7 +156,9 @@ def _calibrate(a: argparse.Namespace) -> int:
     from tiergram.plan.calibrate import calibrate, to_toml
     from tiergram.plan.specs import calibrated_path, load_hardware
 
-    model_dir = a.model_dir or str(cache_dir("models") / "demo-small")
+    if a.model_dir and a.model_opt and a.model_dir != a.model_opt:
+        raise ValueError(f"plan calibrate: two models given ({a.model_dir} and --model {a.model_opt}): give one")
+    model_dir = a.model_opt or a.model_dir or str(cache_dir("models") / "demo-small")
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"{model_dir}: no trained model there (run `tiergram demo` once, or pass a model directory)")
     cal = calibrate(model_dir, disk_seconds=a.disk_seconds, serve=not a.no_serve)

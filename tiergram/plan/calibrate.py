@@ -35,16 +35,37 @@ def _log(progress: bool, msg: str) -> None:
         print(msg, flush=True)
 
 
+# tables up to this size are timed resident ("device" on a CPU: a torch tensor); larger ones, e.g. the 8 GiB
+# V4.1-geometry tables, with the host tier, which loads them just as fast and is what a sweep serves them with
+RESIDENT_STEP_TABLE_BYTES = 1 << 30
+
+
+def step_placement(table_bytes: int) -> str:
+    """The placement calibrate times the engine's steps with: device for small tables, host for large ones."""
+    return "device" if table_bytes <= RESIDENT_STEP_TABLE_BYTES else "host"
+
+
 def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), input_len: int = 128,
-               output_len: int = 32, progress: bool = True) -> dict[str, float]:
-    """Fit step seconds = overhead + per_token x tokens + per_seq x sequences over the engine's real steps."""
+               output_len: int = 32, progress: bool = True, placement: str = "device",
+               gather_s_per_row: float = 0.0, gather_s_per_step: float = 0.0) -> dict[str, float]:
+    """Fit step seconds = overhead + per_token x tokens + per_seq x sequences over the engine's real steps.
+
+    With `placement="host"` each step's host-tier gather (`gather_s_per_step` + rows x `gather_s_per_row`, measured
+    beforehand on the same table) is taken off before the fit: the step model adds it back for the host and file
+    placements, so it must not be in the backbone's cost too.
+    """
     from tqdm import tqdm
 
     from tiergram.engine import EngineConfig, LLMEngine, SamplingParams
+    from tiergram.plan.specs import model_from_dir
 
+    rows_per_token = model_from_dir(Path(model_dir)).engram.rows_per_token
     rng = np.random.default_rng(0)
     rows: list[tuple[float, float, float]] = []  # (tokens, seqs, seconds)
-    cfg = EngineConfig(model_dir, "device", device_memory_bytes=8 << 30, max_num_seqs=max(batches))
+    if placement == "device":
+        cfg = EngineConfig(model_dir, "device", device_memory_bytes=8 << 30, max_num_seqs=max(batches))
+    else:
+        cfg = EngineConfig(model_dir, placement, max_num_seqs=max(batches))
     with LLMEngine(cfg) as engine:
         vocab = engine.model.config.vocab_size
         for n in tqdm(batches, desc="engine steps", disable=not progress):
@@ -59,7 +80,10 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
                     dt = time.perf_counter() - t0
                     last = engine.scheduler.last
                     if rep and last:
-                        rows.append((float(sum(t for _, t, _ in last)), float(len(last)), dt))
+                        tok = float(sum(t for _, t, _ in last))
+                        if placement != "device":
+                            dt -= gather_s_per_step + tok * rows_per_token * gather_s_per_row
+                        rows.append((tok, float(len(last)), dt))
     # one sample per batch shape (its median step), weighted by how often it ran: a loaded machine's slow
     # outliers then move the fit far less than in a fit over every step
     shapes = sorted({(t, s) for t, s, _ in rows})
@@ -71,18 +95,18 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
     coef = _nonneg_lstsq(a * w[:, None], y * w)
     pred = a @ coef
     return {"step_overhead_s": float(coef[0]), "per_token_s": float(coef[1]), "per_seq_s": float(coef[2]),
-            "steps": len(rows), "samples": rows,
+            "steps": len(rows), "samples": rows, "placement": placement,
             "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
 
 
-def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, int] = (1, 4), input_len: int = 128,
+def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, ...] = (1, 4, 16), input_len: int = 128,
                 output_len: int = 32, requests_per_user: int = 4) -> dict[str, float]:
     """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
 
     A real `tiergram serve` (host placement) and the closed-loop streaming client of `bench serve` on held-out
     text (starting 400K tokens into the trace, past the requests a default sweep replays) at two concurrencies;
     the gap between each measured request cycle and the engine-only step model is split into
-    t_req + S·c·t_http by solving the two equations.
+    t_req + S·c·t_http by least squares over the concurrencies.
     """
     import asyncio
 
@@ -113,10 +137,9 @@ def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, int] = (1, 4)
             steps = steps_per_request(wl, c)
             engine = step_terms(spec, hw, wl, Placement("host"), c)[0]
             gaps.append((c, steps, cycle - steps * engine))
-    (c1, s1, g1), (c2, s2, g2) = gaps
-    # g = t_req + S·c·t_http at both concurrencies
-    a = np.array([[1.0, s1 * c1], [1.0, s2 * c2]])
-    coef = _nonneg_lstsq(a, np.array([g1, g2]))
+    # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
+    a = np.array([[1.0, s * c] for c, s, _ in gaps])
+    coef = _nonneg_lstsq(a, np.array([g for _, _, g in gaps]))
     return {"request_overhead_s": float(coef[0]), "per_seq_http_s": float(coef[1]),
             "gaps_s": [round(g, 5) for _, _, g in gaps]}
 
@@ -262,15 +285,21 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     cal = Calibration()
     spec = model_from_dir(Path(model_dir))
     tables = layer_tables(model_dir)
-    _log(progress, "[1/5] engine steps (device-resident tables)")
-    max_seq = int(read_config(model_dir)["model"].get("max_seq", 256))
-    st = step_costs(model_dir, batches, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
-                    progress=progress)
-    _log(progress, f"      overhead {st['step_overhead_s'] * 1e3:.2f} ms/step, {st['per_token_s'] * 1e6:.0f} us/token, "
-                   f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps)")
-    _log(progress, "[2/5] host tier lookups")
+    n_layers = len(spec.engram.layers)
+    _log(progress, f"calibrating on {model_dir}: {n_layers} Engram layers x {spec.engram.heads} rows per token, "
+                   f"{spec.engram.row_bytes}-byte rows, {spec.engram.table_bytes / 2**30:.2f} GiB of tables")
+    _log(progress, "[1/5] host tier lookups")
     g = gather_costs(tables[0], spec.engram.heads, seconds=gather_seconds)
     _log(progress, f"      {g['per_call_s'] * 1e6:.0f} us per lookup call + {g['rows_per_s'] / 1e6:.1f} M rows/s")
+    where = step_placement(spec.engram.table_bytes)
+    _log(progress, f"[2/5] engine steps ({where} tables"
+                   + (", less each step's host gather measured above)" if where != "device" else ")"))
+    max_seq = int(read_config(model_dir)["model"].get("max_seq", 256))
+    st = step_costs(model_dir, batches, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
+                    progress=progress, placement=where, gather_s_per_row=1.0 / g["rows_per_s"],
+                    gather_s_per_step=g["per_call_s"] * n_layers)
+    _log(progress, f"      overhead {st['step_overhead_s'] * 1e3:.2f} ms/step, {st['per_token_s'] * 1e6:.0f} us/token, "
+                   f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps)")
     _log(progress, "[3/5] disk: random 4 KiB reads at queue depths " + ", ".join(map(str, QUEUE_DEPTHS))
          + "; the file tier's hit and miss paths")
     d = disk_curve(tables[0], disk_seconds)
@@ -283,12 +312,14 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     bw = host_bandwidth()
     mem = host_memory_bytes()
     srv = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0}
+    # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
+    flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
         from tiergram.plan.model import DiskSpec, HardwareSpec
 
-        _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = 1 and 4")
+        _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = 1, 4, 16")
         engine_hw = HardwareSpec(
-            name="engine", kind="cpu", device_memory_bytes=2 * 2**30, device_bw=bw, compute_flops=1e9,
+            name="engine", kind="cpu", device_memory_bytes=2 * 2**30, device_bw=bw, compute_flops=flops,
             step_overhead_s=st["step_overhead_s"], per_seq_s=st["per_seq_s"], host_memory_bytes=mem, host_bw=bw,
             gather_rows_s=g["rows_per_s"], link_bw=0.0, per_token_s=st["per_token_s"],
             gather_call_s=g["per_call_s"] * len(spec.engram.layers),
@@ -296,8 +327,6 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         srv = serve_costs(model_dir, engine_hw, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4))
         _log(progress, f"      {srv['request_overhead_s'] * 1e3:.1f} ms per request, "
                        f"{srv['per_seq_http_s'] * 1e6:.0f} us per sequence per step on top of the engine")
-    flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
-    n_layers = len(spec.engram.layers)
     cal.values = {
         "name": f"this machine ({os.cpu_count()} CPUs)", "kind": "cpu",
         "device_memory_gb": round(2 * 2**30 / 1e9, 6),
@@ -320,9 +349,10 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                             "--device-memory when it had one",
         "device_bw_gbps": f"{how}: a {256} MiB numpy copy (no separate device memory on a CPU)",
         "compute_tflops": f"{how}: the model's FLOPs per token / the fitted seconds per token",
-        "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps (R^2 {st['r2']:.2f})",
+        "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps of {Path(model_dir).name} "
+                            f"({where} tables; R^2 {st['r2']:.2f})",
         "per_seq_us": f"{how}: the same fit" + (", plus the HTTP path's cost per sequence per step (`tiergram serve` "
-                                                 "under a closed loop at c = 1 and 4)" if serve else ""),
+                                                 "under a closed loop at c = 1, 4 and 16)" if serve else ""),
         "per_token_us": f"{how}: the same fit",
         "request_overhead_ms": f"{how}: the HTTP path's fixed cost per request (same closed loop)" if serve else
                                "not measured (calibrate --no-serve)",

@@ -128,6 +128,7 @@ class Compared:
     measured_runs: list[float]  # each run's throughput when several repeats were merged
     measured_binding: str  # from the sweep's own evidence: disk reads against its limit, exposed stall, else CPU
     stall_share: float  # exposed stall seconds / measured seconds
+    predicted_stall_share: float  # the step model's exposed fetch / its step time (the same quantity, predicted)
     disk_share: float  # file pages/s / the disk's limit measured in the same sweep
 
 
@@ -238,7 +239,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
                              p.binding, p.interactivity, float(inter) if inter is not None else None, p.hit_rate,
                              source, [round(x, 1) for x in pt.get("throughput_runs", [measured])], binds,
-                             round(stall, 4), round(disk, 4)))
+                             round(stall, 4), round(p.terms.get("engram exposed", 0.0) / p.step_s, 4)
+                             if p.step_s > 0 else 0.0, round(disk, 4)))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -266,7 +268,9 @@ def validate_text(res: dict[str, Any]) -> str:
             hit += " runs: " + ", ".join(f"{x:,.0f}" for x in r["measured_runs"])
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
                      f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']} (measured "
-                     f"{r['measured_binding']}: stall {r['stall_share']:.1%}, disk {r['disk_share']:.0%}){hit}")
+                     f"{r['measured_binding']}: stall {r['stall_share']:.1%} "
+                     f"[predicted {r['predicted_stall_share']:.1%}], "
+                     f"disk {r['disk_share']:.0%}){hit}")
     for kind, lim in res["limits"].items():
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
