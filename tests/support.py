@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tiergram.corpus import PAD, Source, build_corpus, directory_source, train_tokenizer
+from tiergram.corpus import PAD, SOURCES, Source, build_corpus, directory_source, train_tokenizer
 from tiergram.corpus.sources import python_group, stdlib_root
 from tiergram.model import EngramLM, ModelConfig, tiny_config
 
@@ -58,3 +59,17 @@ def spread(model: EngramLM, seed: int) -> EngramLM:
             p.copy_(torch.randn(p.shape, generator=g))  # rows of unit scale, so fp8 rounding visibly matters
     model.tok_emb.weight.mul_(10)
     return model.eval()
+
+
+def offline_default_sources(monkeypatch: pytest.MonkeyPatch, root: Path) -> Path:
+    """Point the tiergram cache at root/cache and the default corpus sources at local folders (no network), so a
+    command that builds the default corpus on a fresh machine can be run; returns where that corpus will be."""
+    monkeypatch.setenv("TIERGRAM_CACHE", str(root / "cache"))
+    notes = root / "notes"
+    notes.mkdir(parents=True, exist_ok=True)
+    (notes / "notes.txt").write_text("Plain notes on hashing n-grams into rows of a table, long enough to keep.\n")
+    monkeypatch.setitem(SOURCES, "python-stdlib", stdlib_source())
+    monkeypatch.setitem(SOURCES, "python-docs", directory_source("python-docs", FIXTURE, "CC0-1.0"))
+    for name in ("linux-docs", "perl-doc"):
+        monkeypatch.setitem(SOURCES, name, directory_source(name, notes, "CC0-1.0"))
+    return root / "cache" / "corpus"

@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from support import FIXTURE, fixture_corpus, stdlib_source, tiny_config_for
+from support import fixture_corpus, offline_default_sources, tiny_config_for
 
 from tiergram.analysis.cka import LayerComparison, alignment, collect_states, compare_layers, linear_cka, verdict
 from tiergram.analysis.trace import load_windows
 from tiergram.cli import main
-from tiergram.corpus import SOURCES, directory_source, load_tokenizer
+from tiergram.corpus import load_tokenizer
 from tiergram.model import EngramLM
 from tiergram.model.checkpoint import save_pretrained
 from tiergram.model.model import make_hasher
@@ -111,15 +111,7 @@ def test_cli_compare_layers(models, tmp_path, capsys):
 
 def test_cli_compare_layers_builds_a_missing_corpus(models, tmp_path, monkeypatch, capsys):
     """With no --corpus and an empty cache, compare-layers builds the default corpus first (as probe etc. do)."""
-    monkeypatch.setenv("TIERGRAM_CACHE", str(tmp_path / "cache"))
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "notes.txt").write_text("Plain notes on hashing n-grams into rows of a table, long enough to keep.\n")
-    # the default sources, all local (no network): the stdlib subset, the fixture folder, a folder of notes
-    monkeypatch.setitem(SOURCES, "python-stdlib", stdlib_source())
-    monkeypatch.setitem(SOURCES, "python-docs", directory_source("python-docs", FIXTURE, "CC0-1.0"))
-    for name in ("linux-docs", "perl-doc"):
-        monkeypatch.setitem(SOURCES, name, directory_source(name, docs, "CC0-1.0"))
+    corpus = offline_default_sources(monkeypatch, tmp_path)
     _, _, m = models
     assert main(["compare-layers", str(m["engram"][0]), str(m["base"][0]), "--max-tokens", "200", "--quiet"]) == 0
-    assert (tmp_path / "cache" / "corpus" / "manifest.json").is_file() and "linear CKA" in capsys.readouterr().out
+    assert (corpus / "manifest.json").is_file() and "linear CKA" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support import offline_default_sources
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -95,3 +96,11 @@ def test_unknown_geometry_is_refused(tmp_path, tokenizer_file):
 
     with pytest.raises(ValueError, match="unknown Engram geometry 'v9'.*deepseek-v4.1"):
         init_model(tmp_path / "m", engram_geometry="v9", table_gib=0.01, tokenizer=tokenizer_file)
+
+
+def test_default_tokenizer_is_the_cache_corpus_s_built_when_missing(tmp_path, monkeypatch):
+    """No --tokenizer on a fresh machine: the cache's corpus and tokenizer are built first (as demo does)."""
+    corpus = offline_default_sources(monkeypatch, tmp_path)
+    out = tmp_path / "m"
+    assert main(["init-model", str(out), "--table-gib", "0.004", "--backbone", "tiny", "--quiet"]) == 0
+    assert (corpus / "tokenizer.json").is_file() and (out / "tokenizer.json").is_file()

@@ -94,20 +94,21 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     """Write a servable model directory: the backbone preset with random weights, the geometry's Engram layers,
     and one random-init fp8_e4m3 table file per Engram layer, all tables together about table_gib GiB on disk.
 
-    tokenizer: a tokenizer.json (or a folder holding one); default the corpus's. OSError before anything is
-    written when the tables would not fit the disk's free space.
+    tokenizer: a tokenizer.json (or a folder holding one); default the cache corpus's, built first (with progress)
+    when missing, as `demo` does. OSError before anything is written when the tables would not fit the disk's free
+    space.
     """
-    from tiergram.corpus import PAD, corpus_dir, load_tokenizer
+    from tiergram.corpus import PAD, ensure_corpus, load_tokenizer
 
     geo = geometry(engram_geometry)
     if not table_gib > 0:
         raise ValueError(f"--table-gib must be > 0, got {table_gib}")
-    tok_path = Path(tokenizer) if tokenizer is not None else corpus_dir() / "tokenizer.json"
+    tok_path = Path(tokenizer) if tokenizer is not None else ensure_corpus(progress=progress) / "tokenizer.json"
     if tok_path.is_dir():
         tok_path = tok_path / "tokenizer.json"
     if not tok_path.is_file():
-        raise FileNotFoundError(f"no tokenizer at {tok_path}: build the corpus (`tiergram corpus build`) or give "
-                                "--tokenizer FILE")
+        raise FileNotFoundError(f"no tokenizer at {tok_path}: give --tokenizer a tokenizer.json (or leave it out "
+                                "for the cache corpus's, built if missing)")
     tok = load_tokenizer(tok_path)
     pad = tok.token_to_id(PAD)
     if pad is None:
