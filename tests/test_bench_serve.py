@@ -8,7 +8,19 @@ import numpy as np
 import pytest
 from test_server import make_tiny_model
 
-from tiergram.bench.serve import Point, Round, Timing, Trace, levels, pareto, summarize
+from tiergram.bench.serve import (
+    Point,
+    Round,
+    SweepConfig,
+    SweepResult,
+    Timing,
+    Trace,
+    checks,
+    checks_text,
+    levels,
+    pareto,
+    summarize,
+)
 from tiergram.cli import main
 
 
@@ -65,6 +77,7 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     assert set(checks["file_vs_host"]["ratios"]) == {"1", "2"} and checks["file_vs_host"]["cache_fraction"] == 0.1
     assert checks["budget"]["binds"] is False
     assert set(res["disk_pages_per_s"]) == {"before", "after"} and min(res["disk_pages_per_s"].values()) > 0
+    assert res["servers"]["file"]["file_mode"] == checks["file_vs_host"]["file_mode"] == "direct"  # limits measured
     assert set(checks["file_vs_host"]["file_pages_per_s"]) == {"1", "2"}
     assert set(checks["file_vs_host"]["cpu_per_token_vs_host"]) == {"1", "2"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -92,3 +105,18 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     assert p.file_pages_per_s == pytest.approx(35 / 3.5)
     assert p.itl_p90_ms == pytest.approx(2.0) and p.ttft_p50_ms == pytest.approx(10.0)
     assert p.cpu_ms_per_token == pytest.approx(1e3 * 0.6 / 300)  # CPU over every round's 3 x 100 tokens
+
+
+def test_page_cache_reads_get_no_disk_limit():
+    """A file server reading buffered (O_DIRECT refused) is labelled so, and no disk limit is printed beside it."""
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"))
+    servers = {"host": {"concurrency_limit": 2, "cache_bytes": 0},
+               "file": {"concurrency_limit": 2, "cache_bytes": 100, "file_mode": "buffered"}}
+    points = [point(1, 100, 50), point(1, 90, 45)]
+    points[1].placement = "file"
+    res = SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={})
+    res.checks = checks(res)
+    assert res.checks["file_vs_host"]["file_mode"] == "buffered"
+    text = checks_text(res)
+    assert "file tier reads (buffered)" in text and "no disk limit (O_DIRECT refused" in text
+    assert "the disk's limit" not in text

@@ -38,6 +38,7 @@ from tiergram.bench.serve_process import (
     ServerProcess,
     cache_budgets,
     concurrency_limit,
+    file_mode,
     layer_table_bytes,
     layer_tables,
     peak_rss,
@@ -49,8 +50,8 @@ from tiergram.bench.serve_stats import BIG_TARGET, Point, Round, SweepResult, ch
 __all__ = [
     "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",
     "Timing", "Trace", "TraceRequest", "cache_budgets", "checks", "checks_text", "closed_loop", "concurrency_limit",
-    "disk_limit", "file_label", "kind_of", "layer_table_bytes", "layer_tables", "levels", "one_request", "pareto",
-    "peak_rss", "plot", "run", "scrape", "summarize", "to_json", "to_markdown", "to_text", "trace_tokens",
+    "disk_limit", "file_label", "file_mode", "kind_of", "layer_table_bytes", "layer_tables", "levels", "one_request",
+    "pareto", "peak_rss", "plot", "run", "scrape", "summarize", "to_json", "to_markdown", "to_text", "trace_tokens",
 ]
 
 
@@ -63,13 +64,16 @@ def levels(limit: int, max_concurrency: int) -> list[int]:
     return out if out[-1] == cap else [*out, cap]
 
 
-def disk_limit(path: Path, seconds: float = 1.0) -> float:
-    """Random 4 KiB-page reads per second the disk gives the native reader at queue depth 128 (O_DIRECT)."""
+def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
+    """Random 4 KiB-page reads per second the disk gives the native reader at queue depth 128 (O_DIRECT); None
+    where the filesystem refuses O_DIRECT: reads through the page cache would measure the cache, not the disk."""
     from tiergram.bench.file_lookup import LimitReader
     from tiergram.format import TableFile
 
     reader = LimitReader(TableFile.open(path), 128)
     try:
+        if not reader.reader.direct:
+            return None
         return reader.segment(seconds).figures()["pages_per_s"]
     finally:
         reader.close()
@@ -105,8 +109,13 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     disk: dict[str, float] = {}
     disk_table = layer_tables(cfg.big_model_dir)[0] if cfg.big_model_dir else tables[0]
     if any(kind_of(lb) == "file" for lb in labels):
-        disk["before"] = disk_limit(disk_table)
-        _log(progress, f"disk limit (native reader, QD128, O_DIRECT): {disk['before']:.0f} pages/s")
+        before = disk_limit(disk_table)
+        if before is None:
+            _log(progress, f"{disk_table}: the filesystem refuses O_DIRECT; the file servers read through the page "
+                           "cache and no disk limit is measured")
+        else:
+            disk["before"] = before
+            _log(progress, f"disk limit (native reader, QD128, O_DIRECT): {before:.0f} pages/s")
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
     live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
@@ -128,7 +137,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             waiting = max(256, 2 * cfg.max_concurrency)
             server = stack.enter_context(ServerProcess(
                 cfg, kind_of(placement), cb, max_waiting=waiting,
-                model_dir=cfg.big_model_dir if placement == "file-big" else None))
+                model_dir=cfg.big_model_dir if placement == "file-big" else None,
+                extra_args=("--no-prompt-rows-first",) if placement.endswith(NOWAIT) else ()))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))
@@ -138,6 +148,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                   "table_bytes": sum(layer_table_bytes(cfg.big_model_dir if placement == "file-big"
                                                                        else cfg.model_dir)),
                                   "peak_rss_bytes_at_start": peak_rss(server.proc.pid)}
+            if kind_of(placement) == "file":
+                servers[placement]["file_mode"] = file_mode(layer_tables(servers[placement]["model_dir"])[0])
             if limit < 1:
                 _log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
                                "sequence; skipped")
@@ -169,9 +181,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
         for pl, pid in procs.items():
             servers[pl]["peak_rss_bytes"] = peak_rss(pid)
-    if disk:
-        disk["after"] = disk_limit(disk_table)
-        _log(progress, f"disk limit after the sweep: {disk['after']:.0f} pages/s")
+    if disk and (after := disk_limit(disk_table)) is not None:
+        disk["after"] = after
+        _log(progress, f"disk limit after the sweep: {after:.0f} pages/s")
     points.sort(key=lambda p: (labels.index(p.placement), p.concurrency))
     fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in labels}
     res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk)

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.serve_config import SweepConfig, file_label, kind_of
+from tiergram.bench.serve_config import NOWAIT, SweepConfig, file_label, kind_of
 
 
 class ServerProcess:
     """`tiergram serve` in a subprocess on a free loopback port; stopped with SIGTERM (drained)."""
 
     def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
-                 model_dir: str | None = None) -> None:
+                 model_dir: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         cmd = [sys.executable, "-m", "tiergram", "serve", model_dir or cfg.model_dir, "--placement", placement,
                "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
                "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
@@ -34,6 +34,7 @@ class ServerProcess:
             cmd += ["--host-memory", str(cfg.host_memory)]
         if placement == "mooncake":
             cmd += ["--mooncake-master", cfg.mooncake_master or ""]
+        cmd += list(extra_args)
         self.cmd, self.timeout = cmd, cfg.startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -129,6 +130,9 @@ def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
         caches[file_label(fraction) if len(cfg.fractions) > 1 else "file"] = int(fraction * smallest)
     if "mooncake" in caches:  # the same host cache as the file placement
         caches["mooncake"] = int(cfg.fractions[0] * smallest)
+    for label in labels:
+        if label.endswith(NOWAIT):  # the same cache as the server it is compared with
+            caches[label] = caches[label.removesuffix(NOWAIT)]
     if cfg.big_model_dir:
         first_file = next((caches[lb] for lb in labels if lb != "file-big" and kind_of(lb) == "file"),
                           int(cfg.fractions[0] * smallest))
@@ -140,3 +144,16 @@ def concurrency_limit(cfg: SweepConfig, kv_blocks_total: int) -> int:
     """The sequences of input_len + output_len tokens a server's K/V blocks hold at once, capped by max_num_seqs."""
     blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
     return min(cfg.max_num_seqs, kv_blocks_total // blocks_per_seq)
+
+
+def file_mode(path: Path) -> str:
+    """The read mode a file server's tier gets on a table file: 'direct' (O_DIRECT), or 'buffered' where the
+    filesystem refuses O_DIRECT (the native reader's fallback: reads then go through the page cache)."""
+    from tiergram.format import TableFile
+    from tiergram.tiers.file import FileTier
+
+    tier = FileTier(TableFile.open(path), mode="direct", queue_depth=1)
+    try:
+        return tier.mode
+    finally:
+        tier.close()

@@ -42,7 +42,9 @@ def checks_text(res: SweepResult) -> str:
                      f"[{rs(f['ratios'])}]")
         reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
-        lines.append(f"    file tier reads, pages/s: {reads}; the disk's limit (QD128), pages/s: {disk} the sweep")
+        limit = (f"the disk's limit (QD128, O_DIRECT), pages/s: {disk} the sweep" if disk else
+                 "no disk limit (O_DIRECT refused: the reads went through the page cache)")
+        lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
         lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
     peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
                       if s_.get("peak_rss_bytes"))

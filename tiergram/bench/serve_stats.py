@@ -156,6 +156,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
             "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target,
             "cache_fraction": _fraction(res, label),
             "cache_bytes": res.servers[label]["cache_bytes"],
+            "file_mode": res.servers[label].get("file_mode"),  # buffered: O_DIRECT refused, reads via the page cache
             "table_bytes": res.servers[label].get("table_bytes"),
             "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
             "cpu_per_token_vs_host": _ratios(res, label, "host", "cpu_ms_per_token"),
