@@ -71,9 +71,7 @@ def masked_engram(engram: torch.nn.Module, hidden: torch.Tensor, rows: torch.Ten
     A switched-off position contributes no value to the short conv and gets no output, which is what
     skipping the layer at that position in a cached forward does (engram_enabled=False for a chunk).
     """
-    gates = engram.gates(hidden, rows=rows)
-    w = engram.value_proj.weight
-    value = gates.unsqueeze(-1) * engram.value_proj(rows.to(w).flatten(-2)).unsqueeze(2)
+    value, gates = engram.gated_value(hidden, rows=rows)  # the module's own gate and value, before the conv
     if keep is not None:
         value = value * keep[:, :, None, None].to(value)
     out = value if engram.short_conv is None else value + engram.short_conv(value)
