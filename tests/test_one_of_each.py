@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tiergram.bench import common, gpu, serve
+from tiergram.bench import common, gpu, serve_config, serve_stats
 from tiergram.cache import POLICIES
 from tiergram.cli import model as cli_model
 from tiergram.cli import serve as cli_serve
@@ -27,14 +27,16 @@ def test_auto_device_resolves_like_none() -> None:
 def test_constants_have_one_owner() -> None:
     """Imported from their owner, not copied."""
     assert engine_config.FILE_MODES is file_tier.FILE_MODES
-    assert gpu.HOST_TARGET is common.HOST_TARGET and serve.HOST_TARGET is common.HOST_TARGET
-    assert serve.FILE_TARGET is common.FILE_TARGET
+    assert gpu.HOST_TARGET is common.HOST_TARGET and serve_stats.HOST_TARGET is common.HOST_TARGET
+    assert serve_stats.FILE_TARGET is common.FILE_TARGET
     assert cli_study.TIERS is cli_model.TIERS
 
 
 def test_cli_mirrors_agree_with_their_owners() -> None:
     """The CLI keeps its choices torch-free; they must name only what the owners accept."""
     assert set(cli_serve.PLACEMENTS) <= set(engine_config.PLACEMENT_KINDS)  # `serve` may offer fewer
+    assert set(serve_config.PLACEMENTS) <= set(engine_config.PLACEMENT_KINDS)  # so may `bench serve`
+    assert set(serve_config.DEFAULT_PLACEMENTS) <= set(serve_config.PLACEMENTS)
     assert set(cli_serve.CACHE_POLICIES) == set(POLICIES)
     assert tuple(cli_model.TIERS) == tuple(checkpoint.TIERS)
 
