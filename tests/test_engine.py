@@ -3,6 +3,7 @@ prefill, mixed steps, preemption, abort), budget arithmetic, replay, queue bound
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -184,7 +185,8 @@ def test_decode_and_prefill_share_a_step(model_dir):
 
 def test_prefill_ahead_guesses_the_next_steps_prompt_chunks(model_dir):
     a, b, c = prompts_of(5, 30, 12, seed=13)
-    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=8192), max_num_batched_tokens=8) as eng:
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=8192), max_num_batched_tokens=8,
+                prompt_rows_first=False) as eng:
         eng.add_request("a", a, SamplingParams(max_tokens=10, ignore_eos=True))
         eng.step()  # a's prompt is in: it decodes from now on
         for rid, p in (("b", b), ("c", c)):
@@ -477,3 +479,61 @@ def test_exported_directory_and_a_model_without_engram(model_dir, tmp_path):
     with engine(tmp_path / "plain") as eng:
         assert eng.generate(PROMPTS, GREEDY) == [generate(plain, p, 12).ids for p in PROMPTS]
         assert eng.metrics().engram["bytes_read"] == {} and eng.tokenizer is None and eng.eos_token_id is None
+
+
+def test_a_new_prompt_joins_once_its_rows_are_read(model_dir):
+    """prompt_rows_first: a prompt arriving while others decode reads its first chunk's rows before it joins the
+    batch (its step then finds them cached); one arriving alone starts at once. Same greedy tokens either way."""
+    a, b = prompts_of(6, 20, seed=17)
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=1 << 20)) as eng:
+        eng.add_request("a", a, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert eng._seqs["a"].rows_pending == []  # nothing else runs: no reason to wait
+        got = {"a": [t for o in eng.step() for t in o.new_token_ids], "b": []}
+        eng.add_request("b", b, SamplingParams(max_tokens=4, ignore_eos=True))
+        seq = eng._seqs["b"]
+        assert seq.rows_pending and seq.warmed_to == len(b)  # both layers' read-aheads of b's prompt
+        for source in eng.sources.values():
+            source.drain_warm()
+        before = {layer: s.stats()["misses"] for layer, s in eng.sources.items()}
+        for out in eng.step():  # b's rows are in: it joins this step beside a's decode
+            got[out.request_id] += out.new_token_ids
+        assert eng.scheduler.last[0] == ("a", 1, False) and eng.scheduler.last[1][:2] == ("b", len(b))
+        # a's decode token may miss; b's 20 prompt positions hit the cache
+        assert all(s.stats()["misses"] - before[layer] <= s.num_heads for layer, s in eng.sources.items())
+        for rid, outs in drain(eng).items():
+            got[rid] += [t for o in outs for t in o.new_token_ids]
+    assert [got["a"], got["b"]] == [expected(model_dir, [a], 8)[0], expected(model_dir, [b], 4)[0]]
+
+
+def test_a_waiting_prompt_holds_back_no_one(model_dir, monkeypatch):
+    """While a prompt's rows are being read, running sequences keep decoding; once nothing else runs the engine
+    waits for the rows (not spinning), gives up after PROMPT_ROWS_MAX_WAIT_S, and the tokens are the model's own."""
+    import tiergram.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "PROMPT_ROWS_MAX_WAIT_S", 0.2)
+    a, b = prompts_of(4, 24, seed=19)
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=1 << 20)) as eng:
+        eng.add_request("a", a, SamplingParams(max_tokens=3, ignore_eos=True))
+        eng.step()
+        eng.add_request("b", b, SamplingParams(max_tokens=3, ignore_eos=True))
+        eng._seqs["b"].rows_pending.append(_NeverDone())  # a read-ahead that does not finish
+        order, got, steps = [], {"a": [], "b": []}, 0
+        while eng.has_unfinished():
+            for out in eng.step():
+                got[out.request_id] += out.new_token_ids
+            order += [rid for rid, _, _ in eng.scheduler.last]
+            steps += 1
+        assert order == ["a", "a", "b", "b", "b"]  # a decoded on while b waited; b came once its wait was over
+        assert steps < 10  # the empty steps while b waited blocked on its rows instead of spinning
+    assert got == {"a": expected(model_dir, [a], 3)[0][1:], "b": expected(model_dir, [b], 3)[0]}
+
+
+class _NeverDone:
+    """A read-ahead ticket that never finishes."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        time.sleep(timeout or 0)
+        raise TimeoutError

@@ -162,6 +162,9 @@ class EngineConfig:
     # read the rows of the next step's prompt chunks into the file tier's cache during this step (and a new
     # request's while the step it arrived in runs): prefill rows are known before their step is scheduled
     read_ahead: bool = True
+    # with read_ahead: a new prompt joins the batch only once its first chunk's rows are in the cache (read while
+    # other sequences decode), so its compulsory reads do not stall their steps; alone it starts at once
+    prompt_rows_first: bool = True
     # host memory the Engram tables may use in all (None: no limit), split evenly over the Engram layers: a host
     # placement must fit its share whole; a file placement's cache, staging and index are sized to fit it
     host_memory_bytes: int | None = None

@@ -32,6 +32,9 @@ from tiergram.model.model import EngramLM
 from tiergram.tiers.device import resolve_device
 
 EOS_TOKEN = "<|endoftext|>"
+# a prompt whose rows are still being read after this long joins the batch anyway (its step reads what is missing)
+PROMPT_ROWS_MAX_WAIT_S = 2.0
+AHEAD_KEPT = 64  # read-aheads started by read_ahead() and not yet claimed by add_request, newest kept
 
 
 class QueueFullError(RuntimeError):
@@ -79,6 +82,9 @@ class LLMEngine:
         self._stats = EngineMetrics(stall_by_layer_s=dict.fromkeys(self.placements, 0.0))  # the running counters
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
         self._read_ahead = config.read_ahead and self.runner.can_warm
+        self._rows_first = self._read_ahead and config.prompt_rows_first
+        # read_ahead()'s tickets by first-chunk tokens, claimed by the add_request of that prompt
+        self._ahead: dict[tuple[int, ...], list[Any]] = {}
 
     def _load(self, model_dir: Path, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
@@ -129,6 +135,13 @@ class LLMEngine:
             seq = Sequence(request_id, prompt, len(prompt), params, next(self._arrivals),
                            min(params.max_tokens, room), generator)
             self._seqs[request_id] = seq
+            if self._rows_first and self._reading_ahead() and self._busy():
+                # others are decoding: read this prompt's first chunk now, and let it join once the rows are in
+                chunk = prompt[:self.config.max_num_batched_tokens]
+                tickets = self._ahead.pop(tuple(chunk), None)
+                if tickets is None:
+                    tickets = self.runner.warm([(chunk, 0, len(chunk))])
+                seq.rows_pending, seq.rows_since, seq.warmed_to = tickets, time.perf_counter(), len(chunk)
             self.scheduler.add(seq)
             self._stats.prompt_tokens += len(prompt)
             if self._reading_ahead() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
@@ -141,7 +154,7 @@ class LLMEngine:
     def read_ahead(self, prompt_token_ids: list[int]) -> None:
         """From any thread, before add_request: if a step runs now, start reading the rows of the prompt's first
         chunk into the file caches, so the step that prefills it finds them there (a no-op otherwise)."""
-        if not (self._reading_ahead() and self._inflight):
+        if not (self._reading_ahead() and self._busy()):
             return
         try:
             ids = [int(t) for t in prompt_token_ids]
@@ -149,11 +162,27 @@ class LLMEngine:
             return  # bad input is add_request's to refuse, with the message it deserves
         if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
             chunk = ids[:self.config.max_num_batched_tokens]
-            self.runner.warm([(chunk, 0, len(chunk))])
+            tickets = self.runner.warm([(chunk, 0, len(chunk))])
+            if self._rows_first:
+                with self._lock:  # add_request claims them (the rows are not read twice)
+                    self._ahead[tuple(chunk)] = tickets
+                    while len(self._ahead) > AHEAD_KEPT:
+                        del self._ahead[next(iter(self._ahead))]
 
     def _reading_ahead(self) -> bool:
         """Read-ahead is on and the degrade policy is at level 0: under stall pressure no speculative reads."""
         return self._read_ahead and self.degrader.level == 0
+
+    def _busy(self) -> bool:
+        """A step runs now or sequences are running: a new prompt's rows can be read while they compute."""
+        return bool(self._inflight or self.scheduler.running)
+
+    def _rows_ready(self, seq: Sequence) -> bool:
+        """(Under the lock) whether a waiting sequence's read-ahead rows are in, or it has waited long enough."""
+        if seq.rows_pending and (all(t.done() for t in seq.rows_pending)
+                                 or time.perf_counter() - seq.rows_since > PROMPT_ROWS_MAX_WAIT_S):
+            seq.rows_pending = []
+        return not seq.rows_pending
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort".
@@ -206,11 +235,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self._lock:
             outputs, self._aborted = self._aborted, []
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule(self._rows_ready if self._rows_first else None)
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
             ahead = [(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)] \
                 if self._reading_ahead() and batch.seqs else []
+            # nothing runs and the first waiting prompt's rows are still being read: wait for them (outside the lock)
+            head = self.scheduler.waiting[0] if not batch.seqs and self.scheduler.waiting else None
+            pending = (list(head.rows_pending), head.rows_since) if head is not None else ([], 0.0)
         if not batch.seqs:
+            await_rows(*pending)
             return outputs
         try:
             result = self.runner.execute(batch.seqs, batch.num_new, ahead)
@@ -350,6 +383,19 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def await_rows(tickets: list[Any], since: float) -> None:
+    """Wait for read-ahead tickets until PROMPT_ROWS_MAX_WAIT_S after `since`; their errors are not ours (a
+    read-ahead is advisory: the step that needs the rows reads them again and reports a failure itself)."""
+    for ticket in tickets:
+        left = since + PROMPT_ROWS_MAX_WAIT_S - time.perf_counter()
+        if left <= 0:
+            return
+        try:
+            ticket.wait(left)
+        except Exception:  # noqa: BLE001, S110 - timeout, cancelled or failed read-ahead: the step reads the rows
+            pass
 
 
 def describe(error: BaseException) -> str:

@@ -33,7 +33,7 @@ class StepResult:
 
     logits: torch.Tensor  # float32 [B, V]
     stall_s: float  # time blocked in ticket.wait() (rows not ready when their layer came)
-    hash_s: float  # hashing + starting the prefetches
+    hash_s: float  # hashing + starting the prefetches + the K/V layout (built while the reads run)
     forward_s: float  # the rest of the forward
     stall_by_layer: dict[int, float] = field(default_factory=dict)
     skipped_rows: int = 0  # rows the degrade policy did not fetch (positions skipped x H, over the layers)
@@ -66,12 +66,13 @@ class ModelRunner:
     def _warmable(self) -> dict[int, RowStore]:
         return {layer: src for layer, src in self.sources.items() if src.cache is not None}
 
-    def warm(self, windows: list[tuple[list[int], int, int]]) -> None:
+    def warm(self, windows: list[tuple[list[int], int, int]]) -> list[Any]:
         """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (on each
-        table's warm-up worker, beside its prefetches); what is not read in time is simply fetched by its step."""
+        table's warm-up worker, beside its prefetches); what is not read in time is simply fetched by its step.
+        Returns the read-aheads' tickets (one per table; `done()` once its rows are in the cache or it failed)."""
         targets = self._warmable()
         if not windows or not targets or self.model.hasher is None:
-            return
+            return []
         k, parts = self.lookback, {layer: [] for layer in targets}
         for tokens, start, end in windows:
             chunk = np.asarray([tokens[start:end]], dtype=np.int64)
@@ -80,8 +81,8 @@ class ModelRunner:
             for layer, ids in self.model.hasher.row_ids_with_history(chunk, hist).items():  # [1, T, H]
                 if layer in parts:
                     parts[layer].append(ids[0])
-        for layer, ids in parts.items():
-            targets[layer].warm(np.concatenate(ids))
+        tickets = [targets[layer].warm(np.concatenate(ids)) for layer, ids in parts.items()]
+        return [t for t in tickets if t is not None]
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], counts: list[int],
@@ -91,11 +92,13 @@ class ModelRunner:
         windows of the next step, read into the caches once this step's prefetches are queued (see `warm`)."""
         model = self.model
         t0 = time.perf_counter()
-        layout = build_layout(seqs, counts, self.block_size, self.device)
         row_ids = self.row_ids(seqs, counts)
         keep = self.keep_masks(seqs, counts, row_ids)  # {layer: bool [N]} where the degrade policy skips reads
+        # in layer order, so the first Engram layer's rows (needed soonest) are queued first; the K/V layout is
+        # built after, while the reads run
         tickets = {layer: self.sources[layer].prefetch(ids if layer not in keep else ids[keep[layer]])
-                   for layer, ids in row_ids.items() if layer not in keep or keep[layer].any()}
+                   for layer, ids in sorted(row_ids.items()) if layer not in keep or keep[layer].any()}
+        layout = build_layout(seqs, counts, self.block_size, self.device)
         self.warm(ahead or [])
         t1 = time.perf_counter()
         stall: dict[int, float] = {}

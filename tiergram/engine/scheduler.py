@@ -4,6 +4,7 @@ the most recently arrived unscheduled sequence (freeing its KV blocks, to be rec
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tiergram.engine.block_manager import BlockManager
@@ -43,8 +44,9 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's sequences and token counts; allocates their KV blocks."""
+    def schedule(self, ready: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
+        """Pick this step's sequences and token counts; allocates their KV blocks. `ready(seq)`: whether a waiting
+        sequence may start now (False keeps it, and those behind it, waiting: first come, first served)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # running sequences: decodes (one pending token) first, then unfinished prefills, each in arrival order
@@ -67,6 +69,8 @@ class Scheduler:
         # new or resumed sequences, while budget, sequence slots and blocks last (none after a preemption)
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if ready is not None and not ready(seq):
+                break
             n = min(seq.num_pending, budget)
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
                 break

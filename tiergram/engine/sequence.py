@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -46,6 +47,10 @@ class Sequence:
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # per Engram layer: short-conv lookback [W, 1, d]
     finish_reason: str | None = None
     warmed_to: int = 0  # prompt tokens before this have had their Engram rows read ahead into the caches
+    # read-aheads of its first prompt chunk still to finish (tickets with done()); while any is pending the scheduler
+    # leaves it waiting, so a step that runs other sequences' decodes does not stall on this prompt's rows
+    rows_pending: list[Any] = field(default_factory=list)
+    rows_since: float = 0.0  # perf_counter() when rows_pending was set
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +75,7 @@ class Sequence:
         self.block_table = []
         self.conv = {}
         self.warmed_to = 0
+        self.rows_pending = []
 
     def output(self, new: list[int], error: str | None = None) -> RequestOutput:
         """This step's RequestOutput with the new tokens (and the error that ended it, if one did)."""
