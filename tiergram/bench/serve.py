@@ -33,7 +33,7 @@ from typing import Any
 
 from tiergram.bench.common import cache_dir
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
-from tiergram.bench.serve_config import DEFAULT_PLACEMENTS, PLACEMENTS, SweepConfig, file_label, kind_of
+from tiergram.bench.serve_config import DEFAULT_PLACEMENTS, NOWAIT, PLACEMENTS, SweepConfig, file_label, kind_of
 from tiergram.bench.serve_process import (
     ServerProcess,
     cache_budgets,

@@ -45,6 +45,8 @@ class SweepConfig:
     # mooncake placement: the mooncake_master's HOST:PORT (None: a local cluster started for the sweep, which needs
     # a private network namespace: docs/remote.md); its cache is the file placement's first fraction
     mooncake_master: str | None = None
+    # also serve the first file placement with the engine's prompt_rows_first off, labelled <label>-nowait
+    compare_rows_first: bool = False
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -75,9 +77,17 @@ class SweepConfig:
                 out += [file_label(f) for f in self.fractions]
             else:
                 out.append(p)
+        if self.compare_rows_first:
+            first = next((lb for lb in out if kind_of(lb) == "file"), None)
+            if first is None:
+                raise ValueError("compare_rows_first needs the file placement")
+            out.insert(out.index(first) + 1, first + NOWAIT)
         if self.big_model_dir:
             out.append("file-big")
         return out
+
+
+NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
 
 
 def file_label(fraction: float) -> str:

@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-policy", default="lru", choices=CACHE_POLICIES)
     g.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
                    help="do not read the next step's prompt rows into the file placement's cache ahead of time")
+    g.add_argument("--no-prompt-rows-first", dest="prompt_rows_first", action="store_false",
+                   help="let a new prompt join the batch at once instead of once its rows are read into the cache "
+                        "(then running sequences' steps wait for those reads)")
     g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
                    help="table file codec (exported on first use)")
     g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ..., or auto (cuda when "
@@ -68,6 +71,7 @@ def engine_config(args: argparse.Namespace):
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead,
+                        prompt_rows_first=getattr(args, "prompt_rows_first", True),
                         host_memory_bytes=getattr(args, "host_memory", None))
 
 
