@@ -45,3 +45,23 @@ def test_checks_compare_every_file_server_with_host():
 def test_default_sweep_starts_no_mooncake_cluster():
     """The demo's sweep uses the defaults: Mooncake (which needs a master or a private namespace) is opt-in."""
     assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()
+
+
+def test_compare_rows_first_adds_the_same_file_server_with_prompts_joining_at_once(tmp_path):
+    """--compare-rows-first: the first file server again, labelled -nowait, with its cache and fraction."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
+                         compare_rows_first=True)
+    assert cfg.labels() == ["host", "file-1%", "file-1%-nowait", "file-10%"]
+    assert sv.kind_of("file-1%-nowait") == "file"
+    tables = [tmp_path / "a.tgram", tmp_path / "b.tgram"]
+    for t in tables:
+        t.write_bytes(b"x" * 1000)
+    caches = sv.cache_budgets(cfg, tables)
+    assert caches["file-1%-nowait"] == caches["file-1%"] == 10
+    servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 2000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2)]
+    ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
+    assert ck["file-1%-nowait_vs_host"]["cache_fraction"] == 0.01
+    with pytest.raises(ValueError, match="needs the file placement"):
+        sv.SweepConfig(model_dir="m", placements=("host",), compare_rows_first=True).labels()
