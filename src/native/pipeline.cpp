@@ -630,6 +630,7 @@ FetchJob *submit_fetch(FetchQueue &q, nb::handle reader, nb::handle cache_obj, I
   if (cache && cache->policy() == Policy::kLookahead) {
     // Tell the lookahead policy these rows are coming (sorted distinct keys, as the reference announces them), in
     // queue order; the job's probe retires the batch, a cancellation or a failure before the probe too.
+    nb::gil_scoped_release release;  // the caller's arrays stay alive for the call
     check_ids(a.t.view, a.ids, a.n);
     std::vector<int64_t> uniq;
     sorted_unique(a.t, a.ids, a.n, uniq);

@@ -240,12 +240,15 @@ int64_t NativeRowCache::p_victim() {
   }
   // lookahead: an idle key (LRU first), else the planned key used furthest ahead; keys met pinned are parked
   // until the next probe, and looked at once more only when nothing else is left
+  la_flush();
+  la_searching_ = true;
   int64_t found = la_unpinned();
   const int64_t hs = static_cast<int64_t>(capacity_ + 1);
   if (found < 0 && (next_[hs] != hs || !held_plans_.empty())) {
     unpark();
     found = la_unpinned();
   }
+  la_searching_ = false;
   return found;
 }
 
@@ -263,18 +266,57 @@ void NativeRowCache::lfu_rebuild() {
 int64_t NativeRowCache::next_use(int64_t key) {
   auto it = uses_.find(key);
   if (it == uses_.end()) return kNever;
-  std::deque<int64_t> &q = it->second;
-  while (!q.empty() && batches_.find(q.front() >> 32) == batches_.end()) q.pop_front();  // retired batches' uses
-  if (q.empty()) {
+  Uses &q = it->second;
+  while (q.head < q.v.size() && batches_.find(q.v[q.head] >> 32) == batches_.end()) ++q.head;  // retired uses
+  if (q.head == q.v.size()) {
     uses_.erase(it);
     return kNever;
   }
-  return q.front();
+  if (q.head >= 8 && 2 * q.head >= q.v.size()) {  // drop the retired prefix now and then (amortised O(1))
+    q.v.erase(q.v.begin(), q.v.begin() + static_cast<std::ptrdiff_t>(q.head));
+    q.head = 0;
+  }
+  return q.v[q.head];
 }
 
 void NativeRowCache::la_push(int64_t neg, int64_t key) {
-  la_heap_.emplace_back(neg, key);
-  std::push_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
+  if (la_searching_) {
+    la_heap_.emplace_back(neg, key);
+    std::push_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
+  } else {
+    la_pending_.emplace_back(neg, key);
+  }
+  // Every announce and probe re-files resident keys; without evictions nothing pops the stale entries.
+  if (la_heap_.size() + la_pending_.size() > 4 * resident_ + 64) la_compact();
+}
+
+void NativeRowCache::la_flush() {
+  if (la_pending_.empty()) return;
+  if (8 * la_pending_.size() > la_heap_.size()) {
+    la_heap_.insert(la_heap_.end(), la_pending_.begin(), la_pending_.end());
+    std::make_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
+  } else {
+    for (const auto &e : la_pending_) {
+      la_heap_.push_back(e);
+      std::push_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
+    }
+  }
+  la_pending_.clear();
+}
+
+// Drops stale and duplicate entries (the victim search skips both: no decision changes).
+void NativeRowCache::la_compact() {
+  la_heap_.insert(la_heap_.end(), la_pending_.begin(), la_pending_.end());
+  la_pending_.clear();
+  std::vector<uint8_t> kept(capacity_, 0);  // a valid entry per slot is kept once (its copies are equal)
+  auto drop = [&](const std::pair<int64_t, int64_t> &e) {
+    const int64_t slot = find(e.second);
+    if (slot < 0 || state_[slot] != kPlanned || planned_[slot] != -e.first || kept[slot]) return true;
+    kept[slot] = 1;
+    return false;
+  };
+  la_heap_.erase(std::remove_if(la_heap_.begin(), la_heap_.end(), drop), la_heap_.end());
+  std::make_heap(la_heap_.begin(), la_heap_.end(), std::greater<>());
 }
 
 void NativeRowCache::la_pop() {
@@ -351,8 +393,12 @@ int64_t NativeRowCache::announce_locked(const int64_t *keys, size_t n) {
                                                              " keys is over 2^32");
   const int64_t batch = next_batch_++;
   batches_.emplace(batch, std::vector<int64_t>(keys, keys + n));
+  if (uses_.bucket_count() < uses_.size() + n) uses_.reserve(uses_.size() + n);  // one rehash, not several
+  constexpr size_t kAhead = 8;  // index buckets in flight (as probe)
+  for (size_t i = 0; i < std::min(n, kAhead); ++i) __builtin_prefetch(&hkeys_[home(keys[i])]);
   for (size_t i = 0; i < n; ++i) {
-    uses_[keys[i]].push_back(batch << 32 | static_cast<int64_t>(i));
+    if (i + kAhead < n) __builtin_prefetch(&hkeys_[home(keys[i + kAhead])]);
+    uses_[keys[i]].v.push_back(batch << 32 | static_cast<int64_t>(i));
     const int64_t slot = find(keys[i]);
     if (slot >= 0 && (state_[slot] == kIdle || state_[slot] == kHeld)) plan(keys[i], slot);
   }

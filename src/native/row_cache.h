@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -135,6 +134,8 @@ class NativeRowCache {
   int64_t la_unpinned();
   void la_push(int64_t neg, int64_t key);
   void la_pop();
+  void la_flush();
+  void la_compact();
 
   uint64_t capacity_, row_bytes_;
   Policy policy_;
@@ -160,12 +161,20 @@ class NativeRowCache {
 
   // Lookahead: announced uses per key (batch << 32 | index, in order), live batches, per-slot state and next use,
   // a max-heap on next use (as a min-heap of (-next use, key)), and the heap entries parked until the next probe.
-  std::unordered_map<int64_t, std::deque<int64_t>> uses_;
+  struct Uses {  // a queue of positions: v[head..] (a deque costs two allocations per key; most keys have 1-2 uses)
+    std::vector<int64_t> v;
+    size_t head = 0;
+  };
+  std::unordered_map<int64_t, Uses> uses_;
   std::unordered_map<int64_t, std::vector<int64_t>> batches_;
   int64_t next_batch_ = 0;
   std::vector<uint8_t> state_;
   std::vector<int64_t> planned_;
   std::vector<std::pair<int64_t, int64_t>> la_heap_, held_plans_;
+  // Entries filed outside a victim search wait here and join the heap when one starts: a push of a later use
+  // sifts to the root (log n cache misses in a large heap), and most entries go stale before any eviction.
+  std::vector<std::pair<int64_t, int64_t>> la_pending_;
+  bool la_searching_ = false;
 
   enum class Hold { kNone, kArmed, kHeld, kReleased };
   std::mutex hold_mu_;
