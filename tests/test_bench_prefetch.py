@@ -38,6 +38,7 @@ def test_prefetch_bench_json(capsys):
         assert d["rows_match"] is True, kind
     assert obj["stores"]["host"]["pages_per_step"] == 0
     assert obj["stores"]["file"]["pages_per_step"] > 0
+    assert obj["stores"]["host"]["file_mode"] is None and obj["stores"]["file"]["file_mode"] == "direct"
     cached = obj["stores"]["file+cache"]
     assert 0 <= cached["hit_rate"] <= 1 and 0 <= cached["sync_hit_rate"] <= 1
     assert obj["config"]["torch_threads"] == 1 and obj["config"]["steps"] == 6
@@ -47,6 +48,7 @@ def test_prefetch_bench_text_and_fixed_compute(capsys):
     assert main(["bench", "prefetch", *TINY, "--stores", "file", "--compute-ms", "2", "--dist", "uniform"]) == 0
     out = capsys.readouterr().out
     assert "exposed stall" in out and "file" in out and "ROWS DIFFER" not in out
+    assert "file reads: file direct" in out
 
 
 def test_prefetch_bench_compute_sized():

@@ -170,7 +170,9 @@ def run_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig, warm: list[
             "step_ms": _ms(totals), "sync_step_ms": sync_ms["mean"] + compute_alone * 1e3,
             "layers": compute.layers, "exposed_ratio": stall["mean"] / sync_ms["mean"],
             "exposed_ratio_p50": stall["p50"] / sync_ms["p50"], "rows_match": bool(match),
-            "pages_per_step": store.stats()["pages_read"] / (len(steps) + len(warm))})
+            "pages_per_step": store.stats()["pages_read"] / (len(steps) + len(warm)),
+            # the read mode in use (None for host): 'buffered' where the filesystem refused O_DIRECT
+            "file_mode": store.stats().get("file_mode")})
         return out
     finally:
         store.close()
@@ -238,5 +240,10 @@ def to_text(res: PrefetchBenchResult) -> str:
                      f"{d['exposed_ratio']:>13.0%}{hit}" + ("" if d["rows_match"] else "  ROWS DIFFER"))
     lines.append("exposed stall: end of compute to rows ready, with the prefetch started before the compute; "
                  "sync stall: the whole lookup of the same ids")
+    modes = {kind: d["file_mode"] for kind, d in res.per_store.items() if d.get("file_mode")}
+    if modes:
+        lines.append("file reads: " + ", ".join(f"{kind} {mode}" for kind, mode in modes.items())
+                     + ("" if set(modes.values()) == {"direct"} else
+                        " (buffered: O_DIRECT refused, the reads went through the page cache, not to the disk)"))
     lines.append(f"({res.seconds:.0f} s)")
     return "\n".join(lines)
