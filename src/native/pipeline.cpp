@@ -444,10 +444,16 @@ class FetchQueue {
   // GIL held.
   void submit(const std::shared_ptr<Job> &job) {
     orphans_->reap();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) throw std::invalid_argument("the fetch queue is shut down (the table was closed)");
-    if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
-    q_.push_back(job);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) throw std::invalid_argument("the fetch queue is shut down (the table was closed)");
+      if (!worker_.joinable()) worker_ = std::thread([this] { loop(); });
+      q_.push_back(job);
+    }
+    // Without the GIL and outside the lock: on a busy machine the woken worker may take this core at once and run
+    // the whole fetch before the caller resumes (the caller's wall time then grew with the rows while it held the
+    // GIL; now other Python threads run meanwhile), and a worker woken inside the lock would block on it again.
+    nb::gil_scoped_release release;
     cv_.notify_one();
   }
 
@@ -627,11 +633,14 @@ FetchJob *submit_fetch(FetchQueue &q, nb::handle reader, nb::handle cache_obj, I
   NativeRowCache *cache = cache_obj.is_none() ? nullptr : &nb::cast<NativeRowCache &>(cache_obj);
   FetchArgs a = prepare_fetch(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
   auto job = std::make_shared<Job>();
+  {
+    nb::gil_scoped_release release;  // the caller's arrays stay alive for the call
+    check_ids(a.t.view, a.ids, a.n);  // a bad id raises IndexError here, in the caller, not later in wait()
+  }
   if (cache && cache->policy() == Policy::kLookahead) {
     // Tell the lookahead policy these rows are coming (sorted distinct keys, as the reference announces them), in
     // queue order; the job's probe retires the batch, a cancellation or a failure before the probe too.
-    nb::gil_scoped_release release;  // the caller's arrays stay alive for the call
-    check_ids(a.t.view, a.ids, a.n);
+    nb::gil_scoped_release release;
     std::vector<int64_t> uniq;
     sorted_unique(a.t, a.ids, a.n, uniq);
     a.batch = cache->announce(uniq.data(), uniq.size());
@@ -656,6 +665,10 @@ FetchJob *submit_warm(FetchQueue &q, nb::handle reader, nb::handle cache_obj, Id
   PageSource &src = nb::cast<PageSource &>(reader);
   NativeRowCache &cache = nb::cast<NativeRowCache &>(cache_obj);
   const WarmArgs a = prepare_warm(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, acc, tier_acc);
+  {
+    nb::gil_scoped_release release;
+    check_ids(a.t.view, a.ids, a.n);  // a bad id raises IndexError in the caller
+  }
   auto job = std::make_shared<Job>();
   job->work = [a](const std::atomic<bool> *cancel) { run_warm(a, cancel); };
   auto *handle = new FetchJob(job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows,
@@ -710,7 +723,8 @@ void register_pipeline(nb::module_ &m) {
            nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
            nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("acc").noconvert(),
            nb::arg("tier_acc").noconvert(), nb::rv_policy::take_ownership,
-           "Queue what fetch() does; argument errors raise here, read errors from the job's result().")
+           "Queue what fetch() does; argument errors and out-of-range ids (IndexError) raise here, read errors from "
+           "the job's result().")
       .def("warm", &submit_warm, nb::arg("reader"), nb::arg("cache"), nb::arg("ids").noconvert(),
            nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
            nb::arg("codec"), nb::arg("dim"), nb::arg("acc").noconvert(), nb::arg("tier_acc").noconvert(),

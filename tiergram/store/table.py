@@ -118,7 +118,7 @@ class TieredTable(ManifestGeometry):
     def lookup(self, row_ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows for per-head ids int64 [..., H] as [..., H, D] in self.dtype; IndexError names head and id."""
         self._check_open()
-        ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
+        ids = check_row_ids(row_ids, self._head_rows, host=True, check_range=False)
         out = self._output(ids.shape, out)
         self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim), None, None)
         return out
@@ -126,11 +126,10 @@ class TieredTable(ManifestGeometry):
     def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | NativeTicket:
         """Start fetching rows in the background; `ticket.wait()` returns what `lookup` would."""
         self._check_open()
-        ids = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False)
+        ids = check_row_ids(row_ids, self._head_rows, host=True, check_range=False)
         flat = ids.reshape(-1, self.num_heads)
-        self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
         out = torch.empty((*ids.shape, self.dim), dtype=self.dtype)
-        if self.pipeline == "native":
+        if self.pipeline == "native":  # the queue checks the ids in this call (a bad id fails here, not in wait())
             rpp, codec, dim = self._native_table
             try:
                 job = self._queue.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows,
@@ -140,6 +139,7 @@ class TieredTable(ManifestGeometry):
                 self._check_open()  # close() ran meanwhile: say so
                 raise
             return NativeTicket(job, out)
+        self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
         uniq = batch = None
         if self.cache is not None and self.pipeline == "python":
             uniq = np.unique(flat + self._offsets)
@@ -167,9 +167,8 @@ class TieredTable(ManifestGeometry):
         self._check_open()
         if self.cache is None or self._warm_executor is None:
             return None
-        flat = check_row_ids(row_ids, self.table.head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
-        self.tier.check_ids(flat)
-        if self.pipeline == "native":
+        flat = check_row_ids(row_ids, self._head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
+        if self.pipeline == "native":  # the queue checks the ids in this call
             rpp, codec, dim = self._native_table
             try:
                 job = self._warm_queue.warm(self.tier.reader, self._native_cache, flat, self._offsets,
@@ -179,6 +178,7 @@ class TieredTable(ManifestGeometry):
                 self._check_open()
                 raise
             return NativeTicket(job, None)
+        self.tier.check_ids(flat)
         cancelled = threading.Event()
         keys = np.unique(flat + self._offsets)
 
