@@ -21,6 +21,7 @@ from tiergram.bench.serve import (
     pareto,
     summarize,
 )
+from tiergram.bench.serve_process import ServeSubprocess
 from tiergram.cli import main
 
 
@@ -120,3 +121,11 @@ def test_page_cache_reads_get_no_disk_limit():
     text = checks_text(res)
     assert "file tier reads (buffered)" in text and "no disk limit (O_DIRECT refused" in text
     assert "the disk's limit" not in text
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path):
+    """The server's own error reaches the caller, and its process is gone (bench serve and bench soak share this)."""
+    server = ServeSubprocess(tmp_path / "no-model", startup_timeout_s=60)
+    with pytest.raises(RuntimeError, match="did not start(.|\n)*no config.json"):
+        server.start()
+    assert server.proc.poll() is not None

@@ -1,9 +1,10 @@
-"""The servers of `tiergram bench serve`: a `tiergram serve` subprocess, its memory (host cache per layer, the
-concurrency its K/V budget holds, peak RSS), its /metrics, and the table files it places."""
+"""The servers of `tiergram bench serve` (and `bench soak`): a `tiergram serve` subprocess, its memory (host cache
+per layer, the concurrency its K/V budget holds, peak RSS), its /metrics, and the table files it places."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,57 +15,92 @@ from typing import Any
 from tiergram.bench.serve_config import NOWAIT, SweepConfig, file_label, kind_of
 
 
-class ServerProcess:
-    """`tiergram serve` in a subprocess on a free loopback port; stopped with SIGTERM (drained)."""
+class ServeSubprocess:
+    """`tiergram serve MODEL_DIR ARGS` in a subprocess on a free loopback port, healthy once entered; stopped with
+    SIGTERM (drained), SIGKILL if it does not exit within a minute."""
 
-    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
-                 model_dir: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
-        cmd = [sys.executable, "-m", "tiergram", "serve", model_dir or cfg.model_dir, "--placement", placement,
-               "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-               "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-               "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
-               "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
-        if not cfg.read_ahead:
-            cmd.append("--no-read-ahead")
-        if cfg.torch_threads:
-            cmd += ["--torch-threads", str(cfg.torch_threads)]
-        if cfg.device_memory is not None:
-            cmd += ["--device-memory", str(cfg.device_memory)]
-        if cfg.host_memory is not None:
-            cmd += ["--host-memory", str(cfg.host_memory)]
-        if placement == "mooncake":
-            cmd += ["--mooncake-master", cfg.mooncake_master or ""]
-        cmd += list(extra_args)
-        self.cmd, self.timeout = cmd, cfg.startup_timeout_s
+    def __init__(self, model_dir: str | os.PathLike, *args: str, startup_timeout_s: float = 300.0) -> None:
+        self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
+                    "--log-level", "warning", *args]
+        self.timeout = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
-    def __enter__(self) -> ServerProcess:
+    def start(self) -> ServeSubprocess:
+        """Start it and wait until /health answers 200 (the process is stopped again if it never does)."""
+        import httpx
+
         self.log = tempfile.TemporaryFile(mode="w+")  # stderr: a file, so a chatty server never blocks on a pipe
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
             if " on http://" not in line:
-                self.proc.wait(10)
-                self.log.seek(0)
-                raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{line}{self.log.read()}")
+                self.proc.wait(30)
+                raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}):\n{line}{self.stderr()}")
             self.url = line.strip().rsplit(" on ", 1)[1]
-            _wait_healthy(self.url, self.timeout, self.proc)
+            deadline = time.monotonic() + self.timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            raise RuntimeError(f"the server at {self.url} did not become healthy in {self.timeout:.0f} s (exit "
+                               f"status {self.proc.poll()}):\n{self.stderr()}")
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def stderr(self) -> str:
+        """The last 4000 characters the server wrote to stderr."""
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def kill9(self) -> None:
+        """SIGKILL: no cleanup of any kind runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        """SIGTERM (drain), then SIGKILL if it does not exit within a minute."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill9()
+
+    def __enter__(self) -> ServeSubprocess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
         self.log.close()
+
+
+class ServerProcess(ServeSubprocess):
+    """A sweep's server: `tiergram serve` for one placement with the sweep's engine settings."""
+
+    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
+                 model_dir: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        args = ["--placement", placement,
+                "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+                "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
+                "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
+        if not cfg.read_ahead:
+            args.append("--no-read-ahead")
+        if cfg.torch_threads:
+            args += ["--torch-threads", str(cfg.torch_threads)]
+        if cfg.device_memory is not None:
+            args += ["--device-memory", str(cfg.device_memory)]
+        if cfg.host_memory is not None:
+            args += ["--host-memory", str(cfg.host_memory)]
+        if placement == "mooncake":
+            args += ["--mooncake-master", cfg.mooncake_master or ""]
+        super().__init__(model_dir or cfg.model_dir, *args, *extra_args, startup_timeout_s=cfg.startup_timeout_s)
 
 
 def peak_rss(pid: int) -> int:
@@ -74,20 +110,6 @@ def peak_rss(pid: int) -> int:
             return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
     except OSError:
         return 0
-
-
-def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"the server at {url} did not become healthy in {timeout:.0f} s (exit status {proc.poll()})")
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -13,11 +13,8 @@ Each phase is also a function the test suite runs in its short form (tests/test_
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,74 +27,12 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from tiergram.bench.serve_process import ServeSubprocess, scrape
+
 PROMPT = "def insort(a, x):\n    lo = 0"
 
 
 # ------------------------------------------------------------------------------------------ the server
-
-class ServerProcess:
-    """`tiergram serve MODEL_DIR ARGS` in a subprocess on a free loopback port."""
-
-    def __init__(self, model_dir: str | Path, *args: str, startup_timeout_s: float = 300.0) -> None:
-        self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-                    "--log-level", "warning", *args]
-        self.timeout = startup_timeout_s
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-
-    def start(self) -> ServerProcess:
-        """Start it and wait until /health answers 200."""
-        self.log = tempfile.TemporaryFile(mode="w+")  # a file: a chatty server never blocks on a pipe
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
-        if " on http://" not in line:
-            self.proc.wait(30)
-            raise RuntimeError(f"the server did not start ({' '.join(self.cmd)}): {line}{self.stderr()}")
-        self.url = line.strip().rsplit(" on ", 1)[1]
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the server at {self.url} did not become healthy: {self.stderr()}")
-
-    def stderr(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def kill9(self) -> None:
-        """SIGKILL: no cleanup of any kind runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        """SIGTERM (drain), then SIGKILL if it does not exit."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-    def __enter__(self) -> ServerProcess:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-        self.log.close()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The server's /metrics samples."""
-    from tiergram.server.metrics import parse
-
-    return parse(httpx.get(f"{url}/metrics", timeout=30).text)
-
 
 def serves_normally(url: str, expect: list[int] | None = None) -> bool:
     """A normal greedy request gets 200 with its tokens (equal to `expect` when given)."""
@@ -562,7 +497,7 @@ def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
               "--max-model-len", str(cfg.max_model_len)]
     if cfg.torch_threads:
         common += ["--torch-threads", str(cfg.torch_threads)]
-    with ServerProcess(cfg.model_dir, "--placement", "host", *common) as server:
+    with ServeSubprocess(cfg.model_dir, "--placement", "host", *common) as server:
         url = server.url
         max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
         reference = greedy_tokens(url, [PROMPT], 4)[0][1]
@@ -610,11 +545,11 @@ def storage_faults_subprocess(cfg: SoakConfig, progress: bool) -> dict[str, Any]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tiergram-soak-") as tmp:
         model = copy_export(Path(cfg.model_dir), Path(tmp) / "model")
-        with ServerProcess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+        with ServeSubprocess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
             want = greedy_tokens(server.url, prompts, 4)
         table, page = page_read_by(model, prompts[0])
         corrupt_page(table, page)
-        with ServerProcess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+        with ServeSubprocess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
             got = greedy_tokens(server.url, prompts, 4)
             health = httpx.get(f"{server.url}/health")
             out["corrupt_page_on_disk"] = {**compare_to_reference(got, want), "requests": len(prompts),
@@ -686,7 +621,7 @@ def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
     from tiergram.tiers.host import shared_copies
 
     model = Path(cfg.model_dir)
-    with ServerProcess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+    with ServeSubprocess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
         reference = greedy_tokens(server.url, [PROMPT], 4)[0][1]
         t = threading.Thread(target=overload, args=(server.url,), kwargs={"clients": 8, "duration_s": load_s},
                              daemon=True)
@@ -694,7 +629,7 @@ def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
         time.sleep(load_s / 2)
         server.kill9()
         t.join(60)
-    with ServerProcess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+    with ServeSubprocess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
         served = serves_normally(server.url, reference)
     export = model / "export" if (model / "export").is_dir() else model
     tables = sorted(export.glob("engram_layer*"))
