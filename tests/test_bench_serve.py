@@ -6,8 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_server import make_tiny_model
 
+from tiergram.bench.common import percentile
 from tiergram.bench.serve import (
     Point,
     Round,
@@ -129,3 +132,11 @@ def test_a_server_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="did not start(.|\n)*no config.json"):
         server.start()
     assert server.proc.poll() is not None
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100), st.floats(0, 100))
+def test_percentile_is_numpys_and_monotone(values, q1, q2):
+    lo, hi = sorted((q1, q2))
+    assert min(values) <= percentile(values, lo) <= percentile(values, hi) <= max(values)
+    assert percentile(values, hi) == float(np.percentile(values, hi))
+    assert np.isnan(percentile([], 50))

@@ -14,6 +14,11 @@ HOST_TARGET = 0.97  # host tables (DRAM; UVA on a GPU) against tables resident i
 FILE_TARGET = 0.90  # file tables (SSD) against host tables
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (q in 0..100, linear interpolation, as numpy) of values; NaN when there are none."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
 def cache_dir(sub: str = "") -> Path:
     """tiergram's cache folder ($TIERGRAM_CACHE or ~/.cache/tiergram), created on demand."""
     root = Path(os.environ.get("TIERGRAM_CACHE", Path.home() / ".cache" / "tiergram"))

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import FILE_TARGET, HOST_TARGET
+from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
 from tiergram.bench.serve_config import NOWAIT, SweepConfig, kind_of
 from tiergram.bench.serve_process import layer_table_bytes
@@ -59,10 +59,6 @@ class SweepResult:
     plot: str | None = None
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -98,13 +94,13 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     hit = total("tiergram_engram_cache_hits_total") / lookups if lookups > 0 else None  # None: no cache
     keys = {k for r in rounds for k in r.after if k.startswith("tiergram_engram_bytes_read_total{")}
     tiers = {k.split('tier="')[1].rstrip('"}'): total(k) for k in sorted(keys)}
-    itl50, itl90 = _pct(itl, 50), _pct(itl, 90)
+    itl50, itl90 = percentile(itl, 50), percentile(itl, 90)
     throughput = float(np.median(per_round))
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
                  throughput_tok_s=throughput, output_tok_s=throughput * out_share,
-                 ttft_p50_ms=_pct(ttft, 50), ttft_p90_ms=_pct(ttft, 90), ttft_p99_ms=_pct(ttft, 99),
-                 itl_p50_ms=itl50, itl_p90_ms=itl90, itl_p99_ms=_pct(itl, 99),
-                 e2e_p50_ms=_pct(e2e, 50), e2e_p90_ms=_pct(e2e, 90), e2e_p99_ms=_pct(e2e, 99),
+                 ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90), ttft_p99_ms=percentile(ttft, 99),
+                 itl_p50_ms=itl50, itl_p90_ms=itl90, itl_p99_ms=percentile(itl, 99),
+                 e2e_p50_ms=percentile(e2e, 50), e2e_p90_ms=percentile(e2e, 90), e2e_p99_ms=percentile(e2e, 99),
                  interactivity_p50=1000 / itl50 if itl50 > 0 else float("nan"),
                  interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from tiergram.bench.common import percentile
 from tiergram.bench.serve_process import ServeSubprocess, scrape
 
 PROMPT = "def insort(a, x):\n    lo = 0"
@@ -206,13 +207,6 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, float | None, str]:
     """One streaming request: (outcome, TTFT or None, detail); outcome ok | 429 | 4xx | 5xx | lost."""
     t0 = time.perf_counter()
@@ -313,7 +307,8 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
     mon.join()
     bar.close()
     rep.seconds = time.perf_counter() - t0
-    rep.ttft_p50_s, rep.ttft_p90_s = _pct(ttfts, 0.5), _pct(ttfts, 0.9)
+    if ttfts:  # (no admitted request: the fields stay 0)
+        rep.ttft_p50_s, rep.ttft_p90_s = percentile(ttfts, 50), percentile(ttfts, 90)
     return rep
 
 
