@@ -69,11 +69,12 @@ def read(reader, ids, verify=True):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qd", [1, 32, 128])
-@pytest.mark.parametrize("batch_wait", [True, False])
-def test_reads_exact_pages(table_dir, backend, qd, batch_wait):
+@pytest.mark.parametrize(("batch_wait", "fixed_files"), [(True, False), (False, False), (True, True)])
+def test_reads_exact_pages(table_dir, backend, qd, batch_wait, fixed_files):
     path = os.path.join(table_dir, "t.bin")
     pages = write_table(path, 200, seed=qd)
-    with _native.PageReader(path, OFFSET, PS, 200, queue_depth=qd, backend=backend, batch_wait=batch_wait) as r:
+    with _native.PageReader(path, OFFSET, PS, 200, queue_depth=qd, backend=backend, batch_wait=batch_wait,
+                            fixed_files=fixed_files) as r:
         assert r.backend == backend and r.queue_depth == qd
         rng = np.random.default_rng(1)
         ids = np.concatenate([rng.integers(0, 200, 300), [5, 5, 5, 0, 199], np.arange(200)])
@@ -219,11 +220,12 @@ def test_misdirected_page_detected(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_truncated_file(tmp_path, backend):
+@pytest.mark.parametrize("fixed_files", [False, True])
+def test_truncated_file(tmp_path, backend, fixed_files):
     path = str(tmp_path / "short.bin")
     pages = write_table(path, 8)
     os.truncate(path, OFFSET + 6 * PS + PS // 2)  # page 6 half there, page 7 gone
-    with _native.PageReader(path, OFFSET, PS, 8, backend=backend) as r:
+    with _native.PageReader(path, OFFSET, PS, 8, backend=backend, fixed_files=fixed_files) as r:
         np.testing.assert_array_equal(read(r, [0, 5]), pages[[0, 5]])
         with pytest.raises(OSError, match="page 7 .*short read: got 0 of 4096 bytes"):
             read(r, [0, 7])
@@ -232,11 +234,13 @@ def test_truncated_file(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_concurrent_callers(tmp_path, backend):
+@pytest.mark.parametrize("fixed_files", [False, True])
+def test_concurrent_callers(tmp_path, backend, fixed_files):
+    """Several threads at once (each call takes a ring of its own; with fixed_files each ring registers the file)."""
     path = str(tmp_path / "conc.bin")
     pages = write_table(path, 256)
     errors = []
-    with _native.PageReader(path, OFFSET, PS, 256, queue_depth=32, backend=backend) as r:
+    with _native.PageReader(path, OFFSET, PS, 256, queue_depth=32, backend=backend, fixed_files=fixed_files) as r:
 
         def worker(seed):
             try:

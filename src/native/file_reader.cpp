@@ -62,14 +62,15 @@ class ReadBackend {
 
 class UringBackend : public ReadBackend {
  public:
-  UringBackend(unsigned depth, bool batch_wait) : depth_(depth), batch_wait_(batch_wait) {
+  UringBackend(unsigned depth, bool batch_wait, bool fixed_files)
+      : depth_(depth), batch_wait_(batch_wait), fixed_files_(fixed_files) {
     idle_.push_back(std::make_unique<Ring>(depth));
   }
   const char *name() const override { return "io_uring"; }
 
   void read(int fd, ReadOp *ops, size_t n) override {
     std::unique_ptr<Ring> ring = acquire();
-    ring->run(fd, ops, n, depth_, batch_wait_);
+    ring->run(fd, ops, n, depth_, batch_wait_, fixed_files_);
     std::lock_guard<std::mutex> lock(mu_);
     idle_.push_back(std::move(ring));
     cv_.notify_one();
@@ -99,6 +100,7 @@ class UringBackend : public ReadBackend {
 
   unsigned depth_;
   bool batch_wait_;
+  bool fixed_files_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Ring>> idle_;
@@ -168,7 +170,7 @@ enum class Fault { kEio, kShort, kFlip };
 class PageReader : public PageSource {
  public:
   PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
-             unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait)
+             unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait, bool fixed_files)
       : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
         queue_depth_(queue_depth), want_direct_(direct) {
     require(page_size >= 512 && page_size <= (1u << 30) && (page_size & (page_size - 1)) == 0,
@@ -200,7 +202,7 @@ class PageReader : public PageSource {
     try {
       if (backend != "threads") {
         try {
-          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait);
+          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait, fixed_files);
         } catch (const UringUnavailable &e) {
           const std::string why =
               "io_uring unavailable (errno " + std::to_string(e.err) + ": " + std::strerror(e.err) + ")";
@@ -400,12 +402,13 @@ void register_file_reader(nb::module_ &m) {
                          "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
                          "pread thread pool), verifying each page's trailer.")
       .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,
-                    bool, bool>(),
+                    bool, bool, bool>(),
            nb::arg("path"), nb::arg("data_offset"), nb::arg("page_size"), nb::arg("n_pages"),
            nb::arg("queue_depth") = 128, nb::arg("backend") = "auto", nb::arg("direct") = true,
-           nb::arg("batch_wait") = true,
+           nb::arg("batch_wait") = true, nb::arg("fixed_files") = false,
            "batch_wait (io_uring): each io_uring_enter waits for a quarter of the reads in flight instead of one "
-           "(fewer syscalls per page; False is the earlier behaviour, kept for comparison).")
+           "(fewer syscalls per page; False is the earlier behaviour, kept for comparison). fixed_files (io_uring): "
+           "the file is registered with each ring (IORING_REGISTER_FILES) and reads name its slot.")
       // noconvert: a converted copy of out would take the pages and leave the caller's buffer untouched,
       // and float page ids would be truncated silently.
       .def("read_pages", &PageReader::read_pages, nb::arg("pages").noconvert(), nb::arg("out").noconvert(),

@@ -119,8 +119,26 @@ void Ring::drain(ReadOp *ops, size_t n, unsigned &inflight) {
   }
 }
 
-void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait) {
+bool Ring::use_fixed_file(int fd) {
+  if (registered_fd_ == fd) return true;
+  if (register_refused_) return false;
+  if (registered_fd_ >= 0 && syscall(__NR_io_uring_register, fd_, IORING_UNREGISTER_FILES, nullptr, 0) < 0) {
+    register_refused_ = true;
+    return false;
+  }
+  registered_fd_ = -1;
+  int fds[1] = {fd};
+  if (syscall(__NR_io_uring_register, fd_, IORING_REGISTER_FILES, fds, 1) < 0) {
+    register_refused_ = true;
+    return false;
+  }
+  registered_fd_ = fd;
+  return true;
+}
+
+void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, bool fixed_file) {
   depth = std::max(1u, std::min(depth, sq_entries_));
+  const bool fixed = fixed_file && use_fixed_file(fd);
   for (size_t i = 0; i < n; ++i) ops[i].res = kPending;
   size_t next = 0, done = 0;
   unsigned queued = 0;     // SQEs written but not yet consumed by the kernel
@@ -134,7 +152,8 @@ void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait) {
       io_uring_sqe &s = sqes_[idx];
       std::memset(&s, 0, sizeof s);
       s.opcode = IORING_OP_READ;
-      s.fd = fd;
+      s.fd = fixed ? 0 : fd;  // registered slot 0, or the fd itself
+      if (fixed) s.flags = IOSQE_FIXED_FILE;
       s.off = ops[next].offset;
       s.addr = reinterpret_cast<uintptr_t>(ops[next].dst);
       s.len = ops[next].len;

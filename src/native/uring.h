@@ -36,7 +36,10 @@ class Ring {
   // itself fails (io_uring_enter error), the ops not completed get -errno: the caller sees them as failed
   // reads. Returns only once the kernel holds no reference to any `dst`. batch_wait: each io_uring_enter waits for
   // a quarter of the reads in flight (fewer syscalls per page) instead of one.
-  void run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true);
+  // fixed_file: the fd is registered with the ring once (IORING_REGISTER_FILES) and each read names its slot
+  // (IOSQE_FIXED_FILE), which spares the kernel a file lookup and reference per read; if the kernel refuses the
+  // registration the ring reads through the plain fd.
+  void run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true, bool fixed_file = false);
 
  private:
   void release();
@@ -44,7 +47,11 @@ class Ring {
   unsigned reap(ReadOp *ops, size_t n);
   void drain(ReadOp *ops, size_t n, unsigned &inflight);
 
+  bool use_fixed_file(int fd);
+
   int fd_ = -1;
+  int registered_fd_ = -1;         // the fd in registered slot 0 (-1: none)
+  bool register_refused_ = false;  // the kernel refused a registration: do not ask again
   unsigned sq_entries_ = 0;
   void *sq_map_ = nullptr, *cq_map_ = nullptr, *sqe_map_ = nullptr;
   size_t sq_map_bytes_ = 0, cq_map_bytes_ = 0, sqe_map_bytes_ = 0;

@@ -2,7 +2,8 @@
 
 All in one run, on one table file in the bench cache folder (a few GiB, created once):
 
-- limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128;
+- limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128; the
+  deepest again with io_uring_enter returning at the first completion, and with the file registered with the ring;
 - python threads: 8 and 16 Python threads calling `os.preadv` on an O_DIRECT descriptor (best of);
 - tiergram: `TieredTable(tier="file", file_mode="direct")` without a cache, `lookup` of `positions` x heads
   ids per call, uniform and Zipfian, rows decoded to float32 — dedup, page reads, checksums, decode, all of it;
@@ -87,6 +88,8 @@ class FileLookupBenchResult:
     all_hits: dict[str, dict[str, float]] = field(default_factory=dict)  # positions -> file cache vs host figures
     # the deepest limit reader again with io_uring_enter returning at the first completion (the earlier behaviour)
     limit_wait_one: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the deepest limit reader again with the file registered with its ring (IORING_REGISTER_FILES)
+    limit_fixed_files: dict[str, dict[str, float]] = field(default_factory=dict)
     file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
     seconds: float = 0.0
 
@@ -211,13 +214,14 @@ class LimitReader:
     """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd."""
 
     def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int = 0,
-                 batch_wait: bool = True) -> None:
+                 batch_wait: bool = True, fixed_files: bool = False) -> None:
         m = self.manifest = table.manifest
         self.batch = max(1024, 48 * qd)  # 6144 pages at QD128: as many as a 256-position lookup reads
         self.out = aligned_empty(self.batch * m.page_size)
         self.rng = np.random.default_rng([seed, qd])
         self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
-                                         queue_depth=qd, backend=backend, direct=True, batch_wait=batch_wait)
+                                         queue_depth=qd, backend=backend, direct=True, batch_wait=batch_wait,
+                                         fixed_files=fixed_files)
         self.reader.read_pages(self.rng.integers(0, m.n_pages, self.batch), self.out, verify=False)  # warm-up
 
     def segment(self, seconds: float) -> Segment:
@@ -383,6 +387,8 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
             readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.seed)
         deepest = max(cfg.queue_depths)
         readers["limit_wait_one", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.seed, batch_wait=False)
+        readers["limit_fixed_files", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.seed,
+                                                                 fixed_files=True)
         for n in cfg.py_threads:
             readers["python_threads", str(n)] = PythonThreads(table, n, cfg.seed)
         for i, dist in enumerate(cfg.dists):
@@ -507,6 +513,7 @@ def to_dict(res: FileLookupBenchResult) -> dict:
             **res.ratios, "targets": res.targets, "backend": res.backend,
             "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
             "all_hits": res.all_hits, "file_mode": res.file_mode, "limit_wait_one": res.limit_wait_one,
+            "limit_fixed_files": res.limit_fixed_files,
             "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
 
 
@@ -531,6 +538,8 @@ def to_text(res: FileLookupBenchResult) -> str:
         row(f"limit: native reader QD{qd}", d)
     for qd, d in res.limit_wait_one.items():
         row(f"  (QD{qd}, enter waits for 1)", d)
+    for qd, d in res.limit_fixed_files.items():
+        row(f"  (QD{qd}, registered file)", d)
     for n, d in res.python_threads.items():
         row(f"python threads os.preadv x{n}", d)
     for dist, d in res.tiergram.items():
