@@ -12,6 +12,8 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
 - pipelines: the tiergram readers run through the native fetch pipeline (the default) and the Python reference
   pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache (cold: the cache
   fills as the run goes, almost every row a miss): what the cache costs a miss;
+- layers: a step's uniform rows prefetched from one table in one call, and from two tables (the same file opened
+  twice) in one call each, half the positions each — what the engine does with two Engram layers;
 - all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
   cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the native pipeline's
   Python time per call (the call's wall time less the time inside the GIL-free native fetch) at each size.
@@ -72,6 +74,7 @@ class FileLookupBenchConfig:
     pipelines: tuple[str, ...] = ("native", "python")  # fetch pipelines of the tiergram readers
     cache_fraction: float = 0.10  # the cached reader's LRU cache, as a fraction of the table's rows (0: none)
     hit_positions: tuple[int, ...] = (1, 64, 256)  # all-hit lookups vs host (empty: skip that phase)
+    layer_tables: tuple[int, ...] = (1, 2)  # a step's rows prefetched from 1 or 2 tables (empty: skip)
     table: str | None = None  # table path (default: in the bench cache folder)
     seed: int = 0
 
@@ -90,6 +93,8 @@ class FileLookupBenchResult:
     limit_wait_one: dict[str, dict[str, float]] = field(default_factory=dict)
     # the deepest limit reader again with the file registered with its ring (IORING_REGISTER_FILES)
     limit_fixed_files: dict[str, dict[str, float]] = field(default_factory=dict)
+    # one step's rows of 1 table (one prefetch) or 2 tables (one prefetch each, as the engine does two layers)
+    layers: dict[str, dict[str, float]] = field(default_factory=dict)
     file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
     seconds: float = 0.0
 
@@ -318,6 +323,45 @@ class TiergramLookup:
         self.store.close()
 
 
+class LayersLookup:
+    """The engine's step: the rows of `n_tables` Engram layers (tables on the same file, no cache) prefetched in one
+    call per table, then waited for; each table gets positions / n_tables of the call's positions, so 1 and 2 tables
+    read the same rows per call (two calls, two native jobs that run at once, against one)."""
+
+    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, seed: int, n_tables: int) -> None:
+        if cfg.positions % n_tables:
+            raise ValueError(f"positions ({cfg.positions}) must divide among {n_tables} tables")
+        self.stores = [TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
+                                   queue_depth=cfg.store_queue_depth, backend=cfg.backend) for _ in range(n_tables)]
+        rng = np.random.default_rng([cfg.seed, seed])
+        part = (cfg.positions // n_tables, cfg.heads)
+        self.batches = [[draw_ids("uniform", part, table.head_rows, rng) for _ in range(n_tables)] for _ in range(32)]
+        self.calls = 0
+        self._step(self.batches[-1])  # warm-up
+
+    def _step(self, parts: list[np.ndarray]) -> None:
+        for ticket in [st.prefetch(ids) for st, ids in zip(self.stores, parts, strict=True)]:
+            ticket.wait()
+
+    def segment(self, seconds: float) -> Segment:
+        pages0, rows, t0, c0 = self._pages(), 0, time.perf_counter(), _cpu()
+        while True:
+            parts = self.batches[self.calls % len(self.batches)]
+            self._step(parts)
+            self.calls += 1
+            rows += sum(p.size for p in parts)
+            dt = time.perf_counter() - t0
+            if dt >= seconds:
+                return Segment(self._pages() - pages0, rows, dt, _cpu() - c0)
+
+    def _pages(self) -> int:
+        return sum(st.stats()["pages_read"] for st in self.stores)
+
+    def close(self) -> None:
+        for st in self.stores:
+            st.close()
+
+
 class MmapLookup:
     """TieredTable.lookup through mmap (MADV_RANDOM) of uniform ids on pages never touched before in this run.
 
@@ -400,6 +444,8 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
             for pipe in cfg.pipelines:
                 readers["tiergram", f"uniform {pipe} +{cfg.cache_fraction:.0%} cache"] = TiergramLookup(
                     table, cfg, "uniform", seed=30, pipeline=pipe, cache_rows=rows)
+        for n in cfg.layer_tables:
+            readers["layers", f"{n} table{'s' if n > 1 else ''}"] = LayersLookup(table, cfg, seed=50, n_tables=n)
         readers["mmap", "uniform"] = MmapLookup(table, cfg, seed=99)
         best: dict[tuple[str, str], dict[str, float]] = {}
         for r in range(cfg.rounds):
@@ -423,7 +469,7 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
                                f"cache): no figure of this run would be the disk's; put the table on a disk")
         for (kind, name), fig in best.items():
             reader = readers[kind, name]
-            if isinstance(reader, TiergramLookup):
+            if isinstance(reader, TiergramLookup | LayersLookup):
                 fig["rows_per_call"] = cfg.positions * cfg.heads
                 fig["ms_per_call"] = 1e3 * fig["rows_per_call"] / fig["rows_per_s"]
                 fig["pages_per_call"] = fig["pages_per_s"] * fig["ms_per_call"] / 1e3
@@ -513,7 +559,7 @@ def to_dict(res: FileLookupBenchResult) -> dict:
             **res.ratios, "targets": res.targets, "backend": res.backend,
             "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
             "all_hits": res.all_hits, "file_mode": res.file_mode, "limit_wait_one": res.limit_wait_one,
-            "limit_fixed_files": res.limit_fixed_files,
+            "limit_fixed_files": res.limit_fixed_files, "layers": res.layers,
             "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
 
 
@@ -545,6 +591,9 @@ def to_text(res: FileLookupBenchResult) -> str:
     for dist, d in res.tiergram.items():
         row(f"tiergram lookup, {dist}", d)
         lines[-1] += f"   ({d['pages_per_call']:.0f} pages, {d['ms_per_call']:.1f} ms per call)"
+    for name, d in res.layers.items():
+        row(f"one step's rows, prefetch, {name}", d)
+        lines[-1] += f"   ({d['ms_per_call']:.1f} ms per step)"
     row("mmap lookup, uniform, cold pages", res.mmap)
     cached = {k: d for k, d in res.tiergram.items() if k.endswith("cache")}
     for k, d in cached.items():
