@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,12 @@ import numpy as np
 # serving acceptance: tokens/s of a placement as a fraction of the reference placement's, in the same run
 HOST_TARGET = 0.97  # host tables (DRAM; UVA on a GPU) against tables resident in device memory
 FILE_TARGET = 0.90  # file tables (SSD) against host tables
+
+
+def log(progress: bool, msg: str) -> None:
+    """A progress line on stderr (stdout stays for the result, e.g. --json), when progress is on."""
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -24,14 +24,13 @@ JSON, text). This module runs the sweep and keeps the public names of all of the
 from __future__ import annotations
 
 import asyncio
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.common import cache_dir
+from tiergram.bench.common import cache_dir, log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import DEFAULT_PLACEMENTS, NOWAIT, PLACEMENTS, SweepConfig, file_label, kind_of
 from tiergram.bench.serve_process import (
@@ -79,11 +78,6 @@ def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
         reader.close()
 
 
-def _log(progress: bool, msg: str) -> None:
-    if progress:
-        print(msg, file=sys.stderr, flush=True)
-
-
 def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     """Sweep every placement; the result holds the points, fronts and checks (plot/markdown written if asked).
 
@@ -105,17 +99,17 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     per_user = cfg.requests_per_user * cfg.rounds + cfg.warmup_per_user
     need = sum(per_user * c for c in max_levels) * (cfg.input_len + cfg.output_len)
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
-    _log(progress, f"trace: {len(tokens)} tokens of the {source}")
+    log(progress, f"trace: {len(tokens)} tokens of the {source}")
     disk: dict[str, float] = {}
     disk_table = layer_tables(cfg.big_model_dir)[0] if cfg.big_model_dir else tables[0]
     if any(kind_of(lb) == "file" for lb in labels):
         before = disk_limit(disk_table)
         if before is None:
-            _log(progress, f"{disk_table}: the filesystem refuses O_DIRECT; the file servers read through the page "
+            log(progress, f"{disk_table}: the filesystem refuses O_DIRECT; the file servers read through the page "
                            "cache and no disk limit is measured")
         else:
             disk["before"] = before
-            _log(progress, f"disk limit (native reader, QD128, O_DIRECT): {before:.0f} pages/s")
+            log(progress, f"disk limit (native reader, QD128, O_DIRECT): {before:.0f} pages/s")
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
     live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
@@ -129,11 +123,11 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tiergram-serve-mooncake-")))
             segment = 2 * sum(path.stat().st_size for path in tables) + (64 << 20)  # pages + per-object room
             cluster = stack.enter_context(LocalCluster(logs, segment_bytes=segment))
-            _log(progress, f"[mooncake] local cluster: master {cluster.master_addr}, one holder of {segment} bytes")
+            log(progress, f"[mooncake] local cluster: master {cluster.master_addr}, one holder of {segment} bytes")
             cfg = replace(cfg, mooncake_master=cluster.master_addr)
         for placement in labels:
             cb = caches[placement]
-            _log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
+            log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
             waiting = max(256, 2 * cfg.max_concurrency)
             server = stack.enter_context(ServerProcess(
                 cfg, kind_of(placement), cb, max_waiting=waiting,
@@ -151,7 +145,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             if kind_of(placement) == "file":
                 servers[placement]["file_mode"] = file_mode(layer_tables(servers[placement]["model_dir"])[0])
             if limit < 1:
-                _log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
+                log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
                                "sequence; skipped")
                 continue
             live[placement] = (server.url, health["model"], levels(limit, cfg.max_concurrency))
@@ -176,14 +170,14 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
                 reads = f", {p.file_pages_per_s:.0f} pages/s" if kind_of(pl) == "file" else ""
                 reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
-                _log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
+                log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
                                f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
         for pl, pid in procs.items():
             servers[pl]["peak_rss_bytes"] = peak_rss(pid)
     if disk and (after := disk_limit(disk_table)) is not None:
         disk["after"] = after
-        _log(progress, f"disk limit after the sweep: {after:.0f} pages/s")
+        log(progress, f"disk limit after the sweep: {after:.0f} pages/s")
     points.sort(key=lambda p: (labels.index(p.placement), p.concurrency))
     fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in labels}
     res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk)

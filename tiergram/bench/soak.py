@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from tiergram.bench.common import percentile
+from tiergram.bench.common import log, percentile
 from tiergram.bench.serve_process import ServeSubprocess, scrape
 
 PROMPT = "def insort(a, x):\n    lo = 0"
@@ -479,11 +478,6 @@ class SoakResult:
     served_after_all: bool = False
 
 
-def _log(progress: bool, msg: str) -> None:
-    if progress:
-        print(msg, file=sys.stderr, flush=True)
-
-
 def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
     """Every phase, against `tiergram serve` subprocesses on loopback."""
     res = SoakResult(config=asdict(cfg))
@@ -496,7 +490,7 @@ def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
         url = server.url
         max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
         reference = greedy_tokens(url, [PROMPT], 4)[0][1]
-        _log(progress, f"fuzzing {url}/openapi.json with schemathesis ({cfg.fuzz_examples} cases per operation "
+        log(progress, f"fuzzing {url}/openapi.json with schemathesis ({cfg.fuzz_examples} cases per operation "
                        "and mode)")
         fz = fuzz_api(url, examples=cfg.fuzz_examples, seed=cfg.seed, timeout_s=cfg.fuzz_timeout_s)
         res.fuzz = {**asdict(fz), "served_after": serves_normally(url, reference)}
@@ -504,7 +498,7 @@ def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
         res.hostile = {"tried": tried, "statuses": statuses, "failures": failures,
                        "served_after": serves_normally(url, reference)}
         clients = int(cfg.overload_factor * (cfg.max_num_seqs + cfg.max_waiting))
-        _log(progress, f"overload: {clients} streaming clients (capacity {cfg.max_num_seqs} running + "
+        log(progress, f"overload: {clients} streaming clients (capacity {cfg.max_num_seqs} running + "
                        f"{cfg.max_waiting} waiting), {cfg.requests} requests")
         rss_at: dict[str, float] = {"start": scrape(url)["process_resident_memory_bytes"]}
         warm = max(1, cfg.requests // 10)
@@ -520,15 +514,15 @@ def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
         res.load = asdict(load)
         res.rss = {**rss_at, "growth_after_warmup": rss_at["end"] - rss_at.get("after_warmup", rss_at["start"]),
                    "requests_after_warmup": cfg.requests - warm}
-        _log(progress, f"disconnect storm: {cfg.disconnect_clients} clients drop mid-stream")
+        log(progress, f"disconnect storm: {cfg.disconnect_clients} clients drop mid-stream")
         res.disconnects = disconnect_storm(url, clients=cfg.disconnect_clients)
         res.served_after_all = serves_normally(url, reference)
         m = scrape(url)
         res.load["server_5xx_total"] = sum(v for k, v in m.items() if k.startswith("tiergram_requests_total")
                                            and 'status="5' in k)
-    _log(progress, "storage faults: a page corrupted on disk, then injected read faults (1% of pages, all pages)")
+    log(progress, "storage faults: a page corrupted on disk, then injected read faults (1% of pages, all pages)")
     res.faults = storage_faults_subprocess(cfg, progress)
-    _log(progress, "kill -9 under load, restart on the same tables")
+    log(progress, "kill -9 under load, restart on the same tables")
     res.crash = crash_restart(cfg)
     return res
 
@@ -601,7 +595,7 @@ def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[fl
                                          "faulty_pages": injected, "served_after": answers_cleanly(url),
                                          "engine_faults": health["faults"], "health": health["status"],
                                          "served_once_cleared": ok_after}
-            _log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
+            log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
     finally:
         server.should_exit = True
         thread.join(30)
