@@ -45,6 +45,12 @@ def test_file_bench_json(bench_home, capsys):
         for pipe in ("native", "python"):
             assert d[f"{pipe}_vs_host"] == pytest.approx(d[f"{pipe}_us_per_call"] / d["host_us_per_call"])
         assert d["native_python_us_per_call"] > 0
+    assert obj["all_hits"]["1"]["native_python_us_per_call_cold_caches"] > 0
+    # the registered-file limit reader and the one-table / two-table step read the same kind of pages
+    assert set(obj["limit_fixed_files"]) == {"8"} and obj["limit_fixed_files"]["8"]["pages_per_s"] > 0
+    assert set(obj["layers"]) == {"1 table", "2 tables"}
+    for d in obj["layers"].values():
+        assert d["rows_per_call"] == 12 and 0 < d["pages_per_call"] <= 12
     # the headline is the worst distribution of the default pipeline without a cache, and the ratios are computed
     # from the figures printed
     worst = min(obj["tiergram"][k]["pages_per_s"] for k in ("uniform", "zipf"))
@@ -65,7 +71,8 @@ def test_file_bench_text(bench_home, capsys):
     assert main(["bench", "lookup", "--tier", "file", *TINY]) == 0
     out = capsys.readouterr().out
     for needle in ("limit: native reader QD8", "python threads os.preadv x3", "tiergram lookup, uniform",
-                   "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads"):
+                   "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads",
+                   "(QD8, registered file)", "one step's rows, prefetch, 2 tables"):
         assert needle in out, needle
 
 

@@ -16,7 +16,9 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
   twice) in one call each, half the positions each — what the engine does with two Engram layers;
 - all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
   cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the native pipeline's
-  Python time per call (the call's wall time less the time inside the GIL-free native fetch) at each size.
+  Python time per call (the call's wall time less the time inside the GIL-free native fetch) at each size, and at
+  the smallest size once more with the largest size's output bytes written before each call (the same Python
+  work on caches as a large call's data movement leaves them).
 
 Why O_DIRECT and not a table larger than RAM: on a 24 GiB machine a table several times larger than the page
 cache cannot be written within a benchmark's time. O_DIRECT reads bypass the page cache, so a table of a few
@@ -535,6 +537,23 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                     if name == "native" and calls - calls0 == n:
                         py = (1e6 * wall - 1e-3 * (ns - ns0)) / n
                         python_us[p] = min(python_us.get(p, py), py)
+        # The smallest case again, with the largest case's output bytes written before each call (untimed): the same
+        # Python work on caches the way a large lookup's own data movement leaves them
+        cold_python_us = None
+        if "native" in stores and len(cases) > 1:
+            p0, big = min(cases), max(cases)
+            sweep = np.empty(big * cfg.heads * cfg.dim * torch.finfo(dtype).bits // 8, dtype=np.uint8)
+            outs = torch.empty((p0, cfg.heads, cfg.dim), dtype=dtype)
+            for _ in range(cfg.rounds):
+                wall = nogil = 0.0
+                for n in range(200):
+                    sweep.fill(n & 255)
+                    (_, ns0, _), t0 = _native.fetch_timing(), time.perf_counter()
+                    stores["native"].lookup(cases[p0][n % len(cases[p0])], out=outs)
+                    wall += time.perf_counter() - t0
+                    nogil += 1e-9 * (_native.fetch_timing()[1] - ns0)
+                py = 1e6 * (wall - nogil) / 200
+                cold_python_us = py if cold_python_us is None else min(cold_python_us, py)
         for p in cases:
             fig = {"host_us_per_call": best[p, "host"]}
             for pipe in stores:
@@ -542,6 +561,8 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                 fig[f"{pipe}_vs_host"] = best[p, pipe] / best[p, "host"]
             if p in python_us:
                 fig["native_python_us_per_call"] = python_us[p]
+            if cold_python_us is not None and p == min(cases):
+                fig["native_python_us_per_call_cold_caches"] = cold_python_us
             out[str(p)] = fig
     finally:
         host.close()
@@ -610,6 +631,9 @@ def to_text(res: FileLookupBenchResult) -> str:
                 parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host)")
             if "native_python_us_per_call" in d:
                 parts.append(f"python {d['native_python_us_per_call']:.1f}")
+            if "native_python_us_per_call_cold_caches" in d:
+                parts.append(f"python after a {max(c.hit_positions)}-position output's bytes were written "
+                             f"{d['native_python_us_per_call_cold_caches']:.1f}")
             lines.append(f"  {p:>4} positions x {c.heads} heads: " + ", ".join(parts))
     r = res.ratios
     lines.append(f"tiergram (worst dist) vs limit at QD>=32 ({res.best_limit:.0f}): {r['vs_limit']:.0%}; "
