@@ -1,4 +1,6 @@
-"""Host tables on transparent huge pages: 2 MiB-aligned buffers advised MADV_HUGEPAGE, reported by stats()."""
+"""The host tier at scale: tables on transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE, reported by stats()),
+the native fp8 gather's every path (AVX-512 / AVX2, normal or non-temporal stores) against the reference decode,
+and the same-bytes limit the lookup benchmark measures against."""
 
 from __future__ import annotations
 
@@ -7,8 +9,12 @@ import mmap
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tiergram import _native
 from tiergram.bench import lookup
+from tiergram.codecs import get_codec
 from tiergram.format import TableManifest, create_random_table
 from tiergram.store import TieredTable
 from tiergram.tiers.host import HUGE_PAGE, huge_page_buffer, huge_page_bytes, thp_mode
@@ -71,3 +77,126 @@ def test_bench_lookup_table_gib_sizes_the_table_and_removes_it(tmp_path, monkeyp
     assert not list((tmp_path / "bench").glob("*.tgram"))  # the --table-gib table does not stay behind
     with pytest.raises(ValueError, match="table-gib must be > 0"):
         lookup.LookupBenchConfig(table_gib=0)
+
+
+# --- the native fp8 gather's paths and the same-bytes limit -----------------------------------------------------
+
+FP8 = get_codec("fp8_e4m3")
+PAGE = 4096
+# scales around every branch of the decode: 2^-127 (subnormal results), the last inexact bf16 exponent (9) and the
+# first exact one (10), the one-multiply limit (134) and beyond (135), overflow to inf (254), NaN (255)
+EDGE_SCALES = [0, 1, 9, 10, 127, 134, 135, 254, 255]
+
+
+class Fp8Rows:
+    """Random fp8 rows (every code, NaN codes included) for `heads` heads, laid out in 4 KiB pages."""
+
+    def __init__(self, dim: int, head_rows: tuple[int, ...], seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.dim, self.rb = dim, FP8.row_bytes(dim)
+        self.rpp = (PAGE - 8) // self.rb
+        self.head_rows = np.asarray(head_rows, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.head_rows)[:-1]]).astype(np.int64)
+        n = int(self.head_rows.sum())
+        self.rows = rng.integers(0, 256, (n, self.rb), dtype=np.uint8)
+        self.rows[:, dim:] = rng.choice(EDGE_SCALES + list(range(110, 140)), (n, dim // 32))
+        self.rows[1::2, :dim] &= 0x7E  # every other row without NaN codes: both sides of the per-row NaN check
+        self.rows[0, dim - 1] = 0x7F  # a NaN code in the last value (the tail of a row that is not whole 64 B)
+        self.data = np.zeros(-(-n // self.rpp) * PAGE, np.uint8)
+        for g in range(n):
+            o = (g // self.rpp) * PAGE + (g % self.rpp) * self.rb
+            self.data[o:o + self.rb] = self.rows[g]
+
+    def args(self, ids: np.ndarray) -> tuple:
+        return (self.data, ids, self.offsets, self.head_rows, PAGE, self.rpp, FP8.codec_id, self.dim)
+
+    def expect(self, ids: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        g = (ids + self.offsets).reshape(-1)
+        return FP8.decode(self.rows[g], self.dim, dtype).reshape(*ids.shape, self.dim)
+
+    def ids(self, positions: int, seed: int) -> np.ndarray:
+        rng = np.random.default_rng(seed)
+        ids = np.stack([rng.integers(0, r, positions) for r in self.head_rows], axis=-1).astype(np.int64)
+        ids[0] = 0
+        ids[-1] = self.head_rows - 1
+        return ids
+
+
+def native_gather(rows: Fp8Rows, ids: np.ndarray, dtype: torch.dtype, stream: bool | None) -> torch.Tensor:
+    out = torch.empty((*ids.shape, rows.dim), dtype=dtype)
+    view = (out.view(torch.uint16) if dtype == torch.bfloat16 else out).numpy()
+    _native.gather(*rows.args(ids), view, stream)
+    return out
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-exact, signed zeros and subnormals included; NaN where the reference has NaN."""
+    iview = torch.int32 if got.dtype == torch.float32 else torch.int16
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(iview)[~nan], want.view(iview)[~nan])
+
+
+@pytest.mark.parametrize("dim", [32, 96, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("stream", [None, False, True], ids=["auto", "normal", "streamed"])
+def test_fp8_gather_every_store_path_matches_the_reference(dim, dtype, stream):
+    rows = Fp8Rows(dim, (70, 33, 101), seed=dim)
+    ids = rows.ids(200, seed=1)
+    assert_same(native_gather(rows, ids, dtype, stream), rows.expect(ids, dtype))
+
+
+def test_fp8_gather_streams_a_large_output_correctly():
+    rows = Fp8Rows(256, (500, 300, 400), seed=3)
+    ids = rows.ids(5500, seed=2)  # 5500 x 3 x 1 KiB = 16.1 MiB of float32: over the streaming threshold
+    assert ids.size * 256 * 4 >= 16 << 20
+    assert_same(native_gather(rows, ids, torch.float32, None), rows.expect(ids, torch.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), scales=st.lists(st.integers(0, 255), min_size=8, max_size=8),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), stream=st.booleans())
+def test_fp8_gather_equals_reference_for_any_codes_and_scales(seed, scales, dtype, stream):
+    rows = Fp8Rows(256, (9, 5), seed=seed)
+    rows.rows[:, 256:] = scales
+    for g in range(rows.rows.shape[0]):
+        o = (g // rows.rpp) * PAGE + (g % rows.rpp) * rows.rb
+        rows.data[o:o + rows.rb] = rows.rows[g]
+    ids = rows.ids(12, seed=seed)
+    assert_same(native_gather(rows, ids, dtype, stream), rows.expect(ids, dtype))
+
+
+def cyclic(row: np.ndarray, out_bytes: int) -> np.ndarray:
+    """What the limit writes for one row: its 16-byte chunks in turn, the last one ending at the row's end."""
+    starts = [min(16 * c, row.size - 16) for c in range(-(-row.size // 16))]
+    return np.concatenate([row[starts[j % len(starts)]:][:16] for j in range(out_bytes // 16)])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("ahead", [0, 8, 64])
+def test_gather_limit_reads_every_row_byte_and_writes_the_output_bytes(stream, ahead):
+    rows = Fp8Rows(256, (70, 33, 101), seed=4)
+    ids = rows.ids(300, seed=5)
+    out = np.zeros((*ids.shape, 1024), np.uint8)
+    _native.gather_limit(*rows.args(ids), out, stream, ahead)
+    g = (ids + rows.offsets).reshape(-1)
+    want = np.stack([cyclic(rows.rows[i], 1024) for i in g]).reshape(out.shape)
+    assert np.array_equal(out, want)
+    assert set(np.unique(want[0, 0, :264])) <= set(np.unique(rows.rows[g[0]]))
+
+
+def test_gather_limit_checks_every_id_and_its_arguments():
+    rows = Fp8Rows(256, (70, 33, 101), seed=4)
+    ids = rows.ids(10, seed=5)
+    out = np.zeros((*ids.shape, 1024), np.uint8)
+    bad = ids.copy()
+    bad[7, 1] = 33
+    with pytest.raises(IndexError, match=r"row id 33 out of range for head 1 \(rows 0..32\) at position 7"):
+        _native.gather_limit(*rows.args(bad), out, False, 8)
+    bad[7, 1] = -1
+    with pytest.raises(IndexError, match="row id -1 out of range for head 1"):
+        _native.gather_limit(*rows.args(bad), out, False, 8)
+    with pytest.raises(ValueError, match="16-byte chunks"):
+        _native.gather_limit(*rows.args(ids), np.zeros((*ids.shape, 1000), np.uint8), False, 8)
+    with pytest.raises(ValueError, match="prefetch distance 65 above the maximum 64"):
+        _native.gather_limit(*rows.args(ids), out, False, 65)

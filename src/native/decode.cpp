@@ -155,6 +155,107 @@ __attribute__((target("avx2"))) void fp8_row_avx2(const uint8_t *row, uint64_t d
   }
 }
 
+// AVX-512 fp8 e4m3 decode, 16 values per step, same bit trick as fp8x8_to_f32. Zen 4 runs it at ~2x the AVX2
+// path's rate (half the instructions); a row is checked once for NaN codes (0x7F/0xFF), so rows without any skip
+// the per-vector NaN select. kStream: non-temporal stores for outputs too large to stay in cache (out must be
+// 64-byte aligned; the caller fences).
+#define TG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+TG_AVX512 inline bool fp8_row_has_nan(const uint8_t *q, uint64_t dim) {
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __mmask64 any = 0;
+  for (uint64_t k = 0; k < dim; k += 64) {
+    const __mmask64 take = dim - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (dim - k)) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(take, q + k);
+    any |= _mm512_mask_cmpeq_epi8_mask(take, _mm512_and_si512(v, low7), low7);
+  }
+  return any != 0;
+}
+
+template <bool kNan>
+TG_AVX512 inline __m512 fp8x16_to_f32(const uint8_t *q, __m512 scale_hi, __m512 scale_lo, bool two_steps) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(q)));
+  const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(v, 20), _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+  __m512 x = _mm512_mul_ps(_mm512_castsi512_ps(bits), scale_hi);
+  if (two_steps) x = _mm512_mul_ps(x, scale_lo);
+  if (kNan) {  // all-ones bits, as the AVX2 path
+    const __m512i low7 = _mm512_set1_epi32(0x7F);
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, low7), low7);
+    x = _mm512_mask_mov_ps(x, nan, _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+  }
+  return x;
+}
+
+// fp32 x16 -> bf16 x16: exact upper halves, or round to nearest even with NaN kept quiet (f32_to_bf16).
+template <bool kExact>
+TG_AVX512 inline __m256i f32x16_to_bf16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_srli_epi32(b, 16);
+  if (kExact) return _mm512_cvtepi32_epi16(hi);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <bool kNan, bool kStream>
+TG_AVX512 void fp8_row_avx512(const uint8_t *row, uint64_t dim, float *out_f32, uint16_t *out_bf16) {
+  const uint8_t *scales = row + dim;
+  for (uint64_t b = 0; b < dim / 32; ++b) {
+    const uint8_t e = scales[b];
+    const bool two_steps = e > 134;  // see fp8_row_avx2
+    const float hi = e == 255 ? std::numeric_limits<float>::quiet_NaN()
+                              : bits_to_f32(static_cast<uint32_t>(two_steps ? 247 : e + 120) << 23);
+    const __m512 scale_hi = _mm512_set1_ps(hi);
+    const __m512 scale_lo = _mm512_set1_ps(two_steps ? ue8m0_scale(e) : 1.0f);
+    const uint8_t *q = row + 32 * b;
+    const __m512 x0 = fp8x16_to_f32<kNan>(q, scale_hi, scale_lo, two_steps);
+    const __m512 x1 = fp8x16_to_f32<kNan>(q + 16, scale_hi, scale_lo, two_steps);
+    if (out_f32) {
+      float *o = out_f32 + 32 * b;
+      if (kStream) {
+        _mm512_stream_ps(o, x0);
+        _mm512_stream_ps(o + 16, x1);
+      } else {
+        _mm512_storeu_ps(o, x0);
+        _mm512_storeu_ps(o + 16, x1);
+      }
+    } else {
+      const bool exact = e >= 10;  // see fp8_row_avx2
+      const __m256i h0 = exact ? f32x16_to_bf16<true>(x0) : f32x16_to_bf16<false>(x0);
+      const __m256i h1 = exact ? f32x16_to_bf16<true>(x1) : f32x16_to_bf16<false>(x1);
+      const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+      if (kStream)
+        _mm512_stream_si512(reinterpret_cast<__m512i *>(out_bf16 + 32 * b), h);
+      else
+        _mm512_storeu_si512(out_bf16 + 32 * b, h);
+    }
+  }
+}
+
+TG_AVX512 void fp8_row_avx512_dispatch(const uint8_t *row, uint64_t dim, float *out_f32, uint16_t *out_bf16,
+                                       bool stream) {
+  const bool nan = fp8_row_has_nan(row, dim);
+  // non-temporal stores need 64-byte aligned output rows
+  const uintptr_t at = reinterpret_cast<uintptr_t>(out_f32 ? static_cast<void *>(out_f32) : out_bf16);
+  stream = stream && (at & 63) == 0;
+  if (nan)
+    return stream ? fp8_row_avx512<true, true>(row, dim, out_f32, out_bf16)
+                  : fp8_row_avx512<true, false>(row, dim, out_f32, out_bf16);
+  return stream ? fp8_row_avx512<false, true>(row, dim, out_f32, out_bf16)
+                : fp8_row_avx512<false, false>(row, dim, out_f32, out_bf16);
+}
+
+bool have_avx512() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+}
+
 bool have_avx2() {
   static const bool yes = [] {
     __builtin_cpu_init();  // static initialisers may run before the CPU model is read
@@ -167,20 +268,24 @@ bool have_avx2() {
 }  // namespace
 
 __attribute__((target_clones("avx2", "default")))
-void decode_row_f32(int codec, const uint8_t *row, uint64_t dim, float *out) {
+void decode_row_f32(int codec, const uint8_t *row, uint64_t dim, float *out, bool stream) {
+  (void)stream;  // only the AVX-512 fp8 path streams; the others store normally
 #if defined(__x86_64__)
+  if (codec == kFp8E4M3 && have_avx512()) return fp8_row_avx512_dispatch(row, dim, out, nullptr, stream);
   if (codec == kFp8E4M3 && have_avx2()) return fp8_row_avx2(row, dim, out, nullptr);
 #endif
   decode_row(codec, row, dim, [out](uint64_t j, float v) { out[j] = v; });
 }
 
 __attribute__((target_clones("avx2", "default")))
-void decode_row_bf16(int codec, const uint8_t *row, uint64_t dim, uint16_t *out) {
+void decode_row_bf16(int codec, const uint8_t *row, uint64_t dim, uint16_t *out, bool stream) {
   if (codec == kBf16) {  // already bf16: a straight copy keeps NaN payloads and costs nothing
     std::memcpy(out, row, 2 * dim);
     return;
   }
+  (void)stream;  // only the AVX-512 fp8 path streams; the others store normally
 #if defined(__x86_64__)
+  if (codec == kFp8E4M3 && have_avx512()) return fp8_row_avx512_dispatch(row, dim, nullptr, out, stream);
   if (codec == kFp8E4M3 && have_avx2()) return fp8_row_avx2(row, dim, nullptr, out);
 #endif
   decode_row(codec, row, dim, [out](uint64_t j, float v) { out[j] = f32_to_bf16(v); });

@@ -20,9 +20,11 @@ inline uint64_t codec_row_bytes(int codec, uint64_t dim) {
   }
 }
 
-// Decodes one row into fp32 values. `row` holds codec_row_bytes(codec, dim) bytes.
-void decode_row_f32(int codec, const uint8_t *row, uint64_t dim, float *out);
+// Decodes one row into fp32 values. `row` holds codec_row_bytes(codec, dim) bytes. stream: the output may be
+// written with non-temporal stores (worth it only for outputs larger than the cache; the caller then issues
+// an sfence before anyone reads it).
+void decode_row_f32(int codec, const uint8_t *row, uint64_t dim, float *out, bool stream = false);
 // Decodes one row into bf16 values (round to nearest even), stored as uint16 bit patterns.
-void decode_row_bf16(int codec, const uint8_t *row, uint64_t dim, uint16_t *out);
+void decode_row_bf16(int codec, const uint8_t *row, uint64_t dim, uint16_t *out, bool stream = false);
 
 }  // namespace tiergram

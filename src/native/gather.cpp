@@ -1,47 +1,101 @@
-// Gather: random rows are DRAM-latency bound, so each worker prefetches a few rows ahead.
+// Gather: random rows are DRAM-latency bound, so each worker prefetches a few rows ahead; outputs too large for
+// the cache are written with non-temporal stores.
 #include "gather.h"
 
 #include "decode.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace tiergram {
 
 namespace {
 
 constexpr uint64_t kPrefetchAhead = 8;  // rows in flight per thread; ~8 covers DRAM latency at 264 B/row
+constexpr uint64_t kMaxPrefetchAhead = 64;  // the most gather_limit may be asked for
 
 inline void prefetch_row(const uint8_t *p, uint64_t row_bytes) {
   for (uint64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
   __builtin_prefetch(p + row_bytes - 1, 0, 0);
 }
 
+// An output at least this large cannot stay in cache until its reader comes (L2 is 1 MiB a core, L3 is shared):
+// non-temporal stores then save the read-for-ownership of every output line. Smaller outputs (a serving step's
+// few positions) keep normal stores so the model reads them from cache.
+constexpr uint64_t kStreamOutBytes = uint64_t(16) << 20;
+
 inline void emit(OutKind kind, int codec, const uint8_t *row, uint64_t dim, uint64_t row_bytes, void *out,
-                 uint64_t i) {
+                 uint64_t i, bool stream) {
   switch (kind) {
-    case OutKind::kF32: decode_row_f32(codec, row, dim, static_cast<float *>(out) + i * dim); break;
-    case OutKind::kBf16: decode_row_bf16(codec, row, dim, static_cast<uint16_t *>(out) + i * dim); break;
+    case OutKind::kF32: decode_row_f32(codec, row, dim, static_cast<float *>(out) + i * dim, stream); break;
+    case OutKind::kBf16: decode_row_bf16(codec, row, dim, static_cast<uint16_t *>(out) + i * dim, stream); break;
     case OutKind::kRaw: std::memcpy(static_cast<uint8_t *>(out) + i * row_bytes, row, row_bytes); break;
   }
 }
 
-// Runs emit over [0, n) on the pool; row_at(i) gives the address of the i-th source row.
-template <typename RowAt>
-void run_gather(uint64_t n, OutKind kind, int codec, uint64_t dim, uint64_t row_bytes, void *out, RowAt row_at) {
+inline uint64_t out_row_bytes(OutKind kind, uint64_t dim, uint64_t row_bytes) {
+  return kind == OutKind::kF32 ? 4 * dim : kind == OutKind::kBf16 ? 2 * dim : row_bytes;
+}
+
+inline void store_fence() {
+#if defined(__x86_64__)
+  _mm_sfence();  // non-temporal stores are weakly ordered: make them visible before the pool reports done
+#endif
+}
+
+// Runs each(row, i) over [0, n) on the pool, prefetching rows ahead; row_at(i) gives the i-th source row.
+template <typename RowAt, typename Each>
+void run_rows(uint64_t n, uint64_t row_bytes, bool stream, uint64_t A, RowAt row_at, Each each) {
   const std::shared_ptr<WorkerPool> pool = global_pool();  // held: set_num_threads may swap it meanwhile
   pool->parallel_for(n, 256, [&](size_t begin, size_t end) {
-    const uint8_t *ahead[kPrefetchAhead];  // addresses computed once, when prefetched
-    for (size_t i = begin; i < std::min<size_t>(end, begin + kPrefetchAhead); ++i) {
-      ahead[i % kPrefetchAhead] = row_at(i);
-      prefetch_row(ahead[i % kPrefetchAhead], row_bytes);
+    if (A == 0) {  // no prefetch (gather_limit may be asked for it)
+      for (size_t i = begin; i < end; ++i) each(row_at(i), i);
+      if (stream) store_fence();
+      return;
+    }
+    const uint8_t *ahead[kMaxPrefetchAhead];  // addresses computed once, when prefetched
+    for (size_t i = begin; i < std::min<size_t>(end, begin + A); ++i) {
+      ahead[i % A] = row_at(i);
+      prefetch_row(ahead[i % A], row_bytes);
     }
     for (size_t i = begin; i < end; ++i) {
-      const uint8_t *row = ahead[i % kPrefetchAhead];
-      if (i + kPrefetchAhead < end) {
-        ahead[i % kPrefetchAhead] = row_at(i + kPrefetchAhead);
-        prefetch_row(ahead[i % kPrefetchAhead], row_bytes);
+      const uint8_t *row = ahead[i % A];
+      if (i + A < end) {
+        ahead[i % A] = row_at(i + A);
+        prefetch_row(ahead[i % A], row_bytes);
       }
-      emit(kind, codec, row, dim, row_bytes, out, i);
+      each(row, i);
     }
+    if (stream) store_fence();
   });
+}
+
+// Runs emit over [0, n); row_at(i) gives the address of the i-th source row.
+template <typename RowAt>
+void run_gather(uint64_t n, OutKind kind, int codec, uint64_t dim, uint64_t row_bytes, void *out, int stream_mode,
+                RowAt row_at) {
+  const bool stream = stream_mode < 0 ? n * out_row_bytes(kind, dim, row_bytes) >= kStreamOutBytes : stream_mode > 0;
+  run_rows(n, row_bytes, stream, kPrefetchAhead, row_at,
+           [&](const uint8_t *row, uint64_t i) { emit(kind, codec, row, dim, row_bytes, out, i, stream); });
+}
+
+// The same-bytes limit's row: every byte of the row read, out_bytes written (the row's 16-byte chunks over and
+// over), no arithmetic; stream: non-temporal stores (needs 16-byte aligned output rows).
+inline void copy_cyclic(const uint8_t *row, uint64_t row_bytes, uint8_t *out, uint64_t out_bytes, bool stream) {
+#if defined(__x86_64__)
+  const uint64_t chunks = (row_bytes + 15) / 16;  // the last chunk ends at the row's last byte
+  for (uint64_t j = 0, c = 0; j + 16 <= out_bytes; j += 16, c = c + 1 == chunks ? 0 : c + 1) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row + std::min(16 * c, row_bytes - 16)));
+    if (stream)
+      _mm_stream_si128(reinterpret_cast<__m128i *>(out + j), v);
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i *>(out + j), v);
+  }
+#else
+  (void)stream;
+  for (uint64_t j = 0; j + 16 <= out_bytes; j += 16) std::memcpy(out + j, row + (j % (row_bytes - 15)), 16);
+#endif
 }
 
 }  // namespace
@@ -71,13 +125,32 @@ void check_ids(const TableView &t, const int64_t *ids, uint64_t n_ids) {
   }
 }
 
-void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind kind, void *out) {
+void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind kind, void *out, int stream) {
   const FastDiv32 heads(t.n_heads);
-  run_gather(n_ids, kind, t.codec, t.dim, t.geo.row_bytes, out, [&](size_t i) {
+  run_gather(n_ids, kind, t.codec, t.dim, t.geo.row_bytes, out, stream, [&](size_t i) {
     const uint64_t h = (i >> 32) ? i % t.n_heads : heads.mod(i);
     const uint64_t global = static_cast<uint64_t>(t.head_offsets[h] + ids[i]);
     return t.data + t.geo.row_offset(global);
   });
+}
+
+void gather_limit(const TableView &t, const int64_t *ids, uint64_t n_ids, uint64_t out_bytes, bool stream,
+                  uint64_t ahead, uint8_t *out) {
+  if (ahead > kMaxPrefetchAhead)
+    throw std::invalid_argument("prefetch distance " + std::to_string(ahead) + " above the maximum " +
+                                std::to_string(kMaxPrefetchAhead));
+  if (t.geo.row_bytes < 16 || out_bytes % 16 != 0)
+    throw std::invalid_argument("gather_limit needs rows of >= 16 bytes and whole 16-byte output chunks, got " +
+                                std::to_string(t.geo.row_bytes) + " and " + std::to_string(out_bytes));
+  stream = stream && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const FastDiv32 heads(t.n_heads);
+  run_rows(
+      n_ids, t.geo.row_bytes, stream, ahead,
+      [&](size_t i) {
+        const uint64_t h = (i >> 32) ? i % t.n_heads : heads.mod(i);
+        return t.data + t.geo.row_offset(static_cast<uint64_t>(t.head_offsets[h] + ids[i]));
+      },
+      [&](const uint8_t *row, uint64_t i) { copy_cyclic(row, t.geo.row_bytes, out + i * out_bytes, out_bytes, stream); });
 }
 
 void decode_at(const uint8_t *src, uint64_t src_bytes, const int64_t *offsets, uint64_t n, int codec, uint64_t dim,
@@ -89,12 +162,12 @@ void decode_at(const uint8_t *src, uint64_t src_bytes, const int64_t *offsets, u
       throw RowIndexError("row byte offset " + std::to_string(offsets[i]) + " at index " + std::to_string(i) +
                           " outside the " + std::to_string(src_bytes) + "-byte source");
   }
-  run_gather(n, kind, codec, dim, row_bytes, out, [&](size_t i) { return src + offsets[i]; });
+  run_gather(n, kind, codec, dim, row_bytes, out, -1, [&](size_t i) { return src + offsets[i]; });
 }
 
 void gather_located(const uint8_t *const *rows, const uint64_t *which, uint64_t n, OutKind kind, int codec,
                     uint64_t dim, uint64_t row_bytes, void *out) {
-  run_gather(n, kind, codec, dim, row_bytes, out, [&](size_t i) { return rows[which[i]]; });
+  run_gather(n, kind, codec, dim, row_bytes, out, -1, [&](size_t i) { return rows[which[i]]; });
 }
 
 }  // namespace tiergram

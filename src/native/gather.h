@@ -32,7 +32,14 @@ struct TableView {
 void check_ids(const TableView &t, const int64_t *ids, uint64_t n_ids);
 
 // out[i] = decode(row of ids[i]); ids must be checked. out is [n_ids, dim] f32/bf16 or [n_ids, row_bytes].
-void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind kind, void *out);
+// stream: 1 non-temporal stores, 0 normal stores, -1 chosen by the output's size.
+void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind kind, void *out, int stream = -1);
+
+// The same-bytes limit of gather_rows: per id, every byte of its row read and out_bytes (a multiple of 16) written
+// into out [n_ids, out_bytes] with no decode, on the same threads, prefetching `ahead` rows (<= 64) per thread;
+// stream: non-temporal stores. ids must be checked.
+void gather_limit(const TableView &t, const int64_t *ids, uint64_t n_ids, uint64_t out_bytes, bool stream,
+                  uint64_t ahead, uint8_t *out);
 
 // out[i] = decode(src + offsets[i]); every offset is checked against src_bytes (throws RowIndexError).
 void decode_at(const uint8_t *src, uint64_t src_bytes, const int64_t *offsets, uint64_t n, int codec,

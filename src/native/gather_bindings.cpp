@@ -1,5 +1,8 @@
 // Python bindings of checksums and gathers; all heavy work runs with the GIL released.
+#include <optional>
 #include <vector>
+
+#include <nanobind/stl/optional.h>
 
 #include <nanobind/stl/vector.h>
 
@@ -26,8 +29,9 @@ void check_out_size(const AnyOut &out, OutKind kind, uint64_t n, uint64_t dim, u
 
 namespace {
 
-void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64_t page_size,
-            uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out) {
+// The checked view of a table's rows for gathers (the geometry's overflow and fit checks in one place).
+TableView table_view(BytesIn data, IdsIn head_offsets, IdsIn head_rows, uint64_t page_size, uint64_t rows_per_page,
+                     int codec, uint64_t dim) {
   const uint64_t row_bytes = codec_row_bytes(codec, dim);
   require(row_bytes > 0, "invalid codec " + std::to_string(codec) + " for dim " + std::to_string(dim));
   // division, not multiplication: rows_per_page * row_bytes could wrap around
@@ -45,11 +49,28 @@ void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64
   t.n_heads = head_offsets.size();
   t.codec = codec;
   t.dim = dim;
+  return t;
+}
+
+void gather(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64_t page_size,
+            uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, std::optional<bool> stream) {
+  const TableView t = table_view(data, head_offsets, head_rows, page_size, rows_per_page, codec, dim);
   const OutKind kind = out_kind(out);
-  check_out_size(out, kind, ids.size(), dim, row_bytes);
+  check_out_size(out, kind, ids.size(), dim, t.geo.row_bytes);
   nb::gil_scoped_release release;
   check_ids(t, ids.data(), ids.size());
-  gather_rows(t, ids.data(), ids.size(), kind, out.data());
+  gather_rows(t, ids.data(), ids.size(), kind, out.data(), stream ? int(*stream) : -1);
+}
+
+void gather_limit_py(BytesIn data, IdsIn ids, IdsIn head_offsets, IdsIn head_rows, uint64_t page_size,
+                     uint64_t rows_per_page, int codec, uint64_t dim, BytesOut out, bool stream, uint64_t ahead) {
+  const TableView t = table_view(data, head_offsets, head_rows, page_size, rows_per_page, codec, dim);
+  require(ids.size() > 0 && out.size() % ids.size() == 0 && (out.size() / ids.size()) % 16 == 0,
+          "out has " + std::to_string(out.size()) + " bytes: it must hold the same whole number of 16-byte chunks for "
+          "each of the " + std::to_string(ids.size()) + " ids");
+  nb::gil_scoped_release release;
+  check_ids(t, ids.data(), ids.size());
+  gather_limit(t, ids.data(), ids.size(), out.size() / ids.size(), stream, ahead, out.data());
 }
 
 void check_ids_py(IdsIn ids, IdsIn head_rows) {
@@ -121,8 +142,16 @@ void register_gather(nb::module_ &m) {
         "Indices of the pages whose trailer does not match.");
   m.def("gather", &gather, nb::arg("data"), nb::arg("ids"), nb::arg("head_offsets"), nb::arg("head_rows"),
         nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"), nb::arg("out"),
+        nb::arg("stream") = nb::none(),
         "Bounds-check ids int64 [N, H] per head, then decode each row into out [N, H, D] (f32/bf16) or copy raw "
-        "rows into uint8 out [N, H, row_bytes].");
+        "rows into uint8 out [N, H, row_bytes]. stream: non-temporal stores (True), normal stores (False) or "
+        "chosen by out's size (None: non-temporal from 16 MiB, which cannot stay in cache anyway).");
+  m.def("gather_limit", &gather_limit_py, nb::arg("data"), nb::arg("ids"), nb::arg("head_offsets"),
+        nb::arg("head_rows"), nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"),
+        nb::arg("out"), nb::arg("stream"), nb::arg("ahead"),
+        "The same-bytes limit of `gather`: bounds-check ids int64 [N, H], then per id read every byte of its row "
+        "and write out uint8 [N, H, B] (B a multiple of 16) by repeating the row's bytes, no decode; stream: "
+        "non-temporal stores; ahead: rows prefetched ahead per thread (0..64).");
   m.def("check_ids", &check_ids_py, nb::arg("ids"), nb::arg("head_rows"),
         "Bounds-check per-head ids int64 [N, H] against head_rows int64 [H]; IndexError names head and id.");
   m.def("decode_at", &decode_at_py, nb::arg("src"), nb::arg("offsets"), nb::arg("codec"), nb::arg("dim"),

@@ -58,6 +58,10 @@ class HostTier:
     def gather(self, ids: np.ndarray | torch.Tensor, out: np.ndarray | torch.Tensor) -> None:
         """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16, or uint8 [N, H, row_bytes] raw."""
         m = self.manifest
+        if isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            # a numpy view crosses into the native call ~4 us faster than a tensor through DLPack (the whole
+            # call for one position is ~9 us); bf16 goes as its uint16 bits, which the native gather accepts
+            out = (out.view(torch.uint16) if out.dtype == torch.bfloat16 else out).numpy()
         _native.gather(self.data, ids, self.head_offsets, self.head_rows, m.page_size, m.rows_per_page,
                        m.codec_id, m.dim, out)
 
