@@ -74,6 +74,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-traffic-gbps", type=float, default=0.0,
                    help="other traffic that streamed through host memory during the sweep, GB/s (e.g. "
                         "`python -m tiergram.plan.stream`)")
+    p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
+                   help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
+                        "config; `-nowait` servers never)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -172,6 +175,7 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan import predict
+    from tiergram.plan.model import predict_front
     from tiergram.plan.specs import load_hardware, load_model
 
     sweeps = []
@@ -188,21 +192,24 @@ def _validate(a: argparse.Namespace) -> int:
     sweep = predict.merge_sweeps(sweeps, list(a.sweep_json))
     model = load_model(a.model or sweep["config"]["model_dir"])
     hw = load_hardware(a.hardware)
-    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9)
+    rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
+    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first)
     if a.plot:
         from dataclasses import replace
 
         cfg = sweep["config"]
         hw2 = replace(hw, device_memory_bytes=float(cfg["device_memory"])) if cfg.get("device_memory") else hw
         wl = predict.sweep_workload(cfg)
-        pls = []
+        fronts = []
         for name in dict.fromkeys(p["placement"] for p in sweep["points"]):
             pl = predict.sweep_placement(name, cfg)
             if pl.kind == "file" and not model.hit_rate_curve:
                 hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
                 pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
-            pls.append(pl)
-        fronts = predict.predict_all(model, hw2, wl, pls, int(cfg.get("max_concurrency", 64)))
+            first = predict.sweep_rows_first(cfg, name) if rows_first is None else rows_first
+            fronts.append(predict_front(model, hw2, replace(wl, prompt_rows_first=first and not
+                                                            name.endswith("-nowait")), pl,
+                                        int(cfg.get("max_concurrency", 64))))
         measured: dict[str, list[tuple[float, float, int]]] = {}
         for p in sweep["points"]:
             label = predict.sweep_placement(p["placement"], cfg).label

@@ -182,7 +182,10 @@ def gather_costs(table_path: Path, heads: int, tokens: tuple[int, ...] = (8, 32,
         table.close()
     a = np.array([[1.0, r] for r, _ in pts])
     coef = _nonneg_lstsq(a, np.array([s for _, s in pts]))
-    return {"per_call_s": float(coef[0]), "rows_per_s": 1.0 / coef[1] if coef[1] > 0 else float("inf")}
+    if coef[1] <= 0:  # a noisy machine can leave no per-row slope: then the largest lookup's rate, call cost and all
+        rows, secs = pts[-1]
+        return {"per_call_s": 0.0, "rows_per_s": rows / secs}
+    return {"per_call_s": float(coef[0]), "rows_per_s": 1.0 / coef[1]}
 
 
 def file_costs(table_path: Path, heads: int, cache_fraction: float = 0.1, seconds: float = 0.5) -> dict[str, float]:

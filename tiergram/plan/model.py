@@ -145,6 +145,10 @@ class Workload:
     queue_depth: int = 128  # reads in flight the file tier keeps
     host_reserve_bytes: float = 0.0  # host DRAM the planner must leave alone (OS, other processes)
     host_traffic_bps: float = 0.0  # other traffic through host DRAM (bytes/s moved, e.g. K/V swaps of other jobs)
+    # the engine's prompt_rows_first: while others decode, a new prompt's rows are read before it joins the batch,
+    # so a step waits only for its decode tokens' misses (the prompt's are read beside the steps and delay only
+    # that request); alone (c = 1) a prompt starts at once and its step waits for its rows
+    prompt_rows_first: bool = False
 
     @property
     def seq_tokens(self) -> int:
@@ -246,14 +250,38 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
                ) -> tuple[float, dict[str, float], str, float | None]:
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
     context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
-    return step_terms_at(model, hw, wl, placement, c, tokens_per_step(wl, c), context)
+    tokens = tokens_per_step(wl, c)
+    waited = tokens
+    if wl.prompt_rows_first and c > 1:
+        waited = tokens * decode_share(wl)  # the prompt tokens' rows were read before their step
+    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited)
+
+
+def decode_share(wl: Workload) -> float:
+    """The share of a request's computed tokens that are decode tokens: (L_out - 1) / (L_in + L_out - 1)."""
+    lo = max(1.0, wl.output_len)
+    return (lo - 1.0) / (wl.input_len + lo - 1.0)
+
+
+def prompt_wait_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> float:
+    """Seconds a new request waits for its prompt's missed rows before joining (prompt_rows_first, c > 1, file)."""
+    if placement.kind != "file" or not wl.prompt_rows_first or c <= 1:
+        return 0.0
+    hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
+    misses = wl.input_len * model.engram.rows_per_token * (1.0 - hit)
+    return misses / hw.disk.pages_per_s(wl.queue_depth) + hw.disk.latency_s if misses > 0 else 0.0
 
 
 def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int, tokens: float,
-                  context: float) -> tuple[float, dict[str, float], str, float | None]:
-    """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c)."""
+                  context: float, waited_tokens: float | None = None
+                  ) -> tuple[float, dict[str, float], str, float | None]:
+    """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c).
+
+    `waited_tokens`: the tokens whose missed rows the step waits for (None: all; with prompt_rows_first, the
+    decode tokens); the rest are read beside the step: they load the disk and the reader's CPU, not the wait."""
     g = model.engram
     rows = tokens * g.rows_per_token
+    waited_rows = rows if waited_tokens is None else waited_tokens * g.rows_per_token
     terms: dict[str, float] = {}
     # backbone compute
     if hw.kind == "cpu":
@@ -283,8 +311,12 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     else:
         hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
         misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
+        waited = waited_rows * (1.0 - hit)
         # the reads pipeline at the queue depth; the first one still waits a whole read's latency (1 / QD1 rate)
-        io_wait = misses / hw.disk.pages_per_s(wl.queue_depth) + (hw.disk.latency_s if misses > 0 else 0.0)
+        io_wait = waited / hw.disk.pages_per_s(wl.queue_depth) + (hw.disk.latency_s if waited > 0 else 0.0)
+        disk_s = misses / hw.disk.pages_per_s(wl.queue_depth)  # every miss, waited for or not, is a disk read
+        if disk_s > 0:
+            terms["disk busy"] = disk_s
         gather = rows / (hw.file_gather_rows_s or hw.gather_rows_s) + (hw.file_call_s or hw.gather_call_s)
         cpu_fetch = gather + misses * hw.disk.cpu_s_per_page / hw.disk.threads
         dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
@@ -307,7 +339,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         terms["engram exposed"] = max(0.0, fetch - hide)
         terms["kv link"] = kv_link / hw.link_bw if kv_link else 0.0
         step = max(compute + terms["engram exposed"], (link_bytes + kv_link) / hw.link_bw if hw.link_bw else 0.0,
-                   (dram_bytes + kv_dram) / host_bw) + terms["overhead"]
+                   (dram_bytes + kv_dram) / host_bw, terms.get("disk busy", 0.0)) + terms["overhead"]
     else:
         if wl.host_traffic_bps > 0 and hw.cores > 0:
             # other traffic through host memory is copied by these cores: at host_bw per core it takes
@@ -316,19 +348,25 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
             stretch = hw.cores / (hw.cores - steal)
             compute, cpu_fetch = compute * stretch, cpu_fetch * stretch
             terms["compute"], terms["overhead"] = compute, terms["overhead"] * stretch
-        # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
+        # one pool of cores: fetch CPU time adds to the step, and the wait for the reads is exposed whole. The
+        # compute before the first Engram layer does not hide it: the reader's submit/complete/verify/copy work
+        # and torch's threads share the same cores (measured at scale on 2 cores: a step's stall is its reads'
+        # time, docs/planner.md)
         terms["engram cpu"] = cpu_fetch
-        terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch)
+        terms["engram exposed"] = io_wait
         step = compute + cpu_fetch + terms["engram exposed"] + terms["overhead"] + terms.get("engram gather", 0.0)
         dram_s = (dram_bytes + kv_dram) / max(1.0, hw.host_bw - wl.host_traffic_bps)
-        step = max(step, dram_s)
+        step = max(step, dram_s, terms.get("disk busy", 0.0))
     terms = {k: v for k, v in terms.items() if v > 0}
-    binding = _binding(terms, placement)
+    binding = _binding(terms, placement, step)
     return step, terms, binding, hit
 
 
-def _binding(terms: dict[str, float], placement: Placement) -> str:
-    """The cost term that sets the step: compute (with its fixed overhead) against the exposed fetch and KV."""
+def _binding(terms: dict[str, float], placement: Placement, step: float) -> str:
+    """The cost term that sets the step: compute (with its fixed overhead) against the exposed fetch and KV (or
+    the disk, when reading every miss takes the whole step)."""
+    if terms.get("disk busy", 0.0) >= step * (1 - 1e-9):
+        return "engram (disk)"
     backbone = terms.get("compute", 0.0) + terms.get("overhead", 0.0)
     fetch = terms.get("engram exposed", 0.0) + terms.get("engram cpu", 0.0)
     candidates = {"compute": backbone, "kv link": terms.get("kv link", 0.0)}
@@ -356,7 +394,10 @@ def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     step, terms, binding, hit = step_terms(model, hw, wl, placement, c)
     lo = max(1.0, wl.output_len)
     steps = steps_per_request(wl, c)
-    cycle = steps * step + hw.request_overhead_s
+    wait = prompt_wait_s(model, hw, wl, placement, c)
+    if wait > 0:
+        terms["prompt rows wait"] = wait  # once per request, not per step
+    cycle = steps * step + hw.request_overhead_s + wait
     throughput = c * (wl.input_len + lo) / cycle
     itl = step * steps / lo  # a sequence gets one token per step, fewer when prefill chunks fill the budget
     return Point(placement.label, c, step, throughput, 1.0 / itl, binding, terms, hit)

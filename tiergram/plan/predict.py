@@ -180,8 +180,9 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
 
 def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     """The placement a sweep point names: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
-    file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway)."""
-    kind, _, tail = name.partition("-")
+    file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a
+    `-nowait` suffix (the same server with prompt_rows_first off) names the same placement."""
+    kind, _, tail = name.removesuffix("-nowait").partition("-")
     if kind not in ("device", "host", "file"):
         raise ValueError(f"sweep point placement {name!r}: not device, host or file[-N%|-big]")
     if kind != "file":
@@ -195,12 +196,20 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     return Placement("file", cache_fraction=float(min(fractions)))
 
 
-def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0
-             ) -> dict[str, Any]:
+def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
+    """Whether a sweep's file server ran with the engine's prompt_rows_first: read-ahead on, a `bench serve` that
+    knows the setting (its config has `compare_rows_first`; earlier engines had no such wait), and not a
+    `-nowait` server."""
+    return bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not label.endswith("-nowait")
+
+
+def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
+             rows_first: bool | None = None) -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
-    host-memory traffic that ran beside the sweep)."""
+    host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
+    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`)."""
     cfg = sweep["config"]
-    wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
+    base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
     rows: list[Compared] = []
@@ -229,6 +238,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             elif pt.get("engram_cache_hit_rate") is not None:
                 pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
                 source = "sweep (reported hit rate)"
+        wl = replace(base_wl, prompt_rows_first=sweep_rows_first(cfg, name) if rows_first is None else
+                     rows_first and not name.endswith("-nowait"))
         p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
@@ -248,7 +259,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
-    return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(wl),
+    return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
             "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
