@@ -11,7 +11,7 @@ from tiergram.cli.serve import CACHE_POLICIES
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (lookup, ...)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    lk = bsub.add_parser("lookup", help="row lookup rate: host tier against the memcpy-gather limit and numpy; "
+    lk = bsub.add_parser("lookup", help="row lookup rate: host tier against the same-bytes gather limit and numpy; "
                                         "file tier against the device's limit, Python threads and mmap")
     lk.add_argument("--tier", default="host", choices=["host", "file", "mooncake"],
                     help="tier to read from (mooncake: side by side with Mooncake's EngramStore, docs/remote.md)")
