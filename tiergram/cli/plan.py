@@ -38,6 +38,9 @@ def _predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--placements", default="device,host,file",
                    help="comma-separated kinds (default device,host,file)")
     p.add_argument("--no-kv-offload", action="store_true", help="leave out host + KV offload")
+    p.add_argument("--prompt-rows-first", action="store_true",
+                   help="file placements: the engine reads a new prompt's rows before it joins (steps wait only for "
+                        "decode rows); default: every step waits for all its rows")
     p.add_argument("--device-memory", type=float, default=None, help="override the device budget, bytes")
     p.add_argument("--max-concurrency", type=int, default=1 << 16)
     p.add_argument("--plot", default=None, help="PNG path (default: plan-MODEL-HARDWARE.png in the cache)")
@@ -138,7 +141,8 @@ def _predict(a: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--cache-fractions must be comma-separated numbers, got {a.cache_fractions!r}") from None
     wl = Workload(input_len=a.input_len, output_len=a.output_len, max_num_seqs=a.max_num_seqs,
-                  max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size)
+                  max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                  prompt_rows_first=a.prompt_rows_first)
     kinds = tuple(k.strip() for k in a.placements.split(",") if k.strip())
     pls = predict.placements(fractions, kv_offload=not a.no_kv_offload, kinds=kinds)
     fronts = predict.predict_all(model, hw, wl, pls, a.max_concurrency)
