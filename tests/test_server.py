@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from support import spread
 
 from tiergram.corpus import PAD, build_corpus, directory_source, load_tokenizer, train_tokenizer
 from tiergram.engine import EngineConfig, LLMEngine, Placement
 from tiergram.model import EngramLM, make_hasher, tiny_config
 from tiergram.model.checkpoint import save_pretrained
-from tiergram.server import create_app
+from tiergram.server import create_app, serve_in_thread
 from tiergram.server.metrics import parse
 
 FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
@@ -60,22 +58,10 @@ def running(model_dir: Path, placement: Placement | str = "host", hook=None, app
     engine = LLMEngine(EngineConfig(str(model_dir), placement, **engine_kw))
     if hook is not None:
         hook(engine)
-    app = create_app(engine, **(app_kw or {}))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with serve_in_thread(create_app(engine, **(app_kw or {})), start_timeout_s=30) as base:
+            yield base
     finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
         engine.close()
 
 

@@ -555,51 +555,33 @@ def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[fl
     table's pages is made to fail. Below 1: the next read of each such page and its re-read see a flipped bit
     (the checksum catches it; the request reading it fails, later reads succeed), as transient faults on 1% of
     page reads would. At 1: every read of every page fails with an I/O error, for as long as it lasts."""
-    import uvicorn
-
     from tiergram.engine import EngineConfig, LLMEngine, Placement
-    from tiergram.server import create_app
+    from tiergram.server import create_app, serve_in_thread
 
     engine = LLMEngine(EngineConfig(str(model_dir), Placement("file"), max_num_seqs=8))
-    app = create_app(engine)
-    import socket
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     out: dict[str, Any] = {}
     try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the in-process server did not start")
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        want = greedy_tokens(url, prompts, 4)
-        rng = random.Random(0)
-        for rate in rates:
-            injected = 0
-            for src in engine.sources.values():
-                n = src.manifest.n_pages
-                for page in rng.sample(range(n), max(1, round(rate * n))):
-                    src.tier.reader.inject_fault(*(("flip", page, 2) if rate < 1 else ("eio", page, 1 << 30)))
-                    injected += 1
-            got = greedy_tokens(url, prompts, 4)
-            for src in engine.sources.values():
-                src.tier.reader.clear_faults()
-            health = httpx.get(f"{url}/health").json()
-            ok_after = serves_normally(url)  # the faults cleared: served as before
-            out[f"injected_{rate:g}"] = {**compare_to_reference(got, want), "requests": len(prompts),
-                                         "faulty_pages": injected, "served_after": answers_cleanly(url),
-                                         "engine_faults": health["faults"], "health": health["status"],
-                                         "served_once_cleared": ok_after}
-            log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
+        with serve_in_thread(create_app(engine)) as url:
+            want = greedy_tokens(url, prompts, 4)
+            rng = random.Random(0)
+            for rate in rates:
+                injected = 0
+                for src in engine.sources.values():
+                    n = src.manifest.n_pages
+                    for page in rng.sample(range(n), max(1, round(rate * n))):
+                        src.tier.reader.inject_fault(*(("flip", page, 2) if rate < 1 else ("eio", page, 1 << 30)))
+                        injected += 1
+                got = greedy_tokens(url, prompts, 4)
+                for src in engine.sources.values():
+                    src.tier.reader.clear_faults()
+                health = httpx.get(f"{url}/health").json()
+                ok_after = serves_normally(url)  # the faults cleared: served as before
+                out[f"injected_{rate:g}"] = {**compare_to_reference(got, want), "requests": len(prompts),
+                                             "faulty_pages": injected, "served_after": answers_cleanly(url),
+                                             "engine_faults": health["faults"], "health": health["status"],
+                                             "served_once_cleared": ok_after}
+                log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
     finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
         engine.close()
     return out
 

@@ -9,8 +9,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -400,6 +400,30 @@ def _draining_server_class() -> type:
             self.should_exit = True
 
     return DrainingServer
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """An app (create_app's) served by uvicorn in a daemon thread of this process on a free loopback port; yields
+    its base URL, stops the server on exit (closing the engine is the caller's)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"the in-process server did not start within {start_timeout_s:.0f} s")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def serve(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
