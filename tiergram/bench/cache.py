@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import cache_dir, save_figure
+from tiergram.bench.common import cache_dir, save_figure, stdlib_files
 from tiergram.cache.policies import POLICIES, belady_hit_rate
 from tiergram.cache.row_cache import RowCache
 from tiergram.hashing import NgramHasher, build_compression
@@ -147,13 +147,6 @@ def encode_until(tok: Any, texts: list[str], max_tokens: int, chunk: int = 64) -
         if total >= max_tokens:
             break
     return docs
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files, sorted (site/dist-packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py")
-                  if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts) and p.is_file())
 
 
 def _read(path: Path) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,12 @@ def log(progress: bool, msg: str) -> None:
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (q in 0..100, linear interpolation, as numpy) of values; NaN when there are none."""
     return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def stdlib_files(exclude: Collection[str] = ("site-packages", "dist-packages")) -> list[Path]:
+    """The Python standard library's .py files, sorted, leaving out those under a folder named in `exclude`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not set(exclude) & set(p.relative_to(root).parts) and p.is_file())
 
 
 def cache_dir(sub: str = "") -> Path:

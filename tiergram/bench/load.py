@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from tiergram.bench.common import stdlib_files
+
 # ------------------------------------------------------------------------------------------------ the trace
 
 def _stdlib_texts() -> Iterator[str]:
     """The Python standard library's source files (tests and site-packages left out), in sorted order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        if not {"test", "tests", "site-packages"} & set(path.relative_to(root).parts):
-            yield path.read_text(encoding="utf-8", errors="replace")
+    for path in stdlib_files(exclude=("test", "tests", "site-packages")):
+        yield path.read_text(encoding="utf-8", errors="replace")
 
 
 def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
