@@ -286,6 +286,7 @@ def test_gpu_bench_code_paths_on_cpu(tmp_path):
     assert all(d[p]["tok_s"] > 0 for p in ("device", "host", "file")) and d["file"]["cache_hit_rate"] is not None
     assert d["host_vs_device"] == pytest.approx(d["host"]["tok_s"] / d["device"]["tok_s"])
     assert d["host_meets_target"] == (d["host_vs_device"] >= 0.97)
+    assert d["file"]["file_mode"] == "direct" and "file_mode" not in d["host"]  # the mode the file tier read in
     assert "pinned H2D" in gpu.summary(report)
     assert gpu.main(["--device", "cpu", "--small", "--backend", "torch", "--out", str(tmp_path / "r.json")]) == 0
     assert (tmp_path / "r.json").is_file()

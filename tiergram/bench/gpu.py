@@ -229,6 +229,10 @@ def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
                 m = engine.metrics()
                 result[name] = {"tok_s": tokens / min(walls), "walls_s": walls,
                                 "exposed_stall_s": m.exposed_stall_s, "cache_hit_rate": m.engram["cache_hit_rate"]}
+                # the file tier's read mode in use ('buffered' where O_DIRECT was refused: page cache, not disk)
+                modes = {src.stats().get("file_mode") for src in engine.sources.values()} - {None}
+                if modes:
+                    result[name]["file_mode"] = ",".join(sorted(modes))
     device, host, file = (result[p]["tok_s"] for p in ("device", "host", "file"))
     result["host_vs_device"] = host / device
     result["host_target"] = HOST_TARGET
@@ -338,7 +342,7 @@ def summary(r: dict) -> str:
         lines.append(f"decode ({d['model']}, {d['requests']} x {d['prompt']}+{d['output']} tokens): "
                      + ", ".join(f"{p} {d[p]['tok_s']:.0f} tok/s" for p in DECODE_PLACEMENTS)
                      + f"; host/resident {d['host_vs_device']:.3f} (target {HOST_TARGET:.0%}), "
-                       f"file/host {d['file_vs_host']:.3f}")
+                       f"file/host {d['file_vs_host']:.3f} (file reads {d['file'].get('file_mode', 'mode unknown')})")
     if r.get("errors"):
         lines.append(f"errors: {r['errors']}")
     return "\n".join(lines)
