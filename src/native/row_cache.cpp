@@ -424,8 +424,8 @@ void NativeRowCache::missing(const int64_t *keys, size_t n, uint8_t *out) {
   for (size_t i = 0; i < n; ++i) out[i] = find(keys[i]) < 0;
 }
 
-void NativeRowCache::replace(int64_t victim, int64_t key, const uint8_t *src) {
-  const int64_t slot = find(victim);
+void NativeRowCache::replace(int64_t slot, int64_t key, const uint8_t *src) {
+  const int64_t victim = slot_key_[slot];
   erase(victim);
   p_remove(victim, slot);
   ++counters_.evicted;
@@ -458,13 +458,22 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
   } else if (rest > 0 && policy_ == Policy::kLRU) {
     // Every victim in one pass over the LRU order before any is replaced (so the call's own later keys are
     // never victims of each other), skipping pinned slots.
-    std::vector<int64_t> victims;
+    std::vector<int64_t> victims;  // slots
     victims.reserve(rest);
     const int64_t s = static_cast<int64_t>(capacity_);
     for (int64_t v = next_[s]; v != s && victims.size() < rest; v = next_[v])
-      if (pins_[v] == 0) victims.push_back(slot_key_[v]);
+      if (pins_[v] == 0) victims.push_back(v);
     counters_.rejected += rest - victims.size();
+    // A large cache's index and slots are DRAM: keep the next replacements' buckets and rows in flight.
+    constexpr size_t kAhead = 8;
+    auto ahead = [&](size_t j) {
+      __builtin_prefetch(&hkeys_[home(slot_key_[victims[j]])]);
+      __builtin_prefetch(&hkeys_[home(keys[fresh[n_free + j]])]);
+      __builtin_prefetch(rows_.data() + static_cast<uint64_t>(victims[j]) * row_bytes_, 1);
+    };
+    for (size_t j = 0; j < std::min(kAhead, victims.size()); ++j) ahead(j);
     for (size_t j = 0; j < victims.size(); ++j) {
+      if (j + kAhead < victims.size()) ahead(j + kAhead);
       const size_t i = fresh[n_free + j];
       replace(victims[j], keys[i], src[i]);
     }
@@ -476,7 +485,7 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
       if (victim < 0 || !p_admit(keys[i], victim)) {
         ++counters_.rejected;
       } else {
-        replace(victim, keys[i], src[i]);
+        replace(find(victim), keys[i], src[i]);
       }
     }
   }

@@ -114,7 +114,7 @@ class NativeRowCache {
   void p_remove(int64_t key, int64_t slot);
   int64_t p_victim();  // a resident unpinned key, or -1
   bool p_admit(int64_t key, int64_t victim);
-  void replace(int64_t victim, int64_t key, const uint8_t *src);  // victim's slot to key
+  void replace(int64_t slot, int64_t key, const uint8_t *src);  // evicts the slot's key, gives the slot to key
 
   // LFU (TinyLFU-style ageing: counts halve every kDecayEvery observations).
   static constexpr uint64_t kDecayEvery = uint64_t{1} << 20;
