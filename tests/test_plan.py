@@ -58,34 +58,41 @@ def test_host_step_adds_the_gather_on_a_cpu() -> None:
     assert p.step_s == pytest.approx(7.8e-3 + rows / 1e6)
 
 
-def test_file_step_on_a_cpu_exposes_the_whole_wait_for_its_reads() -> None:
-    # one pool of cores: the reader's work and the compute before block 1 share them, so nothing hides the wait
+def test_file_step_exposes_what_compute_before_the_first_engram_layer_does_not_hide() -> None:
     p = predict_point(MODEL, CPU, WL, Placement("file", cache_fraction=0.1, hit_rate=0.5), 2)
     rows = 5.6 * 8
     io = rows * 0.5 / 1000 + 1 / 1000  # misses at 1000 pages/s, plus the first read's latency (QD1: 1 ms)
-    assert p.terms["engram exposed"] == pytest.approx(io)
-    assert p.terms["disk busy"] == pytest.approx(rows * 0.5 / 1000)
-    assert p.step_s == pytest.approx(5.6e-3 + rows / 1e6 + io + 2.2e-3)
+    hide = 0.25 * 5.6e-3  # block 1 of 4: a quarter of the compute runs before the first Engram layer
+    exposed = io - hide - rows / 1e6
+    assert p.terms["engram exposed"] == pytest.approx(exposed)
+    assert p.terms["disk busy"] == pytest.approx(rows * 0.5 / 1000)  # below the step: the disk does not bind
+    assert p.step_s == pytest.approx(5.6e-3 + rows / 1e6 + exposed + 2.2e-3)
     assert p.binding == "engram (disk)"
     assert p.hit_rate == 0.5
 
 
-def test_prompt_rows_first_waits_only_for_decode_rows_in_a_step_and_delays_the_request() -> None:
+def test_prompt_rows_first_waits_for_decode_rows_and_the_read_in_progress() -> None:
+    fast = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e4),)))  # 0.1 ms per page, at any depth
     wl = replace(WL, prompt_rows_first=True)
     pl = Placement("file", cache_fraction=0.1, hit_rate=0.5)
-    p = predict_point(MODEL, CPU, wl, pl, 2)
+    p = predict_point(MODEL, fast, wl, pl, 2)
     rows = 5.6 * 8
     waited = rows * 4 / 14  # decode tokens' share of a request's computed tokens: (5 - 1) / (10 + 5 - 1)
-    io = waited * 0.5 / 1000 + 1 / 1000
-    assert p.terms["engram exposed"] == pytest.approx(io)
-    assert p.terms["disk busy"] == pytest.approx(rows * 0.5 / 1000)  # the prompt's reads still load the disk
-    wait = 10 * 8 * 0.5 / 1000 + 1 / 1000  # the prompt's misses, read before it joins
+    io = waited * 0.5 / 1e4 + 1e-4
+    hide, cpu = 0.25 * 5.6e-3, rows / 1e6
+    disk = rows * 0.5 / 1e4  # every miss, the prompt's too, is read
+    wait = 10 * 8 * 0.5 / 1e4 + 1e-4  # one prompt's misses, read before it joins: the request waits that long
+    step0 = 5.6e-3 + cpu + max(0.0, io - hide - cpu) + 2.2e-3
+    queue = (disk * 10 / 14) / step0 * wait / 2  # the prompt reads' share of the disk x half of one prompt's read
+    assert p.terms["disk busy"] == pytest.approx(disk)
+    assert p.terms["read queue"] == pytest.approx(queue)
+    assert p.terms["engram exposed"] == pytest.approx(max(0.0, io - hide - cpu) + queue)
     assert p.terms["prompt rows wait"] == pytest.approx(wait)
     assert p.throughput_tok_s == pytest.approx(2 * 15 / (5 * p.step_s + wait))
     # alone, a prompt starts at once: its step waits for every row, as without the setting
-    assert predict_point(MODEL, CPU, wl, pl, 1).step_s == pytest.approx(predict_point(MODEL, CPU, WL, pl, 1).step_s)
-    assert predict_point(MODEL, CPU, wl, Placement("host"), 2).step_s == pytest.approx(
-        predict_point(MODEL, CPU, WL, Placement("host"), 2).step_s)
+    assert predict_point(MODEL, fast, wl, pl, 1).step_s == pytest.approx(predict_point(MODEL, fast, WL, pl, 1).step_s)
+    assert predict_point(MODEL, fast, wl, Placement("host"), 2).step_s == pytest.approx(
+        predict_point(MODEL, fast, WL, Placement("host"), 2).step_s)
 
 
 def test_a_disk_that_cannot_read_every_miss_within_the_step_sets_it() -> None:

@@ -251,10 +251,17 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
     context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
     tokens = tokens_per_step(wl, c)
-    waited = tokens
-    if wl.prompt_rows_first and c > 1:
-        waited = tokens * decode_share(wl)  # the prompt tokens' rows were read before their step
-    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited)
+    if not (wl.prompt_rows_first and c > 1 and placement.kind == "file"):
+        return step_terms_at(model, hw, wl, placement, c, tokens, context)
+    waited = tokens * decode_share(wl)  # the prompt tokens' rows were read before their step
+    first = step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited)
+    # A step's prefetch joins the table's FIFO read queue behind the prompt reads of the requests waiting to
+    # join: it waits for the rest of the one in progress. Prompt reads keep the disk busy a share rho of the
+    # time, each for T_wait; a step starting at a random moment finds rho * T_wait / 2 of it left on average.
+    prompt_disk = first[1].get("disk busy", 0.0) * (1.0 - decode_share(wl))
+    rho = min(0.95, prompt_disk / first[0]) if first[0] > 0 else 0.0
+    queue = rho * prompt_wait_s(model, hw, wl, placement, c) / 2.0
+    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited, queue_s=queue)
 
 
 def decode_share(wl: Workload) -> float:
@@ -273,12 +280,13 @@ def prompt_wait_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 
 def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int, tokens: float,
-                  context: float, waited_tokens: float | None = None
+                  context: float, waited_tokens: float | None = None, queue_s: float = 0.0
                   ) -> tuple[float, dict[str, float], str, float | None]:
     """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c).
 
     `waited_tokens`: the tokens whose missed rows the step waits for (None: all; with prompt_rows_first, the
-    decode tokens); the rest are read beside the step: they load the disk and the reader's CPU, not the wait."""
+    decode tokens); the rest are read beside the step: they load the disk and the reader's CPU, not the wait.
+    `queue_s`: time the step's reads wait in the read queue behind other reads before their own start."""
     g = model.engram
     rows = tokens * g.rows_per_token
     waited_rows = rows if waited_tokens is None else waited_tokens * g.rows_per_token
@@ -314,6 +322,8 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         waited = waited_rows * (1.0 - hit)
         # the reads pipeline at the queue depth; the first one still waits a whole read's latency (1 / QD1 rate)
         io_wait = waited / hw.disk.pages_per_s(wl.queue_depth) + (hw.disk.latency_s if waited > 0 else 0.0)
+        if queue_s > 0:
+            terms["read queue"] = queue_s
         disk_s = misses / hw.disk.pages_per_s(wl.queue_depth)  # every miss, waited for or not, is a disk read
         if disk_s > 0:
             terms["disk busy"] = disk_s
@@ -336,7 +346,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         dram_s = _shared(dram_bytes / host_bw, kv_dram / host_bw) if dram_bytes else 0.0
         fetch = max(link_s, dram_s, io_wait, cpu_fetch)
         terms["engram fetch"] = fetch
-        terms["engram exposed"] = max(0.0, fetch - hide)
+        terms["engram exposed"] = max(0.0, fetch - hide) + queue_s
         terms["kv link"] = kv_link / hw.link_bw if kv_link else 0.0
         step = max(compute + terms["engram exposed"], (link_bytes + kv_link) / hw.link_bw if hw.link_bw else 0.0,
                    (dram_bytes + kv_dram) / host_bw, terms.get("disk busy", 0.0)) + terms["overhead"]
@@ -348,12 +358,10 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
             stretch = hw.cores / (hw.cores - steal)
             compute, cpu_fetch = compute * stretch, cpu_fetch * stretch
             terms["compute"], terms["overhead"] = compute, terms["overhead"] * stretch
-        # one pool of cores: fetch CPU time adds to the step, and the wait for the reads is exposed whole. The
-        # compute before the first Engram layer does not hide it: the reader's submit/complete/verify/copy work
-        # and torch's threads share the same cores (measured at scale on 2 cores: a step's stall is its reads'
-        # time, docs/planner.md)
+        # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
+        # (and behind the fetch's own CPU work); time queued behind other reads hides behind nothing
         terms["engram cpu"] = cpu_fetch
-        terms["engram exposed"] = io_wait
+        terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch) + queue_s
         step = compute + cpu_fetch + terms["engram exposed"] + terms["overhead"] + terms.get("engram gather", 0.0)
         dram_s = (dram_bytes + kv_dram) / max(1.0, hw.host_bw - wl.host_traffic_bps)
         step = max(step, dram_s, terms.get("disk busy", 0.0))
