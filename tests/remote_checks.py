@@ -414,3 +414,42 @@ def test_bench_serve_sweeps_the_mooncake_placement_on_a_local_cluster(tmp_path):
     moon = by["mooncake"]
     assert moon.throughput_tok_s > 0 and moon.exposed_stall_s >= 0 and moon.engram_cache_hit_rate is not None
     assert res.servers["mooncake"]["cache_bytes"] > 0
+
+
+def test_a_hung_holder_or_master_fails_within_bound_on_both_call_paths(tmp_path):
+    """SIGSTOPped processes (alive, silent): a small batch calls Mooncake on the caller's thread and relies on the
+    timeouts connect() sets; a worker-thread call is abandoned after timeout_s. Both raise PageReadError in time."""
+    with LocalCluster(tmp_path / "logs", holders=1, segment_bytes=32 << 20) as c:
+        path = _table(tmp_path / "k.tgram")
+        push_table(path, c.master_addr, progress=False)
+        uri = f"mooncake://{c.master_addr}/k"
+        inline = TieredTable(uri, tier="mooncake")
+        worker = TieredTable(uri, tier="mooncake", remote_options={"timeout_s": 2.0, "inline_max_keys": 0})
+        rpp = inline.manifest.rows_per_page
+
+        def on_page(p: int) -> np.ndarray:  # a lookup whose head-0 row is on page p (the client may cache where
+            return np.array([[p * rpp, 0, 0]], dtype=np.int64)  # a key it read lives; a fresh page must ask)
+
+        try:
+            good = inline.lookup(on_page(1))
+            assert torch.equal(worker.lookup(on_page(1)), good)
+            assert inline.tier.inline_max_keys > 0 and inline.stats()["remote"]["inline_calls"] >= 1
+            assert worker.stats()["remote"]["inline_calls"] == 0
+            # the master first: a frozen holder misses its heartbeats and loses its objects
+            for which, page, codes in (("master", 2, (-900, -901)), ("holder", 4, (-800, -704))):
+                c.freeze(which)
+                try:
+                    t0 = time.monotonic()
+                    with pytest.raises(PageReadError, match=r"TIMEOUT") as e:
+                        worker.lookup(on_page(page))
+                    assert time.monotonic() - t0 < 2.0 + 1.0 and e.value.mooncake_code == "TIMEOUT"
+                    t0 = time.monotonic()
+                    with pytest.raises(PageReadError, match=rf"table 'k': page {page + 1} ") as e:
+                        inline.lookup(on_page(page + 1))
+                    assert time.monotonic() - t0 < BOUND_S
+                    assert e.value.mooncake_code in codes, e.value
+                finally:
+                    c.freeze(which, resume=True)
+        finally:
+            inline.close()
+            worker.close()

@@ -171,6 +171,12 @@ class LocalCluster:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
 
+    def freeze(self, which: str = "holder", i: int = 0, *, resume: bool = False) -> None:
+        """SIGSTOP (resume: SIGCONT) the master or holder i by pid: a process that hangs without dying."""
+        proc = self.master if which == "master" else self.holders[i]
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT if resume else signal.SIGSTOP)
+
     def close(self) -> None:
         """Kill every process this cluster started (by pid) and close the logs."""
         for proc in [*self.holders, self.master]:

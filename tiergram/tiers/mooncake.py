@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,8 +42,14 @@ MAX_KEYS_PER_CALL = 4096  # keys per batch call (bounds one call's time and its 
 PUSH_CHUNK_PAGES = 1024
 ABANDON_GRACE_S = 300.0  # a buffer a failed transfer may still write is reused only after this long
 _UNSAFE_BUFFERS: list[np.ndarray] = []  # abandoned buffers of closed tiers: never freed (see MooncakeTier.close)
-# Without these, a batch of more than ~1,024 keys wedges the client for 60 s and breaks it (measured, 0.3.13).
-ENV_DEFAULTS = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
+# Set in this process (unless already set) before a client is created. The first two: without them a batch of more
+# than ~1,024 keys wedges the client for 60 s and breaks it. The last three bound every call by Mooncake itself
+# (measured, 0.3.13): a hung (SIGSTOPped) holder answers -800 after 2 x the TCP status/progress timeout (6 s at 3; 60 s
+# by default), a hung master -901 after MC_RPC_TIMEOUT_MS (30 s by default). With them a small batch can call
+# Mooncake on the caller's thread (no worker hop) and still fail within a bounded time; see MooncakeTier.
+ENV_DEFAULTS = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+                "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_RPC_TIMEOUT_MS": "5000"}
+INLINE_MAX_KEYS = 64  # batches of at most this many keys call Mooncake on the caller's thread (see MooncakeTier)
 # Mooncake's ErrorCode values (mooncake-store types.h); the Python binding returns them as plain ints.
 MOONCAKE_ERRORS = {
     -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT", -700: "INVALID_WRITE",
@@ -108,6 +114,26 @@ def _import_store() -> Any:
     return MooncakeDistributedStore
 
 
+def mooncake_bound_s(env: Mapping[str, str] = os.environ) -> float | None:
+    """Longest a store call can take before Mooncake itself fails it, by the timeouts in env; None when one is unset
+    (then Mooncake's defaults allow a 60-s hang). A hung holder fails after 2 x the TCP timeout (measured)."""
+    try:
+        tcp = max(float(env["MC_TCP_STATUS_TIMEOUT_SEC"]), float(env["MC_TCP_PROGRESS_TIMEOUT_SEC"]))
+        rpc = float(env["MC_RPC_TIMEOUT_MS"]) / 1e3
+    except (KeyError, ValueError):
+        return None
+    return max(2 * tcp, rpc)
+
+
+_BOUNDS: dict[int, tuple[Any, float | None]] = {}  # id(client) -> (client, its bound): the clients connect() made
+
+
+def client_bound_s(store: Any) -> float | None:
+    """mooncake_bound_s of the environment a client was created in, when `connect` created it; None otherwise."""
+    entry = _BOUNDS.get(id(store))
+    return entry[1] if entry is not None and entry[0] is store else None
+
+
 def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: int = 0,
             buffer_bytes: int = 16 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE",
             timeout_s: float = 20.0) -> Any:
@@ -135,6 +161,7 @@ def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: in
         caller.close()
     if rc != 0:
         raise ConnectionError(f"Mooncake setup against master {master} failed: {error_name(rc)}")
+    _BOUNDS[id(store)] = (store, mooncake_bound_s())  # Mooncake read the timeouts at setup
     return store
 
 
@@ -186,19 +213,29 @@ class _Caller:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
+        self._stuck: list[_Worker] = []  # workers still inside an abandoned call
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self._lock:
             if self._worker is None or self._worker.stuck:
+                if self._worker is not None:
+                    self._stuck.append(self._worker)
                 self._worker = _Worker()
             worker = self._worker
         return worker.run(fn, args, self.timeout_s)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Stop the worker; True when no abandoned call is still running after waiting up to wait_s for them (the
+        client must not be closed under a running call: Mooncake would free what it is using)."""
         with self._lock:
             if self._worker is not None:
+                if self._worker.stuck:
+                    self._stuck.append(self._worker)
                 self._worker.stop()
                 self._worker = None
+            stuck = list(self._stuck)
+        deadline = time.monotonic() + wait_s
+        return all(w.exited.wait(max(0.0, deadline - time.monotonic())) for w in stuck)
 
 
 class _Worker:
@@ -206,6 +243,7 @@ class _Worker:
 
     def __init__(self) -> None:
         self.stuck = False
+        self.exited = threading.Event()  # set when the thread has left its last call
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="tiergram-mooncake", daemon=True).start()
 
@@ -233,6 +271,7 @@ class _Worker:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box.append((False, e))
             done.set()
+        self.exited.set()
 
 
 def fetch_manifest(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
@@ -285,6 +324,7 @@ class RemoteCounters:
 
     rows: int = 0
     calls: int = 0  # batch_get_into calls
+    inline_calls: int = 0  # of them, made on the caller's thread (no worker hop)
     pages_read: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
@@ -300,13 +340,18 @@ class MooncakeTier:
 
     `fallback`: a local copy of the same table file; pages Mooncake cannot serve are read from it (counted in
     stats as fallback_pages) instead of raising.
+
+    A store call of at most `inline_max_keys` keys runs on the caller's thread when the client's own timeouts
+    (`client_bound_s`, set by `connect`) fail it within `timeout_s`: a worker-thread hop costs about as much as a
+    one-page read over loopback. Larger calls, and every call of a client whose timeouts are unknown, run on a
+    worker thread abandoned after `timeout_s`.
     """
 
     name = "mooncake"
 
     def __init__(self, store: Any, table_name: str, *, manifest: Any, data_offset: int, master: str = "",
                  timeout_s: float = DEFAULT_TIMEOUT_S, fallback: str | os.PathLike | None = None,
-                 owns_store: bool = False) -> None:
+                 owns_store: bool = False, inline_max_keys: int = INLINE_MAX_KEYS) -> None:
         self.store = store
         self.table_name = table_name
         self.master = master
@@ -324,6 +369,8 @@ class MooncakeTier:
         # (time, buffer) a failed or abandoned transfer may still write into: reused only after ABANDON_GRACE_S
         self._abandoned: list[tuple[float, np.ndarray]] = []
         self._caller = _Caller(timeout_s)
+        bound = client_bound_s(store)
+        self.inline_max_keys = inline_max_keys if bound is not None and bound < timeout_s else 0
         self.fallback: FileTier | None = None
         if fallback is not None:
             local = TableFile.open(fallback)
@@ -333,7 +380,8 @@ class MooncakeTier:
 
     @classmethod
     def open(cls, uri: str, *, local_hostname: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
-             fallback: str | os.PathLike | None = None, store: Any = None) -> MooncakeTier:
+             fallback: str | os.PathLike | None = None, store: Any = None,
+             inline_max_keys: int = INLINE_MAX_KEYS) -> MooncakeTier:
         """Open 'mooncake://HOST:PORT/NAME' (connecting a client unless `store` is given: then the master may be
         left out, 'mooncake:///NAME')."""
         master, name = parse_uri(uri, allow_no_master=store is not None)
@@ -347,7 +395,7 @@ class MooncakeTier:
                 release_client(store)
             raise
         return cls(store, name, manifest=manifest, data_offset=data_offset, master=master, timeout_s=timeout_s,
-                   fallback=fallback, owns_store=owns)
+                   fallback=fallback, owns_store=owns, inline_max_keys=inline_max_keys)
 
     @property
     def backend(self) -> str:
@@ -419,7 +467,8 @@ class MooncakeTier:
         with self._lock:
             c = self.counters
             lat = np.asarray(c.latencies, dtype=np.float64)
-            return {"master": self.master, "table": self.table_name, "calls": c.calls, "pages_read": c.pages_read,
+            return {"master": self.master, "table": self.table_name, "calls": c.calls, "inline_calls": c.inline_calls,
+                    "pages_read": c.pages_read,
                     "bytes_read": c.bytes_read, "seconds": c.seconds,
                     "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
                     "latency_ms_p99": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
@@ -427,8 +476,13 @@ class MooncakeTier:
                     "fallback_pages": c.fallback_pages}
 
     def close(self) -> None:
-        """Unregister the staging buffers, close the fallback and (when this tier made it) the client."""
-        self._caller.close()
+        """Unregister the staging buffers, close the fallback and (when this tier made it) the client.
+
+        A call abandoned after timeout_s may still be running inside Mooncake: close waits for it up to the client's
+        own bound, and if it is still running leaves the client open (closing it under the call could crash)."""
+        bound = client_bound_s(self.store)
+        if not self._caller.close(wait_s=bound + 1.0 if bound is not None else self.timeout_s):
+            self._owns_store = False  # never released: the shared client stays open for the process's life
         for buf in self._registered:
             if not any(buf is a for _, a in self._abandoned):
                 try:
@@ -457,9 +511,13 @@ class MooncakeTier:
         base = buf.ctypes.data
         keys = [f"{self._prefix}{int(pages[i])}" for i in positions]
         ptrs = [base + i * ps for i in positions]
+        inline = len(keys) <= self.inline_max_keys
         t0 = time.perf_counter()
         try:
-            codes = self._caller(self.store.batch_get_into, keys, ptrs, [ps] * len(keys))
+            if inline:  # bounded by Mooncake's own timeouts (client_bound_s < timeout_s)
+                codes = self.store.batch_get_into(keys, ptrs, [ps] * len(keys))
+            else:
+                codes = self._caller(self.store.batch_get_into, keys, ptrs, [ps] * len(keys))
         except TimeoutError:
             self._abandon(buf)
             return {i: TIMEOUT for i in positions}
@@ -481,6 +539,7 @@ class MooncakeTier:
         with self._lock:
             c = self.counters
             c.calls += 1
+            c.inline_calls += inline
             c.pages_read += ok_pages
             c.bytes_read += ok_pages * ps
             c.seconds += dt
