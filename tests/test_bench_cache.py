@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from support import offline_default_sources
 
 from tiergram.bench import cache as cb
 from tiergram.cli import build_parser
@@ -123,3 +124,11 @@ def test_cli_registers_cache_bench():
     args = build_parser().parse_args(["bench", "cache", "--window", "8", "--capacities", "0.1", "0.5", "--json"])
     assert args.func.__name__ == "cmd_cache"
     assert args.window == 8 and args.capacities == [0.1, 0.5] and args.json
+
+
+def test_corpus_source_builds_a_missing_corpus(tmp_path, monkeypatch):
+    """--source corpus on a fresh machine builds the corpus and its tokenizer first (auto would take the stdlib)."""
+    corpus = offline_default_sources(monkeypatch, tmp_path)
+    docs = cb.load_docs(cb.CacheBenchConfig(source="corpus", max_tokens=500))
+    assert (corpus / "tokenizer.json").is_file() and docs.source.startswith("corpus validation split")
+    assert sum(len(d) for d in docs.docs) > 0

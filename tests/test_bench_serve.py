@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from support import fixture_corpus, offline_default_sources
 from test_server import make_tiny_model
 
 from tiergram.bench.common import percentile
@@ -23,6 +24,7 @@ from tiergram.bench.serve import (
     levels,
     pareto,
     summarize,
+    trace_tokens,
 )
 from tiergram.bench.serve_process import ServeSubprocess
 from tiergram.cli import main
@@ -140,3 +142,13 @@ def test_percentile_is_numpys_and_monotone(values, q1, q2):
     assert min(values) <= percentile(values, lo) <= percentile(values, hi) <= max(values)
     assert percentile(values, hi) == float(np.percentile(values, hi))
     assert np.isnan(percentile([], 50))
+
+
+def test_trace_from_the_corpus_builds_a_missing_one(tmp_path, monkeypatch):
+    """--source corpus on a fresh machine: the corpus is built first, and the trace is its test split."""
+    from tiergram.corpus import load_tokenizer
+
+    tok = load_tokenizer(fixture_corpus(tmp_path / "fixture") / "tokenizer.json")
+    corpus = offline_default_sources(monkeypatch, tmp_path)
+    tokens, what = trace_tokens(tok, 100, "corpus")
+    assert (corpus / "test.jsonl").is_file() and what == f"corpus test split ({corpus})" and len(tokens) >= 100

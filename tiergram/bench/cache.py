@@ -192,18 +192,20 @@ def stdlib_docs(cfg: CacheBenchConfig) -> TokenDocs:
 
 
 def load_docs(cfg: CacheBenchConfig) -> TokenDocs:
-    """Tokenized documents from cfg.source ('auto': the corpus if it has a tokenizer, else the stdlib)."""
+    """Tokenized documents from cfg.source ('auto': the corpus if it has a tokenizer, else the stdlib; 'corpus':
+    the corpus and its tokenizer, built first when missing)."""
     if cfg.source not in ("auto", "corpus", "stdlib"):
         raise ValueError(f"unknown token source {cfg.source!r} (valid: auto, corpus, stdlib)")
     if cfg.source == "stdlib":
         return stdlib_docs(cfg)
-    from tiergram.corpus import CorpusError
+    from tiergram.corpus import CorpusError, ensure_corpus
 
+    if cfg.source == "corpus":
+        ensure_corpus(cfg.corpus)
+        return corpus_docs(cfg)
     try:
         return corpus_docs(cfg)
     except CorpusError:
-        if cfg.source == "corpus":
-            raise
         return stdlib_docs(cfg)
 
 

@@ -26,13 +26,15 @@ def _stdlib_texts() -> Iterator[str]:
 
 def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
                  ) -> tuple[np.ndarray, str]:
-    """At least `need` tokens of held-out text (documents joined by <|endoftext|>), and where they came from."""
-    from tiergram.corpus import EOT, corpus_dir, load_split
+    """At least `need` tokens of held-out text (documents joined by <|endoftext|>), and where they came from.
 
-    folder = Path(corpus) if corpus else corpus_dir()
-    use_corpus = source == "corpus" or (source == "auto" and (folder / "test.jsonl").is_file())
+    source 'corpus' builds the corpus first when it is missing; 'auto' takes it only when it is built already."""
+    from tiergram.corpus import EOT, corpus_dir, ensure_corpus, load_split
+
     if source not in ("auto", "corpus", "stdlib"):
         raise ValueError(f"unknown trace source {source!r} (valid: auto, corpus, stdlib)")
+    folder = ensure_corpus(corpus, tokenizer=False) if source == "corpus" else Path(corpus) if corpus else corpus_dir()
+    use_corpus = source == "corpus" or (source == "auto" and (folder / "test.jsonl").is_file())
     texts = (doc.text for doc in load_split(folder, "test")) if use_corpus else _stdlib_texts()
     what = f"corpus test split ({folder})" if use_corpus else "Python stdlib source"
     eot = tokenizer.token_to_id(EOT)
