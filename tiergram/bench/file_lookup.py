@@ -16,7 +16,8 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
   twice) in one call each, half the positions each — what the engine does with two Engram layers;
 - all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
   cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the native pipeline's
-  Python time per call (the call's wall time less the time inside the GIL-free native fetch) at each size, and at
+  Python time per call (the call's wall time less the time inside the GIL-free native fetch) and the time of a
+  `prefetch()` call itself (wall, and CPU of the calling thread) at each size, and at
   the smallest size once more with the largest size's output bytes written before each call (the same Python
   work on caches as a large call's data movement leaves them).
 
@@ -521,6 +522,7 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                 raise RuntimeError("all-hit lookups missed the cache: the cache is too small for the case")
         best: dict[tuple[int, str], float] = {}
         python_us: dict[int, float] = {}
+        prefetch_us: dict[tuple[int, str], float] = {}
         seg = max(0.05, cfg.min_time / cfg.rounds / (len(cases) * (1 + len(stores))))
         for _ in range(cfg.rounds):
             for p, bs in cases.items():
@@ -537,6 +539,18 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                     if name == "native" and calls - calls0 == n:
                         py = (1e6 * wall - 1e-3 * (ns - ns0)) / n
                         python_us[p] = min(python_us.get(p, py), py)
+                    if name == "native":  # the prefetch() call itself: what the engine thread spends to queue it
+                        k, t_call, c_call = 0, 0.0, 0.0
+                        while k < 50:
+                            c0, t0 = time.thread_time(), time.perf_counter()
+                            ticket = st.prefetch(bs[k % len(bs)])
+                            t_call += time.perf_counter() - t0
+                            c_call += time.thread_time() - c0
+                            ticket.wait()
+                            del ticket  # its rows are freed outside the timed call
+                            k += 1
+                        for key, v in (("wall", 1e6 * t_call / k), ("cpu", 1e6 * c_call / k)):
+                            prefetch_us[p, key] = min(prefetch_us.get((p, key), v), v)
         # The smallest case again, with the largest case's output bytes written before each call (untimed): the same
         # Python work on caches the way a large lookup's own data movement leaves them
         cold_python_us = None
@@ -561,6 +575,9 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                 fig[f"{pipe}_vs_host"] = best[p, pipe] / best[p, "host"]
             if p in python_us:
                 fig["native_python_us_per_call"] = python_us[p]
+            if (p, "wall") in prefetch_us:
+                fig["native_prefetch_call_us"] = prefetch_us[p, "wall"]
+                fig["native_prefetch_call_cpu_us"] = prefetch_us[p, "cpu"]
             if cold_python_us is not None and p == min(cases):
                 fig["native_python_us_per_call_cold_caches"] = cold_python_us
             out[str(p)] = fig
@@ -631,6 +648,9 @@ def to_text(res: FileLookupBenchResult) -> str:
                 parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host)")
             if "native_python_us_per_call" in d:
                 parts.append(f"python {d['native_python_us_per_call']:.1f}")
+            if "native_prefetch_call_us" in d:
+                parts.append(f"prefetch call {d['native_prefetch_call_us']:.1f} "
+                             f"(caller CPU {d['native_prefetch_call_cpu_us']:.1f})")
             if "native_python_us_per_call_cold_caches" in d:
                 parts.append(f"python after a {max(c.hit_positions)}-position output's bytes were written "
                              f"{d['native_python_us_per_call_cold_caches']:.1f}")
