@@ -344,8 +344,8 @@ def test_side_by_side_bench_runs_on_a_tiny_table(tmp_path, monkeypatch):
     res = run_lookup(cfg, tmp_path, progress=False)  # checks every system's rows against EngramStore's first
     assert set(res["per_dist"]) == {"uniform", "zipf"}
     for per in res["per_dist"].values():
-        assert {"mooncake_engramstore", "tiergram_mooncake", "tiergram_mooncake_cache10", "tiergram_file",
-                "file_limit", "tiergram_host", "mooncake_raw", "mooncake_runs"} <= set(per)
+        assert {"mooncake_engramstore", "tiergram_mooncake", "tiergram_mooncake_worker", "tiergram_mooncake_cache10",
+                "tiergram_file", "file_limit", "tiergram_host", "mooncake_raw", "mooncake_runs"} <= set(per)
         assert all(d["rows_per_s"] > 0 and d["p99_ms"] >= d["p50_ms"] > 0 for b in per.values() for d in b.values())
     assert res["mooncake_engramstore_rows_per_s"] is None  # no 1,024-row batch in this run
     assert "tiergram mooncake vs EngramStore" in lookup_to_text(res)

@@ -295,6 +295,9 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         cache_bytes = int(cfg.cache_fraction * m_rows * row_bytes)
         tables = {
             "tiergram_mooncake": TieredTable(uri, tier="mooncake", remote_options={"store": store}),
+            # every call on the worker thread (the default makes calls of <= 64 keys on the caller's thread)
+            "tiergram_mooncake_worker": TieredTable(uri, tier="mooncake",
+                                                    remote_options={"store": store, "inline_max_keys": 0}),
             "tiergram_mooncake_cache10": TieredTable(uri, tier="mooncake", cache_bytes=cache_bytes,
                                                      remote_options={"store": store}),
             "tiergram_file": TieredTable(path, tier="file"),
@@ -465,7 +468,8 @@ def lookup_to_text(res: dict) -> str:
         lines.append(f"tiergram mooncake vs EngramStore (no cache / 10% cache): {ratios}")
     lines.append("file_limit: the native reader's O_DIRECT reads of the same pages (the disk's limit for "
                  "tiergram_file); mooncake_raw: Mooncake's batch_get_into of the same pages (one object per page), "
-                 f"unverified; mooncake_runs: the same pages read by ranges out of {RUN_PAGES}-page objects")
+                 f"unverified; mooncake_runs: the same pages read by ranges out of {RUN_PAGES}-page objects; "
+                 "tiergram_mooncake_worker: every store call on a worker thread (no caller-thread calls)")
     return "\n".join(lines)
 
 
