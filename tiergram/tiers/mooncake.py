@@ -189,6 +189,7 @@ def release_client(store: Any) -> None:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del _CLIENTS[key]
+                    _BOUNDS.pop(id(store), None)
                     store.close()
                 return
 
