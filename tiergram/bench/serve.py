@@ -32,7 +32,15 @@ from typing import Any
 
 from tiergram.bench.common import cache_dir, log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
-from tiergram.bench.serve_config import DEFAULT_PLACEMENTS, NOWAIT, PLACEMENTS, SweepConfig, file_label, kind_of
+from tiergram.bench.serve_config import (
+    DEFAULT_PLACEMENTS,
+    NOWAIT,
+    PLACEMENTS,
+    SweepConfig,
+    file_label,
+    kind_of,
+    levels,
+)
 from tiergram.bench.serve_process import (
     ServerProcess,
     cache_budgets,
@@ -52,15 +60,6 @@ __all__ = [
     "disk_limit", "file_label", "file_mode", "kind_of", "layer_table_bytes", "layer_tables", "levels", "one_request",
     "pareto", "peak_rss", "plot", "run", "scrape", "summarize", "to_json", "to_markdown", "to_text", "trace_tokens",
 ]
-
-
-def levels(limit: int, max_concurrency: int) -> list[int]:
-    """1, 2, 4, ... up to min(limit, max_concurrency), ending at that cap."""
-    cap = max(1, min(limit, max_concurrency))
-    out = [1]
-    while out[-1] * 2 <= cap:
-        out.append(out[-1] * 2)
-    return out if out[-1] == cap else [*out, cap]
 
 
 def disk_limit(path: Path, seconds: float = 1.0) -> float | None:

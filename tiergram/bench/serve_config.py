@@ -98,3 +98,12 @@ def file_label(fraction: float) -> str:
 def kind_of(label: str) -> str:
     """The placement kind a server label runs (file-10% and file-big are file)."""
     return "file" if label.startswith("file") else label
+
+
+def levels(limit: int, max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... up to min(limit, max_concurrency), ending at that cap (at least [1])."""
+    cap = max(1, min(limit, max_concurrency))
+    out = [1]
+    while out[-1] * 2 <= cap:
+        out.append(out[-1] * 2)
+    return out if out[-1] == cap else [*out, cap]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from tiergram.bench.serve_config import levels as sweep_levels
+
 PLACEMENT_KINDS = ("device", "host", "file")
 
 
@@ -412,14 +414,8 @@ def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:
-    """1, 2, 4, ... up to min(limit, max_concurrency), ending at that cap (as `bench serve` sweeps)."""
-    cap = min(limit, max_concurrency)
-    if cap < 1:
-        return []
-    out = [1]
-    while out[-1] * 2 <= cap:
-        out.append(out[-1] * 2)
-    return out if out[-1] == cap else [*out, cap]
+    """The concurrencies `bench serve` sweeps (its own `levels`); none for a placement that fits no sequence."""
+    return sweep_levels(limit, max_concurrency) if min(limit, max_concurrency) >= 1 else []
 
 
 @dataclass
