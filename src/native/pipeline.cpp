@@ -626,6 +626,19 @@ class FetchJob {
   std::shared_ptr<Orphans> orphans_;
 };
 
+// Queues a job and hands Python its handle; a job that cannot be queued runs its on_cancel (nothing else would).
+FetchJob *enqueue(FetchQueue &q, const std::shared_ptr<Job> &job, Keep keep) {
+  auto *handle = new FetchJob(job, std::move(keep), q.orphans());
+  try {
+    q.submit(job);
+  } catch (...) {
+    if (job->on_cancel) job->on_cancel();  // never queued: e.g. nothing will probe an announced batch
+    delete handle;
+    throw;
+  }
+  return handle;
+}
+
 FetchJob *submit_fetch(FetchQueue &q, nb::handle reader, nb::handle cache_obj, IdsIn ids, IdsIn head_offsets,
                        IdsIn head_rows, uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc,
                        Counts tier_acc) {
@@ -648,16 +661,8 @@ FetchJob *submit_fetch(FetchQueue &q, nb::handle reader, nb::handle cache_obj, I
     job->on_cancel = [cache, batch] { cache->retire(batch); };
   }
   job->work = [a](const std::atomic<bool> *cancel) { run_fetch(a, cancel); };
-  auto *handle = new FetchJob(job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows,
-                                        out, acc, tier_acc}, q.orphans());
-  try {
-    q.submit(job);
-  } catch (...) {
-    if (job->on_cancel) job->on_cancel();  // never queued: nothing will probe the announced batch
-    delete handle;
-    throw;
-  }
-  return handle;
+  return enqueue(q, job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows, out, acc,
+                              tier_acc});
 }
 
 FetchJob *submit_warm(FetchQueue &q, nb::handle reader, nb::handle cache_obj, IdsIn ids, IdsIn head_offsets,
@@ -671,15 +676,8 @@ FetchJob *submit_warm(FetchQueue &q, nb::handle reader, nb::handle cache_obj, Id
   }
   auto job = std::make_shared<Job>();
   job->work = [a](const std::atomic<bool> *cancel) { run_warm(a, cancel); };
-  auto *handle = new FetchJob(job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows,
-                                        AnyOut(), acc, tier_acc}, q.orphans());
-  try {
-    q.submit(job);
-  } catch (...) {
-    delete handle;
-    throw;
-  }
-  return handle;
+  return enqueue(q, job, Keep{nb::borrow(reader), nb::borrow(cache_obj), ids, head_offsets, head_rows, AnyOut(), acc,
+                              tier_acc});
 }
 
 }  // namespace
@@ -734,14 +732,7 @@ void register_pipeline(nb::module_ &m) {
           [](FetchQueue &q) {
             auto job = std::make_shared<Job>();
             job->work = [](const std::atomic<bool> *) {};
-            auto *handle = new FetchJob(job, Keep{}, q.orphans());
-            try {
-              q.submit(job);
-            } catch (...) {
-              delete handle;
-              throw;
-            }
-            return handle;
+            return enqueue(q, job, Keep{});
           },
           nb::rv_policy::take_ownership, "A job that does nothing: it ends once every job queued before it has.")
       .def(
