@@ -400,3 +400,24 @@ def test_validate_reports_the_predicted_stall_share_beside_the_measured() -> Non
                           r["concurrency"])
         assert r["predicted_stall_share"] == pytest.approx(p.terms.get("engram exposed", 0.0) / p.step_s, abs=1e-4)
         assert (r["predicted_stall_share"] > 0) == (r["placement"] == "file")
+
+
+def test_topk_hit_rate_builds_a_missing_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The speculation study's top-k hit rate reads the corpus test split, building the corpus first on a fresh
+    machine (it read corpus_dir() and failed when the cache had none); rates are shares that grow with k."""
+    from support import fixture_corpus, offline_default_sources, tiny_config_for
+
+    from tiergram.corpus import load_tokenizer
+    from tiergram.model import EngramLM
+    from tiergram.model.checkpoint import save_pretrained
+    from tiergram.plan.studies import topk_hit_rate
+
+    tok_corpus = fixture_corpus(tmp_path / "tokcache")
+    tok = load_tokenizer(tok_corpus)
+    model_dir = tmp_path / "m"
+    save_pretrained(EngramLM(tiny_config_for(tok)), model_dir, tokenizer=tok)
+    corpus = offline_default_sources(monkeypatch, tmp_path)
+    assert not corpus.exists()
+    rates = topk_hit_rate(str(model_dir), ks=(1, 4), max_tokens=400, progress=False)
+    assert (corpus / "manifest.json").is_file()
+    assert 0.0 <= rates[1] <= rates[4] <= 1.0

@@ -153,12 +153,13 @@ def topk_hit_rate(model_dir: str, ks: tuple[int, ...] = (1, 4, 16), max_tokens: 
     import torch
     from tqdm import tqdm
 
-    from tiergram.corpus import corpus_dir
+    from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.evaluate import document_windows, eval_documents
 
     model, tok = load_pretrained(model_dir)
-    docs = eval_documents(corpus_dir(), "test", tok, max_tokens_per_category=max_tokens // 4)
+    corpus = ensure_corpus(tokenizer=False, progress=progress)  # the text (built first on a fresh machine)
+    docs = eval_documents(corpus, "test", tok, max_tokens_per_category=max_tokens // 4)
     windows = document_windows(docs, model.config.max_seq)
     hits = dict.fromkeys(ks, 0)
     total = 0
