@@ -134,13 +134,13 @@ def _measure(cfg: LookupBenchConfig, table: TableFile, progress: bool) -> Lookup
         for dist in cfg.dists:
             ids = draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng)
             args = (tier.data, ids, tier.head_offsets, tier.head_rows, m.page_size, m.rows_per_page, m.codec_id, m.dim)
-            fns = {"tiergram": lambda: store.lookup(ids, out=out)}  # noqa: B023
+            fns = {"tiergram": lambda ids=ids: store.lookup(ids, out=out)}
             for ahead in LIMIT_AHEAD:
                 for stream in (False, True):
                     fns[f"limit: prefetch {ahead}, {'non-temporal' if stream else 'normal'} stores"] = (
                         lambda a=ahead, s=stream, args=args: _native.gather_limit(*args, same_bytes, s, a))
-            fns["raw"] = lambda: tier.gather(ids, raw)  # noqa: B023
-            fns["numpy"] = lambda: numpy_lookup(tier.data, table, ids)  # noqa: B023
+            fns["raw"] = lambda ids=ids: tier.gather(ids, raw)
+            fns["numpy"] = lambda ids=ids: numpy_lookup(tier.data, table, ids)
             r = rates_interleaved(fns, n_rows, rounds=cfg.rounds, seconds=cfg.seconds)
             best = max((k for k in r if k.startswith("limit")), key=r.__getitem__)
             limit = r[best]
