@@ -36,8 +36,12 @@ def test_checks_compare_every_file_server_with_host():
     assert ck["file-10%_vs_host"]["ratios"] == {1: 0.95, 2: 0.95} and ck["file-10%_vs_host"]["passed"]
     assert ck["file-1%_vs_host"]["cache_fraction"] == 0.01 and ck["file-10%_vs_host"]["cache_fraction"] == 0.1
     assert ck["file-1%_vs_host"]["cpu_per_token_vs_host"] == {1: pytest.approx(1.1), 2: pytest.approx(1.2)}
+    # pages per token (100 pages/s over 80 tok/s) x 0.9 x host's 100 tok/s, over the disk's 1,000 pages/s
+    assert ck["file-1%_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 80 * 0.9 * 100 / 1000),
+                                                          2: pytest.approx(100 / 150 * 0.9 * 200 / 1000)}
     res.checks = ck
     text = sv.checks_text(res)
+    assert "share of the disk's limit file-1% needs to reach 90% of host" in text
     assert "file-1%" in text and "file-10%" in text and "peak RSS: host 2.00 GiB" in text
     assert "peak RSS GiB" in sv.to_markdown(res)
 
@@ -63,5 +67,6 @@ def test_compare_rows_first_adds_the_same_file_server_with_prompts_joining_at_on
     points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2)]
     ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
     assert ck["file-1%-nowait_vs_host"]["cache_fraction"] == 0.01
+    assert ck["file-1%_vs_host"]["disk_share_needed"] == {}  # no disk limit measured: no share claimed
     with pytest.raises(ValueError, match="needs the file placement"):
         sv.SweepConfig(model_dir="m", placements=("host",), compare_rows_first=True).labels()

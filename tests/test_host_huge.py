@@ -87,8 +87,9 @@ def test_bench_lookup_table_gib_sizes_the_table_and_removes_it(tmp_path, monkeyp
 FP8 = get_codec("fp8_e4m3")
 PAGE = 4096
 # scales around every branch of the decode: 2^-127 (subnormal results), the last inexact bf16 exponent (9) and the
-# first exact one (10), the one-multiply limit (134) and beyond (135), overflow to inf (254), NaN (255)
-EDGE_SCALES = [0, 1, 9, 10, 127, 134, 135, 254, 255]
+# first exact one (10), the AVX2 path's one-multiply limit (134) and beyond (135), the AVX-512 path's (246, 247),
+# overflow to inf (254), NaN (255)
+EDGE_SCALES = [0, 1, 9, 10, 127, 134, 135, 246, 247, 254, 255]
 
 
 class Fp8Rows:
@@ -166,6 +167,20 @@ def test_fp8_gather_equals_reference_for_any_codes_and_scales(seed, scales, dtyp
         rows.data[o:o + rows.rb] = rows.rows[g]
     ids = rows.ids(12, seed=seed)
     assert_same(native_gather(rows, ids, dtype, stream), rows.expect(ids, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fp8_gather_every_code_at_every_scale(dtype):
+    """Exhaustive: row e holds the 256 codes in order (block b: codes 32b..32b+31), every block at scale e."""
+    rows = Fp8Rows(256, (256,), seed=0)
+    rows.rows[:, :256] = np.arange(256, dtype=np.uint8)
+    rows.rows[:, 256:] = np.arange(256, dtype=np.uint8)[:, None]
+    for g in range(256):
+        o = (g // rows.rpp) * PAGE + (g % rows.rpp) * rows.rb
+        rows.data[o:o + rows.rb] = rows.rows[g]
+    ids = np.arange(256, dtype=np.int64)[:, None]
+    for stream in (False, True):
+        assert_same(native_gather(rows, ids, dtype, stream), rows.expect(ids, dtype))
 
 
 def cyclic(row: np.ndarray, out_bytes: int) -> np.ndarray:

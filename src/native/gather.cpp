@@ -45,16 +45,21 @@ void run_rows(uint64_t n, uint64_t row_bytes, bool stream, uint64_t A, RowAt row
       if (stream) store_fence();
       return;
     }
-    const uint8_t *ahead[kMaxPrefetchAhead];  // addresses computed once, when prefetched
+    // addresses computed once, when prefetched, in a ring indexed by a mask (a division by the runtime distance
+    // per row cost more than the row's decode); row i + A overwrites row i's slot only after row i was taken
+    constexpr size_t kRing = kMaxPrefetchAhead;
+    static_assert((kRing & (kRing - 1)) == 0, "the ring's size must be a power of two");
+    const uint8_t *ahead[kRing];
     for (size_t i = begin; i < std::min<size_t>(end, begin + A); ++i) {
-      ahead[i % A] = row_at(i);
-      prefetch_row(ahead[i % A], row_bytes);
+      ahead[i & (kRing - 1)] = row_at(i);
+      prefetch_row(ahead[i & (kRing - 1)], row_bytes);
     }
     for (size_t i = begin; i < end; ++i) {
-      const uint8_t *row = ahead[i % A];
+      const uint8_t *row = ahead[i & (kRing - 1)];
       if (i + A < end) {
-        ahead[i % A] = row_at(i + A);
-        prefetch_row(ahead[i % A], row_bytes);
+        const uint8_t *next = row_at(i + A);
+        ahead[(i + A) & (kRing - 1)] = next;
+        prefetch_row(next, row_bytes);
       }
       each(row, i);
     }

@@ -69,6 +69,24 @@ def rates_interleaved(fns: dict[str, Callable[[], object]], items: int, *, round
     return best
 
 
+def python_calls(fn: Callable[[], object]) -> int:
+    """Function calls (Python and C, as `sys.setprofile` sees them) made while running fn() once on this thread:
+    a count of the Python work of a call that, unlike its time, no cache or other process can disturb."""
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls - 1  # the setprofile(None) call itself
+
+
 def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random.Generator,
              zipf_a: float = 1.1) -> np.ndarray:
     """int64 ids of `shape` [..., H] for heads of `rows` [H] rows: 'uniform', or 'zipf' (rank-permuted)."""

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.bench.common import cache_dir, draw_ids
+from tiergram.bench.common import cache_dir, draw_ids, python_calls
 from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
 from tiergram.store import TieredTable
@@ -494,7 +494,8 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
     """Per positions: us per call of lookups whose rows are all cached (file tier) vs the host tier, same ids.
 
     Interleaved rounds, best of; plus `native_python_us_per_call`: the native pipeline's wall time per call less
-    the time inside `_native.fetch` (which holds no GIL), i.e. what a call costs Python, best of the rounds.
+    the time inside `_native.fetch` (which holds no GIL), i.e. what a call costs Python, best of the rounds;
+    `native_python_calls_per_lookup` / `_prefetch`: the function calls one call makes (`python_calls`).
     """
     dtype = getattr(torch, cfg.dtype)
     rng = np.random.default_rng([cfg.seed, 77])
@@ -568,8 +569,21 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
                     nogil += 1e-9 * (_native.fetch_timing()[1] - ns0)
                 py = 1e6 * (wall - nogil) / 200
                 cold_python_us = py if cold_python_us is None else min(cold_python_us, py)
+        # the Python work of a call, counted (not timed): it must not grow with the rows
+        calls: dict[tuple[int, str], int] = {}
+        if "native" in stores:
+            st = stores["native"]
+            for p, bs in cases.items():
+                outs = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
+                calls[p, "lookup"] = python_calls(lambda st=st, b=bs[0], o=outs: st.lookup(b, out=o))
+                tickets: list = []
+                calls[p, "prefetch"] = python_calls(lambda st=st, b=bs[0], t=tickets: t.append(st.prefetch(b)))
+                tickets[0].wait()
         for p in cases:
             fig = {"host_us_per_call": best[p, "host"]}
+            if (p, "lookup") in calls:
+                fig["native_python_calls_per_lookup"] = calls[p, "lookup"]
+                fig["native_python_calls_per_prefetch"] = calls[p, "prefetch"]
             for pipe in stores:
                 fig[f"{pipe}_us_per_call"] = best[p, pipe]
                 fig[f"{pipe}_vs_host"] = best[p, pipe] / best[p, "host"]
@@ -648,6 +662,9 @@ def to_text(res: FileLookupBenchResult) -> str:
                 parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host)")
             if "native_python_us_per_call" in d:
                 parts.append(f"python {d['native_python_us_per_call']:.1f}")
+            if "native_python_calls_per_lookup" in d:
+                parts.append(f"Python calls per lookup / prefetch {d['native_python_calls_per_lookup']} / "
+                             f"{d['native_python_calls_per_prefetch']}")
             if "native_prefetch_call_us" in d:
                 parts.append(f"prefetch call {d['native_prefetch_call_us']:.1f} "
                              f"(caller CPU {d['native_prefetch_call_cpu_us']:.1f})")

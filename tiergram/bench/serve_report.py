@@ -46,6 +46,9 @@ def checks_text(res: SweepResult) -> str:
                  "no disk limit (O_DIRECT refused: the reads went through the page cache)")
         lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
         lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
+        if f.get("disk_share_needed"):
+            lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of host at its pages "
+                         f"per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")
     peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
                       if s_.get("peak_rss_bytes"))
     if peaks:

@@ -156,8 +156,22 @@ def checks(res: SweepResult) -> dict[str, Any]:
             "table_bytes": res.servers[label].get("table_bytes"),
             "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
             "cpu_per_token_vs_host": _ratios(res, label, "host", "cpu_ms_per_token"),
-            "disk_pages_per_s": res.disk_pages_per_s}
+            "disk_pages_per_s": res.disk_pages_per_s,
+            "disk_share_needed": disk_share_needed(res, label, target)}
     return out
+
+
+def disk_share_needed(res: SweepResult, label: str, target: float) -> dict[int, float]:
+    """Per concurrency: the share of the disk's limit (mean of the sweep's before/after) that `label` would have
+    to read at to serve target x host's tokens/s, at the pages per token it read. Near or above 1 the disk binds:
+    no scheduling reaches the target on this disk at that point."""
+    limits = [v for v in res.disk_pages_per_s.values() if v]
+    if not limits:
+        return {}
+    limit = sum(limits) / len(limits)
+    file, host = _by_c(res, label), _by_c(res, "host")
+    return {c: file[c].file_pages_per_s / file[c].throughput_tok_s * target * host[c].throughput_tok_s / limit
+            for c in sorted(set(file) & set(host)) if file[c].throughput_tok_s > 0}
 
 
 BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller tables
