@@ -24,6 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiergram.bench.common import python_calls
 from tiergram.format import TableManifest, create_table, matrix_values
 from tiergram.store import TieredTable
 
@@ -792,3 +793,25 @@ def test_tickets_dropped_unwaited_still_run(table, host, pipeline):
         assert_same(store.prefetch(ids).wait(30), host.lookup(ids))  # queued behind the dropped ones
         assert store.stats()["lookups"] == 4
         assert_clean(store)
+
+
+@pytest.mark.parametrize("policy", [None, "lru"])
+def test_python_work_per_call_does_not_grow_with_the_rows(table, policy):
+    """The native pipeline's lookup and prefetch make the same Python calls for 1 position as for 256 (the rows
+    are handled in one native call; statistics are counted natively): counted, not timed."""
+    store = open_file_store(table, "direct", policy, cache_rows=4096, row_bytes=66)
+    rng = np.random.default_rng(0)
+    try:
+        counts = {}
+        for positions in (1, 256):
+            ids = np.stack([rng.integers(0, r, positions) for r in HEAD_ROWS], axis=-1).astype(np.int64)
+            out = torch.empty((positions, len(HEAD_ROWS), DIM))
+            store.lookup(ids, out=out)  # first calls (imports, buffers) are not the steady state
+            tickets: list = []
+            lookup = python_calls(lambda ids=ids, out=out: store.lookup(ids, out=out))
+            prefetch = python_calls(lambda ids=ids, tickets=tickets: tickets.append(store.prefetch(ids)))
+            tickets[0].wait()
+            counts[positions] = (lookup, prefetch)
+        assert counts[1] == counts[256], counts
+    finally:
+        store.close()
