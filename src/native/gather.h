@@ -32,7 +32,8 @@ struct TableView {
 void check_ids(const TableView &t, const int64_t *ids, uint64_t n_ids);
 
 // out[i] = decode(row of ids[i]); ids must be checked. out is [n_ids, dim] f32/bf16 or [n_ids, row_bytes].
-// stream: 1 non-temporal stores (fp8 rows on AVX-512 cores), 0 or -1 normal stores.
+// stream: 1 non-temporal stores (fp8 rows on AVX-512 cores), 0 normal stores, -1 non-temporal from the size of the
+// last-level cache up (decoded outputs).
 void gather_rows(const TableView &t, const int64_t *ids, uint64_t n_ids, OutKind kind, void *out, int stream = -1);
 
 // The same-bytes limit of gather_rows: per id, every byte of its row read and out_bytes (a multiple of 16) written

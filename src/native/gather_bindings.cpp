@@ -144,8 +144,8 @@ void register_gather(nb::module_ &m) {
         nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"), nb::arg("out"),
         nb::arg("stream") = nb::none(),
         "Bounds-check ids int64 [N, H] per head, then decode each row into out [N, H, D] (f32/bf16) or copy raw "
-        "rows into uint8 out [N, H, row_bytes]. stream=True: non-temporal stores for fp8 rows on AVX-512 cores "
-        "(None/False: normal stores; streaming measured no faster on this project's machine).");
+        "rows into uint8 out [N, H, row_bytes]. stream=True: non-temporal stores for fp8 rows on AVX-512 cores, "
+        "False: normal stores, None: non-temporal for decoded outputs of at least the last-level cache's size.");
   m.def("gather_limit", &gather_limit_py, nb::arg("data"), nb::arg("ids"), nb::arg("head_offsets"),
         nb::arg("head_rows"), nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"),
         nb::arg("out"), nb::arg("stream"), nb::arg("ahead"),
