@@ -1,7 +1,10 @@
 // CRC-32C, page trailers and the worker pool.
 #include "common.h"
 
+#include <sys/mman.h>
+
 #include <memory>
+#include <new>
 #include <utility>
 
 #if defined(__x86_64__)
@@ -141,6 +144,29 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_hw(const uint8_t *p, size_t n,
 #endif
 
 }  // namespace
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t huge_round(size_t bytes) { return (bytes + kHugePage - 1) & ~(kHugePage - 1); }
+
+void *huge_alloc(size_t bytes) {
+  const size_t size = huge_round(bytes);
+  // map one huge page more than needed and trim the ends, so that the region starts on a 2 MiB boundary
+  void *p = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  const uintptr_t base = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t start = (base + kHugePage - 1) & ~(uintptr_t{kHugePage} - 1);
+  if (start > base) munmap(p, start - base);
+  if (const size_t tail = base + size + kHugePage - (start + size)) munmap(reinterpret_cast<void *>(start + size), tail);
+#ifdef MADV_HUGEPAGE
+  madvise(reinterpret_cast<void *>(start), size, MADV_HUGEPAGE);  // advice: where THP is off, 4 KiB pages serve
+#endif
+  return reinterpret_cast<void *>(start);
+}
+
+void huge_free(void *p, size_t bytes) {
+  if (p) munmap(p, huge_round(bytes));
+}
 
 uint32_t crc32c(const uint8_t *data, size_t len, uint32_t crc) {
   uint32_t c = ~crc;

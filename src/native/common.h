@@ -40,6 +40,37 @@ struct FastDiv32 {
   }
 };
 
+// Anonymous memory on a 2 MiB boundary, advised MADV_HUGEPAGE before any page is touched (the kernel backs it with
+// transparent huge pages where its THP mode allows); munmap'd by huge_free. Throws std::bad_alloc.
+void *huge_alloc(size_t bytes);
+void huge_free(void *p, size_t bytes);
+
+// A std::vector allocator that puts large arrays (>= 2 MiB) on huge pages: the row cache's slot array and index
+// are read at random, and on 4 KiB pages every access of a large cache is also a TLB miss.
+template <typename T>
+struct HugeAlloc {
+  using value_type = T;
+  static constexpr size_t kFrom = size_t{2} << 20;
+  HugeAlloc() = default;
+  template <typename U>
+  HugeAlloc(const HugeAlloc<U> &) {}
+  T *allocate(size_t n) {
+    if (n * sizeof(T) < kFrom) return std::allocator<T>().allocate(n);
+    return static_cast<T *>(huge_alloc(n * sizeof(T)));
+  }
+  void deallocate(T *p, size_t n) {
+    if (n * sizeof(T) < kFrom) return std::allocator<T>().deallocate(p, n);
+    huge_free(p, n * sizeof(T));
+  }
+  template <typename U>
+  bool operator==(const HugeAlloc<U> &) const { return true; }
+  template <typename U>
+  bool operator!=(const HugeAlloc<U> &) const { return false; }
+};
+
+template <typename T>
+using HugeVector = std::vector<T, HugeAlloc<T>>;
+
 // Where global row `row` lives: byte offset from the start of the data region.
 struct PageGeometry {
   uint64_t page_size = 4096;

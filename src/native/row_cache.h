@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "common.h"
+
 namespace tiergram {
 
 enum class Policy { kLRU, kLFU, kLookahead };
@@ -139,16 +141,16 @@ class NativeRowCache {
 
   uint64_t capacity_, row_bytes_;
   Policy policy_;
-  std::vector<uint8_t> rows_;
-  std::vector<int64_t> slot_key_;  // -1: free
-  std::vector<int32_t> pins_;
+  HugeVector<uint8_t> rows_;  // the slot array and the index below: on huge pages (random access, see HugeAlloc)
+  HugeVector<int64_t> slot_key_;  // -1: free
+  HugeVector<int32_t> pins_;
   uint64_t pinned_slots_ = 0;  // slots with pins > 0
   uint64_t next_free_ = 0;     // slots [next_free_, capacity) were never used (slots are never freed again)
   uint64_t resident_ = 0;
   // LRU list over slots: node capacity_ is the sentinel; next_ from it is the least recently used.
-  std::vector<int64_t> prev_, next_;
+  HugeVector<int64_t> prev_, next_;
   // index
-  std::vector<int64_t> hkeys_, hslots_;
+  HugeVector<int64_t> hkeys_, hslots_;
   size_t hmask_ = 0;
   unsigned shift_ = 0;
   Counters counters_;
