@@ -100,7 +100,7 @@ void run_gather(uint64_t n, OutKind kind, int codec, uint64_t dim, uint64_t row_
                 RowAt row_at) {
   // Non-temporal stores save the read-for-ownership of each output line; they pay only for outputs the last-level
   // cache cannot hold (its consumer would find them evicted anyway). Measured on this project's Zen 4 VM (32 MiB
-  // L3, quiet, 8 GiB table, fp8 -> f32): 48 MiB outputs 1.15-1.20x faster with them, 12 MiB ones 0.91-1.30x,
+  // L3, quiet, 4 GiB table, fp8 -> f32): 48 MiB outputs 1.06-1.34x faster with them, 12 MiB ones 0.91-1.30x,
   // 3 MiB and smaller 0.72-0.88x. Auto (stream_mode < 0): from the L3's size up.
   const uint64_t out_row = kind == OutKind::kF32 ? 4 * dim : kind == OutKind::kBf16 ? 2 * dim : row_bytes;
   const bool stream = stream_mode > 0 || (stream_mode < 0 && kind != OutKind::kRaw && n * out_row >= stream_from_bytes());
