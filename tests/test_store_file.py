@@ -720,8 +720,7 @@ def test_budget_sizes_the_cache(table, host):
     from tiergram.store.table import INDEX_BYTES_PER_ROW, NATIVE_POLICY_EXTRA_BYTES_PER_ROW, STAGING_RESERVE_BYTES
 
     rb = host.manifest.row_bytes
-    lru_row = rb + INDEX_BYTES_PER_ROW["native"] + NATIVE_POLICY_EXTRA_BYTES_PER_ROW["lru"]
-    budget = STAGING_RESERVE_BYTES + 1000 * lru_row
+    budget = STAGING_RESERVE_BYTES + 1000 * (rb + INDEX_BYTES_PER_ROW["native"])
     with TieredTable(table, tier="file", host_memory_bytes=budget) as store:
         s = store.stats()
         assert s["cache"]["capacity_rows"] == 1000 and s["cache"]["bytes"] == 1000 * rb

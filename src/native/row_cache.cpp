@@ -36,12 +36,11 @@ NativeRowCache::NativeRowCache(uint64_t capacity, uint64_t row_bytes, Policy pol
   rows_.assign(capacity * row_bytes, 0);
   slot_key_.assign(capacity, -1);
   pins_.assign(capacity, 0);
-  if (policy == Policy::kLRU) stamp_.assign(capacity, 0);
+  // two list sentinels: capacity (LRU / idle) and capacity + 1 (parked)
+  prev_.assign(capacity + 2, 0);
+  next_.assign(capacity + 2, 0);
+  for (int64_t s : {static_cast<int64_t>(capacity), static_cast<int64_t>(capacity + 1)}) prev_[s] = next_[s] = s;
   if (policy == Policy::kLookahead) {
-    // two list sentinels: capacity (idle) and capacity + 1 (parked)
-    prev_.assign(capacity + 2, 0);
-    next_.assign(capacity + 2, 0);
-    for (int64_t s : {static_cast<int64_t>(capacity), static_cast<int64_t>(capacity + 1)}) prev_[s] = next_[s] = s;
     state_.assign(capacity, 0);
     planned_.assign(capacity, -1);
   }
@@ -104,19 +103,6 @@ void NativeRowCache::unlink(int64_t slot) {
   prev_[next_[slot]] = prev_[slot];
 }
 
-void NativeRowCache::lru_touch(int64_t slot) {
-  stamp_[slot] = ++clock_;
-  lru_.emplace_back(slot, clock_);
-  if (lru_.size() > 2 * resident_ + 1024) lru_compact();
-}
-
-void NativeRowCache::lru_compact() {
-  std::deque<std::pair<int64_t, uint64_t>> live;
-  for (const auto &e : lru_)
-    if (lru_live(e)) live.push_back(e);
-  lru_.swap(live);
-}
-
 void NativeRowCache::place(int64_t slot, int64_t key, const uint8_t *src) {
   std::memcpy(rows_.data() + static_cast<uint64_t>(slot) * row_bytes_, src, row_bytes_);
   slot_key_[slot] = key;
@@ -134,12 +120,8 @@ void NativeRowCache::probe_locked(const int64_t *keys, size_t n, int64_t *slots,
   auto find_ahead = [&](size_t j) {
     const int64_t s = slots[j] = find(keys[j]);
     if (s >= 0) {
-      if (policy_ == Policy::kLRU) {
-        __builtin_prefetch(&stamp_[s], 1);
-      } else if (policy_ == Policy::kLookahead) {
-        __builtin_prefetch(&prev_[s], 1);
-        __builtin_prefetch(&next_[s], 1);
-      }
+      __builtin_prefetch(&prev_[s], 1);
+      __builtin_prefetch(&next_[s], 1);
       __builtin_prefetch(&pins_[s], 1);
     }
   };
@@ -148,7 +130,7 @@ void NativeRowCache::probe_locked(const int64_t *keys, size_t n, int64_t *slots,
   for (size_t i = 0; i < n; ++i) {
     if (i + kIndexAhead < n) __builtin_prefetch(&hkeys_[home(keys[i + kIndexAhead])]);
     if (i + kSlotAhead < n) find_ahead(i + kSlotAhead);
-    if (policy_ == Policy::kLookahead && i + kLinkAhead < n && slots[i + kLinkAhead] >= 0) {
+    if (i + kLinkAhead < n && slots[i + kLinkAhead] >= 0) {
       const int64_t s = slots[i + kLinkAhead];
       __builtin_prefetch(&next_[prev_[s]], 1);
       __builtin_prefetch(&prev_[next_[s]], 1);
@@ -210,7 +192,10 @@ void NativeRowCache::p_observe(int64_t key) {
 
 void NativeRowCache::p_touch(int64_t key, int64_t slot) {
   switch (policy_) {
-    case Policy::kLRU: lru_touch(slot); break;  // most recently used
+    case Policy::kLRU:
+      unlink(slot);  // most recently used
+      link_tail(slot);
+      break;
     case Policy::kLFU:
       lfu_push(freq(key), key);
       if (lfu_heap_.size() > 4 * resident_ + 64) lfu_rebuild();
@@ -227,7 +212,7 @@ void NativeRowCache::p_touch(int64_t key, int64_t slot) {
 
 void NativeRowCache::p_insert(int64_t key, int64_t slot) {
   switch (policy_) {
-    case Policy::kLRU: lru_touch(slot); break;
+    case Policy::kLRU: link_tail(slot); break;
     case Policy::kLFU: lfu_push(freq(key), key); break;
     case Policy::kLookahead: plan(key, slot); break;
   }
@@ -235,7 +220,7 @@ void NativeRowCache::p_insert(int64_t key, int64_t slot) {
 
 void NativeRowCache::p_remove(int64_t, int64_t slot) {
   if (policy_ == Policy::kLRU) {
-    stamp_[slot] = 0;  // its queue entries are stale now
+    unlink(slot);
   } else if (policy_ == Policy::kLookahead) {
     if (state_[slot] == kIdle || state_[slot] == kHeld) unlink(slot);
     state_[slot] = 0;
@@ -495,12 +480,9 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
     // never victims of each other), skipping pinned slots.
     std::vector<int64_t> victims;  // slots
     victims.reserve(rest);
-    // the front's stale entries (last call's victims, re-touched slots) go first: each walk starts there
-    while (!lru_.empty() && !lru_live(lru_.front())) lru_.pop_front();
-    lru_each([&](int64_t v) {
+    const int64_t s = static_cast<int64_t>(capacity_);
+    for (int64_t v = next_[s]; v != s && victims.size() < rest; v = next_[v])
       if (pins_[v] == 0) victims.push_back(v);
-      return victims.size() < rest;
-    });
     counters_.rejected += rest - victims.size();
     // A large cache's index and slots are DRAM: keep the next replacements' buckets and rows in flight.
     constexpr size_t kAhead = 8;
@@ -565,17 +547,9 @@ void NativeRowCache::order(std::vector<int64_t> &keys, std::vector<int64_t> &slo
   auto walk = [&](int64_t s) {
     for (int64_t v = next_[s]; v != s; v = next_[v]) keys.push_back(slot_key_[v]), slots.push_back(v);
   };
-  if (policy_ == Policy::kLRU) {
-    lru_each([&](int64_t v) {
-      keys.push_back(slot_key_[v]), slots.push_back(v);
-      return true;
-    });
-    return;
-  }
-  if (policy_ == Policy::kLookahead) {
-    walk(static_cast<int64_t>(capacity_));
-    walk(static_cast<int64_t>(capacity_ + 1));
-  }
+  if (policy_ != Policy::kLFU) walk(static_cast<int64_t>(capacity_));
+  if (policy_ == Policy::kLookahead) walk(static_cast<int64_t>(capacity_ + 1));
+  if (policy_ == Policy::kLRU) return;
   for (uint64_t v = 0; v < next_free_; ++v) {
     if (policy_ == Policy::kLFU || state_[v] == kPlanned) {
       keys.push_back(slot_key_[v]);
@@ -642,19 +616,7 @@ void NativeRowCache::check_invariants() {
     }
   };
   const int64_t s = static_cast<int64_t>(capacity_);
-  if (policy_ == Policy::kLRU) {
-    std::vector<uint8_t> seen(capacity_, 0);
-    uint64_t last = 0;
-    lru_each([&](int64_t v) {
-      if (++linked > capacity_) fail("the LRU queue holds more live entries than slots");
-      if (seen[v]++) fail("slot " + std::to_string(v) + " is live twice in the LRU queue");
-      if (slot_key_[v] < 0) fail("free slot " + std::to_string(v) + " in the LRU queue");
-      if (find(slot_key_[v]) != v) fail("slot " + std::to_string(v) + " key not indexed to it");
-      if (stamp_[v] <= last) fail("LRU stamps out of order at slot " + std::to_string(v));
-      last = stamp_[v];
-      return true;
-    });
-  }
+  if (policy_ == Policy::kLRU) walk(s, 0);
   if (policy_ == Policy::kLookahead) {
     walk(s, kIdle);
     walk(s + 1, kHeld);

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -119,19 +118,6 @@ class NativeRowCache {
   bool p_admit(int64_t key, int64_t victim);
   void replace(int64_t slot, int64_t key, const uint8_t *src);  // evicts the slot's key, gives the slot to key
 
-  // LRU: a recency stamp per slot (0: not resident) and a queue of (slot, stamp) in touch order, where an entry is
-  // live while its slot still carries its stamp; the live entries, front to back, are the LRU order. A touch writes
-  // one stamp and appends, where a linked list rewrote three random slots' links (~5 cache misses a hit); stale
-  // entries are skipped by the victim walk and dropped by a compaction once they outnumber the live ones.
-  void lru_touch(int64_t slot);
-  bool lru_live(const std::pair<int64_t, uint64_t> &e) const { return stamp_[e.first] == e.second; }
-  void lru_compact();
-  template <typename F>
-  void lru_each(F f) const {  // f(slot) over the live entries, least recently used first; f returns false to stop
-    for (const auto &e : lru_)
-      if (lru_live(e) && !f(e.first)) return;
-  }
-
   // LFU (TinyLFU-style ageing: counts halve every kDecayEvery observations).
   static constexpr uint64_t kDecayEvery = uint64_t{1} << 20;
   int64_t freq(int64_t key) const {
@@ -161,12 +147,8 @@ class NativeRowCache {
   uint64_t pinned_slots_ = 0;  // slots with pins > 0
   uint64_t next_free_ = 0;     // slots [next_free_, capacity) were never used (slots are never freed again)
   uint64_t resident_ = 0;
-  // Lookahead's lists over slots (idle: sentinel capacity_, parked: capacity_ + 1); unused by LRU and LFU.
+  // LRU list over slots: node capacity_ is the sentinel; next_ from it is the least recently used.
   HugeVector<int64_t> prev_, next_;
-  // LRU (see lru_touch)
-  HugeVector<uint64_t> stamp_;
-  std::deque<std::pair<int64_t, uint64_t>> lru_;
-  uint64_t clock_ = 0;
   // index
   HugeVector<int64_t> hkeys_, hslots_;
   size_t hmask_ = 0;

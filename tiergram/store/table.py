@@ -26,13 +26,12 @@ TIERS = ("host", "file", "mooncake")
 PIPELINES = ("auto", "native", "python")
 # Host-memory budget (host_memory_bytes without cache_bytes): what the cache does not get. Staging: the buffer each
 # reading thread keeps (the prefetch worker, the warm-up worker and one caller thread). Index: per cached row, the
-# native cache's key -> slot table (2-4 buckets of 16 B), list links (16 B), slot key (8 B) and pins (4 B); the
-# Python reference cache's dict and ordered dict take about 256 B. Native LRU adds a stamp (8 B) and its queue (up
-# to 2 entries of 16 B a row, 3 while it compacts); the lookahead policy a state byte, a next use (8 B) and its
-# heap entries (16 B each); native LFU its heap (up to 4 entries of 16 B) and the counts.
+# native cache's key -> slot table (2-4 buckets of 16 B), LRU links (16 B), slot key (8 B) and pins (4 B); the
+# Python reference cache's dict and ordered dict take about 256 B. The native lookahead policy adds a state byte,
+# a next use (8 B) and its heap entries (16 B each); native LFU its heap (up to 4 entries of 16 B) and the counts.
 STAGING_RESERVE_BYTES = 3 * STAGING_KEEP_BYTES
 INDEX_BYTES_PER_ROW = {"native": 96, "python": 256}
-NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 40, "lookahead": 32, "lfu": 96}
+NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
 
 
 class TieredTable(ManifestGeometry):
