@@ -70,3 +70,20 @@ def test_compare_rows_first_adds_the_same_file_server_with_prompts_joining_at_on
     assert ck["file-1%_vs_host"]["disk_share_needed"] == {}  # no disk limit measured: no share claimed
     with pytest.raises(ValueError, match="needs the file placement"):
         sv.SweepConfig(model_dir="m", placements=("host",), compare_rows_first=True).labels()
+
+
+def test_compare_engine_process_adds_host_with_its_engine_in_a_process_and_checks_it():
+    """--compare-engine-process: host again with --engine-process, labelled host-process, and its ratio check."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_engine_process=True)
+    assert cfg.labels() == ["host", "host-process", "file"]
+    assert sv.kind_of("host-process") == "host"
+    servers = {lb: {"concurrency_limit": 2, "cache_bytes": 0, "table_bytes": 2000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    points = [point("host-process", 1, 120.0, 1.0), point("host-process", 2, 300.0, 0.9), point("host", 1, 100.0, 1.0),
+              point("host", 2, 200.0, 1.2), point("file", 1, 100.0), point("file", 2, 200.0)]
+    ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
+    assert ck["engine_process_vs_thread"]["ratios"] == {1: pytest.approx(1.2), 2: pytest.approx(1.5)}
+    assert ck["engine_process_vs_thread"]["cpu_per_token"] == {1: pytest.approx(1.0), 2: pytest.approx(0.75)}
+    assert "host-process_vs_host" not in ck and "file_vs_host" in ck
+    with pytest.raises(ValueError, match="needs the host placement"):
+        sv.SweepConfig(model_dir="m", placements=("file",), compare_engine_process=True).labels()

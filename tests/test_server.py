@@ -22,7 +22,7 @@ from tiergram.corpus import PAD, build_corpus, directory_source, load_tokenizer,
 from tiergram.engine import EngineConfig, LLMEngine, Placement
 from tiergram.model import EngramLM, make_hasher, tiny_config
 from tiergram.model.checkpoint import save_pretrained
-from tiergram.server import create_app, serve_in_thread
+from tiergram.server import EngineProcess, create_app, serve_in_thread
 from tiergram.server.metrics import parse
 
 FIXTURE = Path(__file__).parent / "data" / "corpus_fixture"
@@ -53,9 +53,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def running(model_dir: Path, placement: Placement | str = "host", hook=None, app_kw=None, **engine_kw):
-    """A real LLMEngine behind uvicorn on a free loopback port, in a thread; yields the base URL."""
-    engine = LLMEngine(EngineConfig(str(model_dir), placement, **engine_kw))
+def running(model_dir: Path, placement: Placement | str = "host", hook=None, app_kw=None, mode: str = "thread",
+            **engine_kw):
+    """A real LLMEngine behind uvicorn on a free loopback port, in a thread; yields the base URL. mode "thread":
+    the engine is stepped by a thread of this process; "process": it runs in an EngineProcess (no hook then)."""
+    config = EngineConfig(str(model_dir), placement, **engine_kw)
+    if mode == "process":
+        assert hook is None, "a hook reaches an engine of this process only"
+        engine = EngineProcess(config, torch_threads=1)
+    else:
+        engine = LLMEngine(config)
     if hook is not None:
         hook(engine)
     try:
@@ -65,9 +72,10 @@ def running(model_dir: Path, placement: Placement | str = "host", hook=None, app
         engine.close()
 
 
-@pytest.fixture(scope="module")
-def url(model_dir):
-    with running(model_dir) as base:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def url(model_dir, request):
+    """Every test of this module that takes `url` runs against both: the engine on a thread, in its own process."""
+    with running(model_dir, mode=request.param) as base:
         yield base
 
 
@@ -226,8 +234,9 @@ def test_bad_json_and_chat_messages(url):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
-def test_queue_full_answers_429(model_dir):
-    with running(model_dir, max_num_seqs=1, max_waiting=1) as base:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_queue_full_answers_429(model_dir, mode):
+    with running(model_dir, max_num_seqs=1, max_waiting=1, mode=mode) as base:
         with httpx.stream("POST", f"{base}/v1/completions", timeout=60,
                           json={"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}) as running_r:
             lines = running_r.iter_lines()  # (kept: a dropped line iterator would close the connection)

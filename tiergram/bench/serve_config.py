@@ -47,6 +47,8 @@ class SweepConfig:
     mooncake_master: str | None = None
     # also serve the first file placement with the engine's prompt_rows_first off, labelled <label>-nowait
     compare_rows_first: bool = False
+    # also serve the host placement with the engine in a process of its own, labelled host-process
+    compare_engine_process: bool = False
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -82,12 +84,17 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_rows_first needs the file placement")
             out.insert(out.index(first) + 1, first + NOWAIT)
+        if self.compare_engine_process:
+            if "host" not in out:
+                raise ValueError("compare_engine_process needs the host placement")
+            out.insert(out.index("host") + 1, "host" + PROCESS)
         if self.big_model_dir:
             out.append("file-big")
         return out
 
 
 NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
+PROCESS = "-process"  # the label suffix of a server whose engine runs in a process of its own
 
 
 def file_label(fraction: float) -> str:
@@ -96,8 +103,8 @@ def file_label(fraction: float) -> str:
 
 
 def kind_of(label: str) -> str:
-    """The placement kind a server label runs (file-10% and file-big are file)."""
-    return "file" if label.startswith("file") else label
+    """The placement kind a server label runs (file-10% and file-big are file, host-process is host)."""
+    return "file" if label.startswith("file") else label.removesuffix(PROCESS)
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:

@@ -104,12 +104,30 @@ class ServerProcess(ServeSubprocess):
 
 
 def peak_rss(pid: int) -> int:
-    """A live process's peak resident memory (VmHWM), bytes; 0 when it cannot be read."""
+    """The peak resident memory (VmHWM) of a live process and its descendants (the server's engine process),
+    summed, bytes; 0 for what cannot be read."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+            own = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
     except OSError:
         return 0
+    return own + sum(peak_rss(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of a process's children (every thread's list: a child belongs to the thread that forked it)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return out
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
-from tiergram.bench.serve_config import NOWAIT, SweepConfig, kind_of
+from tiergram.bench.serve_config import NOWAIT, PROCESS, SweepConfig, kind_of
 from tiergram.bench.serve_process import layer_table_bytes
 
 
@@ -40,8 +40,8 @@ class Point:
     engram_bytes_read: dict[str, float] = field(default_factory=dict)
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
     file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
-    cpu_ms_per_token: float = 0.0  # the server process's CPU time (all threads) per token served
-    server_peak_rss_bytes: int = 0  # the server process's peak resident memory (VmHWM) at the end of this point
+    cpu_ms_per_token: float = 0.0  # the server's CPU time (all threads, HTTP and engine processes) per token served
+    server_peak_rss_bytes: int = 0  # the server's peak resident memory (VmHWM, its processes summed) after this point
 
 
 @dataclass
@@ -106,7 +106,9 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
                  engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
                  file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
-                 cpu_ms_per_token=1e3 * total("process_cpu_seconds_total") / max(1, sum(r.tokens for r in rounds)))
+                 cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
+                                         total("tiergram_engine_process_cpu_seconds_total"))
+                 / max(1, sum(r.tokens for r in rounds)))
 
 
 def pareto(points: list[Point]) -> list[Point]:
@@ -145,6 +147,9 @@ def checks(res: SweepResult) -> dict[str, Any]:
             out["budget"] = {"binds": limits["device"] < limits["host"], "device_limit": limits["device"],
                              "host_limit": limits["host"], "host_max_tok_s": max(offloaded),
                              "device_max_tok_s": max(resident), "ratio": max(offloaded) / max(resident)}
+    if "host" + PROCESS in limits and "host" in limits:  # the engine in its own process against on a thread
+        out["engine_process_vs_thread"] = {"ratios": _ratios(res, "host" + PROCESS, "host"),
+                                           "cpu_per_token": _ratios(res, "host" + PROCESS, "host", "cpu_ms_per_token")}
     for label in (lb for lb in limits if kind_of(lb) == "file" and "host" in limits):
         r = _ratios(res, label, "host")
         target = FILE_TARGET if label != "file-big" else BIG_TARGET

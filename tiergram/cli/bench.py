@@ -132,6 +132,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="file placement: no read-ahead of prompt rows into the cache (to measure what it gives)")
     sv.add_argument("--compare-rows-first", action="store_true",
                     help="also serve the first file placement with --no-prompt-rows-first, as <label>-nowait")
+    sv.add_argument("--compare-engine-process", action="store_true",
+                    help="also serve the host placement with the engine in a process of its own (the server's "
+                         "--engine-process), as host-process")
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-num-batched-tokens", type=int, default=512)
     sv.add_argument("--source", default="auto", choices=["auto", "corpus", "stdlib"],
@@ -274,7 +277,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_fraction=args.cache_fraction, cache_fractions=args.cache_fractions, big_model_dir=args.big_model,
         big_cache_bytes=args.big_cache_bytes, host_memory=args.host_memory,
         cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
-        compare_rows_first=args.compare_rows_first, max_num_seqs=args.max_num_seqs,
+        compare_rows_first=args.compare_rows_first, compare_engine_process=args.compare_engine_process,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
         plot=args.plot, markdown=args.markdown, mooncake_master=args.mooncake_master)
     try:

@@ -93,6 +93,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds SIGTERM waits for in-flight requests before exiting")
+    s.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own instead of on a thread of the HTTP process: the two "
+                        "then share no GIL, and an engine that crashes leaves a server answering 503 (docs/serving.md)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     lim = p.add_argument_group("request limits (docs/serving.md, \"Limits and failure behaviour\")")
     lim.add_argument("--max-body-bytes", type=byte_size, default=1 << 20, help="request body size; beyond: 413")
@@ -109,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from tiergram.engine import LLMEngine
-    from tiergram.server import serve
+    from tiergram.server import EngineProcess, EngineStartError, serve
     from tiergram.server.protocol import Limits
 
     if args.torch_threads < 0:
@@ -118,14 +121,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"tiergram serve: error: --{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                     max_stop=args.max_stop, max_stop_chars=args.max_stop_chars)
     try:
-        engine = LLMEngine(engine_config(args))
-    except (RuntimeError, ImportError, KeyError) as e:  # e.g. CUDA asked for without one: one line, no traceback
-        raise SystemExit(f"tiergram serve: error: {e}") from None
+        if args.engine_process:
+            engine = EngineProcess(engine_config(args), torch_threads=args.torch_threads)
+        else:
+            if args.torch_threads:
+                torch.set_num_threads(args.torch_threads)
+            engine = LLMEngine(engine_config(args))
+    except (EngineStartError, RuntimeError, ImportError, KeyError) as e:  # e.g. CUDA asked for without one: one
+        raise SystemExit(f"tiergram serve: error: {e}") from None                 # line, no traceback
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level,
                  drain_timeout_s=args.drain_timeout, model_name=args.served_model_name, limits=limits,
                  unhealthy_after=args.unhealthy_after)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tiergram.engine import LLMEngine, QueueFullError
 from tiergram.server.async_engine import AsyncEngine, EngineDeadError
+from tiergram.server.engine_process import EngineProcess
 from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergram.server.openapi import openapi_schema
 from tiergram.server.protocol import (
@@ -252,16 +253,18 @@ def _json(raw: bytes) -> Any:
         raise bad(f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(engine: LLMEngine, *, model_name: str | None = None, limits: Limits | None = None,
+def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = None, limits: Limits | None = None,
                unhealthy_after: int = UNHEALTHY_AFTER) -> FastAPI:
-    """The FastAPI app serving an engine (its thread starts and stops with the app's lifespan)."""
-    aengine = AsyncEngine(engine)
+    """The FastAPI app serving an engine: an LLMEngine stepped by a thread of this process, or an EngineProcess
+    (either starts and stops with the app's lifespan)."""
+    aengine = engine if isinstance(engine, EngineProcess) else AsyncEngine(engine)
     tok = engine.tokenizer
     state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=model_name or engine.model_name,
                         max_model_len=int(engine.max_model_len),
                         vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok,
                         limits=limits or Limits(), unhealthy_after=unhealthy_after)
-    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts))
+    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts),
+                                  engine_cpu=(lambda: aengine.engine_cpu_seconds) if aengine is engine else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -426,7 +429,7 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
         sock.close()
 
 
-def serve(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           drain_timeout_s: float = 60.0, model_name: str | None = None, limits: Limits | None = None,
           unhealthy_after: int = UNHEALTHY_AFTER) -> int:
     """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening)."""

@@ -1,7 +1,8 @@
 """AsyncEngine: one background thread steps an LLMEngine; asyncio handlers add requests and read outputs.
 
-Requests and aborts reach the engine thread through a thread-safe inbox; each request's outputs reach its
-asyncio.Queue through loop.call_soon_threadsafe. Only the engine thread touches the engine.
+Requests and aborts reach the engine thread through a thread-safe inbox; each request's outputs go to its stream:
+an asyncio.Queue fed through loop.call_soon_threadsafe here, a pipe to the HTTP process when the engine runs in a
+process of its own (engine_process.py). Only the engine thread touches the engine.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import asyncio
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
 
@@ -22,34 +24,44 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shutdown, or a failure outside any step); no more outputs will come."""
 
 
+class Stream(Protocol):
+    """Where one request's acceptance and outputs go (called from the engine thread)."""
+
+    def accept(self, error: BaseException | None) -> None:
+        """The request was queued (error None) or refused (ValueError, QueueFullError, EngineDeadError)."""
+
+    def put(self, item: Any) -> None:
+        """One RequestOutput, or the exception that ends the request."""
+
+
 @dataclass
-class _Stream:
-    """Where one request's outputs go."""
+class AsyncioStream:
+    """A request's stream into an asyncio event loop: the acceptance future and the output queue."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    accepted: asyncio.Future
 
     def put(self, item: Any) -> None:
         """Hand an output (or an exception) to the request's event loop."""
+        self._call(self.queue.put_nowait, item)
+
+    def accept(self, error: BaseException | None) -> None:
+        """Settle the acceptance future."""
+        def settle() -> None:
+            if self.accepted.done():
+                return
+            if error is None:
+                self.accepted.set_result(None)
+            else:
+                self.accepted.set_exception(error)
+        self._call(settle)
+
+    def _call(self, fn: Any, *args: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, error: BaseException | None) -> None:
-    """Settle an acceptance future from the engine thread."""
-    def settle() -> None:
-        if fut.done():
-            return
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(error)
-    try:
-        loop.call_soon_threadsafe(settle)
-    except RuntimeError:
-        pass
 
 
 def cache_counts(engine: LLMEngine) -> tuple[int, int]:
@@ -65,12 +77,14 @@ def cache_counts(engine: LLMEngine) -> tuple[int, int]:
 class AsyncEngine:
     """An LLMEngine driven by a background thread, for asyncio callers."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
+                 on_update: Callable[[], None] | None = None) -> None:
         self.engine = engine
+        self.on_update = on_update  # called on the engine thread after each round of deliveries (and at the end)
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, Stream] = {}  # engine thread only
         self._stopping = False
         self._closed = False  # set (under _lock) once the engine thread refuses new work
         self._lock = threading.Lock()
@@ -104,22 +118,26 @@ class AsyncEngine:
 
         Raises what LLMEngine.add_request raises (ValueError, QueueFullError), or EngineDeadError."""
         loop = asyncio.get_running_loop()
-        accepted = loop.create_future()
-        out: asyncio.Queue = asyncio.Queue()
+        stream = AsyncioStream(loop, asyncio.Queue(), loop.create_future())
+        self.submit(request_id, prompt_token_ids, params, stream)
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream.queue
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: Stream) -> None:
+        """Queue a request for the engine thread, which calls stream.accept once it is applied; raises
+        QueueFullError or EngineDeadError at once when it cannot be queued."""
         self.check_capacity()  # a request that will be refused costs nothing: no read-ahead
         self.engine.read_ahead(prompt_token_ids)  # its rows are read while the step in flight runs
         with self._lock:
             if self._thread is None or self._closed or self._stopping:
                 raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
             self._pending_adds += 1
-            self._inbox.put(("add", request_id, prompt_token_ids, params, _Stream(loop, out), accepted))
+            self._inbox.put(("add", request_id, prompt_token_ids, params, stream))
         self._wake.set()
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return out
 
     def check_capacity(self) -> None:
         """QueueFullError if the waiting queue, with the adds not yet applied, is full (cheap: no lock taken)."""
@@ -144,16 +162,16 @@ class AsyncEngine:
                 return handled
             handled = True
             if cmd[0] == "add":
-                _, rid, ids, params, stream, accepted = cmd
+                _, rid, ids, params, stream = cmd
                 with self._lock:
                     self._pending_adds -= 1
                 try:
                     self.engine.add_request(rid, ids, params)
                 except Exception as e:  # ValueError, QueueFullError: the handler turns them into 4xx
-                    _resolve(stream.loop, accepted, e)
+                    stream.accept(e)
                     continue
                 self._streams[rid] = stream
-                _resolve(stream.loop, accepted, None)
+                stream.accept(None)
             else:
                 rid = cmd[1]
                 if self._streams.pop(rid, None) is not None:
@@ -178,8 +196,10 @@ class AsyncEngine:
                         outputs = self.engine.fail_all(e)
                     self._deliver(outputs)
                     self._take_snapshot(force=changed)
+                    self._updated()
                 else:
                     self._take_snapshot(force=True)
+                    self._updated()
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as e:  # a failed step: every waiting request gets the error
@@ -215,4 +235,9 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                _resolve(cmd[4].loop, cmd[5], err)
+                cmd[4].accept(err)
+        self._updated()
+
+    def _updated(self) -> None:
+        if self.on_update is not None:
+            self.on_update()

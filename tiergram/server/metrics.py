@@ -28,10 +28,12 @@ class ServerMetrics:
     """Request-level metrics of the HTTP server (thread-safe) and the rendering of /metrics.
 
     Each ServerMetrics has its own registry, so several servers in one process (tests) do not share counters.
-    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, cache_counts).
+    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, cache_counts);
+    `engine_cpu()`, when the engine runs in a process of its own, that process's CPU seconds.
     """
 
-    def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int] | None]] | None = None) -> None:
+    def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int] | None]] | None = None,
+                 engine_cpu: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("tiergram_requests", "HTTP requests answered, by endpoint and status.",
@@ -47,7 +49,7 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tiergram_e2e_request_latency_seconds", "Time from request arrival to its last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self._state = state
+        self._state, self._engine_cpu = state, engine_cpu
         r.register(_StateCollector(self))
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, open fds, ...
 
@@ -91,6 +93,9 @@ class _StateCollector(Collector):
         yield _gauge("tiergram_draining", "1 while the server drains before exiting.", int(draining))
         if engine is not None:
             yield from engine_metrics(engine)
+        if self.metrics._engine_cpu is not None:  # process_cpu_seconds_total counts this (HTTP) process only
+            yield _counter("tiergram_engine_process_cpu_seconds", "CPU seconds of the engine process (all threads).",
+                           self.metrics._engine_cpu())
         if cache_counts is not None:
             yield _counter("tiergram_engram_cache_hits", "Engram hot-row cache hits.", cache_counts[0])
             yield _counter("tiergram_engram_cache_probes", "Engram hot-row cache probes (hits + misses).",
