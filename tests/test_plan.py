@@ -421,3 +421,41 @@ def test_topk_hit_rate_builds_a_missing_corpus(tmp_path: Path, monkeypatch: pyte
     rates = topk_hit_rate(str(model_dir), ks=(1, 4), max_tokens=400, progress=False)
     assert (corpus / "manifest.json").is_file()
     assert 0.0 <= rates[1] <= rates[4] <= 1.0
+
+
+def test_a_slower_cpu_stretches_every_cpu_term_by_the_factor() -> None:
+    from tiergram.plan.model import at_cpu_speed
+
+    slow = at_cpu_speed(replace(CPU, request_overhead_s=1e-2), 2.0)
+    for kind in ("device", "host"):  # every term of these CPU steps is the cores' work: the step doubles
+        fast_p, slow_p = (predict_point(MODEL, hw, WL, Placement(kind), 2) for hw in (replace(CPU, request_overhead_s=
+                                                                                          1e-2), slow))
+        assert slow_p.step_s == pytest.approx(2 * fast_p.step_s)
+        assert slow_p.throughput_tok_s == pytest.approx(fast_p.throughput_tok_s / 2)
+    assert slow.disk == replace(CPU.disk, cpu_s_per_page=0.0) and slow.host_bw == CPU.host_bw  # the disk stays
+    assert at_cpu_speed(GPU, 2.0) is GPU  # a GPU's backbone is not this CPU's
+
+
+def test_validate_takes_the_cpu_terms_at_the_sweeps_measured_speed() -> None:
+    from tiergram.plan.predict import cpu_speed, merge_sweeps, validate_text
+
+    hw = replace(CPU, cpu_speed_ms=4.0)
+    sweep = _sweep("unused", 1.0)
+    assert cpu_speed(sweep, hw) == {} and validate(sweep, MODEL, hw)["cpu_speed"] is None  # not recorded: as is
+    sweep["cpu_speed_ms"] = {"before": 5.0, "after": 7.0}  # the machine ran 1.5x slower than calibrated
+    assert cpu_speed(sweep, hw) == {"spec_ms": 4.0, "sweep_ms": 6.0, "factor": 1.5}
+    scaled, plain = validate(sweep, MODEL, hw), validate(sweep, MODEL, hw, speed_scale=False)
+    for a, b in zip(scaled["points"], plain["points"], strict=True):
+        if a["placement"] in ("device", "host"):  # all CPU: predicted 1.5x slower, so measured / predicted 1.5x
+            assert a["predicted_tok_s"] == pytest.approx(b["predicted_tok_s"] / 1.5)
+    assert "CPU terms taken x1.500" in validate_text(scaled)
+    assert "not applied" in validate_text(plain)
+    other = _sweep("unused", 1.0)
+    other["cpu_speed_ms"] = {"before": 8.0}
+    assert merge_sweeps([sweep, other], ["a", "b"])["cpu_speed_ms"] == {"mean over runs": pytest.approx(20 / 3)}
+
+
+def test_the_cpu_speed_probe_times_a_fixed_workload() -> None:
+    from tiergram.bench.common import cpu_speed_ms
+
+    assert 0 < cpu_speed_ms(0.05) < 10_000

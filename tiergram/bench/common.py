@@ -110,3 +110,30 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def cpu_speed_ms(seconds: float = 1.0) -> float:
+    """Milliseconds of one fixed CPU workload shaped like an engine step (48 small torch matmuls + GELUs at torch's
+    thread count, Python between them): the median of repeats over `seconds`. Taken beside a measurement it says
+    how fast this machine ran then: a shared VM's speed drifts by tens of percent within an hour."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(512, 512, generator=gen) / 23 for _ in range(4)]
+    x0 = torch.randn(16, 512, generator=gen)
+
+    def once() -> torch.Tensor:
+        x = x0
+        for _ in range(12):
+            for w in weights:
+                x = torch.nn.functional.gelu(x @ w)
+        return x
+
+    once()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 5:
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))

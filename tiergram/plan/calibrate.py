@@ -99,14 +99,17 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
             "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
 
 
-def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, ...] = (1, 4, 16), input_len: int = 128,
+def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), input_len: int = 128,
                 output_len: int = 32, requests_per_user: int = 4) -> dict[str, float]:
     """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
 
     A real `tiergram serve` (host placement) and the closed-loop streaming client of `bench serve` on held-out
-    text (starting 400K tokens into the trace, past the requests a default sweep replays) at two concurrencies;
-    the gap between each measured request cycle and the engine-only step model is split into
-    t_req + S·c·t_http by least squares over the concurrencies.
+    text (starting 400K tokens into the trace, past the requests a default sweep replays) at each concurrency;
+    the time the server's engine sat idle (wall less its own step seconds, from /metrics) per request cycle is
+    split into t_req + S·c·t_http by least squares over the concurrencies. The server's own step counters, not
+    the engine-only step model: the model was fitted a minute earlier, and a shared machine's speed moves more
+    than that in a minute (the gaps against the model were 6 / 378 / 485 ms at c = 1 / 4 / 16 in one such run,
+    against a server that stepped 97-98% of the time).
     """
     import asyncio
 
@@ -114,10 +117,8 @@ def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, ...] = (1, 4,
 
     from tiergram.bench import serve as sweep
     from tiergram.model.checkpoint import load_tokenizer_of
-    from tiergram.plan.model import Placement, Workload, step_terms, steps_per_request
-    from tiergram.plan.specs import model_from_dir
+    from tiergram.plan.model import Workload, steps_per_request
 
-    spec = model_from_dir(Path(model_dir))
     cfg = sweep.SweepConfig(model_dir=model_dir, placements=("host",), input_len=input_len, output_len=output_len)
     tokenizer = load_tokenizer_of(model_dir)
     need = 400_000  # start far past what a default sweep replays, so calibration and sweep see different text
@@ -131,12 +132,12 @@ def serve_costs(model_dir: str, hw: Any, concurrencies: tuple[int, ...] = (1, 4,
         model = httpx.get(f"{server.url}/health", timeout=30).json()["model"]
         for c in concurrencies:
             asyncio.run(sweep.closed_loop(server.url, model, trace.take(c), c))  # warm-up
+            before = sweep.scrape(server.url)
             timings, wall = asyncio.run(sweep.closed_loop(server.url, model, trace.take(requests_per_user * c), c))
-            tok = sum(t.prompt_tokens + t.output_tokens for t in timings)
-            cycle = c * (wl.input_len + wl.output_len) / (tok / wall)
-            steps = steps_per_request(wl, c)
-            engine = step_terms(spec, hw, wl, Placement("host"), c)[0]
-            gaps.append((c, steps, cycle - steps * engine))
+            busy = sweep.scrape(server.url)["tiergram_engine_step_seconds_total"] - \
+                before["tiergram_engine_step_seconds_total"]
+            # c users each wait out the engine's idle time: per request, idle x c / requests
+            gaps.append((c, steps_per_request(wl, c), max(0.0, wall - busy) * c / max(1, len(timings))))
     # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
     a = np.array([[1.0, s * c] for c, s, _ in gaps])
     coef = _nonneg_lstsq(a, np.array([g for _, _, g in gaps]))
@@ -278,7 +279,7 @@ def host_memory_bytes() -> int:
 def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, gather_seconds: float = 0.5,
               batches: tuple[int, ...] = (1, 2, 4, 8, 16), serve: bool = True) -> Calibration:
     """Run the measurements over model_dir (its exported FP8 tables) and return them as spec fields."""
-    from tiergram.bench.common import cache_dir
+    from tiergram.bench.common import cache_dir, cpu_speed_ms
     from tiergram.bench.serve import layer_tables
     from tiergram.model.checkpoint import read_config
     from tiergram.plan.specs import model_from_dir
@@ -291,7 +292,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     n_layers = len(spec.engram.layers)
     _log(progress, f"calibrating on {model_dir}: {n_layers} Engram layers x {spec.engram.heads} rows per token, "
                    f"{spec.engram.row_bytes}-byte rows, {spec.engram.table_bytes / 2**30:.2f} GiB of tables")
-    _log(progress, "[1/5] host tier lookups")
+    speed = [cpu_speed_ms()]  # how fast the machine ran around the CPU measurements (`plan validate` scales by it)
+    _log(progress, f"[1/5] host tier lookups (CPU speed probe {speed[0]:.2f} ms)")
     g = gather_costs(tables[0], spec.engram.heads, seconds=gather_seconds)
     _log(progress, f"      {g['per_call_s'] * 1e6:.0f} us per lookup call + {g['rows_per_s'] / 1e6:.1f} M rows/s")
     where = step_placement(spec.engram.table_bytes)
@@ -301,8 +303,10 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     st = step_costs(model_dir, batches, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
                     progress=progress, placement=where, gather_s_per_row=1.0 / g["rows_per_s"],
                     gather_s_per_step=g["per_call_s"] * n_layers)
+    speed.append(cpu_speed_ms())
     _log(progress, f"      overhead {st['step_overhead_s'] * 1e3:.2f} ms/step, {st['per_token_s'] * 1e6:.0f} us/token, "
-                   f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps)")
+                   f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps; CPU "
+                   f"speed probe {speed[1]:.2f} ms)")
     _log(progress, "[3/5] disk: random 4 KiB reads at queue depths " + ", ".join(map(str, QUEUE_DEPTHS))
          + "; the file tier's hit and miss paths")
     d = disk_curve(tables[0], disk_seconds)
@@ -318,18 +322,12 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
-        from tiergram.plan.model import DiskSpec, HardwareSpec
-
         _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = 1, 4, 16")
-        engine_hw = HardwareSpec(
-            name="engine", kind="cpu", device_memory_bytes=2 * 2**30, device_bw=bw, compute_flops=flops,
-            step_overhead_s=st["step_overhead_s"], per_seq_s=st["per_seq_s"], host_memory_bytes=mem, host_bw=bw,
-            gather_rows_s=g["rows_per_s"], link_bw=0.0, per_token_s=st["per_token_s"],
-            gather_call_s=g["per_call_s"] * len(spec.engram.layers),
-            disk=DiskSpec(1, tuple((float(q), float(p)) for q, p in d["iops_curve"])))
-        srv = serve_costs(model_dir, engine_hw, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4))
+        srv = serve_costs(model_dir, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4))
         _log(progress, f"      {srv['request_overhead_s'] * 1e3:.1f} ms per request, "
-                       f"{srv['per_seq_http_s'] * 1e6:.0f} us per sequence per step on top of the engine")
+                       f"{srv['per_seq_http_s'] * 1e6:.0f} us per sequence per step on top of the engine (the "
+                       "engine's idle time per request: " + ", ".join(f"{1e3 * g:.1f}" for g in srv["gaps_s"])
+                       + " ms)")
     cal.values = {
         "name": f"this machine ({os.cpu_count()} CPUs)", "kind": "cpu",
         "device_memory_gb": round(2 * 2**30 / 1e9, 6),
@@ -343,7 +341,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_mrows_s": round(g["rows_per_s"] / 1e6, 3), "gather_call_us": round(g["per_call_s"] * 1e6 * n_layers, 1),
         "file_gather_mrows_s": round(fc["hit_rows_per_s"] / 1e6, 3),
         "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
-        "link_gbps": 0.0, "cores": os.cpu_count() or 1,
+        "link_gbps": 0.0, "cores": os.cpu_count() or 1, "cpu_speed_ms": round(float(np.mean(speed)), 3),
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"]}
@@ -355,7 +353,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps of {Path(model_dir).name} "
                             f"({where} tables; R^2 {st['r2']:.2f})",
         "per_seq_us": f"{how}: the same fit" + (", plus the HTTP path's cost per sequence per step (`tiergram serve` "
-                                                 "under a closed loop at c = 1, 4 and 16)" if serve else ""),
+                                                 "under a closed loop at c = 1, 4 and 16: the server's idle time, "
+                                                 "wall less its own step seconds)" if serve else ""),
         "per_token_us": f"{how}: the same fit",
         "request_overhead_ms": f"{how}: the HTTP path's fixed cost per request (same closed loop)" if serve else
                                "not measured (calibrate --no-serve)",
@@ -364,6 +363,9 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_call_us": f"{how}: the same fit, per call, x {n_layers} Engram layers",
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
+        "cpu_speed_ms": f"{how}: `bench.common.cpu_speed_ms` before the host lookups and after the engine steps "
+                        f"({speed[0]:.2f} and {speed[1]:.2f} ms); `bench serve` records it too, and `plan validate` "
+                        "scales the CPU terms by the sweep's over this",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "
                                "T = 8 and 128, 10% cache)",
         "file_call_us": f"{how}: the same, per call, x {n_layers} Engram layers",

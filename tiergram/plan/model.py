@@ -108,6 +108,21 @@ class HardwareSpec:
     file_gather_rows_s: float = 0.0  # the file tier's all-hit path (cache probe + gather), rows/s; 0: gather_rows_s
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
     cores: int = 0  # CPU cores (cpu kind: what other host-memory traffic steals its copying time from)
+    cpu_speed_ms: float = 0.0  # bench.common.cpu_speed_ms while it was calibrated (0: not recorded)
+
+
+def at_cpu_speed(hw: HardwareSpec, factor: float) -> HardwareSpec:
+    """A CPU machine's spec with every term its cores set taken `factor` times as long (factor 1.3: the machine
+    runs 30% slower than when it was calibrated): backbone compute, step and sequence overheads, the HTTP path,
+    the gathers and the CPU per page read. The disk's rates and memory bandwidth stay."""
+    if hw.kind != "cpu" or factor <= 0:
+        return hw
+    return replace(hw, compute_flops=hw.compute_flops / factor, step_overhead_s=hw.step_overhead_s * factor,
+                   per_seq_s=hw.per_seq_s * factor, per_token_s=hw.per_token_s * factor,
+                   request_overhead_s=hw.request_overhead_s * factor, gather_rows_s=hw.gather_rows_s / factor,
+                   gather_call_s=hw.gather_call_s * factor, file_gather_rows_s=hw.file_gather_rows_s / factor,
+                   file_call_s=hw.file_call_s * factor,
+                   disk=replace(hw.disk, cpu_s_per_page=hw.disk.cpu_s_per_page * factor))
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ HARDWARE_FIELDS = (
     Field("file_call_us", "file_call_s", 1e-6, required=False),
     Field("link_gbps", "link_bw", GB),
     Field("cores", "cores", kind="int", required=False),
+    Field("cpu_speed_ms", "cpu_speed_ms", 1.0, required=False),
 )
 DISK_FIELDS = (
     Field("drives", "drives", kind="int", positive=True),
