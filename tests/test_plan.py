@@ -83,7 +83,8 @@ def test_prompt_rows_first_waits_for_decode_rows_and_the_read_in_progress() -> N
     disk = rows * 0.5 / 1e4  # every miss, the prompt's too, is read
     wait = 10 * 8 * 0.5 / 1e4 + 1e-4  # one prompt's misses, read before it joins: the request waits that long
     step0 = 5.6e-3 + cpu + max(0.0, io - hide - cpu) + 2.2e-3
-    queue = (disk * 10 / 14) / step0 * wait / 2  # the prompt reads' share of the disk x half of one prompt's read
+    # the prompt reads' share of the disk's time x the step's own reads again (the disk interleaves the two)
+    queue = (disk * 10 / 14) / step0 * (waited * 0.5 / 1e4)
     assert p.terms["disk busy"] == pytest.approx(disk)
     assert p.terms["read queue"] == pytest.approx(queue)
     assert p.terms["engram exposed"] == pytest.approx(max(0.0, io - hide - cpu) + queue)
@@ -459,3 +460,15 @@ def test_the_cpu_speed_probe_times_a_fixed_workload() -> None:
     from tiergram.bench.common import cpu_speed_ms
 
     assert 0 < cpu_speed_ms(0.05) < 10_000
+
+
+def test_a_servers_step_factor_stretches_the_cores_work_not_the_disk() -> None:
+    served = replace(CPU, server_step_factor=1.5)
+    alone, beside = (predict_point(MODEL, hw, WL, Placement("host"), 2) for hw in (CPU, served))
+    assert beside.step_s == pytest.approx(1.5 * alone.step_s)  # compute, overheads and the gather: all the cores'
+    slow = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e6), (128.0, 100.0))))
+    disk_bound = [predict_point(MODEL, replace(slow, server_step_factor=f), replace(WL, prompt_rows_first=True),
+                                Placement("file", hit_rate=0.0), 2) for f in (1.0, 1.5)]
+    assert disk_bound[0].step_s == pytest.approx(disk_bound[1].step_s)  # the disk's own time does not stretch
+    assert predict_point(MODEL, replace(GPU, server_step_factor=1.5), WL, Placement("host"), 2).step_s == \
+        pytest.approx(predict_point(MODEL, GPU, WL, Placement("host"), 2).step_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 QUEUE_DEPTHS = (1, 8, 32, 128)
+SPEED_SPREAD = 1.25  # the CPU speed probes of one calibration differing by more: a warning
 
 
 @dataclass
@@ -100,7 +102,8 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
 
 
 def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), input_len: int = 128,
-                output_len: int = 32, requests_per_user: int = 4) -> dict[str, float]:
+                output_len: int = 32, requests_per_user: int = 4,
+                engine_step: Callable[[float, float], float] | None = None) -> dict[str, Any]:
     """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
 
     A real `tiergram serve` (host placement) and the closed-loop streaming client of `bench serve` on held-out
@@ -110,6 +113,11 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), inp
     the engine-only step model: the model was fitted a minute earlier, and a shared machine's speed moves more
     than that in a minute (the gaps against the model were 6 / 378 / 485 ms at c = 1 / 4 / 16 in one such run,
     against a server that stepped 97-98% of the time).
+
+    `engine_step(tokens, sequences)`: the engine's own step seconds (the fit above); the server's mean step over
+    it at each concurrency, their median, is `server_step_factor`: the server's steps run beside its HTTP loop on
+    the same cores (measured on 2 cores, alternating server and in-process engine on the same requests: 1.35-1.45x
+    with torch's 2 threads, 1.1-1.15x with one).
     """
     import asyncio
 
@@ -127,22 +135,27 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), inp
     trace = sweep.Trace(tokens[min(need, len(tokens) // 2):], input_len, output_len, seed=1)
     lo_in, lo_out = max(1, int(0.8 * input_len)), max(1, int(0.8 * output_len))
     wl = Workload(input_len=(lo_in + input_len) / 2, output_len=(lo_out + output_len) / 2)
-    gaps = []
+    gaps, ratios = [], []
     with sweep.ServerProcess(cfg, "host", 0, max_waiting=256) as server:
         model = httpx.get(f"{server.url}/health", timeout=30).json()["model"]
         for c in concurrencies:
             asyncio.run(sweep.closed_loop(server.url, model, trace.take(c), c))  # warm-up
             before = sweep.scrape(server.url)
             timings, wall = asyncio.run(sweep.closed_loop(server.url, model, trace.take(requests_per_user * c), c))
-            busy = sweep.scrape(server.url)["tiergram_engine_step_seconds_total"] - \
-                before["tiergram_engine_step_seconds_total"]
+            after = sweep.scrape(server.url)
+            busy, steps, tokens = (after[k] - before[k] for k in ("tiergram_engine_step_seconds_total",
+                                                                  "tiergram_engine_steps_total",
+                                                                  "tiergram_engine_computed_tokens_total"))
             # c users each wait out the engine's idle time: per request, idle x c / requests
             gaps.append((c, steps_per_request(wl, c), max(0.0, wall - busy) * c / max(1, len(timings))))
+            if engine_step is not None and steps > 0:
+                ratios.append(busy / steps / engine_step(tokens / steps, float(c)))
     # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
     a = np.array([[1.0, s * c] for c, s, _ in gaps])
     coef = _nonneg_lstsq(a, np.array([g for _, _, g in gaps]))
     return {"request_overhead_s": float(coef[0]), "per_seq_http_s": float(coef[1]),
-            "gaps_s": [round(g, 5) for _, _, g in gaps]}
+            "gaps_s": [round(g, 5) for _, _, g in gaps], "step_ratios": [round(r, 3) for r in ratios],
+            "server_step_factor": float(np.median(ratios)) if ratios else 1.0}
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -315,19 +328,35 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                    f"{fc['cpu_s_per_page'] * 1e6:.1f} us CPU per page read ({fc['pages']:,} pages)")
     _log(progress, "      " + ", ".join(f"QD{q} {p:,} pages/s" for q, p in d["iops_curve"])
          + f"; {d['cpu_us_per_page']:.1f} us CPU per page")
+    speed.append(cpu_speed_ms())
     _log(progress, "[4/5] host memory bandwidth and size")
     bw = host_bandwidth()
     mem = host_memory_bytes()
-    srv = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0}
+    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0, "server_step_factor": 1.0}
     # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
         _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = 1, 4, 16")
-        srv = serve_costs(model_dir, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4))
+        def engine_step(tokens: float, seqs: float) -> float:
+            """The engine's own step: the fit, plus the host tier's gather it was fitted without."""
+            own = st["step_overhead_s"] + st["per_token_s"] * tokens + st["per_seq_s"] * seqs
+            if where != "device":
+                own += g["per_call_s"] * n_layers + tokens * spec.engram.rows_per_token / g["rows_per_s"]
+            return own
+
+        srv = serve_costs(model_dir, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
+                          engine_step=engine_step)
         _log(progress, f"      {srv['request_overhead_s'] * 1e3:.1f} ms per request, "
                        f"{srv['per_seq_http_s'] * 1e6:.0f} us per sequence per step on top of the engine (the "
                        "engine's idle time per request: " + ", ".join(f"{1e3 * g:.1f}" for g in srv["gaps_s"])
                        + " ms)")
+        _log(progress, "      the server's steps over the engine's alone: " + ", ".join(
+            f"{r:.2f}" for r in srv["step_ratios"]) + f" at c = 1, 4, 16 (median {srv['server_step_factor']:.2f})")
+        speed.append(cpu_speed_ms())
+    _log(progress, "CPU speed probe around the measurements: " + ", ".join(f"{x:.2f}" for x in speed) + " ms")
+    if max(speed) > SPEED_SPREAD * min(speed):
+        _log(True, f"warning: the machine's speed moved by {max(speed) / min(speed):.1f}x during calibration (the "
+                   "probe's median is kept); on a quiet machine the figures are more trustworthy")
     cal.values = {
         "name": f"this machine ({os.cpu_count()} CPUs)", "kind": "cpu",
         "device_memory_gb": round(2 * 2**30 / 1e9, 6),
@@ -341,7 +370,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_mrows_s": round(g["rows_per_s"] / 1e6, 3), "gather_call_us": round(g["per_call_s"] * 1e6 * n_layers, 1),
         "file_gather_mrows_s": round(fc["hit_rows_per_s"] / 1e6, 3),
         "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
-        "link_gbps": 0.0, "cores": os.cpu_count() or 1, "cpu_speed_ms": round(float(np.mean(speed)), 3),
+        "link_gbps": 0.0, "cores": os.cpu_count() or 1, "cpu_speed_ms": round(float(np.median(speed)), 3),
+        "server_step_factor": round(srv["server_step_factor"], 3),
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"]}
@@ -363,8 +393,12 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_call_us": f"{how}: the same fit, per call, x {n_layers} Engram layers",
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
-        "cpu_speed_ms": f"{how}: `bench.common.cpu_speed_ms` before the host lookups and after the engine steps "
-                        f"({speed[0]:.2f} and {speed[1]:.2f} ms); `bench serve` records it too, and `plan validate` "
+        "server_step_factor": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
+                              "(the fit above) at c = 1, 4, 16, the median" if serve else "not measured "
+                              "(calibrate --no-serve)",
+        "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
+                        "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
+                        + " ms); `bench serve` records it too, and `plan validate` "
                         "scales the CPU terms by the sweep's over this",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "
                                "T = 8 and 128, 10% cache)",

@@ -109,6 +109,7 @@ class HardwareSpec:
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
     cores: int = 0  # CPU cores (cpu kind: what other host-memory traffic steals its copying time from)
     cpu_speed_ms: float = 0.0  # bench.common.cpu_speed_ms while it was calibrated (0: not recorded)
+    server_step_factor: float = 1.0  # cpu kind: a server's step over the engine's alone (calibrate measures it)
 
 
 def at_cpu_speed(hw: HardwareSpec, factor: float) -> HardwareSpec:
@@ -272,13 +273,14 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
         return step_terms_at(model, hw, wl, placement, c, tokens, context)
     waited = tokens * decode_share(wl)  # the prompt tokens' rows were read before their step
     first = step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited)
-    # A step's prefetch joins the table's FIFO read queue behind the prompt reads of the requests waiting to
-    # join: it waits for the rest of the one in progress. Prompt reads keep the disk busy a share rho of the
-    # time, each for T_wait; a step starting at a random moment finds rho * T_wait / 2 of it left on average.
+    # A step's prefetch and the prompt reads of the requests waiting to join run side by side (each on its own
+    # queue and io_uring ring): while a prompt read is in flight, a share rho of the time, the disk interleaves
+    # the two, and the step's own reads take about twice as long -- rho * (their own read time) more.
     prompt_disk = first[1].get("disk busy", 0.0) * (1.0 - decode_share(wl))
     rho = min(0.95, prompt_disk / first[0]) if first[0] > 0 else 0.0
-    queue = rho * prompt_wait_s(model, hw, wl, placement, c) / 2.0
-    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited, queue_s=queue)
+    hit = first[3] or 0.0
+    own = waited * model.engram.rows_per_token * (1.0 - hit) / hw.disk.pages_per_s(wl.queue_depth)
+    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited, queue_s=rho * own)
 
 
 def decode_share(wl: Workload) -> float:
@@ -368,11 +370,15 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         step = max(compute + terms["engram exposed"], (link_bytes + kv_link) / hw.link_bw if hw.link_bw else 0.0,
                    (dram_bytes + kv_dram) / host_bw, terms.get("disk busy", 0.0)) + terms["overhead"]
     else:
+        # a server's steps run beside its HTTP loop (and the load's clients) on the same cores: measured against
+        # the engine alone, they take server_step_factor times as long (torch's threads preempted mid-op)
+        stretch = hw.server_step_factor
         if wl.host_traffic_bps > 0 and hw.cores > 0:
             # other traffic through host memory is copied by these cores: at host_bw per core it takes
             # traffic / host_bw of a core, and everything the cores do in a step stretches by what is left
             steal = min(0.9 * hw.cores, wl.host_traffic_bps / hw.host_bw)
-            stretch = hw.cores / (hw.cores - steal)
+            stretch *= hw.cores / (hw.cores - steal)
+        if stretch != 1.0:
             compute, cpu_fetch = compute * stretch, cpu_fetch * stretch
             terms["compute"], terms["overhead"] = compute, terms["overhead"] * stretch
         # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
