@@ -424,38 +424,6 @@ def test_topk_hit_rate_builds_a_missing_corpus(tmp_path: Path, monkeypatch: pyte
     assert 0.0 <= rates[1] <= rates[4] <= 1.0
 
 
-def test_a_slower_cpu_stretches_every_cpu_term_by_the_factor() -> None:
-    from tiergram.plan.model import at_cpu_speed
-
-    slow = at_cpu_speed(replace(CPU, request_overhead_s=1e-2), 2.0)
-    for kind in ("device", "host"):  # every term of these CPU steps is the cores' work: the step doubles
-        fast_p, slow_p = (predict_point(MODEL, hw, WL, Placement(kind), 2) for hw in (replace(CPU, request_overhead_s=
-                                                                                          1e-2), slow))
-        assert slow_p.step_s == pytest.approx(2 * fast_p.step_s)
-        assert slow_p.throughput_tok_s == pytest.approx(fast_p.throughput_tok_s / 2)
-    assert slow.disk == replace(CPU.disk, cpu_s_per_page=0.0) and slow.host_bw == CPU.host_bw  # the disk stays
-    assert at_cpu_speed(GPU, 2.0) is GPU  # a GPU's backbone is not this CPU's
-
-
-def test_validate_takes_the_cpu_terms_at_the_sweeps_measured_speed() -> None:
-    from tiergram.plan.predict import cpu_speed, merge_sweeps, validate_text
-
-    hw = replace(CPU, cpu_speed_ms=4.0)
-    sweep = _sweep("unused", 1.0)
-    assert cpu_speed(sweep, hw) == {} and validate(sweep, MODEL, hw)["cpu_speed"] is None  # not recorded: as is
-    sweep["cpu_speed_ms"] = {"before": 5.0, "after": 7.0}  # the machine ran 1.5x slower than calibrated
-    assert cpu_speed(sweep, hw) == {"spec_ms": 4.0, "sweep_ms": 6.0, "factor": 1.5}
-    scaled, plain = validate(sweep, MODEL, hw), validate(sweep, MODEL, hw, speed_scale=False)
-    for a, b in zip(scaled["points"], plain["points"], strict=True):
-        if a["placement"] in ("device", "host"):  # all CPU: predicted 1.5x slower, so measured / predicted 1.5x
-            assert a["predicted_tok_s"] == pytest.approx(b["predicted_tok_s"] / 1.5)
-    assert "CPU terms taken x1.500" in validate_text(scaled)
-    assert "not applied" in validate_text(plain)
-    other = _sweep("unused", 1.0)
-    other["cpu_speed_ms"] = {"before": 8.0}
-    assert merge_sweeps([sweep, other], ["a", "b"])["cpu_speed_ms"] == {"mean over runs": pytest.approx(20 / 3)}
-
-
 def test_the_cpu_speed_probe_times_a_fixed_workload() -> None:
     from tiergram.bench.common import cpu_speed_ms
 
@@ -463,12 +431,15 @@ def test_the_cpu_speed_probe_times_a_fixed_workload() -> None:
 
 
 def test_a_servers_step_factor_stretches_the_cores_work_not_the_disk() -> None:
-    served = replace(CPU, server_step_factor=1.5)
+    curve = ((1.0, 1.0), (4.0, 2.0))  # alone at c = 1, twice as long from c = 4: 1.5 at c = 2 (log c)
+    served = replace(CPU, server_step_curve=curve)
     alone, beside = (predict_point(MODEL, hw, WL, Placement("host"), 2) for hw in (CPU, served))
     assert beside.step_s == pytest.approx(1.5 * alone.step_s)  # compute, overheads and the gather: all the cores'
+    assert predict_point(MODEL, served, WL, Placement("host"), 1).step_s == pytest.approx(
+        predict_point(MODEL, CPU, WL, Placement("host"), 1).step_s)
     slow = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e6), (128.0, 100.0))))
-    disk_bound = [predict_point(MODEL, replace(slow, server_step_factor=f), replace(WL, prompt_rows_first=True),
-                                Placement("file", hit_rate=0.0), 2) for f in (1.0, 1.5)]
+    disk_bound = [predict_point(MODEL, replace(slow, server_step_curve=k), replace(WL, prompt_rows_first=True),
+                                Placement("file", hit_rate=0.0), 2) for k in ((), curve)]
     assert disk_bound[0].step_s == pytest.approx(disk_bound[1].step_s)  # the disk's own time does not stretch
-    assert predict_point(MODEL, replace(GPU, server_step_factor=1.5), WL, Placement("host"), 2).step_s == \
+    assert predict_point(MODEL, replace(GPU, server_step_curve=curve), WL, Placement("host"), 2).step_s == \
         pytest.approx(predict_point(MODEL, GPU, WL, Placement("host"), 2).step_s)

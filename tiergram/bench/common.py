@@ -114,8 +114,9 @@ def save_figure(fig, path: Path) -> Path:
 
 def cpu_speed_ms(seconds: float = 1.0) -> float:
     """Milliseconds of one fixed CPU workload shaped like an engine step (48 small torch matmuls + GELUs at torch's
-    thread count, Python between them): the median of repeats over `seconds`. Taken beside a measurement it says
-    how fast this machine ran then: a shared VM's speed drifts by tens of percent within an hour."""
+    thread count, Python between them): the median of repeats over `seconds`. Taken around a measurement it says
+    whether this machine's speed moved meanwhile (a shared VM's drifts by tens of percent within an hour; a probe
+    is a moment, not the measurement's average: `plan calibrate` only warns with it)."""
     import torch
 
     gen = torch.Generator().manual_seed(0)

@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.common import cache_dir, cpu_speed_ms, log
+from tiergram.bench.common import cache_dir, log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
     DEFAULT_PLACEMENTS,
@@ -110,8 +110,6 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
         else:
             disk["before"] = before
             log(progress, f"disk limit (native reader, QD128, O_DIRECT): {before:.0f} pages/s")
-    speed = {"before": round(cpu_speed_ms(), 3)}  # how fast the machine runs now: `plan validate` scales by it
-    log(progress, f"CPU speed probe: {speed['before']:.2f} ms")
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
     live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
@@ -178,14 +176,12 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
         for pl, pid in procs.items():
             servers[pl]["peak_rss_bytes"] = peak_rss(pid)
-    speed["after"] = round(cpu_speed_ms(), 3)
-    log(progress, f"CPU speed probe after the sweep: {speed['after']:.2f} ms")
     if disk and (after := disk_limit(disk_table)) is not None:
         disk["after"] = after
         log(progress, f"disk limit after the sweep: {after:.0f} pages/s")
     points.sort(key=lambda p: (labels.index(p.placement), p.concurrency))
     fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in labels}
-    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk, cpu_speed_ms=speed)
+    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk)
     res.checks = checks(res)
     res.seconds = round(time.perf_counter() - t_start, 1)
     res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "serve-sweep.png"))

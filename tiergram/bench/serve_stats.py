@@ -56,7 +56,6 @@ class SweepResult:
     checks: dict[str, Any]
     seconds: float
     disk_pages_per_s: dict[str, float] = field(default_factory=dict)  # the disk's limit before/after the sweep
-    cpu_speed_ms: dict[str, float] = field(default_factory=dict)  # common.cpu_speed_ms before/after the sweep
     plot: str | None = None
 
 

@@ -80,9 +80,6 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
                    help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
                         "config; `-nowait` servers never)")
-    p.add_argument("--no-speed-scale", dest="speed_scale", action="store_false",
-                   help="do not take the CPU terms at the sweep's measured CPU speed (by default, where the spec and "
-                        "the sweep both recorded the speed probe, they are scaled by sweep / spec)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -182,7 +179,7 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan import predict
-    from tiergram.plan.model import at_cpu_speed, predict_front
+    from tiergram.plan.model import predict_front
     from tiergram.plan.specs import load_hardware, load_model
 
     sweeps = []
@@ -200,11 +197,7 @@ def _validate(a: argparse.Namespace) -> int:
     model = load_model(a.model or sweep["config"]["model_dir"])
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
-    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
-                           speed_scale=a.speed_scale)
-    speed = res.get("cpu_speed")
-    if speed and a.speed_scale:
-        hw = at_cpu_speed(hw, speed["factor"])
+    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first)
     if a.plot:
         from dataclasses import replace
 

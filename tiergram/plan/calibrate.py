@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -115,9 +116,9 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), inp
     against a server that stepped 97-98% of the time).
 
     `engine_step(tokens, sequences)`: the engine's own step seconds (the fit above); the server's mean step over
-    it at each concurrency, their median, is `server_step_factor`: the server's steps run beside its HTTP loop on
-    the same cores (measured on 2 cores, alternating server and in-process engine on the same requests: 1.35-1.45x
-    with torch's 2 threads, 1.1-1.15x with one).
+    it at each concurrency is `server_step_curve`: the server's steps run beside its HTTP loop on the same cores
+    (measured on 2 cores, alternating server and in-process engine on the same requests at c = 2 and 4:
+    1.35-1.45x with torch's 2 threads, 1.1-1.15x with one; about 1.0 at c = 1).
     """
     import asyncio
 
@@ -149,13 +150,13 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), inp
             # c users each wait out the engine's idle time: per request, idle x c / requests
             gaps.append((c, steps_per_request(wl, c), max(0.0, wall - busy) * c / max(1, len(timings))))
             if engine_step is not None and steps > 0:
-                ratios.append(busy / steps / engine_step(tokens / steps, float(c)))
+                ratios.append((c, busy / steps / engine_step(tokens / steps, float(c))))
     # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
     a = np.array([[1.0, s * c] for c, s, _ in gaps])
     coef = _nonneg_lstsq(a, np.array([g for _, _, g in gaps]))
     return {"request_overhead_s": float(coef[0]), "per_seq_http_s": float(coef[1]),
-            "gaps_s": [round(g, 5) for _, _, g in gaps], "step_ratios": [round(r, 3) for r in ratios],
-            "server_step_factor": float(np.median(ratios)) if ratios else 1.0}
+            "gaps_s": [round(g, 5) for _, _, g in gaps],
+            "server_step_curve": [[c, round(r, 3)] for c, r in ratios]}
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -305,7 +306,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     n_layers = len(spec.engram.layers)
     _log(progress, f"calibrating on {model_dir}: {n_layers} Engram layers x {spec.engram.heads} rows per token, "
                    f"{spec.engram.row_bytes}-byte rows, {spec.engram.table_bytes / 2**30:.2f} GiB of tables")
-    speed = [cpu_speed_ms()]  # how fast the machine ran around the CPU measurements (`plan validate` scales by it)
+    probe_s = min(1.0, 2 * gather_seconds)
+    speed = [cpu_speed_ms(probe_s)]  # how fast the machine ran around the CPU measurements (a moving one: a warning)
     _log(progress, f"[1/5] host tier lookups (CPU speed probe {speed[0]:.2f} ms)")
     g = gather_costs(tables[0], spec.engram.heads, seconds=gather_seconds)
     _log(progress, f"      {g['per_call_s'] * 1e6:.0f} us per lookup call + {g['rows_per_s'] / 1e6:.1f} M rows/s")
@@ -316,7 +318,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     st = step_costs(model_dir, batches, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
                     progress=progress, placement=where, gather_s_per_row=1.0 / g["rows_per_s"],
                     gather_s_per_step=g["per_call_s"] * n_layers)
-    speed.append(cpu_speed_ms())
+    speed.append(cpu_speed_ms(probe_s))
     _log(progress, f"      overhead {st['step_overhead_s'] * 1e3:.2f} ms/step, {st['per_token_s'] * 1e6:.0f} us/token, "
                    f"{st['per_seq_s'] * 1e6:.0f} us/sequence (R^2 {st['r2']:.2f} over {st['steps']} steps; CPU "
                    f"speed probe {speed[1]:.2f} ms)")
@@ -328,11 +330,11 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                    f"{fc['cpu_s_per_page'] * 1e6:.1f} us CPU per page read ({fc['pages']:,} pages)")
     _log(progress, "      " + ", ".join(f"QD{q} {p:,} pages/s" for q, p in d["iops_curve"])
          + f"; {d['cpu_us_per_page']:.1f} us CPU per page")
-    speed.append(cpu_speed_ms())
+    speed.append(cpu_speed_ms(probe_s))
     _log(progress, "[4/5] host memory bandwidth and size")
     bw = host_bandwidth()
     mem = host_memory_bytes()
-    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0, "server_step_factor": 1.0}
+    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0, "server_step_curve": []}
     # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
@@ -351,12 +353,12 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                        "engine's idle time per request: " + ", ".join(f"{1e3 * g:.1f}" for g in srv["gaps_s"])
                        + " ms)")
         _log(progress, "      the server's steps over the engine's alone: " + ", ".join(
-            f"{r:.2f}" for r in srv["step_ratios"]) + f" at c = 1, 4, 16 (median {srv['server_step_factor']:.2f})")
-        speed.append(cpu_speed_ms())
+            f"{r:.2f} at c = {c}" for c, r in srv["server_step_curve"]))
+        speed.append(cpu_speed_ms(probe_s))
     _log(progress, "CPU speed probe around the measurements: " + ", ".join(f"{x:.2f}" for x in speed) + " ms")
     if max(speed) > SPEED_SPREAD * min(speed):
-        _log(True, f"warning: the machine's speed moved by {max(speed) / min(speed):.1f}x during calibration (the "
-                   "probe's median is kept); on a quiet machine the figures are more trustworthy")
+        print(f"warning: the machine's speed moved by {max(speed) / min(speed):.1f}x during calibration (the "
+                   "probe's median is kept); on a quiet machine the figures are more trustworthy", file=sys.stderr)
     cal.values = {
         "name": f"this machine ({os.cpu_count()} CPUs)", "kind": "cpu",
         "device_memory_gb": round(2 * 2**30 / 1e9, 6),
@@ -371,7 +373,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "file_gather_mrows_s": round(fc["hit_rows_per_s"] / 1e6, 3),
         "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
         "link_gbps": 0.0, "cores": os.cpu_count() or 1, "cpu_speed_ms": round(float(np.median(speed)), 3),
-        "server_step_factor": round(srv["server_step_factor"], 3),
+        **({"server_step_curve": srv["server_step_curve"]} if srv["server_step_curve"] else {}),
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"]}
@@ -393,13 +395,13 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "gather_call_us": f"{how}: the same fit, per call, x {n_layers} Engram layers",
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
-        "server_step_factor": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
-                              "(the fit above) at c = 1, 4, 16, the median" if serve else "not measured "
-                              "(calibrate --no-serve)",
+        "server_step_curve": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
+                             "(the fit above) at c = 1, 4, 16 (interpolated in log c)" if serve else "not measured "
+                             "(calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
-                        + " ms); `bench serve` records it too, and `plan validate` "
-                        "scales the CPU terms by the sweep's over this",
+                        + " ms); informational: a later calibration with a different figure ran on a faster or "
+                        "slower machine",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "
                                "T = 8 and 128, 10% cache)",
         "file_call_us": f"{how}: the same, per call, x {n_layers} Engram layers",

@@ -108,22 +108,10 @@ class HardwareSpec:
     file_gather_rows_s: float = 0.0  # the file tier's all-hit path (cache probe + gather), rows/s; 0: gather_rows_s
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
     cores: int = 0  # CPU cores (cpu kind: what other host-memory traffic steals its copying time from)
-    cpu_speed_ms: float = 0.0  # bench.common.cpu_speed_ms while it was calibrated (0: not recorded)
-    server_step_factor: float = 1.0  # cpu kind: a server's step over the engine's alone (calibrate measures it)
+    cpu_speed_ms: float = 0.0  # calibrate's CPU speed probe (informational: compare two calibrations)
+    # cpu kind: a server's step over the engine's alone, (concurrency, factor) pairs, measured by calibrate
+    server_step_curve: tuple[tuple[float, float], ...] = ()
 
-
-def at_cpu_speed(hw: HardwareSpec, factor: float) -> HardwareSpec:
-    """A CPU machine's spec with every term its cores set taken `factor` times as long (factor 1.3: the machine
-    runs 30% slower than when it was calibrated): backbone compute, step and sequence overheads, the HTTP path,
-    the gathers and the CPU per page read. The disk's rates and memory bandwidth stay."""
-    if hw.kind != "cpu" or factor <= 0:
-        return hw
-    return replace(hw, compute_flops=hw.compute_flops / factor, step_overhead_s=hw.step_overhead_s * factor,
-                   per_seq_s=hw.per_seq_s * factor, per_token_s=hw.per_token_s * factor,
-                   request_overhead_s=hw.request_overhead_s * factor, gather_rows_s=hw.gather_rows_s / factor,
-                   gather_call_s=hw.gather_call_s * factor, file_gather_rows_s=hw.file_gather_rows_s / factor,
-                   file_call_s=hw.file_call_s * factor,
-                   disk=replace(hw.disk, cpu_s_per_page=hw.disk.cpu_s_per_page * factor))
 
 
 @dataclass(frozen=True)
@@ -371,8 +359,8 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
                    (dram_bytes + kv_dram) / host_bw, terms.get("disk busy", 0.0)) + terms["overhead"]
     else:
         # a server's steps run beside its HTTP loop (and the load's clients) on the same cores: measured against
-        # the engine alone, they take server_step_factor times as long (torch's threads preempted mid-op)
-        stretch = hw.server_step_factor
+        # the engine alone, they take longer from two users on (torch's threads preempted mid-op)
+        stretch = interpolate(hw.server_step_curve, c, log_x=True) if hw.server_step_curve else 1.0
         if wl.host_traffic_bps > 0 and hw.cores > 0:
             # other traffic through host memory is copied by these cores: at host_bw per core it takes
             # traffic / host_bw of a core, and everything the cores do in a step stretches by what is left

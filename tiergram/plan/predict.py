@@ -14,7 +14,6 @@ from tiergram.plan.model import (
     ModelSpec,
     Placement,
     Workload,
-    at_cpu_speed,
     predict_front,
     predict_point,
 )
@@ -175,9 +174,8 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
         merged["throughput_runs"] = [float(r["throughput_tok_s"]) for r in runs]
         points.append(merged)
     disk = [v for sw in sweeps for v in (sw.get("disk_pages_per_s") or {}).values()]
-    speed = [v for sw in sweeps for v in (sw.get("cpu_speed_ms") or {}).values()]
     return {**sweeps[0], "points": points, "disk_pages_per_s": {"min over runs": min(disk)} if disk else {},
-            "cpu_speed_ms": {"mean over runs": sum(speed) / len(speed)} if speed else {}, "runs": names}
+            "runs": names}
 
 
 def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
@@ -206,15 +204,11 @@ def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
-             rows_first: bool | None = None, speed_scale: bool = True) -> dict[str, Any]:
+             rows_first: bool | None = None) -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
     host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
-    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `speed_scale`: where the spec and the
-    sweep both recorded the CPU speed probe, the CPU terms are taken at the sweep's speed (`cpu_speed`)."""
+    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`)."""
     cfg = sweep["config"]
-    speed = cpu_speed(sweep, hw)
-    if speed_scale and speed:
-        hw = at_cpu_speed(hw, speed["factor"])
     base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
@@ -266,22 +260,12 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
-            "runs": sweep.get("runs", [1]), "cpu_speed": {**speed, "applied": speed_scale} if speed else None,
+            "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
                         "mean_abs_error": sum(errs) / len(errs) if errs else None}}
-
-
-def cpu_speed(sweep: dict[str, Any], hw: HardwareSpec) -> dict[str, float]:
-    """{spec_ms, sweep_ms, factor}: the CPU speed probe at calibration and during the sweep (the mean of its
-    before/after), factor = sweep / spec (> 1: the machine ran slower than calibrated); {} where either lacks it."""
-    probes = [float(v) for v in (sweep.get("cpu_speed_ms") or {}).values() if v]
-    if not probes or hw.cpu_speed_ms <= 0 or hw.kind != "cpu":
-        return {}
-    mean = sum(probes) / len(probes)
-    return {"spec_ms": hw.cpu_speed_ms, "sweep_ms": round(mean, 3), "factor": round(mean / hw.cpu_speed_ms, 4)}
 
 
 def validate_text(res: dict[str, Any]) -> str:
@@ -303,10 +287,6 @@ def validate_text(res: dict[str, Any]) -> str:
                      f"measured c = {lim['measured']}")
     if res.get("skipped_placements"):
         lines.append(f"not modelled, skipped: {', '.join(res['skipped_placements'])}")
-    sp = res.get("cpu_speed")
-    if sp:
-        lines.append(f"CPU speed probe: {sp['sweep_ms']:.2f} ms in the sweep, {sp['spec_ms']:.2f} ms at calibration: "
-                     + (f"CPU terms taken x{sp['factor']:.3f}" if sp["applied"] else "not applied (--no-speed-scale)"))
     s = res["summary"]
     if s["points"]:
         lines.append(f"{s['within_15pct']}/{s['points']} points within 15%; mean |error| {s['mean_abs_error']:.1%}, "

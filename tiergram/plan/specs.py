@@ -58,7 +58,7 @@ HARDWARE_FIELDS = (
     Field("link_gbps", "link_bw", GB),
     Field("cores", "cores", kind="int", required=False),
     Field("cpu_speed_ms", "cpu_speed_ms", 1.0, required=False),
-    Field("server_step_factor", "server_step_factor", 1.0, required=False, positive=True),
+    Field("server_step_curve", "server_step_curve", kind="curve", required=False),
 )
 DISK_FIELDS = (
     Field("drives", "drives", kind="int", positive=True),
