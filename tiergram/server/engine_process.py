@@ -6,8 +6,8 @@ killer) leaves an HTTP server that answers 503 naming the exit instead of no ser
 AsyncEngine whose streams are a pipe; the HTTP process keeps AsyncEngine's interface (add, abort, check_capacity,
 snapshot, ...) and one reader thread that hands outputs to the requests' event loop. Measured on this project's
 2-core machine (docs/serving.md): no throughput change (0.89-1.14x the thread engine at c = 1-16, within the
-rounds' spread) -- there the cores, shared with the load generator, bind, not the GIL; it costs the HTTP
-process's own interpreter and torch import (~0.27 GiB).
+rounds' spread) -- there torch's threads on both cores, preempted by the HTTP loop's work in whichever process
+it runs, stretch the steps, not the GIL; it costs the HTTP process's own interpreter and torch import (~0.27 GiB).
 
 Messages, HTTP -> engine: ("add", rid, prompt_ids, params), ("abort", rid), ("stop",).
 Engine -> HTTP: ("ready", info) or ("failed", text) once; then ("accepted", rid, error or None) per add and
