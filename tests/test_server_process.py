@@ -106,3 +106,24 @@ def _state(pid: int) -> str:
             return f.read().split(") ", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_errors_cross_the_pipe_as_their_type_and_message():
+    """Any exception the engine raises reaches the HTTP process (even one that would not unpickle): the types
+    the handlers tell apart (400, 429, 503) come back as themselves, the rest as RuntimeError naming the type."""
+    import pickle
+
+    from tiergram.engine import QueueFullError
+    from tiergram.server import EngineDeadError
+    from tiergram.server.engine_process import WireError
+
+    class Odd(Exception):
+        def __init__(self, a, b):  # two required arguments: pickle could not rebuild it
+            super().__init__(f"{a}/{b}")
+
+    for error, kind in ((ValueError("bad prompt"), ValueError), (QueueFullError("full"), QueueFullError),
+                        (EngineDeadError("gone"), EngineDeadError)):
+        back = pickle.loads(pickle.dumps(WireError.of(error))).rebuild()
+        assert type(back) is kind and str(back) == str(error)
+    back = pickle.loads(pickle.dumps(WireError.of(Odd(1, 2)))).rebuild()
+    assert type(back) is RuntimeError and str(back) == "Odd: 1/2"

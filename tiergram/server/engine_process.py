@@ -85,10 +85,29 @@ class _PipeStream:
     outbox: _Outbox
 
     def accept(self, error: BaseException | None) -> None:
-        self.outbox.send(("accepted", self.request_id, error))
+        self.outbox.send(("accepted", self.request_id, None if error is None else WireError.of(error)))
 
     def put(self, item: Any) -> None:
-        self.outbox.outputs.append((self.request_id, item))
+        self.outbox.outputs.append((self.request_id, WireError.of(item) if isinstance(item, BaseException) else item))
+
+
+@dataclass
+class WireError:
+    """An exception as it crosses the pipe: its type's name and message (any exception pickles this way; the HTTP
+    process rebuilds the types its handlers tell apart and a RuntimeError for the rest)."""
+
+    kind: str
+    message: str
+
+    KNOWN = {"ValueError": ValueError, "QueueFullError": QueueFullError, "EngineDeadError": EngineDeadError}
+
+    @classmethod
+    def of(cls, error: BaseException) -> WireError:
+        return cls(type(error).__name__, str(error))
+
+    def rebuild(self) -> BaseException:
+        known = self.KNOWN.get(self.kind)
+        return known(self.message) if known else RuntimeError(f"{self.kind}: {self.message}")
 
 
 def _die_with_parent() -> None:
@@ -300,7 +319,8 @@ class EngineProcess:
         finally:
             self._fail_all(error or EngineDeadError("the engine stopped"))
 
-    def _accepted(self, rid: str, error: BaseException | None) -> None:
+    def _accepted(self, rid: str, wire: WireError | None) -> None:
+        error = None if wire is None else wire.rebuild()
         with self._lock:
             self._pending -= 1
             stream = self._streams.get(rid) if error is None else self._streams.pop(rid, None)
@@ -311,6 +331,8 @@ class EngineProcess:
         if snapshot is not None:
             self._latest = snapshot
         for rid, out in outputs:
+            if isinstance(out, WireError):
+                out = out.rebuild()
             with self._lock:
                 if isinstance(out, BaseException) or out.finished:
                     stream = self._streams.pop(rid, None)
