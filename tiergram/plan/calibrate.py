@@ -102,8 +102,11 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
             "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
 
 
-def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = (1, 4, 16), input_len: int = 128,
-                output_len: int = 32, requests_per_user: int = 4,
+SERVE_CONCURRENCIES = (1, 2, 4, 16)  # the step stretch jumps between 1 and 2 users: measure both
+
+
+def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
+                output_len: int = 32, requests_per_user: int = 6,
                 engine_step: Callable[[float, float], float] | None = None) -> dict[str, Any]:
     """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
 
@@ -338,7 +341,9 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
-        _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = 1, 4, 16")
+        _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = "
+             + ", ".join(map(str, SERVE_CONCURRENCIES)))
+
         def engine_step(tokens: float, seqs: float) -> float:
             """The engine's own step: the fit, plus the host tier's gather it was fitted without."""
             own = st["step_overhead_s"] + st["per_token_s"] * tokens + st["per_seq_s"] * seqs
@@ -385,7 +390,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps of {Path(model_dir).name} "
                             f"({where} tables; R^2 {st['r2']:.2f})",
         "per_seq_us": f"{how}: the same fit" + (", plus the HTTP path's cost per sequence per step (`tiergram serve` "
-                                                 "under a closed loop at c = 1, 4 and 16: the server's idle time, "
+                                                 "under a closed loop at c = 1, 2, 4 and 16: the server's idle time, "
                                                  "wall less its own step seconds)" if serve else ""),
         "per_token_us": f"{how}: the same fit",
         "request_overhead_ms": f"{how}: the HTTP path's fixed cost per request (same closed loop)" if serve else
@@ -396,7 +401,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
         "server_step_curve": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
-                             "(the fit above) at c = 1, 4, 16 (interpolated in log c)" if serve else "not measured "
+                             "(the fit above) at c = 1, 2, 4, 16 (interpolated in log c)" if serve else "not measured "
                              "(calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
