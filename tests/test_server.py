@@ -370,9 +370,12 @@ def test_serve_refuses_negative_torch_threads(model_dir):
         main(["serve", str(model_dir), "--torch-threads", "-1"])
 
 
-def test_sigterm_drains_then_exits_zero(model_dir):
+@contextmanager
+def serve_subprocess(model_dir: Path, *args: str):
+    """`tiergram serve MODEL_DIR --port 0 ARGS` in a subprocess, healthy; yields (process, base URL), killed at
+    the end if still running."""
     proc = subprocess.Popen([sys.executable, "-m", "tiergram", "serve", str(model_dir), "--port", "0",
-                             "--log-level", "warning", "--torch-threads", "1"],
+                             "--log-level", "warning", "--torch-threads", "1", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -380,6 +383,18 @@ def test_sigterm_drains_then_exits_zero(model_dir):
         assert " on http://127.0.0.1:" in line, line + proc.stderr.read()
         base = line.strip().rsplit(" on ", 1)[1]
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("engine_args", [(), ("--engine-process",)], ids=["thread", "process"])
+def test_sigterm_drains_then_exits_zero(model_dir, engine_args):
+    """The first SIGTERM drains: /health 503, new requests 503, the one in flight runs to its end, exit 0 (with the
+    engine in its own process too: it ignores the signal and is stopped after the drain)."""
+    with serve_subprocess(model_dir, *engine_args) as (proc, base):
         t0 = time.monotonic()
         got: list[int] = []
         finish: list[str | None] = []
@@ -405,7 +420,3 @@ def test_sigterm_drains_then_exits_zero(model_dir):
         t.join(60)
         assert len(got) == 1000 and finish[-1] == "length"
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
-from test_server import PROMPT, complete, make_tiny_model, metrics, running, wait_for
+from test_server import PROMPT, complete, make_tiny_model, metrics, running, serve_subprocess, wait_for
 
 from tiergram.bench.serve_process import _children, peak_rss
 from tiergram.engine import EngineConfig
@@ -77,15 +75,7 @@ def test_engine_cpu_is_counted_apart_from_the_http_process(model_dir):
 def test_the_engine_process_dies_with_the_server_and_counts_in_its_memory(model_dir):
     """`tiergram serve --engine-process` runs its engine in a child process: peak RSS sums both, and a SIGKILLed
     server leaves no engine process behind."""
-    proc = subprocess.Popen([sys.executable, "-m", "tiergram", "serve", str(model_dir), "--port", "0",
-                             "--log-level", "warning", "--torch-threads", "1", "--engine-process"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        line = proc.stdout.readline()
-        assert " on http://127.0.0.1:" in line, line + proc.stderr.read()
-        base = line.strip().rsplit(" on ", 1)[1]
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 30)
+    with serve_subprocess(model_dir, "--engine-process") as (proc, _):
         engine = [p for p in _children(proc.pid) if "spawn_main" in _cmdline(p)]
         assert len(engine) == 1
         with open(f"/proc/{proc.pid}/status") as f:
@@ -94,10 +84,6 @@ def test_the_engine_process_dies_with_the_server_and_counts_in_its_memory(model_
         proc.kill()
         proc.wait(10)
         wait_for(lambda: not os.path.exists(f"/proc/{engine[0]}") or "Z" in _state(engine[0]), 15)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _state(pid: int) -> str:

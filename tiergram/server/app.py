@@ -264,7 +264,8 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
                         vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok,
                         limits=limits or Limits(), unhealthy_after=unhealthy_after)
     state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts),
-                                  engine_cpu=(lambda: aengine.engine_cpu_seconds) if aengine is engine else None)
+                                  engine_cpu=(lambda: aengine.engine_cpu_seconds)
+                                  if isinstance(aengine, EngineProcess) else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

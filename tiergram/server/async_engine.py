@@ -64,6 +64,23 @@ class AsyncioStream:
             pass
 
 
+def new_stream() -> AsyncioStream:
+    """A request's stream into the running event loop."""
+    loop = asyncio.get_running_loop()
+    return AsyncioStream(loop, asyncio.Queue(), loop.create_future())
+
+
+async def accepted(stream: AsyncioStream, abort: Callable[[], None]) -> asyncio.Queue:
+    """Wait until the engine took the request (its refusal is raised here); a handler cancelled meanwhile aborts
+    it. Returns the queue its outputs arrive on."""
+    try:
+        await stream.accepted
+    except asyncio.CancelledError:
+        abort()
+        raise
+    return stream.queue
+
+
 def cache_counts(engine: LLMEngine) -> tuple[int, int]:
     """(hits, probes) of every Engram table's hot-row cache: counts, so a client can take interval hit rates."""
     hits = probes = 0
@@ -117,15 +134,9 @@ class AsyncEngine:
         """Submit a request; returns the queue its RequestOutputs arrive on.
 
         Raises what LLMEngine.add_request raises (ValueError, QueueFullError), or EngineDeadError."""
-        loop = asyncio.get_running_loop()
-        stream = AsyncioStream(loop, asyncio.Queue(), loop.create_future())
+        stream = new_stream()
         self.submit(request_id, prompt_token_ids, params, stream)
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return stream.queue
+        return await accepted(stream, lambda: self.abort(request_id))
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: Stream) -> None:
         """Queue a request for the engine thread, which calls stream.accept once it is applied; raises

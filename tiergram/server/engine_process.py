@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiergram.engine import EngineConfig, LLMEngine, QueueFullError, SamplingParams
-from tiergram.server.async_engine import AsyncEngine, AsyncioStream, EngineDeadError
+from tiergram.server.async_engine import AsyncEngine, AsyncioStream, EngineDeadError, accepted, new_stream
 
 SNAPSHOT_EVERY_S = 0.05  # metrics snapshots sent to the HTTP process at most this often
 PR_SET_PDEATHSIG = 1
@@ -256,8 +256,7 @@ class EngineProcess:
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """Submit a request; returns the queue its RequestOutputs arrive on (as AsyncEngine.add)."""
-        loop = asyncio.get_running_loop()
-        stream = AsyncioStream(loop, asyncio.Queue(), loop.create_future())
+        stream = new_stream()
         self.check_capacity()
         with self._lock:
             if self._dead or self._reader is None:
@@ -265,12 +264,7 @@ class EngineProcess:
             self._streams[request_id] = stream
             self._pending += 1
         self._send(("add", request_id, list(prompt_token_ids), params))
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        return stream.queue
+        return await accepted(stream, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request; no-op when it has finished."""
