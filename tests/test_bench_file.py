@@ -35,7 +35,7 @@ def test_file_bench_json(bench_home, capsys):
     assert set(obj["python_threads"]) == {"2", "3"}
     assert obj["python_threads_pages_per_s"] == max(d["pages_per_s"] for d in obj["python_threads"].values())
     assert set(obj["tiergram"]) == {"uniform", "zipf", "uniform python", "zipf python", "uniform native +10% cache",
-                                    "uniform python +10% cache"}
+                                    "uniform python +10% cache", "uniform plain buffers", "zipf plain buffers"}
     for d in obj["tiergram"].values():
         assert d["pages_per_s"] > 0 and d["rows_per_s"] > 0 and d["rows_per_call"] == 12
         assert 0 < d["pages_per_call"] <= 12 and d["cpu_us_per_row"] > 0

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ from hypothesis import strategies as st
 from tiergram.bench.common import python_calls
 from tiergram.format import TableManifest, create_table, matrix_values
 from tiergram.store import TieredTable
+from tiergram.tiers.aligned import aligned_empty
 
 MODES = ["direct", "buffered", "mmap"]
 POLICIES = [None, "lru", "lfu", "lookahead"]
@@ -668,6 +670,51 @@ def test_staging_buffer_is_per_thread(table, host):
     finally:
         store.close()
 
+
+
+@pytest.mark.parametrize("policy", [None, "lru"])
+def test_reads_go_into_registered_staging_buffers(table, host, policy):
+    """The native pipeline's page reads are READ_FIXED into each thread's registered staging buffer, and the
+    rows stay bit-equal to host while that buffer grows (a new allocation is registered anew, never the old)."""
+    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
+    try:
+        if store.stats()["backend"] != "io_uring":
+            pytest.skip("io_uring unavailable here")
+        rng = np.random.default_rng(3)
+
+        def worker(seed: int, out: list[bool]) -> None:
+            r = np.random.default_rng(seed)
+            for positions in (1, 2, 8, 32, 64, 1, 128, 3):  # growing batches reallocate the staging buffer
+                ids = np.stack([r.integers(0, n, positions) for n in HEAD_ROWS], axis=1)
+                out.append(torch.equal(bits(store.lookup(ids)), bits(host.lookup(ids))))
+                out.append(torch.equal(bits(store.prefetch(ids).wait(30)), bits(host.lookup(ids))))
+
+        results: list[list[bool]] = [[], []]
+        threads = [threading.Thread(target=worker, args=(int(rng.integers(1 << 30)), results[k])) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert results[0] == [True] * 16 and results[1] == [True] * 16
+        s = store.stats()
+        if s["buffer_registration_errno"] == 0:
+            assert 0 < s["registered_buffer_reads"] <= s["pages_read"]
+        else:  # refused (RLIMIT_MEMLOCK without CAP_IPC_LOCK): plain reads, said in stats
+            assert s["buffer_registration_errno"] in (errno.ENOMEM, errno.EPERM, errno.EFAULT)
+    finally:
+        store.close()
+
+
+def test_read_pages_into_a_callers_buffer_never_registers_it(table):
+    """A caller's buffer may be freed and its address reused: read_pages must read into it plainly."""
+    store = TieredTable(table, tier="file")
+    try:
+        reader = store.tier.reader
+        out = aligned_empty(2 * store.manifest.page_size)
+        reader.read_pages(np.array([0, 1], dtype=np.int64), out)
+        assert reader.fixed_reads == 0
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])

@@ -56,35 +56,51 @@ class ReadBackend {
  public:
   virtual ~ReadBackend() = default;
   virtual const char *name() const = 0;
-  // Reads every op once, setting op.res; never throws for a failed read (that is op.res < 0).
-  virtual void read(int fd, ReadOp *ops, size_t n) = 0;
+  // Reads every op once, setting op.res; never throws for a failed read (that is op.res < 0). area: the
+  // registrable staging buffer the ops' dst lie in, or nullptr. Returns how many reads used a registered buffer.
+  virtual size_t read(int fd, ReadOp *ops, size_t n, const StagingArea *area) = 0;
+  // errno of a refused buffer registration (0: none refused).
+  virtual int buffer_refused() const { return 0; }
 };
 
 class UringBackend : public ReadBackend {
  public:
-  UringBackend(unsigned depth, bool batch_wait, bool fixed_files)
-      : depth_(depth), batch_wait_(batch_wait), fixed_files_(fixed_files) {
+  UringBackend(unsigned depth, bool batch_wait, bool fixed_files, bool fixed_buffers)
+      : depth_(depth), batch_wait_(batch_wait), fixed_files_(fixed_files), fixed_buffers_(fixed_buffers) {
     idle_.push_back(std::make_unique<Ring>(depth));
   }
   const char *name() const override { return "io_uring"; }
 
-  void read(int fd, ReadOp *ops, size_t n) override {
-    std::unique_ptr<Ring> ring = acquire();
-    ring->run(fd, ops, n, depth_, batch_wait_, fixed_files_);
+  size_t read(int fd, ReadOp *ops, size_t n, const StagingArea *area) override {
+    if (!fixed_buffers_) area = nullptr;
+    std::unique_ptr<Ring> ring = acquire(area ? area->serial : 0);
+    const size_t fixed = ring->run(fd, ops, n, depth_, batch_wait_, fixed_files_, area);
     std::lock_guard<std::mutex> lock(mu_);
+    if (ring->buffer_refused()) buffer_refused_ = ring->buffer_refused();
     idle_.push_back(std::move(ring));
     cv_.notify_one();
+    return fixed;
   }
 
+  int buffer_refused() const override { return buffer_refused_.load(); }
+
  private:
-  std::unique_ptr<Ring> acquire() {
+  // Prefers an idle ring that has `serial`'s staging area registered already (each thread's staging buffer
+  // then stays with one ring and is registered once), else the most recently used one.
+  std::unique_ptr<Ring> take_locked(uint64_t serial) {
+    size_t pick = idle_.size() - 1;
+    if (serial != 0)
+      for (size_t i = 0; i < idle_.size(); ++i)
+        if (idle_[i]->buffer_serial() == serial) pick = i;
+    auto r = std::move(idle_[pick]);
+    idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(pick));
+    return r;
+  }
+
+  std::unique_ptr<Ring> acquire(uint64_t serial) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!idle_.empty()) {
-        auto r = std::move(idle_.back());
-        idle_.pop_back();
-        return r;
-      }
+      if (!idle_.empty()) return take_locked(serial);
     }
     try {
       return std::make_unique<Ring>(depth_);  // another call holds every ring: make one more
@@ -92,15 +108,15 @@ class UringBackend : public ReadBackend {
       // Out of ring memory (RLIMIT_MEMLOCK on old kernels): share the rings we have.
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return !idle_.empty(); });
-      auto r = std::move(idle_.back());
-      idle_.pop_back();
-      return r;
+      return take_locked(serial);
     }
   }
 
   unsigned depth_;
   bool batch_wait_;
   bool fixed_files_;
+  bool fixed_buffers_;
+  std::atomic<int> buffer_refused_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Ring>> idle_;
@@ -121,14 +137,15 @@ class ThreadBackend : public ReadBackend {
   }
   const char *name() const override { return "threads"; }
 
-  void read(int fd, ReadOp *ops, size_t n) override {
-    if (n == 0) return;
+  size_t read(int fd, ReadOp *ops, size_t n, const StagingArea *) override {
+    if (n == 0) return 0;
     Job job;
     job.fd = fd, job.ops = ops, job.n = n;
     std::unique_lock<std::mutex> lock(mu_);
     jobs_.push_back(&job);
     cv_work_.notify_all();
     job.cv_done.wait(lock, [&] { return job.done == job.n; });
+    return 0;
   }
 
  private:
@@ -170,9 +187,10 @@ enum class Fault { kEio, kShort, kFlip };
 class PageReader : public PageSource {
  public:
   PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
-             unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait, bool fixed_files)
+             unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait, bool fixed_files,
+             bool fixed_buffers)
       : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
-        queue_depth_(queue_depth), want_direct_(direct) {
+        queue_depth_(queue_depth), want_direct_(direct), fixed_buffers_(fixed_buffers) {
     require(page_size >= 512 && page_size <= (1u << 30) && (page_size & (page_size - 1)) == 0,
             "page_size must be a power of two between 512 and 2^30, got " + std::to_string(page_size));
     require(n_pages <= (uint64_t{1} << 32), "n_pages " + std::to_string(n_pages) + " exceeds the u32 page index");
@@ -202,7 +220,7 @@ class PageReader : public PageSource {
     try {
       if (backend != "threads") {
         try {
-          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait, fixed_files);
+          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait, fixed_files, fixed_buffers);
         } catch (const UringUnavailable &e) {
           const std::string why =
               "io_uring unavailable (errno " + std::to_string(e.err) + ": " + std::strerror(e.err) + ")";
@@ -250,20 +268,21 @@ class PageReader : public PageSource {
     read_nogil(ids, m, out.data(), verify);
   }
 
-  void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool verify) override {
+  void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool verify,
+                  const StagingArea *area = nullptr) override {
     if (m == 0) return;
     CallGuard guard(*this);  // taken without the GIL: let go before the GIL is taken back
     std::vector<ReadOp> ops(m);
     for (size_t i = 0; i < m; ++i)
       ops[i] = ReadOp{data_offset_ + static_cast<uint64_t>(ids[i]) * page_size_, out + i * page_size_,
                       static_cast<uint32_t>(page_size_), 0};
-    std::vector<size_t> bad = read_once(ops, ids, nullptr, verify);
+    std::vector<size_t> bad = read_once(ops, ids, nullptr, verify, area);
     if (bad.empty()) return;
 
     // Re-read each failed page once: a transient error or a torn read should not fail the request.
     std::vector<ReadOp> again(bad.size());
     for (size_t k = 0; k < bad.size(); ++k) again[k] = ops[bad[k]];
-    std::vector<size_t> still = read_once(again, ids, bad.data(), verify);
+    std::vector<size_t> still = read_once(again, ids, bad.data(), verify, area);
     if (still.empty()) return;
     const ReadOp &op = again[still[0]];
     const int64_t page = ids[bad[still[0]]];
@@ -301,6 +320,12 @@ class PageReader : public PageSource {
   uint64_t n_pages() const override { return n_pages_; }
   uint64_t data_offset() const { return data_offset_; }
   bool direct() const { return direct_; }
+  bool fixed_buffers() const { return fixed_buffers_; }
+  uint64_t fixed_reads() const { return fixed_reads_.load(); }
+  int buffer_refused() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return backend_ ? backend_->buffer_refused() : 0;
+  }
 
  private:
   // Counts running calls so that close() can wait for them.
@@ -318,8 +343,9 @@ class PageReader : public PageSource {
   };
 
   // Reads ops once; returns the positions (in ops) that failed. ops[k] reads page ids[pos ? pos[k] : k].
-  std::vector<size_t> read_once(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos, bool verify) {
-    backend_->read(fd_, ops.data(), ops.size());
+  std::vector<size_t> read_once(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos, bool verify,
+                                const StagingArea *area) {
+    fixed_reads_ += backend_->read(fd_, ops.data(), ops.size(), area);
     std::vector<size_t> bad;
     for (size_t k = 0; k < ops.size(); ++k) {
       ReadOp &op = ops[k];
@@ -357,11 +383,13 @@ class PageReader : public PageSource {
   uint64_t data_offset_, page_size_, n_pages_;
   unsigned queue_depth_;
   bool want_direct_, direct_ = false;
+  bool fixed_buffers_;
+  std::atomic<uint64_t> fixed_reads_{0};
   int fd_ = -1;
   std::unique_ptr<ReadBackend> backend_;
   std::string backend_name_;
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_idle_;
   unsigned active_ = 0;
   bool closed_ = false;
@@ -402,13 +430,16 @@ void register_file_reader(nb::module_ &m) {
                          "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
                          "pread thread pool), verifying each page's trailer.")
       .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,
-                    bool, bool, bool>(),
+                    bool, bool, bool, bool>(),
            nb::arg("path"), nb::arg("data_offset"), nb::arg("page_size"), nb::arg("n_pages"),
            nb::arg("queue_depth") = 128, nb::arg("backend") = "auto", nb::arg("direct") = true,
-           nb::arg("batch_wait") = true, nb::arg("fixed_files") = false,
+           nb::arg("batch_wait") = true, nb::arg("fixed_files") = false, nb::arg("fixed_buffers") = true,
            "batch_wait (io_uring): each io_uring_enter waits for a quarter of the reads in flight instead of one "
            "(fewer syscalls per page; False is the earlier behaviour, kept for comparison). fixed_files (io_uring): "
-           "the file is registered with each ring (IORING_REGISTER_FILES) and reads name its slot.")
+           "the file is registered with each ring (IORING_REGISTER_FILES) and reads name its slot. fixed_buffers "
+           "(io_uring): the fetch pipeline's per-thread staging buffers are registered with the rings "
+           "(IORING_REGISTER_BUFFERS) and its reads are READ_FIXED (the kernel pins each buffer once, not per read); "
+           "read_pages into a caller's buffer always reads plainly.")
       // noconvert: a converted copy of out would take the pages and leave the caller's buffer untouched,
       // and float page ids would be truncated silently.
       .def("read_pages", &PageReader::read_pages, nb::arg("pages").noconvert(), nb::arg("out").noconvert(),
@@ -439,6 +470,11 @@ void register_file_reader(nb::module_ &m) {
       .def_prop_ro("n_pages", &PageReader::n_pages)
       .def_prop_ro("data_offset", &PageReader::data_offset)
       .def_prop_ro("direct", &PageReader::direct, "Whether the file is open with O_DIRECT.")
+      .def_prop_ro("fixed_buffers", &PageReader::fixed_buffers)
+      .def_prop_ro("fixed_reads", &PageReader::fixed_reads,
+                   "Reads that went out as READ_FIXED into a registered staging buffer, since the reader opened.")
+      .def_prop_ro("buffer_refused", &PageReader::buffer_refused,
+                   "errno of a buffer registration the kernel refused (0: none), e.g. ENOMEM under RLIMIT_MEMLOCK.")
       .def_prop_ro("path", &PageReader::path);
 }
 

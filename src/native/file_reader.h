@@ -7,13 +7,24 @@
 
 namespace tiergram {
 
+// A long-lived buffer the pipeline reads pages into, which a reader may register with its rings (io_uring fixed
+// buffers: the kernel pins its pages once instead of per read). `serial` names one allocation: a freed buffer's
+// address may come back for a new one, and a registration must never be taken for the old one's.
+struct StagingArea {
+  uint8_t *base = nullptr;
+  size_t bytes = 0;
+  uint64_t serial = 0;
+};
+
 class PageSource {
  public:
   virtual ~PageSource() = default;
   // Reads page ids[i] (each < n_pages(), checked by the caller) into out + i * page_size(), out aligned to 4096;
   // re-reads a failed page once, then throws (PageReadFailure -> PageReadError naming file and page). Called
-  // without the GIL; throws std::invalid_argument once the reader is closed.
-  virtual void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool verify) = 0;
+  // without the GIL; throws std::invalid_argument once the reader is closed. area: the staging buffer `out` lies
+  // in, when it is one (nullptr otherwise).
+  virtual void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool verify,
+                          const StagingArea *area = nullptr) = 0;
   virtual uint64_t page_size() const = 0;
   virtual uint64_t n_pages() const = 0;
 };

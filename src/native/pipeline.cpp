@@ -30,9 +30,12 @@ namespace {
 constexpr size_t kAlign = 4096;                 // O_DIRECT buffer alignment (covers 512e and 4Kn disks)
 constexpr size_t kStagingKeepBytes = 16 << 20;  // staging a thread keeps between calls; larger calls allocate
 
+std::atomic<uint64_t> g_staging_serial{0};
+
 struct AlignedBuffer {
   uint8_t *p = nullptr;
   size_t n = 0;
+  uint64_t serial = 0;  // names this allocation (StagingArea)
   AlignedBuffer() = default;
   AlignedBuffer(const AlignedBuffer &) = delete;
   AlignedBuffer &operator=(const AlignedBuffer &) = delete;
@@ -44,6 +47,7 @@ struct AlignedBuffer {
     void *q = nullptr;
     if (posix_memalign(&q, kAlign, std::max<size_t>(bytes, kAlign)) != 0) throw std::bad_alloc();
     p = static_cast<uint8_t *>(q), n = bytes;
+    serial = ++g_staging_serial;
     return p;
   }
 };
@@ -52,9 +56,13 @@ struct AlignedBuffer {
 // every page it DMAs into), about 4% of a 6,000-page lookup.
 thread_local AlignedBuffer t_staging;
 
-uint8_t *staging(size_t bytes, AlignedBuffer &oversize) {
+// A buffer for `bytes` of pages, and the staging area to register it as (only the kept per-thread buffer: an
+// oversize one lives for one call, and registering it would cost what it saves).
+uint8_t *staging(size_t bytes, AlignedBuffer &oversize, StagingArea &area) {
   if (bytes > kStagingKeepBytes) return oversize.reserve(bytes);
-  return t_staging.reserve(std::max(bytes, std::min(kStagingKeepBytes, 2 * t_staging.n)));
+  uint8_t *p = t_staging.reserve(std::max(bytes, std::min(kStagingKeepBytes, 2 * t_staging.n)));
+  area = StagingArea{t_staging.p, t_staging.n, t_staging.serial};
+  return p;
 }
 
 struct Table {
@@ -259,8 +267,9 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
   plan_pages(t, miss, pages, at);
   if (!pages.empty() && stop()) throw Cancelled{};
   AlignedBuffer oversize;
-  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize);
-  a.src->read_nogil(pages.data(), pages.size(), buf, true);
+  StagingArea area;
+  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize, area);
+  a.src->read_nogil(pages.data(), pages.size(), buf, true, area.serial ? &area : nullptr);
 
   // Hits decode from their pinned slots; misses from the staging buffer (an admitted row may be evicted by a
   // concurrent lookup before this one's gather runs, its staged copy cannot).
@@ -353,8 +362,9 @@ std::pair<int64_t, int64_t> run_warm(const WarmArgs &a, const std::atomic<bool> 
   std::vector<uint64_t> at;
   plan_pages(t, miss, pages, at);
   AlignedBuffer oversize;
-  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize);
-  a.src->read_nogil(pages.data(), pages.size(), buf, true);
+  StagingArea area;
+  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize, area);
+  a.src->read_nogil(pages.data(), pages.size(), buf, true, area.serial ? &area : nullptr);
   std::vector<const uint8_t *> rows(miss.size());
   for (size_t j = 0; j < miss.size(); ++j) rows[j] = buf + at[j];
   uint64_t entered;

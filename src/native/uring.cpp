@@ -4,6 +4,7 @@
 #include <linux/io_uring.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -136,9 +137,30 @@ bool Ring::use_fixed_file(int fd) {
   return true;
 }
 
-void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, bool fixed_file) {
+bool Ring::use_fixed_buffer(const StagingArea &area) {
+  if (buffer_serial_ == area.serial) return true;
+  if (buffer_refused_) return false;
+  // No read is in flight on this ring between runs, so the old registration can go.
+  if (buffer_serial_ != 0 && syscall(__NR_io_uring_register, fd_, IORING_UNREGISTER_BUFFERS, nullptr, 0) < 0) {
+    buffer_refused_ = errno;
+    return false;
+  }
+  buffer_serial_ = 0, buffer_base_ = nullptr, buffer_bytes_ = 0;
+  iovec iov{area.base, area.bytes};
+  if (syscall(__NR_io_uring_register, fd_, IORING_REGISTER_BUFFERS, &iov, 1) < 0) {
+    buffer_refused_ = errno;
+    return false;
+  }
+  buffer_serial_ = area.serial, buffer_base_ = area.base, buffer_bytes_ = area.bytes;
+  return true;
+}
+
+size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, bool fixed_file,
+                 const StagingArea *fixed_buffer) {
   depth = std::max(1u, std::min(depth, sq_entries_));
   const bool fixed = fixed_file && use_fixed_file(fd);
+  const bool fixed_buf = fixed_buffer && fixed_buffer->serial != 0 && use_fixed_buffer(*fixed_buffer);
+  size_t n_fixed = 0;
   for (size_t i = 0; i < n; ++i) ops[i].res = kPending;
   size_t next = 0, done = 0;
   unsigned queued = 0;     // SQEs written but not yet consumed by the kernel
@@ -151,7 +173,13 @@ void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, b
       const unsigned idx = tail & sq_mask_;
       io_uring_sqe &s = sqes_[idx];
       std::memset(&s, 0, sizeof s);
-      s.opcode = IORING_OP_READ;
+      const ReadOp &op = ops[next];
+      // READ_FIXED only for a dst wholly inside the registered area (the kernel checks too, and fails the read).
+      const bool in_buf = fixed_buf && op.dst >= buffer_base_ && op.len <= buffer_bytes_ &&
+                          static_cast<size_t>(op.dst - buffer_base_) <= buffer_bytes_ - op.len;
+      s.opcode = in_buf ? IORING_OP_READ_FIXED : IORING_OP_READ;
+      s.buf_index = 0;
+      n_fixed += in_buf;
       s.fd = fixed ? 0 : fd;  // registered slot 0, or the fd itself
       if (fixed) s.flags = IOSQE_FIXED_FILE;
       s.off = ops[next].offset;
@@ -200,6 +228,7 @@ void Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, b
     for (size_t i = 0; i < n; ++i)
       if (ops[i].res == kPending) ops[i].res = -err;
   }
+  return n_fixed;
 }
 
 }  // namespace tiergram

@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "file_reader.h"  // StagingArea
+
 struct io_uring_sqe;  // <linux/io_uring.h>, included by uring.cpp only
 struct io_uring_cqe;
 
@@ -39,7 +41,15 @@ class Ring {
   // fixed_file: the fd is registered with the ring once (IORING_REGISTER_FILES) and each read names its slot
   // (IOSQE_FIXED_FILE), which spares the kernel a file lookup and reference per read; if the kernel refuses the
   // registration the ring reads through the plain fd.
-  void run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true, bool fixed_file = false);
+  // fixed_buffer: the staging area to register with the ring (IORING_REGISTER_BUFFERS, kept until another area
+  // comes); reads whose dst lies inside it are READ_FIXED, which spares the kernel pinning the page per read.
+  // If the kernel refuses the registration (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the ring reads plainly.
+  // Returns how many reads went out as READ_FIXED.
+  size_t run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true, bool fixed_file = false,
+             const StagingArea *fixed_buffer = nullptr);
+
+  uint64_t buffer_serial() const { return buffer_serial_; }
+  int buffer_refused() const { return buffer_refused_; }
 
  private:
   void release();
@@ -48,10 +58,15 @@ class Ring {
   void drain(ReadOp *ops, size_t n, unsigned &inflight);
 
   bool use_fixed_file(int fd);
+  bool use_fixed_buffer(const StagingArea &area);
 
   int fd_ = -1;
   int registered_fd_ = -1;         // the fd in registered slot 0 (-1: none)
   bool register_refused_ = false;  // the kernel refused a registration: do not ask again
+  uint64_t buffer_serial_ = 0;     // the staging area registered as buffer 0 (0: none)
+  uint8_t *buffer_base_ = nullptr;
+  size_t buffer_bytes_ = 0;
+  int buffer_refused_ = 0;         // errno of a refused buffer registration: do not ask again
   unsigned sq_entries_ = 0;
   void *sq_map_ = nullptr, *cq_map_ = nullptr, *sqe_map_ = nullptr;
   size_t sq_map_bytes_ = 0, cq_map_bytes_ = 0, sqe_map_bytes_ = 0;

@@ -11,7 +11,8 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
   after dropping the file from the page cache: the baseline of engines that map the file;
 - pipelines: the tiergram readers run through the native fetch pipeline (the default) and the Python reference
   pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache (cold: the cache
-  fills as the run goes, almost every row a miss): what the cache costs a miss;
+  fills as the run goes, almost every row a miss): what the cache costs a miss; and the headline readers once
+  more without io_uring-registered staging buffers (`fixed_buffers=False`): what READ_FIXED saves per page;
 - layers: a step's uniform rows prefetched from one table in one call, and from two tables (the same file opened
   twice) in one call each, half the positions each — what the engine does with two Engram layers;
 - all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
@@ -300,10 +301,10 @@ class TiergramLookup:
     """
 
     def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int, pipeline: str = "auto",
-                 cache_rows: int = 0) -> None:
+                 cache_rows: int = 0, fixed_buffers: bool = True) -> None:
         self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
                                  queue_depth=cfg.store_queue_depth, backend=cfg.backend, pipeline=pipeline,
-                                 cache_bytes=cache_rows * table.manifest.row_bytes)
+                                 cache_bytes=cache_rows * table.manifest.row_bytes, fixed_buffers=fixed_buffers)
         rng = np.random.default_rng([cfg.seed, seed])
         n_batches = 32 if not cache_rows else 256  # cached: ids a cache could keep (10%) are rare within a run
         self.batches = [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng) for _ in range(n_batches)]
@@ -442,6 +443,9 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
             readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=cfg.pipelines[0])
             for pipe in cfg.pipelines[1:]:  # the first is the headline reader above
                 readers["tiergram", f"{dist} {pipe}"] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=pipe)
+            if cfg.pipelines[0] != "python":  # the headline reader's registered staging buffers, against none
+                readers["tiergram", f"{dist} plain buffers"] = TiergramLookup(
+                    table, cfg, dist, seed=10 + i, pipeline=cfg.pipelines[0], fixed_buffers=False)
         if cfg.cache_fraction > 0:
             rows = max(1, int(cfg.cache_fraction * m.total_rows))
             for pipe in cfg.pipelines:
@@ -653,6 +657,13 @@ def to_text(res: FileLookupBenchResult) -> str:
         if base:
             lines.append(f"{k} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
                          f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row")
+    for dist in c.dists:
+        fixed, plain = res.tiergram.get(dist), res.tiergram.get(f"{dist} plain buffers")
+        if fixed and plain:
+            lines.append(f"{dist}, registered staging buffers (READ_FIXED) / plain reads: "
+                         f"{fixed['cpu_us_per_page']:.2f} / {plain['cpu_us_per_page']:.2f} us CPU per page "
+                         f"({fixed['cpu_us_per_page'] / plain['cpu_us_per_page']:.2f}x), "
+                         f"{fixed['pages_per_s'] / plain['pages_per_s']:.2f}x pages/s")
     if res.all_hits:
         lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: the native "
                      "pipeline's per-call time outside the native fetch):")

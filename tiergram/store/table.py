@@ -49,14 +49,15 @@ class TieredTable(ManifestGeometry):
     file tier's O_DIRECT/buffered reads through the native fetch pipeline (one call without the GIL per lookup:
     dedup, cache probe, page reads, checksums, admission, decode; a native cache of any policy), and everything
     else (mmap, other tiers) through the Python reference path; 'python' forces the reference path, 'native'
-    refuses a table it cannot serve natively.
+    refuses a table it cannot serve natively. fixed_buffers: the native pipeline reads pages into io_uring-registered
+    staging buffers (READ_FIXED; the kernel pins each buffer once rather than per read); False reads plainly.
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
                  file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
                  remote_options: dict | None = None, host_memory_bytes: int | None = None,
-                 pipeline: str = "auto") -> None:
+                 pipeline: str = "auto", fixed_buffers: bool = True) -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
         if pipeline not in PIPELINES:
@@ -83,7 +84,8 @@ class TieredTable(ManifestGeometry):
                                  f"the budget of {host_memory_bytes} bytes (use tier='file')")
             self.tier: HostTier | FileTier = HostTier(self.table, shared=shared, progress=progress)
         elif tier == "file":
-            self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend)
+            self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend,
+                                 fixed_buffers=fixed_buffers)
         elif remote is not None:
             self.tier = remote  # the FileTier interface: check_ids, read_rows, gather, close
         else:
@@ -213,6 +215,9 @@ class TieredTable(ManifestGeometry):
         if isinstance(self.tier, FileTier):
             snap["backend"] = self.tier.backend
             snap["file_mode"] = self.tier.mode  # the mode in use: 'buffered' where O_DIRECT was refused
+            if self.tier.reader is not None:  # reads into io_uring-registered staging buffers (READ_FIXED)
+                snap["registered_buffer_reads"] = self.tier.reader.fixed_reads
+                snap["buffer_registration_errno"] = self.tier.reader.buffer_refused
         snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()

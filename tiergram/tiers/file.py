@@ -40,7 +40,7 @@ class FileTier:
     name = "file"
 
     def __init__(self, table: TableFile, *, mode: str = "direct", queue_depth: int = 128,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", fixed_buffers: bool = True) -> None:
         if mode not in FILE_MODES:
             raise ValueError(f"unknown file mode {mode!r} (valid: {', '.join(FILE_MODES)})")
         self.table = table
@@ -61,7 +61,8 @@ class FileTier:
             self.data = np.frombuffer(self._mmap, dtype=np.uint8, count=m.data_bytes, offset=table.data_offset)
         else:
             self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
-                                             queue_depth=queue_depth, backend=backend, direct=mode == "direct")
+                                             queue_depth=queue_depth, backend=backend, direct=mode == "direct",
+                                             fixed_buffers=fixed_buffers)
 
     @property
     def mode(self) -> str:
