@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import json
 
 import numpy as np
@@ -40,6 +41,11 @@ def test_file_bench_json(bench_home, capsys):
         assert d["pages_per_s"] > 0 and d["rows_per_s"] > 0 and d["rows_per_call"] == 12
         assert 0 < d["pages_per_call"] <= 12 and d["cpu_us_per_row"] > 0
     assert obj["file_mode"] == "direct"
+    # the default readers read into registered staging buffers where io_uring allows; the A/B readers never do
+    for k in ("uniform plain buffers", "zipf plain buffers"):
+        assert obj["tiergram"][k]["registered_share"] == 0
+    if obj["backend"] == "io_uring" and os.geteuid() == 0:  # root: no RLIMIT_MEMLOCK on registered buffers
+        assert all(0 < obj["tiergram"][k]["registered_share"] <= 1 for k in ("uniform", "zipf"))
     assert set(obj["all_hits"]) == {"1", "64", "256"}
     for d in obj["all_hits"].values():
         for pipe in ("native", "python"):

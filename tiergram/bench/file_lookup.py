@@ -51,6 +51,7 @@ from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
 from tiergram.store import TieredTable
 from tiergram.tiers.aligned import aligned_empty
+from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 TARGET_VS_LIMIT = 0.85  # of the best measured limit at queue depth >= 32
 TARGET_VS_THREADS = 2.0  # times the Python-threads baseline
@@ -205,9 +206,12 @@ class Segment:
     rows: int
     seconds: float
     cpu: float  # process CPU seconds (all threads)
+    fixed_pages: int | None = None  # pages read into a registered staging buffer (READ_FIXED), where counted
 
     def figures(self) -> dict[str, float]:
         out = {"pages_per_s": self.pages / self.seconds, "cpu_us_per_page": 1e6 * self.cpu / max(1, self.pages)}
+        if self.fixed_pages is not None:
+            out["registered_share"] = self.fixed_pages / max(1, self.pages)
         if self.rows:
             out["rows_per_s"] = self.rows / self.seconds
             out["cpu_us_per_row"] = 1e6 * self.cpu / self.rows
@@ -313,7 +317,8 @@ class TiergramLookup:
         self.store.lookup(self.batches[-1], out=self.out)  # warm-up (first-call allocations)
 
     def segment(self, seconds: float) -> Segment:
-        pages0, rows, t0, c0 = self.store.stats()["pages_read"], 0, time.perf_counter(), _cpu()
+        s0 = self.store.stats()
+        rows, t0, c0 = 0, time.perf_counter(), _cpu()
         while True:
             ids = self.batches[self.calls % len(self.batches)]
             self.store.lookup(ids, out=self.out)
@@ -321,7 +326,9 @@ class TiergramLookup:
             rows += ids.size
             dt = time.perf_counter() - t0
             if dt >= seconds:
-                return Segment(self.store.stats()["pages_read"] - pages0, rows, dt, _cpu() - c0)
+                s1 = self.store.stats()
+                fixed = s1.get("registered_buffer_reads", 0) - s0.get("registered_buffer_reads", 0)
+                return Segment(s1["pages_read"] - s0["pages_read"], rows, dt, _cpu() - c0, fixed)
 
     def close(self) -> None:
         self.store.close()
@@ -663,7 +670,9 @@ def to_text(res: FileLookupBenchResult) -> str:
             lines.append(f"{dist}, registered staging buffers (READ_FIXED) / plain reads: "
                          f"{fixed['cpu_us_per_page']:.2f} / {plain['cpu_us_per_page']:.2f} us CPU per page "
                          f"({fixed['cpu_us_per_page'] / plain['cpu_us_per_page']:.2f}x), "
-                         f"{fixed['pages_per_s'] / plain['pages_per_s']:.2f}x pages/s")
+                         f"{fixed['pages_per_s'] / plain['pages_per_s']:.2f}x pages/s; "
+                         f"{fixed.get('registered_share', 0):.0%} of its pages READ_FIXED (a call's pages beyond "
+                         f"the {STAGING_KEEP_BYTES >> 20} MiB staging buffer a thread keeps are read plainly)")
     if res.all_hits:
         lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: the native "
                      "pipeline's per-call time outside the native fetch):")
