@@ -9,7 +9,7 @@ trap 'rm -rf "$build"' EXIT
 flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPython_EXECUTABLE="$(command -v python)" \
     -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_SHARED_LINKER_FLAGS="$flags" > "$build/cmake.log"
-cmake --build "$build" -j "$(nproc)" > "$build/build.log"
+cmake --build "$build" -j "$(nproc)" > "$build/build.log" 2>&1
 so=$(ls "$build"/_native*.so)
 
 # The interpreter is not built with ASan: preload the runtimes, and load the sanitized module as

@@ -25,6 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiergram import _native
 from tiergram.bench.common import python_calls
 from tiergram.format import TableManifest, create_table, matrix_values
 from tiergram.store import TieredTable
@@ -703,6 +704,40 @@ def test_reads_go_into_registered_staging_buffers(table, host, policy):
             assert s["buffer_registration_errno"] in (errno.ENOMEM, errno.EPERM, errno.EFAULT)
     finally:
         store.close()
+
+
+@pytest.fixture
+def tiny_staging():
+    """Threads keep 4 KiB of staging (4 of the test table's 1 KiB pages): larger reads go in chunks."""
+    old = _native.set_staging_keep_bytes(4096)
+    yield
+    _native.set_staging_keep_bytes(old)
+
+
+@pytest.mark.parametrize("policy", [None, "lru", "lookahead"])
+def test_reads_larger_than_the_staging_buffer_go_in_chunks(table, host, policy, tiny_staging):
+    """Lookups, prefetches and read-aheads of many more pages than a thread's staging buffer holds return the
+    host tier's rows, and the cache ends in the same state (same hits, misses, pages) as with one read per call."""
+    rng = np.random.default_rng(11)
+    steps = [np.stack([rng.integers(0, n, positions) for n in HEAD_ROWS], axis=1)
+             for positions in (1, 3, 40, 7, 90, 40, 2, 120)]
+    stats = []
+    for keep in (4096, 16 << 20):
+        _native.set_staging_keep_bytes(keep)
+        store = open_file_store(table, "direct", policy, cache_rows=60, row_bytes=host.manifest.row_bytes)
+        try:
+            for k, ids in enumerate(steps):
+                if policy and k % 3 == 2:
+                    store.warm(steps[(k + 1) % len(steps)])
+                    store.drain_warm(30)
+                got = store.prefetch(ids).wait(30) if k % 2 else store.lookup(ids)
+                assert torch.equal(bits(got), bits(host.lookup(ids))), (keep, k)
+            s = store.stats()
+            stats.append({k: s[k] for k in ("hits", "misses", "pages_read", "per_head")})
+        finally:
+            store.close()
+    assert stats[0] == stats[1]
+    assert stats[0]["pages_read"] > 4 * 2  # several calls read more pages than one chunk
 
 
 def test_read_pages_into_a_callers_buffer_never_registers_it(table):

@@ -28,7 +28,7 @@ namespace tiergram {
 namespace {
 
 constexpr size_t kAlign = 4096;                 // O_DIRECT buffer alignment (covers 512e and 4Kn disks)
-constexpr size_t kStagingKeepBytes = 16 << 20;  // staging a thread keeps between calls; larger calls allocate
+constexpr size_t kStagingKeepBytes = 16 << 20;  // staging a thread keeps between calls; larger reads chunk
 
 std::atomic<uint64_t> g_staging_serial{0};
 
@@ -53,16 +53,50 @@ struct AlignedBuffer {
 };
 
 // Each thread reuses its staging buffer: a fresh one per call costs its page faults (the kernel pins and zero-fills
-// every page it DMAs into), about 4% of a 6,000-page lookup.
+// every page it DMAs into), about 4% of a 6,000-page lookup; and a kept one can stay registered with the reader's
+// io_uring rings (READ_FIXED). A call with more pages than it keeps reads them in chunks.
 thread_local AlignedBuffer t_staging;
+thread_local std::vector<uint8_t> t_rows;  // compact copies of a chunked read's rows
+std::atomic<size_t> g_staging_keep{kStagingKeepBytes};
 
-// A buffer for `bytes` of pages, and the staging area to register it as (only the kept per-thread buffer: an
-// oversize one lives for one call, and registering it would cost what it saves).
-uint8_t *staging(size_t bytes, AlignedBuffer &oversize, StagingArea &area) {
-  if (bytes > kStagingKeepBytes) return oversize.reserve(bytes);
-  uint8_t *p = t_staging.reserve(std::max(bytes, std::min(kStagingKeepBytes, 2 * t_staging.n)));
-  area = StagingArea{t_staging.p, t_staging.n, t_staging.serial};
-  return p;
+// The pages of sorted rows (plan_pages: pages, and at[j] = row j's byte offset were all pages staged at once) read
+// through this thread's staging buffer, verified; returns each row's encoded bytes. The pointers are valid until
+// this thread's next read: into the staging buffer when the pages fit it, else into compact copies of the rows
+// made after each chunk of pages.
+std::vector<const uint8_t *> read_rows(PageSource &src, const std::vector<int64_t> &pages,
+                                       const std::vector<uint64_t> &at, uint64_t page_size, uint64_t row_bytes) {
+  std::vector<const uint8_t *> rows(at.size());
+  if (pages.empty()) return rows;
+  const size_t chunk = std::max<size_t>(1, g_staging_keep.load() / page_size);  // pages per read
+  const size_t first = std::min(pages.size(), chunk);
+  t_staging.reserve(std::max(first * page_size, std::min(g_staging_keep.load(), 2 * t_staging.n)));
+  const StagingArea area{t_staging.p, t_staging.n, t_staging.serial};
+  const bool one = pages.size() <= chunk;
+  if (!one) t_rows.resize(at.size() * row_bytes);
+  size_t j = 0;
+  for (size_t p0 = 0; p0 < pages.size(); p0 += chunk) {
+    const size_t p1 = std::min(pages.size(), p0 + chunk);
+    src.read_nogil(pages.data() + p0, p1 - p0, t_staging.p, true, &area);
+    const uint64_t base = p0 * page_size, end = p1 * page_size;
+    for (; j < at.size() && at[j] < end; ++j) {
+      const uint8_t *row = t_staging.p + (at[j] - base);
+      if (one) {
+        rows[j] = row;
+      } else {
+        uint8_t *copy = t_rows.data() + j * row_bytes;
+        std::memcpy(copy, row, row_bytes);
+        rows[j] = copy;
+      }
+    }
+  }
+  return rows;
+}
+
+// Test hook: the staging bytes a thread keeps (chunks of a larger read); returns the previous value.
+size_t set_staging_keep_bytes(size_t bytes) {
+  require(bytes >= kAlign && bytes % kAlign == 0 && bytes <= (size_t{1} << 30),
+          "staging bytes must be a multiple of 4096 in [4096, 2^30], got " + std::to_string(bytes));
+  return g_staging_keep.exchange(bytes);
 }
 
 struct Table {
@@ -266,18 +300,14 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
   std::vector<uint64_t> at;
   plan_pages(t, miss, pages, at);
   if (!pages.empty() && stop()) throw Cancelled{};
-  AlignedBuffer oversize;
-  StagingArea area;
-  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize, area);
-  a.src->read_nogil(pages.data(), pages.size(), buf, true, area.serial ? &area : nullptr);
+  const std::vector<const uint8_t *> miss_rows = read_rows(*a.src, pages, at, t.view.geo.page_size, row_bytes);
 
-  // Hits decode from their pinned slots; misses from the staging buffer (an admitted row may be evicted by a
+  // Hits decode from their pinned slots; misses from their staged bytes (an admitted row may be evicted by a
   // concurrent lookup before this one's gather runs, its staged copy cannot).
   std::vector<const uint8_t *> rows(uniq.size());
   for (size_t u = 0; u < uniq.size(); ++u)
     if (slots[u] >= 0) rows[u] = cache->row(slots[u]);
-  std::vector<const uint8_t *> miss_rows(miss.size());
-  for (size_t j = 0; j < miss.size(); ++j) rows[miss_u[j]] = miss_rows[j] = buf + at[j];
+  for (size_t j = 0; j < miss.size(); ++j) rows[miss_u[j]] = miss_rows[j];
   if (cache && !miss.empty()) {
     std::lock_guard<std::mutex> lock(cache->mutex());
     cache->admit_locked(miss.data(), miss.size(), miss_rows.data(), true);
@@ -361,12 +391,7 @@ std::pair<int64_t, int64_t> run_warm(const WarmArgs &a, const std::atomic<bool> 
   std::vector<int64_t> pages;
   std::vector<uint64_t> at;
   plan_pages(t, miss, pages, at);
-  AlignedBuffer oversize;
-  StagingArea area;
-  uint8_t *buf = staging(pages.size() * t.view.geo.page_size, oversize, area);
-  a.src->read_nogil(pages.data(), pages.size(), buf, true, area.serial ? &area : nullptr);
-  std::vector<const uint8_t *> rows(miss.size());
-  for (size_t j = 0; j < miss.size(); ++j) rows[j] = buf + at[j];
+  const std::vector<const uint8_t *> rows = read_rows(*a.src, pages, at, t.view.geo.page_size, t.view.geo.row_bytes);
   uint64_t entered;
   {
     std::lock_guard<std::mutex> lock(a.cache->mutex());
@@ -709,6 +734,9 @@ void register_pipeline(nb::module_ &m) {
         nb::arg("codec"), nb::arg("dim"), nb::arg("acc").noconvert(), nb::arg("tier_acc").noconvert(),
         "Read the rows of per-head ids int64 [N, H] that the cache lacks into it (no pins, no probes counted); adds "
         "rows admitted and pages read into acc int64 [2], rows and pages read into tier_acc; returns both.");
+  m.def("set_staging_keep_bytes", &set_staging_keep_bytes, nb::arg("bytes"),
+        "Test hook: the page bytes a thread's staging buffer keeps (16 MiB); reads of more pages go in chunks of "
+        "this size, their rows copied out after each. Returns the previous value.");
   m.def(
       "fetch_timing",
       []() { return std::make_tuple(g_fetch_calls.load(), g_fetch_ns.load(), g_fetch_total_ns.load()); },
