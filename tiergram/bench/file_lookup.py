@@ -51,7 +51,6 @@ from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
 from tiergram.store import TieredTable
 from tiergram.tiers.aligned import aligned_empty
-from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 TARGET_VS_LIMIT = 0.85  # of the best measured limit at queue depth >= 32
 TARGET_VS_THREADS = 2.0  # times the Python-threads baseline
@@ -671,8 +670,7 @@ def to_text(res: FileLookupBenchResult) -> str:
                          f"{fixed['cpu_us_per_page']:.2f} / {plain['cpu_us_per_page']:.2f} us CPU per page "
                          f"({fixed['cpu_us_per_page'] / plain['cpu_us_per_page']:.2f}x), "
                          f"{fixed['pages_per_s'] / plain['pages_per_s']:.2f}x pages/s; "
-                         f"{fixed.get('registered_share', 0):.0%} of its pages READ_FIXED (a call's pages beyond "
-                         f"the {STAGING_KEEP_BYTES >> 20} MiB staging buffer a thread keeps are read plainly)")
+                         f"{fixed.get('registered_share', 0):.0%} of its pages READ_FIXED")
     if res.all_hits:
         lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: the native "
                      "pipeline's per-call time outside the native fetch):")
