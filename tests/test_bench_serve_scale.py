@@ -72,6 +72,26 @@ def test_compare_rows_first_adds_the_same_file_server_with_prompts_joining_at_on
         sv.SweepConfig(model_dir="m", placements=("host",), compare_rows_first=True).labels()
 
 
+def test_compare_fixed_buffers_adds_the_same_file_server_reading_plainly(tmp_path):
+    """--compare-fixed-buffers: the first file server again, labelled -plain, with its cache and fraction."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
+                         compare_rows_first=True, compare_fixed_buffers=True)
+    assert cfg.labels() == ["host", "file-1%", "file-1%-plain", "file-1%-nowait", "file-10%"]
+    assert sv.kind_of("file-1%-plain") == "file"
+    tables = [tmp_path / "a.tgram", tmp_path / "b.tgram"]
+    for t in tables:
+        t.write_bytes(b"x" * 1000)
+    caches = sv.cache_budgets(cfg, tables)
+    assert caches["file-1%-plain"] == caches["file-1%"] == 10
+    servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 2000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2)]
+    ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
+    assert ck["file-1%-plain_vs_host"]["cache_fraction"] == 0.01
+    with pytest.raises(ValueError, match="needs the file placement"):
+        sv.SweepConfig(model_dir="m", placements=("host",), compare_fixed_buffers=True).labels()
+
+
 def test_compare_engine_process_adds_host_with_its_engine_in_a_process_and_checks_it():
     """--compare-engine-process: host again with --engine-process, labelled host-process, and its ratio check."""
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_engine_process=True)

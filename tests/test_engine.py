@@ -13,6 +13,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
+from tiergram.cli import build_parser
+from tiergram.cli.serve import engine_config
 from tiergram.engine import EngineConfig, LLMEngine, Placement, QueueFullError, RequestOutput, SamplingParams
 from tiergram.engram import RowSourceTable
 from tiergram.model import EngramLM, tiny_config
@@ -134,6 +136,23 @@ def test_greedy_matches_model_generate(model_dir, name):
             assert set(engram["bytes_read"]) == {"device"} and m.budget["device_table_bytes"] > 0
         if name == "host":
             assert set(engram["bytes_read"]) == {"host"} and m.budget["device_table_bytes"] == 0
+
+
+def test_file_placement_reads_with_and_without_registered_buffers(model_dir):
+    """Placement.fixed_buffers (serve --no-fixed-buffers) reaches the file table's reader; tokens are the same."""
+    want = expected(model_dir, PROMPTS)
+    for fixed in (True, False):
+        with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096, fixed_buffers=fixed)) as eng:
+            assert eng.generate(PROMPTS, GREEDY) == want
+            readers = [src.tier.reader for src in eng.sources.values()]
+            assert all(r.fixed_buffers == fixed for r in readers)
+            if not fixed:
+                assert all(r.fixed_reads == 0 for r in readers)
+            elif all(r.buffer_refused == 0 and r.backend == "io_uring" for r in readers):
+                assert all(r.fixed_reads > 0 for r in readers)
+    args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-fixed-buffers"])
+    assert engine_config(args).placement.fixed_buffers is False
+    assert engine_config(build_parser().parse_args(["serve", "m"])).placement.fixed_buffers is True
 
 
 @pytest.mark.parametrize("kind", ["device", "host", "file"])

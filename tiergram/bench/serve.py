@@ -36,6 +36,7 @@ from tiergram.bench.serve_config import (
     DEFAULT_PLACEMENTS,
     NOWAIT,
     PLACEMENTS,
+    PLAIN,
     PROCESS,
     SweepConfig,
     file_label,
@@ -133,7 +134,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 cfg, kind_of(placement), cb, max_waiting=waiting,
                 model_dir=cfg.big_model_dir if placement == "file-big" else None,
                 extra_args=("--no-prompt-rows-first",) if placement.endswith(NOWAIT) else
-                ("--engine-process",) if placement.endswith(PROCESS) else ()))
+                ("--engine-process",) if placement.endswith(PROCESS) else
+                ("--no-fixed-buffers",) if placement.endswith(PLAIN) else ()))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))

@@ -49,6 +49,8 @@ class SweepConfig:
     compare_rows_first: bool = False
     # also serve the host placement with the engine in a process of its own, labelled host-process
     compare_engine_process: bool = False
+    # also serve the first file placement with --no-fixed-buffers (plain page reads), labelled <label>-plain
+    compare_fixed_buffers: bool = False
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -84,6 +86,11 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_rows_first needs the file placement")
             out.insert(out.index(first) + 1, first + NOWAIT)
+        if self.compare_fixed_buffers:
+            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith(NOWAIT)), None)
+            if first is None:
+                raise ValueError("compare_fixed_buffers needs the file placement")
+            out.insert(out.index(first) + 1, first + PLAIN)
         if self.compare_engine_process:
             if "host" not in out:
                 raise ValueError("compare_engine_process needs the host placement")
@@ -95,6 +102,7 @@ class SweepConfig:
 
 NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
 PROCESS = "-process"  # the label suffix of a server whose engine runs in a process of its own
+PLAIN = "-plain"  # the label suffix of a file server that reads pages without registered buffers
 
 
 def file_label(fraction: float) -> str:

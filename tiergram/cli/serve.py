@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prompt-rows-first", dest="prompt_rows_first", action="store_false",
                    help="let a new prompt join the batch at once instead of once its rows are read into the cache "
                         "(then running sequences' steps wait for those reads)")
+    g.add_argument("--no-fixed-buffers", dest="fixed_buffers", action="store_false",
+                   help="read the file placement's pages plainly instead of into io_uring-registered staging "
+                        "buffers (READ_FIXED saves the kernel pinning each page; docs/benchmarks.md)")
     g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
                    help="table file codec (exported on first use)")
     g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ..., or auto (cuda when "
@@ -66,7 +69,8 @@ def engine_config(args: argparse.Namespace):
     from tiergram.engine import EngineConfig, Placement
 
     placement = Placement(kind=args.placement, cache_bytes=args.cache_bytes, cache_policy=args.cache_policy,
-                          codec=args.codec, master=args.mooncake_master if args.placement == "mooncake" else "")
+                          codec=args.codec, master=args.mooncake_master if args.placement == "mooncake" else "",
+                          fixed_buffers=getattr(args, "fixed_buffers", True))
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -65,6 +65,7 @@ class Placement:
     cache_policy: str = "lru"  # file only: lru | lfu | lookahead (the engine announces one step ahead only)
     codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
+    fixed_buffers: bool = True  # file only: page reads into io_uring-registered staging buffers (READ_FIXED)
     master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
     # host memory this layer's table may use (None: no limit): host, the whole table must fit; file / mooncake, the
     # cache (sized from it unless cache_bytes is given), staging and index. EngineConfig.host_memory_bytes splits a

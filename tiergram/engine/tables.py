@@ -61,7 +61,8 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
     if placement.kind == "host":
         return TieredTable(path, tier="host", host_memory_bytes=budget)
     return TieredTable(path, tier="file", cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
-                       file_mode=placement.file_mode, host_memory_bytes=budget)
+                       file_mode=placement.file_mode, host_memory_bytes=budget,
+                       fixed_buffers=placement.fixed_buffers)
 
 
 def check_host_memory(path: Path, placement: Placement) -> tuple[int | None, int | None]:
