@@ -120,6 +120,8 @@ def test_greedy_matches_model_generate(model_dir, name):
         m = eng.metrics()
         assert m.num_running == m.num_waiting == m.kv_blocks_used == 0 and m.num_preemptions == 0
         assert m.exposed_stall_s >= 0 and m.last_step_stall_s >= 0 and m.step_time_s > 0 and m.steps > 12
+        # prefill steps: the prompts' chunks (16 tokens a step here); the rest decode one token per sequence
+        assert len(PROMPTS) <= m.prefill_steps < m.steps and 0 <= m.prefill_stall_s <= m.exposed_stall_s
         assert m.generation_tokens == 48 and m.prompt_tokens == sum(map(len, PROMPTS))
         engram = m.engram
         for layer, stats in engram["per_layer"].items():

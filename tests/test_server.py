@@ -191,6 +191,8 @@ def test_metrics_counters_move(url):
     assert moved("tiergram_inter_token_latency_seconds_count") == 10
     assert moved("tiergram_generation_tokens_total") == 12
     assert moved("tiergram_engine_steps_total") > 0
+    # 2 prompts prefilled, then 12 tokens decoded
+    assert 0 < moved("tiergram_engine_prefill_steps_total") < moved("tiergram_engine_steps_total")
     assert moved('tiergram_engram_bytes_read_total{tier="host"}') > 0
     assert moved("process_cpu_seconds_total") > 0  # the server's own CPU time (the sweep divides it by tokens)
     for name in ("tiergram_num_requests_running", "tiergram_num_requests_waiting", "tiergram_kv_cache_usage_ratio",

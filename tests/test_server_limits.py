@@ -220,6 +220,7 @@ METRIC_NAMES = [
     "tiergram_engine_step_seconds_total", "tiergram_engine_computed_tokens_total", "tiergram_engram_cache_hit_rate",
     "tiergram_engram_cache_hits_total", "tiergram_engram_cache_probes_total", "tiergram_engram_bytes_read_total",
     "tiergram_engram_pages_read_total", "tiergram_engram_exposed_stall_seconds_total",
+    "tiergram_engram_prefill_stall_seconds_total", "tiergram_engine_prefill_steps_total",
     "tiergram_engram_last_step_stall_seconds", "tiergram_degrade_level", "tiergram_engram_skipped_rows_total",
     "tiergram_degrade_steps_total", "process_cpu_seconds_total",
 ]

@@ -175,7 +175,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
                 log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
-                               f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s{hit}{reads}")
+                               f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s "
+                               f"({p.prefill_stall_s:.3f} in prefill steps){hit}{reads}")
         for pl, pid in procs.items():
             servers[pl]["peak_rss_bytes"] = peak_rss(pid)
     if disk and (after := disk_limit(disk_table)) is not None:

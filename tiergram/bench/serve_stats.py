@@ -42,6 +42,7 @@ class Point:
     file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
     cpu_ms_per_token: float = 0.0  # the server's CPU time (all threads, HTTP and engine processes) per token served
     server_peak_rss_bytes: int = 0  # the server's peak resident memory (VmHWM, its processes summed) after this point
+    prefill_stall_s: float = 0.0  # the part of exposed_stall_s in steps that computed prompt tokens
 
 
 @dataclass
@@ -105,6 +106,7 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
                  engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
+                 prefill_stall_s=total("tiergram_engram_prefill_stall_seconds_total"),
                  file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
                  cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
                                          total("tiergram_engine_process_cpu_seconds_total"))

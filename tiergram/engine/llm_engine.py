@@ -260,6 +260,9 @@ class LLMEngine:
                 self._finish_deferred(outputs)
             return outputs
         tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
+        # a step with prompt tokens (a prefill chunk, or a recomputation after preemption) reads rows that no
+        # earlier step announced; its stall is counted apart from the decode steps'
+        prefill = any(n > 1 or s.num_computed < s.prompt_len for s, n in zip(batch.seqs, batch.num_new, strict=True))
         with self._lock:
             self._inflight = {}
             st = self._stats
@@ -278,6 +281,9 @@ class LLMEngine:
             st.consecutive_faults = 0
             st.last_step_stall_s = result.stall_s
             st.exposed_stall_s += result.stall_s
+            if prefill:
+                st.prefill_stall_s += result.stall_s
+                st.prefill_steps += 1
             st.hash_time_s += result.hash_s
             for layer, s in result.stall_by_layer.items():
                 st.stall_by_layer_s[layer] += s

@@ -20,6 +20,9 @@ class EngineMetrics:
     # cache_hit_rate (file caches; None without), bytes_read {tier: n}, pages_read, per_layer
     engram: dict[str, Any] = field(default_factory=dict)
     exposed_stall_s: float = 0.0  # total time the forward waited on Engram rows (ticket.wait())
+    # the part of exposed_stall_s in steps that computed prompt tokens (prefill chunks), and how many such steps
+    prefill_stall_s: float = 0.0
+    prefill_steps: int = 0
     last_step_stall_s: float = 0.0
     step_time_s: float = 0.0  # total wall time inside step() that ran the model
     last_step_time_s: float = 0.0

@@ -140,6 +140,10 @@ def engine_metrics(m: Any) -> Iterator[Any]:
         ("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read")),
         ("tiergram_engram_exposed_stall_seconds", "Time the forward waited on Engram rows (not hidden by prefetch).",
          m.exposed_stall_s),
+        ("tiergram_engram_prefill_stall_seconds", "The part of the exposed stall in steps that computed prompt "
+         "tokens.", m.prefill_stall_s),
+        ("tiergram_engine_prefill_steps", "Engine steps that computed prompt tokens (prefill chunks).",
+         m.prefill_steps),
         ("tiergram_engine_step_seconds", "Wall time inside steps that ran the model.", m.step_time_s),
         ("tiergram_engine_computed_tokens", "Tokens run through the model (recomputation included).",
          m.computed_tokens),
