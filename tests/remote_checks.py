@@ -340,9 +340,12 @@ def test_side_by_side_bench_runs_on_a_tiny_table(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TIERGRAM_CACHE", str(tmp_path / "cache"))
     cfg = RemoteLookupConfig(rows=3000, dim=64, batches=(1, 64), dists=("uniform", "zipf"), calls=2,
-                             warmup_calls=1)
+                             warmup_calls=1, cache_warm_rows=2048)
     res = run_lookup(cfg, tmp_path, progress=False)  # checks every system's rows against EngramStore's first
     assert set(res["per_dist"]) == {"uniform", "zipf"}
+    # the cached table was opened fresh for the last stream (zipf) and warmed on it: its hits are that stream's
+    assert res["config"]["cache_warm_rows"] == 2048
+    assert res["cache_stats"]["tiergram_mooncake_cache10"]["hit_rate"] > 0.2
     for per in res["per_dist"].values():
         assert {"mooncake_engramstore", "tiergram_mooncake", "tiergram_mooncake_worker", "tiergram_mooncake_cache10",
                 "tiergram_file", "file_limit", "tiergram_host", "mooncake_raw", "mooncake_runs"} <= set(per)
