@@ -51,45 +51,32 @@ def test_default_sweep_starts_no_mooncake_cluster():
     assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()
 
 
-def test_compare_rows_first_adds_the_same_file_server_with_prompts_joining_at_once(tmp_path):
-    """--compare-rows-first: the first file server again, labelled -nowait, with its cache and fraction."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
-                         compare_rows_first=True)
-    assert cfg.labels() == ["host", "file-1%", "file-1%-nowait", "file-10%"]
-    assert sv.kind_of("file-1%-nowait") == "file"
+@pytest.mark.parametrize(("flag", "suffix"), [("compare_rows_first", "-nowait"), ("compare_fixed_buffers", "-plain")])
+def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, suffix):
+    """--compare-rows-first (-nowait: prompts join at once) and --compare-fixed-buffers (-plain: no registered
+    buffers): the first file server again, right after it, with its cache and fraction."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), **{flag: True})
+    assert cfg.labels() == ["host", "file-1%", "file-1%" + suffix, "file-10%"]
+    assert sv.kind_of("file-1%" + suffix) == "file"
     tables = [tmp_path / "a.tgram", tmp_path / "b.tgram"]
     for t in tables:
         t.write_bytes(b"x" * 1000)
     caches = sv.cache_budgets(cfg, tables)
-    assert caches["file-1%-nowait"] == caches["file-1%"] == 10
+    assert caches["file-1%" + suffix] == caches["file-1%"] == 10
     servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 2000, "peak_rss_bytes": 1}
                for lb in cfg.labels()}
     points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2)]
     ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
-    assert ck["file-1%-nowait_vs_host"]["cache_fraction"] == 0.01
+    assert ck[f"file-1%{suffix}_vs_host"]["cache_fraction"] == 0.01
     assert ck["file-1%_vs_host"]["disk_share_needed"] == {}  # no disk limit measured: no share claimed
     with pytest.raises(ValueError, match="needs the file placement"):
-        sv.SweepConfig(model_dir="m", placements=("host",), compare_rows_first=True).labels()
+        sv.SweepConfig(model_dir="m", placements=("host",), **{flag: True}).labels()
 
 
-def test_compare_fixed_buffers_adds_the_same_file_server_reading_plainly(tmp_path):
-    """--compare-fixed-buffers: the first file server again, labelled -plain, with its cache and fraction."""
+def test_both_compare_flags_follow_their_server_in_order():
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
                          compare_rows_first=True, compare_fixed_buffers=True)
     assert cfg.labels() == ["host", "file-1%", "file-1%-plain", "file-1%-nowait", "file-10%"]
-    assert sv.kind_of("file-1%-plain") == "file"
-    tables = [tmp_path / "a.tgram", tmp_path / "b.tgram"]
-    for t in tables:
-        t.write_bytes(b"x" * 1000)
-    caches = sv.cache_budgets(cfg, tables)
-    assert caches["file-1%-plain"] == caches["file-1%"] == 10
-    servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 2000, "peak_rss_bytes": 1}
-               for lb in cfg.labels()}
-    points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2)]
-    ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
-    assert ck["file-1%-plain_vs_host"]["cache_fraction"] == 0.01
-    with pytest.raises(ValueError, match="needs the file placement"):
-        sv.SweepConfig(model_dir="m", placements=("host",), compare_fixed_buffers=True).labels()
 
 
 def test_compare_engine_process_adds_host_with_its_engine_in_a_process_and_checks_it():

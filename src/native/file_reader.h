@@ -5,16 +5,9 @@
 #include <cstdint>
 #include <string>
 
-namespace tiergram {
+#include "uring.h"  // StagingArea
 
-// A long-lived buffer the pipeline reads pages into, which a reader may register with its rings (io_uring fixed
-// buffers: the kernel pins its pages once instead of per read). `serial` names one allocation: a freed buffer's
-// address may come back for a new one, and a registration must never be taken for the old one's.
-struct StagingArea {
-  uint8_t *base = nullptr;
-  size_t bytes = 0;
-  uint64_t serial = 0;
-};
+namespace tiergram {
 
 class PageSource {
  public:

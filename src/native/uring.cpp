@@ -182,9 +182,9 @@ size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait,
       n_fixed += in_buf;
       s.fd = fixed ? 0 : fd;  // registered slot 0, or the fd itself
       if (fixed) s.flags = IOSQE_FIXED_FILE;
-      s.off = ops[next].offset;
-      s.addr = reinterpret_cast<uintptr_t>(ops[next].dst);
-      s.len = ops[next].len;
+      s.off = op.offset;
+      s.addr = reinterpret_cast<uintptr_t>(op.dst);
+      s.len = op.len;
       s.user_data = next;
       sq_array_[idx] = idx;
       ++tail, ++next, ++queued;

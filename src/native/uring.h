@@ -4,12 +4,19 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "file_reader.h"  // StagingArea
-
 struct io_uring_sqe;  // <linux/io_uring.h>, included by uring.cpp only
 struct io_uring_cqe;
 
 namespace tiergram {
+
+// A long-lived buffer the pipeline reads pages into, which a reader may register with its rings (io_uring fixed
+// buffers: the kernel pins its pages once instead of per read). `serial` names one allocation: a freed buffer's
+// address may come back for a new one, and a registration must never be taken for the old one's.
+struct StagingArea {
+  uint8_t *base = nullptr;
+  size_t bytes = 0;
+  uint64_t serial = 0;
+};
 
 // One positioned read of `len` bytes at `offset` into `dst`. `res` receives the bytes read or -errno.
 struct ReadOp {
