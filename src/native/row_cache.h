@@ -94,6 +94,16 @@ class NativeRowCache {
  private:
   // Open addressing with linear probing over a power-of-two table; backward-shift deletion (no tombstones).
   int64_t find(int64_t key) const;
+  void prefetch_bucket(int64_t key) const { __builtin_prefetch(&index_[home(key)]); }
+  // For an erase, which also reads the buckets after the key's: the key's line and, when the key sits in the last
+  // two buckets of its line (4 to a line), the next line.
+  void prefetch_run(int64_t key) const {
+    const size_t h = home(key);
+    __builtin_prefetch(&index_[h]);
+    __builtin_prefetch(&index_[(h + 2) & hmask_]);
+  }
+  // find() of keys [n], keys kFindAhead ahead prefetched: out[i] = slot or -1 (the index is DRAM in a large cache).
+  void find_all(const int64_t *keys, size_t n, int64_t *out) const;
   void put(int64_t key, int64_t slot);
   void erase(int64_t key);
   size_t home(int64_t key) const {
@@ -149,8 +159,11 @@ class NativeRowCache {
   uint64_t resident_ = 0;
   // LRU list over slots: node capacity_ is the sentinel; next_ from it is the least recently used.
   HugeVector<int64_t> prev_, next_;
-  // index
-  HugeVector<int64_t> hkeys_, hslots_;
+  // index: key and slot side by side, so a lookup, insert or erase touches one cache line, not two
+  struct Bucket {
+    int64_t key, slot;  // key -1: empty
+  };
+  HugeVector<Bucket> index_;
   size_t hmask_ = 0;
   unsigned shift_ = 0;
   Counters counters_;
