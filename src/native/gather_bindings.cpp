@@ -110,7 +110,9 @@ void seal_pages(BytesOut pages, uint64_t page_size, uint64_t first_index) {
   });
 }
 
-std::vector<int64_t> verify_pages(BytesIn pages, uint64_t page_size, uint64_t first_index) {
+// Indices (expected_index(i)) of the pages of a uint8 [P * page_size] buffer whose trailer does not match.
+template <class Expected>
+std::vector<int64_t> bad_pages(BytesIn pages, uint64_t page_size, Expected expected_index) {
   check_pages_arg(pages.size(), page_size);
   const uint8_t *p = pages.data();
   const uint64_t n = pages.size() / page_size;
@@ -119,13 +121,28 @@ std::vector<int64_t> verify_pages(BytesIn pages, uint64_t page_size, uint64_t fi
     nb::gil_scoped_release release;
     global_pool()->parallel_for(n, 64, [&](size_t b, size_t e) {
       for (size_t i = b; i < e; ++i)
-        bad[i] = !page_ok(p + i * page_size, page_size, static_cast<uint32_t>(first_index + i));
+        bad[i] = !page_ok(p + i * page_size, page_size, static_cast<uint32_t>(expected_index(i)));
     });
   }
   std::vector<int64_t> out;
   for (uint64_t i = 0; i < n; ++i)
-    if (bad[i]) out.push_back(static_cast<int64_t>(first_index + i));
+    if (bad[i]) out.push_back(static_cast<int64_t>(expected_index(i)));
   return out;
+}
+
+std::vector<int64_t> verify_pages(BytesIn pages, uint64_t page_size, uint64_t first_index) {
+  return bad_pages(pages, page_size, [=](uint64_t i) { return first_index + i; });
+}
+
+// Pages gathered from anywhere in a table (a remote store's batch): page i must carry index indices[i].
+std::vector<int64_t> verify_pages_at(BytesIn pages, uint64_t page_size, IdsIn indices) {
+  check_pages_arg(pages.size(), page_size);
+  require(indices.ndim() == 1 && indices.shape(0) == pages.size() / page_size,
+          "indices must be int64 [" + std::to_string(pages.size() / page_size) + "], one per page");
+  const int64_t *idx = indices.data();
+  for (size_t i = 0; i < indices.shape(0); ++i)
+    require(idx[i] >= 0, "page index " + std::to_string(idx[i]) + " at position " + std::to_string(i) + " is negative");
+  return bad_pages(pages, page_size, [=](uint64_t i) { return static_cast<uint64_t>(idx[i]); });
 }
 
 }  // namespace
@@ -140,6 +157,8 @@ void register_gather(nb::module_ &m) {
         "Write each page's trailer (index, CRC-32C) in place; pages is uint8 [P * page_size].");
   m.def("verify_pages", &verify_pages, nb::arg("pages"), nb::arg("page_size"), nb::arg("first_index"),
         "Indices of the pages whose trailer does not match.");
+  m.def("verify_pages", &verify_pages_at, nb::arg("pages"), nb::arg("page_size"), nb::arg("indices"),
+        "Indices of the pages whose trailer does not match, page i expected to carry indices[i] (int64 [P]).");
   m.def("gather", &gather, nb::arg("data"), nb::arg("ids"), nb::arg("head_offsets"), nb::arg("head_rows"),
         nb::arg("page_size"), nb::arg("rows_per_page"), nb::arg("codec"), nb::arg("dim"), nb::arg("out"),
         nb::arg("stream") = nb::none(),

@@ -146,9 +146,11 @@ class LocalCluster:
         """Start one holder process lending segment_bytes to the store; returns it once it has joined."""
         i = len(self.holders)
         argv = [sys.executable, "-m", "tiergram.bench.remote", "holder", self.master_addr, str(self.segment_bytes)]
-        proc, log = self._popen(argv, f"holder{i}.log")
+        log = self.log_dir / f"holder{i}.log"
+        start = log.stat().st_size if log.exists() else 0  # a reused log folder: only this run's lines count
+        proc, log = self._popen(argv, log.name)
         deadline = time.monotonic() + self.start_timeout
-        while b"holder ready" not in _read_bytes(log):
+        while b"holder ready" not in _read_bytes(log)[start:]:
             if proc.poll() is not None:
                 raise RuntimeError(f"holder {i} exited with code {proc.returncode}; its log: {log}\n{_tail(log)}")
             if time.monotonic() > deadline:

@@ -509,9 +509,11 @@ class MooncakeTier:
 
     def _get_positions(self, pages: np.ndarray, positions: Sequence[int], buf: np.ndarray) -> dict[int, int | str]:
         ps = self.manifest.page_size
-        base = buf.ctypes.data
-        keys = [f"{self._prefix}{int(pages[i])}" for i in positions]
-        ptrs = [base + i * ps for i in positions]
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size == 0:
+            return {}
+        keys = [f"{self._prefix}{p}" for p in pages[pos].tolist()]
+        ptrs = (buf.ctypes.data + pos * ps).tolist()
         inline = len(keys) <= self.inline_max_keys
         t0 = time.perf_counter()
         try:
@@ -521,28 +523,38 @@ class MooncakeTier:
                 codes = self._caller(self.store.batch_get_into, keys, ptrs, [ps] * len(keys))
         except TimeoutError:
             self._abandon(buf)
-            return {i: TIMEOUT for i in positions}
+            return {int(i): TIMEOUT for i in pos}
         dt = time.perf_counter() - t0
+        codes = np.asarray(codes, dtype=np.int64)
+        if codes.shape != pos.shape:
+            raise PageReadError(errno.EIO, f"mooncake table {self.table_name!r}: batch_get_into returned "
+                                           f"{codes.size} codes for {pos.size} keys")
         failed: dict[int, int | str] = {}
-        ok_pages = 0
-        for i, code in zip(positions, codes, strict=True):
-            if code != ps:
-                failed[i] = int(code) if code < 0 else -800  # a short object is a transfer fault
-                if code < 0 and code not in (OBJECT_NOT_FOUND, -703, -900, -901, -200):
-                    self._abandon(buf)  # a failed transfer may still land in the buffer later
-                continue
-            if _native.verify_pages(buf[i * ps:(i + 1) * ps], ps, int(pages[i])):
-                failed[i] = CHECKSUM_MISMATCH
-                with self._lock:
-                    self.counters.checksum_failures += 1
-                continue
-            ok_pages += 1
+        for k in np.flatnonzero(codes != ps).tolist():
+            code = int(codes[k])
+            failed[int(pos[k])] = code if code < 0 else -800  # a short object is a transfer fault
+            if code < 0 and code not in (OBJECT_NOT_FOUND, -703, -900, -901, -200):
+                self._abandon(buf)  # a failed transfer may still land in the buffer later
+        # Every page that arrived is checked in one native call over the span of positions (a retry's positions
+        # are scattered: the span's other pages are checked again, harmlessly, and ignored).
+        lo, hi = int(pos.min()), int(pos.max()) + 1
+        bad = _native.verify_pages(buf[lo * ps:hi * ps], ps, np.ascontiguousarray(pages[lo:hi]))
+        corrupt = 0
+        if bad:
+            asked = np.zeros(hi - lo, dtype=bool)
+            asked[pos - lo] = True
+            for k in np.flatnonzero(np.isin(pages[lo:hi], bad) & asked).tolist():
+                if lo + k not in failed:
+                    failed[lo + k] = CHECKSUM_MISMATCH
+                    corrupt += 1
+        ok_pages = pos.size - len(failed)
         with self._lock:
             c = self.counters
             c.calls += 1
             c.inline_calls += inline
             c.pages_read += ok_pages
             c.bytes_read += ok_pages * ps
+            c.checksum_failures += corrupt
             c.seconds += dt
             c.latencies.append(dt)
         return failed
