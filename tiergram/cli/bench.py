@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="queue depths of the limit measurement, comma-separated")
     fg.add_argument("--queue-depth", type=int, default=128, help="queue depth of tiergram's reader")
     fg.add_argument("--py-threads", type=_ints, default=(8, 16), help="Python thread counts of the baseline")
-    lk.add_argument("--rounds", type=int, default=4, help="interleaved segments per measurement; the best is kept")
+    lk.add_argument("--rounds", type=int, default=None,
+                    help="interleaved segments per measurement; the best is kept (default 4; mooncake: 12, i.e. "
+                         "36 timed calls per point: with 12, one point's ratio moved by +-20%% between runs)")
     fg.add_argument("--backend", default="auto", choices=["auto", "io_uring", "threads"], help="native reader")
     lk.add_argument("--json", action="store_true", help="print one JSON object")
     lk.set_defaults(func=cmd_lookup)
@@ -195,6 +197,8 @@ def _size(text: str) -> int:
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
+    if args.rounds is None:
+        args.rounds = 12 if args.tier == "mooncake" else 4
     if args.tier == "file":
         return cmd_lookup_file(args)
     if args.tier == "mooncake":
