@@ -40,6 +40,8 @@ def test_file_bench_json(bench_home, capsys):
     for d in obj["tiergram"].values():
         assert d["pages_per_s"] > 0 and d["rows_per_s"] > 0 and d["rows_per_call"] == 12
         assert 0 < d["pages_per_call"] <= 12 and d["cpu_us_per_row"] > 0
+        # the per-round CPU figures behind the median (paired ratios in the text report)
+        assert d["cpu_us_per_row"] == pytest.approx(float(np.median(d["cpu_us_per_row_rounds"])))
     assert obj["file_mode"] == "direct"
     # the default readers read into registered staging buffers where io_uring allows; the A/B readers never do
     for k in ("uniform plain buffers", "zipf plain buffers"):
@@ -79,7 +81,8 @@ def test_file_bench_text(bench_home, capsys):
     out = capsys.readouterr().out
     for needle in ("limit: native reader QD8", "python threads os.preadv x3", "tiergram lookup, uniform",
                    "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads",
-                   "(QD8, registered file)", "one step's rows, prefetch, 2 tables"):
+                   "(QD8, registered file)", "one step's rows, prefetch, 2 tables",
+                   "uniform native +10% cache / no cache:", "x CPU per row (median of the rounds' ratios: "):
         assert needle in out, needle
 
 

@@ -481,6 +481,7 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
         # the rounds (a single segment's CPU swings by +-10% on a shared machine)
         for key, by_name in cpus.items():
             best[key].update({name: float(np.median(v)) for name, v in by_name.items()})
+            best[key].update({f"{name}_rounds": v for name, v in by_name.items()})  # for paired ratios
         if ("mmap", "uniform") not in best:
             raise RuntimeError(f"{table.path}: no untouched pages left for the mmap measurement; use a larger "
                                f"table or fewer positions")
@@ -670,8 +671,12 @@ def to_text(res: FileLookupBenchResult) -> str:
     for k, d in cached.items():
         base = res.tiergram.get(k.split()[0] if k.split()[1] == c.pipelines[0] else " ".join(k.split()[:2]))
         if base:
+            # the two readers' segments of one round ran seconds apart: a round's ratio cancels the machine's drift
+            paired = np.median([a / b for a, b in zip(d.get("cpu_us_per_row_rounds", []),
+                                                      base.get("cpu_us_per_row_rounds", []), strict=False)] or [np.nan])
             lines.append(f"{k} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
-                         f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row")
+                         f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row (median of the rounds' "
+                         f"ratios: {paired:.2f}x)")
     for dist in c.dists:
         fixed, plain = res.tiergram.get(dist), res.tiergram.get(f"{dist} plain buffers")
         if fixed and plain:
