@@ -65,8 +65,8 @@ def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
     assert uri == f"mooncake://{cluster.master_addr}/a"
     host = TieredTable(path, tier="host")
     ids = _ids((700, 523, 301), 200).reshape(4, 50, 3)
-    for cache in (0, 64 * 1024):
-        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache)
+    for cache, low in ((0, False), (64 * 1024, False), (0, True)):
+        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache, remote_options={"low_priority_waits": low})
         try:
             assert torch.equal(remote.lookup(ids), host.lookup(ids))
             ticket = remote.prefetch(ids[:2])
@@ -80,6 +80,9 @@ def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
             r = st["remote"]
             assert r["calls"] >= 1 and r["pages_read"] > 0 and r["bytes_read"] == r["pages_read"] * 4096
             assert r["latency_ms_p50"] > 0 and r["errors"] == 0
+            # low-priority waits: every store call on the worker, which runs at SCHED_IDLE (or nice 19)
+            assert r["waiter_priority"] in (("idle", "nice") if low else ("normal",))
+            assert (r["inline_calls"] == 0) if low else (r["inline_calls"] > 0)
             # remote bytes are counted as the mooncake tier's, not the file tier's
             assert st["bytes_read"]["mooncake"] == r["bytes_read"] and "file" not in st["bytes_read"]
             assert st["read_amplification"] >= 1.0
@@ -326,11 +329,14 @@ def test_engine_serves_a_layer_from_mooncake_with_the_same_tokens(cluster, tmp_p
 
     model_dir = make_model_dir(tmp_path / "model")
     placement = {0: Placement("mooncake", codec="fp32", master=cluster.master_addr, cache_bytes=4096),
-                 1: Placement("mooncake", codec="fp32", master=cluster.master_addr)}
+                 1: Placement("mooncake", codec="fp32", master=cluster.master_addr, low_priority_waits=False)}
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:
         assert eng.generate(PROMPTS, GREEDY) == expected(model_dir, PROMPTS)
         per_layer = eng.metrics().engram["per_layer"]
         assert all(s["bytes_read"].get("mooncake", 0) > 0 and "file" not in s["bytes_read"] for s in per_layer.values())
+        # the placement's flag reaches the tier: layer 0 waits at the lowest priority (the default), layer 1 not
+        priorities = [eng.sources[layer].stats()["remote"]["waiter_priority"] for layer in sorted(eng.sources)]
+        assert priorities[0] in ("idle", "nice") and priorities[1] == "normal"
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:  # the pushed tables are reused
         assert eng.generate(PROMPTS[:1], GREEDY) == expected(model_dir, PROMPTS[:1])
 

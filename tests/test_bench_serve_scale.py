@@ -73,6 +73,18 @@ def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, suff
         sv.SweepConfig(model_dir="m", placements=("host",), **{flag: True}).labels()
 
 
+def test_compare_busy_waits_adds_the_mooncake_server_spinning_at_normal_priority(tmp_path):
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file", "mooncake"), compare_busy_waits=True)
+    assert cfg.labels() == ["host", "file", "mooncake", "mooncake-busy"]
+    assert sv.kind_of("mooncake-busy") == "mooncake"
+    tables = [tmp_path / "a.tgram"]
+    tables[0].write_bytes(b"x" * 1000)
+    caches = sv.cache_budgets(cfg, tables)
+    assert caches["mooncake-busy"] == caches["mooncake"] == caches["file"] == 100
+    with pytest.raises(ValueError, match="needs the mooncake placement"):
+        sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_busy_waits=True).labels()
+
+
 def test_both_compare_flags_follow_their_server_in_order():
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
                          compare_rows_first=True, compare_fixed_buffers=True)

@@ -33,6 +33,7 @@ from typing import Any
 from tiergram.bench.common import cache_dir, log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
+    BUSY,
     DEFAULT_PLACEMENTS,
     NOWAIT,
     PLACEMENTS,
@@ -135,7 +136,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 model_dir=cfg.big_model_dir if placement == "file-big" else None,
                 extra_args=("--no-prompt-rows-first",) if placement.endswith(NOWAIT) else
                 ("--engine-process",) if placement.endswith(PROCESS) else
-                ("--no-fixed-buffers",) if placement.endswith(PLAIN) else ()))
+                ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
+                ("--mooncake-busy-waits",) if placement.endswith(BUSY) else ()))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))

@@ -51,6 +51,8 @@ class SweepConfig:
     compare_engine_process: bool = False
     # also serve the first file placement with --no-fixed-buffers (plain page reads), labelled <label>-plain
     compare_fixed_buffers: bool = False
+    # also serve the mooncake placement with --mooncake-busy-waits (its client spins at normal priority), mooncake-busy
+    compare_busy_waits: bool = False
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -91,6 +93,10 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_fixed_buffers needs the file placement")
             out.insert(out.index(first) + 1, first + PLAIN)
+        if self.compare_busy_waits:
+            if "mooncake" not in out:
+                raise ValueError("compare_busy_waits needs the mooncake placement")
+            out.insert(out.index("mooncake") + 1, "mooncake" + BUSY)
         if self.compare_engine_process:
             if "host" not in out:
                 raise ValueError("compare_engine_process needs the host placement")
@@ -103,6 +109,7 @@ class SweepConfig:
 NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
 PROCESS = "-process"  # the label suffix of a server whose engine runs in a process of its own
 PLAIN = "-plain"  # the label suffix of a file server that reads pages without registered buffers
+BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
 
 
 def file_label(fraction: float) -> str:
@@ -112,7 +119,7 @@ def file_label(fraction: float) -> str:
 
 def kind_of(label: str) -> str:
     """The placement kind a server label runs (file-10% and file-big are file, host-process is host)."""
-    return "file" if label.startswith("file") else label.removesuffix(PROCESS)
+    return "file" if label.startswith("file") else label.removesuffix(PROCESS).removesuffix(BUSY)
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.serve_config import NOWAIT, PLAIN, SweepConfig, file_label, kind_of
+from tiergram.bench.serve_config import BUSY, NOWAIT, PLAIN, SweepConfig, file_label, kind_of
 
 
 class ServeSubprocess:
@@ -171,7 +171,7 @@ def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
     if "mooncake" in caches:  # the same host cache as the file placement
         caches["mooncake"] = int(cfg.fractions[0] * smallest)
     for label in labels:
-        for suffix in (NOWAIT, PLAIN):
+        for suffix in (NOWAIT, PLAIN, BUSY):
             if label.endswith(suffix):  # the same cache as the server it is compared with
                 caches[label] = caches[label.removesuffix(suffix)]
     if cfg.big_model_dir:

@@ -137,6 +137,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--compare-fixed-buffers", action="store_true",
                     help="also serve the first file placement with --no-fixed-buffers (plain page reads), as "
                          "<label>-plain")
+    sv.add_argument("--compare-busy-waits", action="store_true",
+                    help="also serve the mooncake placement with --mooncake-busy-waits (its store client spinning at "
+                         "normal priority), as mooncake-busy")
     sv.add_argument("--compare-engine-process", action="store_true",
                     help="also serve the host placement with the engine in a process of its own (the server's "
                          "--engine-process), as host-process")
@@ -285,7 +288,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         big_cache_bytes=args.big_cache_bytes, host_memory=args.host_memory,
         cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
         compare_rows_first=args.compare_rows_first, compare_engine_process=args.compare_engine_process,
-        compare_fixed_buffers=args.compare_fixed_buffers,
+        compare_fixed_buffers=args.compare_fixed_buffers, compare_busy_waits=args.compare_busy_waits,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
         plot=args.plot, markdown=args.markdown, mooncake_master=args.mooncake_master)

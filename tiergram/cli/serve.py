@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fixed-buffers", dest="fixed_buffers", action="store_false",
                    help="read the file placement's pages plainly instead of into io_uring-registered staging "
                         "buffers (READ_FIXED saves the kernel pinning each page; docs/benchmarks.md)")
+    g.add_argument("--mooncake-busy-waits", dest="low_priority_waits", action="store_false",
+                   help="let the mooncake placement's store calls wait on the caller's thread at normal priority "
+                        "(Mooncake's client spins until a transfer completes; by default it spins at the lowest "
+                        "CPU priority, docs/remote.md)")
     g.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"],
                    help="table file codec (exported on first use)")
     g.add_argument("--device", default="cpu", help="compute device: cpu, cuda, cuda:1, ..., or auto (cuda when "
@@ -70,7 +74,8 @@ def engine_config(args: argparse.Namespace):
 
     placement = Placement(kind=args.placement, cache_bytes=args.cache_bytes, cache_policy=args.cache_policy,
                           codec=args.codec, master=args.mooncake_master if args.placement == "mooncake" else "",
-                          fixed_buffers=getattr(args, "fixed_buffers", True))
+                          fixed_buffers=getattr(args, "fixed_buffers", True),
+                          low_priority_waits=getattr(args, "low_priority_waits", True))
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

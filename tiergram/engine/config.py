@@ -67,6 +67,8 @@ class Placement:
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
     fixed_buffers: bool = True  # file only: page reads into io_uring-registered staging buffers (READ_FIXED)
     master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
+    # mooncake only: the store client's busy-poll for a batch's transfers runs at the lowest CPU priority (SCHED_IDLE)
+    low_priority_waits: bool = True
     # host memory this layer's table may use (None: no limit): host, the whole table must fit; file / mooncake, the
     # cache (sized from it unless cache_bytes is given), staging and index. EngineConfig.host_memory_bytes splits a
     # server-wide budget evenly over the layers into this field.

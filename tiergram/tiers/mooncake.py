@@ -203,15 +203,33 @@ def replicate_config(replicas: int = 1, *, hard_pin: bool = True) -> Any:
     return cfg
 
 
+def lower_thread_priority() -> str:
+    """Put the calling thread at the lowest CPU priority the kernel grants it: SCHED_IDLE, else nice 19; returns
+    which ("idle", "nice" or "" when neither was allowed). Linux applies both to the thread alone."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        return "nice"
+    except OSError:
+        return ""
+
+
 class _Caller:
     """Runs store calls on a worker thread so that each returns or fails within `timeout_s` (TimeoutError).
 
     A call that overruns is abandoned: its worker, a daemon thread (it never holds up interpreter exit), is
-    left to finish alone (Mooncake cannot cancel it) and a fresh worker serves the next call.
+    left to finish alone (Mooncake cannot cancel it) and a fresh worker serves the next call. `low_priority`: the
+    worker runs at the lowest CPU priority (see MooncakeTier).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, low_priority: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.low_priority = low_priority
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
         self._stuck: list[_Worker] = []  # workers still inside an abandoned call
@@ -221,9 +239,14 @@ class _Caller:
             if self._worker is None or self._worker.stuck:
                 if self._worker is not None:
                     self._stuck.append(self._worker)
-                self._worker = _Worker()
+                self._worker = _Worker(self.low_priority)
             worker = self._worker
         return worker.run(fn, args, self.timeout_s)
+
+    def priority(self) -> str:
+        """The current worker's priority: "idle", "nice", "" (lowering refused) or "normal"."""
+        worker = self._worker
+        return worker.priority if worker is not None and self.low_priority else "normal"
 
     def close(self, wait_s: float = 0.0) -> bool:
         """Stop the worker; True when no abandoned call is still running after waiting up to wait_s for them (the
@@ -242,9 +265,11 @@ class _Caller:
 class _Worker:
     """One daemon thread running submitted calls in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, low_priority: bool = False) -> None:
         self.stuck = False
         self.exited = threading.Event()  # set when the thread has left its last call
+        self.priority = ""  # what lower_thread_priority got, when low_priority
+        self._low_priority = low_priority
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="tiergram-mooncake", daemon=True).start()
 
@@ -265,6 +290,8 @@ class _Worker:
         self._jobs.put(None)
 
     def _loop(self) -> None:
+        if self._low_priority:
+            self.priority = lower_thread_priority()
         while (job := self._jobs.get()) is not None:
             fn, args, box, done = job
             try:
@@ -346,13 +373,20 @@ class MooncakeTier:
     (`client_bound_s`, set by `connect`) fail it within `timeout_s`: a worker-thread hop costs about as much as a
     one-page read over loopback. Larger calls, and every call of a client whose timeouts are unknown, run on a
     worker thread abandoned after `timeout_s`.
+
+    `low_priority_waits`: Mooncake's client (the PyPI wheel, built without its event-driven completion) spins on
+    a CPU until a batch's transfers complete, tens of ms for a large batch. With True every store call runs on the
+    worker thread at the lowest CPU priority (SCHED_IDLE, else nice 19), so that spin only takes CPU time nothing
+    else wants: a server's model keeps its cores while a prefetch waits, and the waiter runs once the model itself
+    waits for the rows.
     """
 
     name = "mooncake"
 
     def __init__(self, store: Any, table_name: str, *, manifest: Any, data_offset: int, master: str = "",
                  timeout_s: float = DEFAULT_TIMEOUT_S, fallback: str | os.PathLike | None = None,
-                 owns_store: bool = False, inline_max_keys: int = INLINE_MAX_KEYS) -> None:
+                 owns_store: bool = False, inline_max_keys: int = INLINE_MAX_KEYS,
+                 low_priority_waits: bool = False) -> None:
         self.store = store
         self.table_name = table_name
         self.master = master
@@ -369,9 +403,11 @@ class MooncakeTier:
         self._registered: list[np.ndarray] = []  # every staging buffer registered with the store
         # (time, buffer) a failed or abandoned transfer may still write into: reused only after ABANDON_GRACE_S
         self._abandoned: list[tuple[float, np.ndarray]] = []
-        self._caller = _Caller(timeout_s)
+        self.low_priority_waits = low_priority_waits
+        self._caller = _Caller(timeout_s, low_priority=low_priority_waits)
         bound = client_bound_s(store)
-        self.inline_max_keys = inline_max_keys if bound is not None and bound < timeout_s else 0
+        inline = bound is not None and bound < timeout_s and not low_priority_waits
+        self.inline_max_keys = inline_max_keys if inline else 0
         self.fallback: FileTier | None = None
         if fallback is not None:
             local = TableFile.open(fallback)
@@ -382,7 +418,7 @@ class MooncakeTier:
     @classmethod
     def open(cls, uri: str, *, local_hostname: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
              fallback: str | os.PathLike | None = None, store: Any = None,
-             inline_max_keys: int = INLINE_MAX_KEYS) -> MooncakeTier:
+             inline_max_keys: int = INLINE_MAX_KEYS, low_priority_waits: bool = False) -> MooncakeTier:
         """Open 'mooncake://HOST:PORT/NAME' (connecting a client unless `store` is given: then the master may be
         left out, 'mooncake:///NAME')."""
         master, name = parse_uri(uri, allow_no_master=store is not None)
@@ -396,7 +432,8 @@ class MooncakeTier:
                 release_client(store)
             raise
         return cls(store, name, manifest=manifest, data_offset=data_offset, master=master, timeout_s=timeout_s,
-                   fallback=fallback, owns_store=owns, inline_max_keys=inline_max_keys)
+                   fallback=fallback, owns_store=owns, inline_max_keys=inline_max_keys,
+                   low_priority_waits=low_priority_waits)
 
     @property
     def backend(self) -> str:
@@ -469,6 +506,7 @@ class MooncakeTier:
             c = self.counters
             lat = np.asarray(c.latencies, dtype=np.float64)
             return {"master": self.master, "table": self.table_name, "calls": c.calls, "inline_calls": c.inline_calls,
+                    "waiter_priority": self._caller.priority(),
                     "pages_read": c.pages_read,
                     "bytes_read": c.bytes_read, "seconds": c.seconds,
                     "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
