@@ -155,7 +155,8 @@ def test_file_placement_reads_with_and_without_registered_buffers(model_dir):
     args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-fixed-buffers"])
     assert engine_config(args).placement.fixed_buffers is False
     assert engine_config(build_parser().parse_args(["serve", "m"])).placement.fixed_buffers is True
-    busy = build_parser().parse_args(["serve", "m", "--placement", "mooncake", "--mooncake-busy-waits"])
+    busy = build_parser().parse_args([
+        "serve", "m", "--placement", "mooncake", "--mooncake-master", "127.0.0.1:1", "--mooncake-busy-waits"])
     assert engine_config(busy).placement.low_priority_waits is False
     assert engine_config(build_parser().parse_args(["serve", "m"])).placement.low_priority_waits is True
 
