@@ -399,8 +399,28 @@ def test_validate_reports_the_predicted_stall_share_beside_the_measured() -> Non
                                                max_output_len=5),
                           Placement(r["placement"], 0.1 if r["placement"] == "file" else 0.0, hit_rate=r["hit_rate"]),
                           r["concurrency"])
-        assert r["predicted_stall_share"] == pytest.approx(p.terms.get("engram exposed", 0.0) / p.step_s, abs=1e-4)
+        # the engine's wait for rows (what a server's stall measures), not only the part that lengthens the step
+        wait = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0))
+        assert r["predicted_stall_share"] == pytest.approx(wait / p.step_s, abs=1e-4)
         assert (r["predicted_stall_share"] > 0) == (r["placement"] == "file")
+        # both sides are named by one rule: the disk past 80% of its limit, the Engram source past 25% stall
+        disk = p.terms.get("disk busy", 0.0) / p.step_s
+        want = "engram (disk)" if disk > 0.8 else (("engram (disk)" if r["placement"] == "file" else
+                                                    f"engram ({'host DRAM' if r['placement'] == 'host' else 'device'})")
+                                                   if wait / p.step_s > 0.25 else "compute")
+        assert r["predicted_binding"] == want
+
+
+def test_the_engines_wait_covers_the_exposed_fetch_and_is_not_added_to_the_step() -> None:
+    """A file step's "engram wait" (reads or their CPU, less the layers in front) is at least its "engram exposed"
+    (which also lets the fetch's CPU hide the reads), and the step time does not count it."""
+    wl = Workload(input_len=64, output_len=16, max_num_seqs=1000, max_input_len=64, max_output_len=16)
+    for c in (1, 4, 16):
+        p = predict_point(MODEL, CPU, wl, Placement("file", 0.1, hit_rate=0.3), c)
+        wait, exposed = p.terms.get("engram wait", 0.0), p.terms.get("engram exposed", 0.0)
+        assert wait >= exposed and wait > 0
+        parts = sum(p.terms.get(k, 0.0) for k in ("compute", "engram cpu", "engram exposed", "overhead"))
+        assert p.step_s == pytest.approx(max(parts, p.terms.get("disk busy", 0.0)), rel=1e-9)
 
 
 def test_topk_hit_rate_builds_a_missing_corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -313,7 +313,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     # Engram rows: where they come from
     hit = None
     dram_bytes = link_bytes = 0.0
-    cpu_fetch = io_wait = 0.0
+    cpu_fetch = io_wait = waited_cpu = 0.0
     if placement.kind == "device":
         if hw.device_gather_rows_s > 0:
             terms["engram gather"] = rows / hw.device_gather_rows_s
@@ -336,6 +336,8 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
             terms["disk busy"] = disk_s
         gather = rows / (hw.file_gather_rows_s or hw.gather_rows_s) + (hw.file_call_s or hw.gather_call_s)
         cpu_fetch = gather + misses * hw.disk.cpu_s_per_page / hw.disk.threads
+        # the waited reads' own CPU (submit, complete, verify) runs on the reader's thread before the rows are in
+        waited_cpu = waited * hw.disk.cpu_s_per_page / hw.disk.threads
         dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
         if hw.kind == "gpu":
             link_bytes = rows * g.row_bytes
@@ -373,6 +375,10 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         # (and behind the fetch's own CPU work); time queued behind other reads hides behind nothing
         terms["engram cpu"] = cpu_fetch
         terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch) + queue_s
+        # what the engine itself waits for the rows (the servers' measured stall): the waited reads -- or their
+        # own CPU on the reader's thread, when that is longer -- less only the layers in front; the fetch CPU it
+        # overlaps is already in the step above, so this is not added to it again
+        terms["engram wait"] = max(0.0, max(io_wait, waited_cpu) - hide) + queue_s
         step = compute + cpu_fetch + terms["engram exposed"] + terms["overhead"] + terms.get("engram gather", 0.0)
         dram_s = (dram_bytes + kv_dram) / max(1.0, hw.host_bw - wl.host_traffic_bps)
         step = max(step, dram_s, terms.get("disk busy", 0.0))

@@ -128,7 +128,7 @@ class Compared:
     measured_runs: list[float]  # each run's throughput when several repeats were merged
     measured_binding: str  # from the sweep's own evidence: disk reads against its limit, exposed stall, else CPU
     stall_share: float  # exposed stall seconds / measured seconds
-    predicted_stall_share: float  # the step model's exposed fetch / its step time (the same quantity, predicted)
+    predicted_stall_share: float  # the step model's engine wait for rows / its step time (the same quantity)
     disk_share: float  # file pages/s / the disk's limit measured in the same sweep
 
 
@@ -203,6 +203,12 @@ def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
     return bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not label.endswith("-nowait")
 
 
+def _binds(engram: str, disk_share: float, stall_share: float) -> str:
+    """What binds a served point, by its evidence: the disk when reads take > 80% of its limit, the Engram source
+    when the engine waits for rows > 25% of the time, else compute. validate names both sides by this rule."""
+    return "engram (disk)" if disk_share > 0.8 else engram if stall_share > 0.25 else "compute"
+
+
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
              rows_first: bool | None = None) -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
@@ -246,12 +252,15 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
         disk = float(pt.get("file_pages_per_s") or 0.0) / disk_limit if disk_limit else 0.0
         seen = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}[kind]
-        binds = "engram (disk)" if disk > 0.8 else seen if stall > 0.25 else "compute"
+        binds = _binds(seen, disk, stall)
+        # the prediction's side by the same rule, from its own disk share and stall (the engine's wait) share
+        p_stall = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0)) / p.step_s if p.step_s > 0 else 0.0
+        p_disk = p.terms.get("disk busy", 0.0) / p.step_s if p.step_s > 0 else 0.0
         rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
-                             p.binding, p.interactivity, float(inter) if inter is not None else None, p.hit_rate,
-                             source, [round(x, 1) for x in pt.get("throughput_runs", [measured])], binds,
-                             round(stall, 4), round(p.terms.get("engram exposed", 0.0) / p.step_s, 4)
-                             if p.step_s > 0 else 0.0, round(disk, 4)))
+                             _binds(seen, p_disk, p_stall), p.interactivity, float(inter) if inter is not None
+                             else None, p.hit_rate, source, [round(x, 1) for x in pt.get("throughput_runs",
+                                                                                           [measured])], binds,
+                             round(stall, 4), round(p_stall, 4), round(disk, 4)))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
