@@ -3,14 +3,23 @@ private network namespace (`unshare -n`, only loopback up), since Mooncake's cli
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from tiergram.bench.remote import LocalCluster, private_netns, run_in_netns
 from tiergram.format import TableFile, TableFormatError, TableManifest, create_table, random_values
-from tiergram.tiers.mooncake import error_name, manifest_blob, parse_manifest_blob, parse_uri
+from tiergram.tiers.mooncake import (
+    _Caller,
+    error_name,
+    lower_thread_priority,
+    manifest_blob,
+    parse_manifest_blob,
+    parse_uri,
+)
 
 HERE = Path(__file__).parent
 
@@ -21,6 +30,34 @@ def test_uri_parsing_names_the_problem():
                 "mooncake://h:99999/a"):
         with pytest.raises(ValueError):
             parse_uri(bad)
+
+
+def test_a_low_priority_worker_runs_at_sched_idle_and_leaves_the_caller_alone():
+    """The waiter for Mooncake's busy-polling calls: its own thread goes to SCHED_IDLE (else nice 19), the calling
+    thread keeps its policy, and calls still return their values and raise their errors."""
+    before = os.sched_getscheduler(0)
+    caller = _Caller(5.0, low_priority=True)
+    try:
+        policy = caller(lambda: os.sched_getscheduler(threading.get_native_id()))
+        nice = caller(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert caller.priority() in ("idle", "nice")
+        assert policy == os.SCHED_IDLE if caller.priority() == "idle" else nice == 19
+        with pytest.raises(ZeroDivisionError):
+            caller(lambda: 1 / 0)
+    finally:
+        caller.close()
+    assert os.sched_getscheduler(0) == before
+    normal = _Caller(5.0)
+    try:
+        assert normal(lambda: os.sched_getscheduler(threading.get_native_id())) == before
+        assert normal.priority() == "normal"
+    finally:
+        normal.close()
+    result = []
+    t = threading.Thread(target=lambda: result.append(lower_thread_priority()))
+    t.start()
+    t.join()
+    assert result[0] in ("idle", "nice", "")
 
 
 def test_error_names():
