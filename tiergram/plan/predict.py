@@ -252,15 +252,14 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
         disk = float(pt.get("file_pages_per_s") or 0.0) / disk_limit if disk_limit else 0.0
         seen = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}[kind]
-        binds = _binds(seen, disk, stall)
         # the prediction's side by the same rule, from its own disk share and stall (the engine's wait) share
         p_stall = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0)) / p.step_s if p.step_s > 0 else 0.0
         p_disk = p.terms.get("disk busy", 0.0) / p.step_s if p.step_s > 0 else 0.0
+        runs = [round(x, 1) for x in pt.get("throughput_runs", [measured])]
         rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
-                             _binds(seen, p_disk, p_stall), p.interactivity, float(inter) if inter is not None
-                             else None, p.hit_rate, source, [round(x, 1) for x in pt.get("throughput_runs",
-                                                                                           [measured])], binds,
-                             round(stall, 4), round(p_stall, 4), round(disk, 4)))
+                             _binds(seen, p_disk, p_stall), p.interactivity,
+                             float(inter) if inter is not None else None, p.hit_rate, source, runs,
+                             _binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4)))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
