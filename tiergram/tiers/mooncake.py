@@ -244,7 +244,8 @@ class _Caller:
         return worker.run(fn, args, self.timeout_s)
 
     def priority(self) -> str:
-        """The current worker's priority: "idle", "nice", "" (lowering refused) or "normal"."""
+        """The current worker's priority: "idle", "nice", "" (lowering refused), "starting" (no call yet ran) or
+        "normal"."""
         worker = self._worker
         return worker.priority if worker is not None and self.low_priority else "normal"
 
@@ -268,7 +269,7 @@ class _Worker:
     def __init__(self, low_priority: bool = False) -> None:
         self.stuck = False
         self.exited = threading.Event()  # set when the thread has left its last call
-        self.priority = ""  # what lower_thread_priority got, when low_priority
+        self.priority = "starting"  # then what lower_thread_priority got, when low_priority
         self._low_priority = low_priority
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="tiergram-mooncake", daemon=True).start()
@@ -403,7 +404,6 @@ class MooncakeTier:
         self._registered: list[np.ndarray] = []  # every staging buffer registered with the store
         # (time, buffer) a failed or abandoned transfer may still write into: reused only after ABANDON_GRACE_S
         self._abandoned: list[tuple[float, np.ndarray]] = []
-        self.low_priority_waits = low_priority_waits
         self._caller = _Caller(timeout_s, low_priority=low_priority_waits)
         bound = client_bound_s(store)
         inline = bound is not None and bound < timeout_s and not low_priority_waits
