@@ -16,6 +16,7 @@ import random
 import shutil
 import tempfile
 import threading
+import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 
@@ -771,6 +772,60 @@ def test_warm_reads_rows_into_the_cache_ahead_of_their_lookup(table, host, polic
             store.warm(np.array([[0, HEAD_ROWS[1], 0]]))
         assert_clean(store)
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_a_fetch_waits_for_rows_a_read_ahead_has_in_flight(table, host, policy):
+    """A prefetch of rows a read-ahead is reading waits for them to land instead of reading their pages again; rows
+    the read-ahead does not cover are read by the fetch itself, beside it."""
+    store = open_file_store(table, "direct", policy, cache_rows=300, row_bytes=host.manifest.row_bytes)
+    try:
+        ids = stat_batches(11, 1)[0]
+        extra = np.array([[90, 45, 190]])  # rows the read-ahead does not read
+        pages_warm = len({page_of(store, h, int(r)) for h in range(3) for r in ids[..., h].ravel()})
+        store.cache.native.hold_next_fetch()
+        warm = store.warm(ids)
+        assert store.cache.native.wait_held(30)  # the read-ahead's keys are in flight, nothing read yet
+        ticket = store.prefetch(np.concatenate([ids.reshape(-1, 3), extra]))
+        time.sleep(0.2)
+        assert not ticket.done()  # it waits for the held read-ahead's rows
+        store.cache.native.release_held()
+        assert warm.wait(30) is None
+        want = host.lookup(np.concatenate([ids.reshape(-1, 3), extra]))
+        assert_same(ticket.wait(30), want)
+        extra_pages = {page_of(store, h, int(extra[0, h])) for h in range(3)}
+        extra_pages -= {page_of(store, h, int(r)) for h in range(3) for r in ids[..., h].ravel()}
+        s = store.stats()
+        assert s["pages_read"] == pages_warm + len(extra_pages)  # no page read twice
+        assert s["lookups"] == 1 and s["hits"] + s["misses"] == np.unique(
+            np.concatenate([ids.reshape(-1, 3), extra]) + store.table.head_offsets).size
+        assert_clean(store)
+    finally:
+        store.cache.native.release_held()  # a failed assertion must not leave close() waiting
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["eio", "flip"])
+def test_a_fetch_reads_itself_what_a_failed_read_ahead_did_not_land(table, host, kind):
+    """A read-ahead whose read fails lands nothing: the fetch that waited for its rows reads them itself and serves
+    them right; the read-ahead's ticket raises the error naming the page."""
+    store = open_file_store(table, "direct", "lru", cache_rows=300, row_bytes=host.manifest.row_bytes)
+    try:
+        ids = np.array([[5, 6, 150], [60, 7, 151]])
+        page = page_of(store, 2, 150)
+        store.cache.native.hold_next_fetch()
+        warm = store.warm(ids)
+        assert store.cache.native.wait_held(30)
+        store.tier.reader.inject_fault(kind, page, 2)  # fails the read-ahead's read and its retry
+        ticket = store.prefetch(ids)
+        store.cache.native.release_held()
+        with pytest.raises(OSError, match=rf"page {page}\b"):
+            warm.wait(30)
+        assert_same(ticket.wait(30), host.lookup(ids))  # read again by the fetch: the fault is spent
+        assert_clean(store)
+    finally:
+        store.cache.native.release_held()  # a failed assertion must not leave close() waiting
         store.close()
 
 

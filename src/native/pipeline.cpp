@@ -280,38 +280,80 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
   dedup(t, a.ids, n, d);
   const std::vector<int64_t> &uniq = d.uniq;
   std::vector<int64_t> slots(uniq.size(), -1);
+  std::vector<int64_t> landing;  // missed keys a read-ahead has in flight: waited for, not read a second time
+  std::vector<size_t> landing_u;
   if (cache) {
     std::lock_guard<std::mutex> lock(cache->mutex());
     cache->probe_locked(uniq.data(), uniq.size(), slots.data(), a.batch);
     retire.batch = -1;
+    if (cache->any_in_flight_locked())
+      for (size_t u = 0; u < uniq.size(); ++u)
+        if (slots[u] < 0 && cache->in_flight_locked(uniq[u])) landing.push_back(uniq[u]), landing_u.push_back(u);
   }
   Unpin unpin{cache, slots};
   if (cache) cache->maybe_hold();
 
-  // Misses in row order, so that rows sharing a page are read once and the pages go to the disk in file order.
-  std::vector<std::pair<int64_t, size_t>> miss_at;
-  for (size_t u = 0; u < uniq.size(); ++u)
-    if (slots[u] < 0) miss_at.emplace_back(uniq[u], u);
-  std::sort(miss_at.begin(), miss_at.end());
-  std::vector<int64_t> miss(miss_at.size());
-  std::vector<size_t> miss_u(miss_at.size());
-  for (size_t j = 0; j < miss_at.size(); ++j) miss[j] = miss_at[j].first, miss_u[j] = miss_at[j].second;
-  std::vector<int64_t> pages;
-  std::vector<uint64_t> at;
-  plan_pages(t, miss, pages, at);
-  if (!pages.empty() && stop()) throw Cancelled{};
-  const std::vector<const uint8_t *> miss_rows = read_rows(*a.src, pages, at, t.view.geo.page_size, row_bytes);
-
-  // Hits decode from their pinned slots; misses from their staged bytes (an admitted row may be evicted by a
-  // concurrent lookup before this one's gather runs, its staged copy cannot).
+  // Reads the rows of uniq[u] for u in `which` (sorted by key, so that rows sharing a page are read once and the
+  // pages go to the disk in file order), admits them, and points rows[u] at their staged bytes (an admitted row
+  // may be evicted by a concurrent lookup before this one's gather runs, its staged copy cannot; it lasts until
+  // this thread's next read).
   std::vector<const uint8_t *> rows(uniq.size());
+  size_t pages_read = 0, rows_read = 0;
+  auto read_and_admit = [&](std::vector<size_t> which) {
+    std::sort(which.begin(), which.end(), [&](size_t x, size_t y) { return uniq[x] < uniq[y]; });
+    std::vector<int64_t> keys(which.size());
+    for (size_t j = 0; j < which.size(); ++j) keys[j] = uniq[which[j]];
+    std::vector<int64_t> pages;
+    std::vector<uint64_t> at;
+    plan_pages(t, keys, pages, at);
+    if (!pages.empty() && stop()) throw Cancelled{};
+    const std::vector<const uint8_t *> staged = read_rows(*a.src, pages, at, t.view.geo.page_size, row_bytes);
+    for (size_t j = 0; j < which.size(); ++j) rows[which[j]] = staged[j];
+    if (cache && !keys.empty()) {
+      std::lock_guard<std::mutex> lock(cache->mutex());
+      cache->admit_locked(keys.data(), keys.size(), staged.data(), true);
+    }
+    pages_read += pages.size(), rows_read += keys.size();
+  };
+  std::vector<size_t> miss_u;  // every probe miss, landed or read
+  std::vector<size_t> own;
+  {
+    std::vector<uint8_t> is_landing(uniq.size(), 0);
+    for (size_t u : landing_u) is_landing[u] = 1;
+    for (size_t u = 0; u < uniq.size(); ++u)
+      if (slots[u] < 0) {
+        miss_u.push_back(u);
+        if (!is_landing[u]) own.push_back(u);
+      }
+  }
+  const std::vector<size_t> first = own;
+  if (!own.empty()) read_and_admit(std::move(own));
+  std::vector<uint8_t> kept;  // the first read's rows, copied when a second read would reuse their staging
+  if (!landing.empty()) {
+    // The read-ahead's reads ran beside this fetch's; what landed is pinned like a hit, the rest (its read failed
+    // or the cache turned it away) is read here.
+    std::vector<int64_t> got(landing.size(), -1);
+    {
+      std::unique_lock<std::mutex> lock(cache->mutex());
+      if (!cache->wait_landed(lock, landing.data(), landing.size(), stop)) throw Cancelled{};
+      cache->pin_resident_locked(landing.data(), landing.size(), got.data());
+    }
+    std::vector<size_t> again;
+    for (size_t j = 0; j < landing.size(); ++j) {
+      slots[landing_u[j]] = got[j];  // unpinned with the hits
+      if (got[j] < 0) again.push_back(landing_u[j]);
+    }
+    if (!again.empty()) {
+      kept.resize(first.size() * row_bytes);
+      for (size_t j = 0; j < first.size(); ++j) {
+        std::memcpy(kept.data() + j * row_bytes, rows[first[j]], row_bytes);
+        rows[first[j]] = kept.data() + j * row_bytes;
+      }
+      read_and_admit(std::move(again));
+    }
+  }
   for (size_t u = 0; u < uniq.size(); ++u)
     if (slots[u] >= 0) rows[u] = cache->row(slots[u]);
-  for (size_t j = 0; j < miss.size(); ++j) rows[miss_u[j]] = miss_rows[j];
-  if (cache && !miss.empty()) {
-    std::lock_guard<std::mutex> lock(cache->mutex());
-    cache->admit_locked(miss.data(), miss.size(), miss_rows.data(), true);
-  }
   gather_located(rows.data(), d.which.data(), n, a.kind, t.view.codec, t.view.dim, row_bytes, a.out);
 
   // acc: ids [H], distinct rows [H], hits [H], misses [H], then lookups, pages, hit rows, miss rows
@@ -326,12 +368,12 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
     add(sum + 3 * H + h, per_head[H + h]);
   }
   add(sum + 4 * H, 1);
-  add(sum + 4 * H + 1, static_cast<int64_t>(pages.size()));
-  add(sum + 4 * H + 2, static_cast<int64_t>(uniq.size() - miss.size()));
-  add(sum + 4 * H + 3, static_cast<int64_t>(miss.size()));
-  add(tier_sum, static_cast<int64_t>(miss.size()));
-  add(tier_sum + 1, static_cast<int64_t>(pages.size()));
-  return static_cast<int64_t>(pages.size());
+  add(sum + 4 * H + 1, static_cast<int64_t>(pages_read));
+  add(sum + 4 * H + 2, static_cast<int64_t>(uniq.size() - miss_u.size()));
+  add(sum + 4 * H + 3, static_cast<int64_t>(miss_u.size()));
+  add(tier_sum, static_cast<int64_t>(rows_read));
+  add(tier_sum + 1, static_cast<int64_t>(pages_read));
+  return static_cast<int64_t>(pages_read);
 }
 
 struct Timer {
@@ -385,9 +427,20 @@ std::pair<int64_t, int64_t> run_warm(const WarmArgs &a, const std::atomic<bool> 
   {
     std::lock_guard<std::mutex> lock(a.cache->mutex());
     for (int64_t k : uniq)
-      if (!a.cache->contains_locked(k)) miss.push_back(k);
+      if (!a.cache->contains_locked(k) && !a.cache->in_flight_locked(k)) miss.push_back(k);
+    a.cache->mark_in_flight_locked(miss);
   }
   if (miss.empty()) return {0, 0};
+  // Lands the keys when this read-ahead ends, admitted or not (a fetch waiting for one then reads it itself).
+  struct Land {
+    NativeRowCache *cache;
+    const std::vector<int64_t> &keys;
+    ~Land() {
+      std::lock_guard<std::mutex> lock(cache->mutex());
+      cache->land_locked(keys);
+    }
+  } land{a.cache, miss};
+  a.cache->maybe_hold();  // test hook: held here with its reads in flight
   std::vector<int64_t> pages;
   std::vector<uint64_t> at;
   plan_pages(t, miss, pages, at);

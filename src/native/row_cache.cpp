@@ -538,6 +538,21 @@ uint64_t NativeRowCache::admit(const int64_t *keys, size_t n, const uint8_t *con
   return admit_locked(keys, n, src, false);
 }
 
+void NativeRowCache::pin_resident_locked(const int64_t *keys, size_t n, int64_t *slots) {
+  find_all(keys, n, slots);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;
+    if (policy_ == Policy::kLRU) p_touch(keys[i], slot);  // the others' use was counted by the probe
+    if (pins_[slot]++ == 0) ++pinned_slots_;
+  }
+}
+
+void NativeRowCache::land_locked(const std::vector<int64_t> &keys) {
+  for (int64_t k : keys) in_flight_.erase(k);
+  landed_cv_.notify_all();
+}
+
 void NativeRowCache::unpin_locked(const int64_t *slots, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     const int64_t slot = slots[i];

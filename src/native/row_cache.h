@@ -10,11 +10,13 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -77,7 +79,8 @@ class NativeRowCache {
 
   std::mutex &mutex() { return mu_; }
 
-  // Test hook: the next fetch through this cache stops after its probe (its hits pinned) until release_held().
+  // Test hook: the next fetch through this cache stops after its probe (its hits pinned), or the next read-ahead
+  // once its keys are marked in flight, until release_held().
   void hold_next_fetch();
   bool wait_held(double timeout_s);  // true once a fetch is held
   void release_held();
@@ -90,6 +93,31 @@ class NativeRowCache {
   uint64_t admit_locked(const int64_t *keys, size_t n, const uint8_t *const *src, bool unique);
   void unpin_locked(const int64_t *slots, size_t n);
   bool contains_locked(int64_t key) const { return find(key) >= 0; }
+  // Pins the resident keys of [n] (slots[i] = slot or -1) without counting a probe or observing: for a fetch that
+  // waited for rows a read-ahead had in flight, after the probe that counted them.
+  void pin_resident_locked(const int64_t *keys, size_t n, int64_t *slots);
+
+  // Reads in flight: keys a read-ahead is reading and has not yet admitted. A fetch that misses one waits for it
+  // to land instead of reading its page a second time; a read-ahead skips the keys another has in flight.
+  bool any_in_flight_locked() const { return !in_flight_.empty(); }
+  bool in_flight_locked(int64_t key) const { return in_flight_.count(key) != 0; }
+  void mark_in_flight_locked(const std::vector<int64_t> &keys) { in_flight_.insert(keys.begin(), keys.end()); }
+  void land_locked(const std::vector<int64_t> &keys);  // the keys' reads ended (admitted or failed): wakes waiters
+  // Waits (the lock held by `lock`, released while waiting) until none of keys [n] is in flight; false if
+  // `stop()` became true first (checked every 20 ms).
+  template <class Stop>
+  bool wait_landed(std::unique_lock<std::mutex> &lock, const int64_t *keys, size_t n, Stop stop) {
+    auto landed = [&] {
+      for (size_t i = 0; i < n; ++i)
+        if (in_flight_.count(keys[i])) return false;
+      return true;
+    };
+    while (!landed()) {
+      if (stop()) return false;
+      landed_cv_.wait_for(lock, std::chrono::milliseconds(20));
+    }
+    return true;
+  }
 
  private:
   // Open addressing with linear probing over a power-of-two table; backward-shift deletion (no tombstones).
@@ -168,6 +196,8 @@ class NativeRowCache {
   unsigned shift_ = 0;
   Counters counters_;
   std::mutex mu_;
+  std::unordered_set<int64_t> in_flight_;
+  std::condition_variable landed_cv_;
 
   // LFU: count per key seen (resident or not), min-heap of (count when pushed, key), stale entries skipped.
   std::unordered_map<int64_t, int64_t> freq_;

@@ -114,7 +114,8 @@ void register_row_cache(nb::module_ &m) {
            "(resident keys in the policy's order, their slots): see row_cache.h.")
       .def("check_invariants", &NativeRowCache::check_invariants)
       .def("hold_next_fetch", &NativeRowCache::hold_next_fetch,
-           "Test hook: the next fetch through this cache waits after its probe (hits pinned) until release_held().")
+           "Test hook: the next fetch through this cache waits after its probe (hits pinned), or the next read-ahead once "
+           "its keys are marked in flight, until release_held().")
       .def(
           "wait_held",
           [](NativeRowCache &c, double timeout_s) {
