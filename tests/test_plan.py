@@ -337,6 +337,19 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
                  "--plot", str(tmp_path / "v.png")]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert len(obj["points"]) == 9 and (tmp_path / "v.png").is_file()
+    # a sweep with servers the planner does not model (mooncake) and two servers of one placement (file and
+    # file-nowait): the plot names each server and skips what is not modelled
+    both = _sweep(str(model_dir), 1.0)
+    extra = [dict(p, placement=name) for p in both["points"] if p["placement"] == "file"
+             for name in ("file-nowait", "mooncake")]
+    both["points"] += extra
+    both["config"]["compare_rows_first"] = True
+    sweep.write_text(json.dumps(both))
+    assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
+                 "--plot", str(tmp_path / "v2.png")]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert {p["placement"] for p in obj["points"]} == {"device", "host", "file", "file-nowait"}
+    assert obj["skipped_placements"] == ["mooncake"] and (tmp_path / "v2.png").is_file()
     assert main(["plan", "validate", str(tmp_path / "none.json"), "--hardware", str(spec)]) == 2
     assert "cannot read the sweep JSON" in capsys.readouterr().err
 

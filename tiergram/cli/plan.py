@@ -205,7 +205,8 @@ def _validate(a: argparse.Namespace) -> int:
         hw2 = replace(hw, device_memory_bytes=float(cfg["device_memory"])) if cfg.get("device_memory") else hw
         wl = predict.sweep_workload(cfg)
         fronts = []
-        for name in dict.fromkeys(p["placement"] for p in sweep["points"]):
+        names = list(dict.fromkeys(r["placement"] for r in res["points"]))  # the sweep's modelled servers
+        for name in names:
             pl = predict.sweep_placement(name, cfg)
             if pl.kind == "file" and not model.hit_rate_curve:
                 hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
@@ -215,10 +216,11 @@ def _validate(a: argparse.Namespace) -> int:
                                                             name.endswith("-nowait")), pl,
                                         int(cfg.get("max_concurrency", 64))))
         measured: dict[str, list[tuple[float, float, int]]] = {}
-        for p in sweep["points"]:
-            label = predict.sweep_placement(p["placement"], cfg).label
-            measured.setdefault(label, []).append((p["interactivity_p50"], p["throughput_tok_s"], p["concurrency"]))
-        predict.plot(fronts, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured)
+        for p in (p for p in sweep["points"] if p["placement"] in names):
+            measured.setdefault(p["placement"], []).append((p["interactivity_p50"], p["throughput_tok_s"],
+                                                            p["concurrency"]))
+        predict.plot(fronts, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured,
+                     names)
     if a.json:
         print(json.dumps(res, indent=2))
     else:

@@ -75,8 +75,9 @@ def to_json(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front
 
 
 def plot(fronts: list[Front], path: Path, title: str, measured: dict[str, list[tuple[float, float, int]]] | None
-         = None) -> Path:
-    """Predicted throughput against interactivity per placement (lines), measured points as markers if given."""
+         = None, names: list[str] | None = None) -> Path:
+    """Predicted throughput against interactivity per placement (lines), measured points as markers if given.
+    `names`: each front's name in the legend (default: its placement's label), the keys of `measured`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,13 +87,13 @@ def plot(fronts: list[Front], path: Path, title: str, measured: dict[str, list[t
 
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=110)
     colors: dict[str, Any] = {}
-    for f in fronts:
+    for f, name in zip(fronts, names or [f.placement.label for f in fronts], strict=True):
         if not f.points:
             continue
         pts = f.pareto
         line, = ax.plot([p.interactivity for p in pts], [p.throughput_tok_s for p in pts], marker=".",
-                        label=f"{f.placement.label} (predicted)")
-        colors[f.placement.label] = line.get_color()
+                        label=f"{name} (predicted)")
+        colors[name] = line.get_color()
         last = f.points[-1]
         ax.annotate(f"c={last.concurrency}: {last.binding}", (last.interactivity, last.throughput_tok_s),
                     fontsize=6, textcoords="offset points", xytext=(3, -8), color=line.get_color())
