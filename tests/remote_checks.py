@@ -65,18 +65,23 @@ def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
     assert uri == f"mooncake://{cluster.master_addr}/a"
     host = TieredTable(path, tier="host")
     ids = _ids((700, 523, 301), 200).reshape(4, 50, 3)
-    for cache, low in ((0, False), (64 * 1024, False), (0, True)):
-        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache, remote_options={"low_priority_waits": low})
+    for cache, low, pipeline in ((0, False, "auto"), (64 * 1024, False, "auto"), (0, True, "auto"),
+                                 (64 * 1024, False, "python")):
+        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache, remote_options={"low_priority_waits": low},
+                             pipeline=pipeline)
         try:
-            assert torch.equal(remote.lookup(ids), host.lookup(ids))
-            ticket = remote.prefetch(ids[:2])
-            assert torch.equal(ticket.wait(timeout=BOUND_S), host.lookup(ids[:2]))
+            for _ in range(3):
+                assert torch.equal(remote.lookup(ids), host.lookup(ids))
+                ticket = remote.prefetch(ids[:2])
+                assert torch.equal(ticket.wait(timeout=BOUND_S), host.lookup(ids[:2]))
             if cache:
                 warm = remote.warm(ids[2:])
                 warm.wait(timeout=BOUND_S)
                 assert torch.equal(remote.lookup(ids[2:]), host.lookup(ids[2:]))
             st = remote.stats()
-            assert st["tier"] == "mooncake"
+            assert st["tier"] == "mooncake" and st["pipeline"] == ("native" if pipeline == "auto" else "python")
+            # one registered staging buffer per reading thread (caller, prefetch and read-ahead queues), not per call
+            assert len(remote.tier._registered) <= 3
             r = st["remote"]
             assert r["calls"] >= 1 and r["pages_read"] > 0 and r["bytes_read"] == r["pages_read"] * 4096
             assert r["latency_ms_p50"] > 0 and r["errors"] == 0

@@ -32,5 +32,6 @@ void register_gather(nb::module_ &m);
 void register_file_reader(nb::module_ &m);
 void register_row_cache(nb::module_ &m);
 void register_pipeline(nb::module_ &m);
+void register_callback_source(nb::module_ &m);
 
 }  // namespace tiergram

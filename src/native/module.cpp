@@ -15,4 +15,5 @@ NB_MODULE(_native, m) {
   tiergram::register_file_reader(m);
   tiergram::register_row_cache(m);
   tiergram::register_pipeline(m);
+  tiergram::register_callback_source(m);
 }

@@ -22,7 +22,8 @@ class StoreStats:
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     pages_read: int = 0
     warmed_rows: int = 0  # rows read into the cache ahead of their lookup (TieredTable.warm)
-    page_size: int = 0  # bytes per page read (for the native counters' file bytes)
+    page_size: int = 0  # bytes per page read (for the native counters' tier bytes)
+    tier: str = "file"  # the tier the native pipeline reads pages from (its bytes_read key)
     cached: bool = False  # whether lookups go through a cache (the native counters' cache bytes)
     # What the native fetch pipeline adds itself, atomically, without the GIL: ids, distinct rows, hits, misses
     # per head [4 * H], then lookups, pages read, hit rows, miss rows. snapshot() folds it in.
@@ -68,11 +69,11 @@ class StoreStats:
             pages += warm_pages
             by_tier = dict(self.bytes_by_tier)
             if lookups or warm_pages:
-                by_tier["file"] = by_tier.get("file", 0) + pages * self.page_size
+                by_tier[self.tier] = by_tier.get(self.tier, 0) + pages * self.page_size
                 if self.cached and lookups:
                     by_tier["cache"] = by_tier.get("cache", 0) + hit_rows * self.row_bytes
             hits, misses = int(per_head["hits"].sum()), int(per_head["misses"].sum())
-            file_bytes = by_tier.get("file", 0)
+            file_bytes = by_tier.get(self.tier, 0)
             return {
                 "lookups": self.lookups + lookups,
                 "ids": int(per_head["ids"].sum()),
@@ -83,7 +84,7 @@ class StoreStats:
                 "pages_read": self.pages_read + pages,
                 "warmed_rows": self.warmed_rows + warmed,
                 "bytes_read": by_tier,
-                # None without file reads to count (mmap: the kernel's page faults are not seen)
+                # None without page reads to count (mmap: the kernel's page faults are not seen)
                 "read_amplification": file_bytes / (misses * self.row_bytes) if misses and file_bytes else None,
                 "per_head": {name: v.tolist() for name, v in per_head.items()},
             }

@@ -91,18 +91,20 @@ class TieredTable(ManifestGeometry):
         else:
             raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
         wants_cache = bool(cache_bytes) or (cache_bytes is None and host_memory_bytes is not None and tier != "host")
-        native_ok = (isinstance(self.tier, FileTier) and self.tier.reader is not None
+        # a tier with a native page source: the file tier's reads (not mmap) and the remote tier's
+        native_ok = (getattr(self.tier, "reader", None) is not None
                      and (cache_policy in NATIVE_POLICIES or not wants_cache))
         if pipeline == "native" and not native_ok:
-            raise ValueError(f"the native fetch pipeline serves tier='file' with file_mode 'direct' or 'buffered' and "
-                             f"a cache policy of {', '.join(NATIVE_POLICIES)} (or no cache), not tier={tier!r} "
-                             f"file_mode={file_mode!r} cache_policy={cache_policy!r}")
+            raise ValueError(f"the native fetch pipeline serves tier='file' with file_mode 'direct' or 'buffered', "
+                             f"and the mooncake tier, with a cache policy of {', '.join(NATIVE_POLICIES)} (or no "
+                             f"cache), not tier={tier!r} file_mode={file_mode!r} cache_policy={cache_policy!r}")
         self.pipeline = "native" if native_ok and pipeline != "python" else "python"
         if cache_bytes is None and host_memory_bytes is not None and tier != "host":
             cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
         cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
         self.cache = cache_cls.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
-        self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None)
+        self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None,
+                                 tier=self.tier.name)
         self._offsets = self.table.head_offsets
         self._head_rows = self.table.head_rows
         if self.pipeline == "native":  # the native call's constant arguments, looked up once

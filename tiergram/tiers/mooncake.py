@@ -400,7 +400,9 @@ class MooncakeTier:
         self._owns_store = owns_store
         self._prefix = f"{KEY_PREFIX}/{table_name}/p"
         self._lock = threading.Lock()
-        self._local = threading.local()
+        # each thread's registered staging buffer, by thread id: the native pipeline's C++ threads call read_pages
+        # with a Python thread state made afresh for each call, which a threading.local would not outlive
+        self._staging: dict[int, np.ndarray] = {}
         self._registered: list[np.ndarray] = []  # every staging buffer registered with the store
         # (time, buffer) a failed or abandoned transfer may still write into: reused only after ABANDON_GRACE_S
         self._abandoned: list[tuple[float, np.ndarray]] = []
@@ -414,6 +416,10 @@ class MooncakeTier:
             if local.manifest != m:
                 raise ValueError(f"fallback {fallback} is not the table {table_name!r}: manifests differ")
             self.fallback = FileTier(local, mode="buffered")
+        # the native fetch pipeline reads through this: one call of read_pages per batch of missed pages (dedup,
+        # cache, admission, decode and the sharing of rows in flight stay native); it adds rows and pages here
+        self.reader = _native.CallbackPageSource(self.read_pages, m.page_size, m.n_pages)
+        self.native_counts = np.zeros(2, dtype=np.int64)
 
     @classmethod
     def open(cls, uri: str, *, local_hostname: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -469,7 +475,7 @@ class MooncakeTier:
         for lo in range(0, pages.size, MAX_KEYS_PER_CALL):
             failed.update(self._get(pages, lo, min(lo + MAX_KEYS_PER_CALL, pages.size), buf))
         retry = [i for i, code in failed.items() if code in (CHECKSUM_MISMATCH, -703)]
-        if retry and getattr(self._local, "staging", None) is not None:
+        if retry and threading.get_ident() in self._staging:
             # one more try for a page that may come right (a transient fault, a bit flipped in flight), unless a
             # transfer may still write into this buffer (it was abandoned) or the call timed out
             with self._lock:
@@ -519,6 +525,7 @@ class MooncakeTier:
 
         A call abandoned after timeout_s may still be running inside Mooncake: close waits for it up to the client's
         own bound, and if it is still running leaves the client open (closing it under the call could crash)."""
+        self.reader.close()  # later native reads raise; lets go of read_pages (and this tier)
         bound = client_bound_s(self.store)
         if not self._caller.close(wait_s=bound + 1.0 if bound is not None else self.timeout_s):
             self._owns_store = False  # never released: the shared client stays open for the process's life
@@ -532,7 +539,7 @@ class MooncakeTier:
         with self._lock:  # a late transfer may still land in these: they live as long as the process
             _UNSAFE_BUFFERS.extend(buf for _, buf in self._abandoned)
             self._abandoned.clear()
-        self._local = threading.local()
+        self._staging.clear()
         if self.fallback is not None:
             self.fallback.close()
         if self._owns_store:
@@ -610,7 +617,8 @@ class MooncakeTier:
 
     def staging(self, nbytes: int) -> np.ndarray:
         """This thread's registered, page-aligned staging buffer of at least nbytes (grown by doubling)."""
-        buf = getattr(self._local, "staging", None)
+        me = threading.get_ident()
+        buf = self._staging.get(me)
         if buf is None or buf.size < nbytes:
             size = max(nbytes, 2 * buf.size if buf is not None else 1 << 20)
             old, buf = buf, self._reclaim(size)
@@ -624,7 +632,7 @@ class MooncakeTier:
                     self._registered.append(buf)
             if old is not None:  # outgrown: this thread's earlier calls are done with it
                 self._release(old)
-            self._local.staging = buf
+            self._staging[me] = buf
         return buf[:nbytes]
 
     def _reclaim(self, size: int) -> np.ndarray | None:
@@ -644,11 +652,10 @@ class MooncakeTier:
 
     def _abandon(self, buf: np.ndarray) -> None:
         """Never hand this thread's staging buffer out again: a transfer may still be writing into it."""
-        staging = getattr(self._local, "staging", None)
+        staging = self._staging.pop(threading.get_ident(), None)
         if staging is not None:
             with self._lock:
                 self._abandoned.append((time.monotonic(), staging))
-            self._local.staging = None
 
 
 def push_table(path: str | os.PathLike, master: str, name: str | None = None, *, replace: bool = False,
