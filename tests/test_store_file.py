@@ -829,6 +829,51 @@ def test_a_fetch_reads_itself_what_a_failed_read_ahead_did_not_land(table, host,
         store.close()
 
 
+def test_a_python_page_source_serves_the_native_pipeline(table, host):
+    """The native pipeline reading through a Python callable (what the remote tier does): the same rows as the host
+    tier, one call per batch of missed pages, and a callable's error or bad answer reaches the caller named."""
+    store = open_file_store(table, "direct", "lru", cache_rows=100, row_bytes=host.manifest.row_bytes)
+    reader, ps, n_pages = store.tier.reader, store.manifest.page_size, store.manifest.n_pages
+    calls: list[np.ndarray] = []
+    answer: dict = {}
+
+    def read_pages(pages: np.ndarray) -> np.ndarray:
+        calls.append(pages.copy())
+        if "raise" in answer:
+            raise answer["raise"]
+        out = aligned_empty(pages.size * ps)
+        reader.read_pages(pages, out)
+        return answer.get("bytes", out)
+
+    store.tier.reader = _native.CallbackPageSource(read_pages, ps, n_pages)
+    try:
+        ids = stat_batches(5, 1)[0]
+        assert_same(store.lookup(ids), host.lookup(ids))
+        assert len(calls) == 1 and calls[0].dtype == np.int64 and np.all(np.diff(calls[0]) > 0)
+        assert_same(store.prefetch(ids).wait(30), host.lookup(ids))  # every row cached now: no call
+        assert len(calls) == 1
+        fresh = np.array([[90, 45, 190]])
+        answer["raise"] = OSError(5, "remote page 7 is gone")
+        with pytest.raises(OSError, match="remote page 7 is gone"):
+            store.prefetch(fresh).wait(30)
+        answer.clear()
+        answer["bytes"] = np.zeros(10, dtype=np.uint8)
+        with pytest.raises(ValueError, match=r"read_pages returned 10 bytes for \d+ pages of 1024 bytes"):
+            store.lookup(fresh)
+        answer["bytes"] = np.zeros(4 * ps, dtype=np.float32)
+        with pytest.raises(ValueError, match="read_pages must return a contiguous uint8 array"):
+            store.lookup(fresh)
+        answer.clear()
+        assert_same(store.lookup(fresh), host.lookup(fresh))  # nothing of the failures was admitted
+        store.tier.reader.close()
+        with pytest.raises(ValueError, match="the page source is closed"):
+            store.lookup(np.array([[91, 46, 191]]))
+        assert_clean(store)
+    finally:
+        store.tier.reader = reader
+        store.close()
+
+
 def test_warm_without_a_cache_does_nothing(table):
     store = open_file_store(table, "direct")
     try:

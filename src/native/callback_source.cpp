@@ -32,7 +32,7 @@ class CallbackPageSource : public PageSource {
     nb::object pages = nb::cast(nb::ndarray<nb::numpy, int64_t, nb::ndim<1>>(copy, 1, shape, owner));
     nb::object got = read_pages_(pages);
     BytesView bytes;
-    if (!nb::try_cast(got, bytes))
+    if (!nb::try_cast(got, bytes, false))  // no conversion: other dtypes are refused, never cast
       throw std::invalid_argument("read_pages must return a contiguous uint8 array, got " +
                                   std::string(nb::str(nb::type_name(got.type())).c_str()));
     const uint64_t want = m * page_size_;
