@@ -299,10 +299,12 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
   // this thread's next read).
   std::vector<const uint8_t *> rows(uniq.size());
   size_t pages_read = 0, rows_read = 0;
-  auto read_and_admit = [&](std::vector<size_t> which) {
-    std::sort(which.begin(), which.end(), [&](size_t x, size_t y) { return uniq[x] < uniq[y]; });
+  auto read_and_admit = [&](std::vector<size_t> &which) {  // sorts `which` in place
+    std::vector<std::pair<int64_t, size_t>> by_key(which.size());  // (key, u): sorted with the key in hand
+    for (size_t j = 0; j < which.size(); ++j) by_key[j] = {uniq[which[j]], which[j]};
+    std::sort(by_key.begin(), by_key.end());
     std::vector<int64_t> keys(which.size());
-    for (size_t j = 0; j < which.size(); ++j) keys[j] = uniq[which[j]];
+    for (size_t j = 0; j < which.size(); ++j) keys[j] = by_key[j].first, which[j] = by_key[j].second;
     std::vector<int64_t> pages;
     std::vector<uint64_t> at;
     plan_pages(t, keys, pages, at);
@@ -316,18 +318,17 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
     pages_read += pages.size(), rows_read += keys.size();
   };
   std::vector<size_t> miss_u;  // every probe miss, landed or read
-  std::vector<size_t> own;
-  {
+  for (size_t u = 0; u < uniq.size(); ++u)
+    if (slots[u] < 0) miss_u.push_back(u);
+  std::vector<size_t> others;  // with keys landing: the misses this fetch reads itself
+  if (!landing.empty()) {
     std::vector<uint8_t> is_landing(uniq.size(), 0);
     for (size_t u : landing_u) is_landing[u] = 1;
-    for (size_t u = 0; u < uniq.size(); ++u)
-      if (slots[u] < 0) {
-        miss_u.push_back(u);
-        if (!is_landing[u]) own.push_back(u);
-      }
+    for (size_t u : miss_u)
+      if (!is_landing[u]) others.push_back(u);
   }
-  const std::vector<size_t> first = own;
-  if (!own.empty()) read_and_admit(std::move(own));
+  std::vector<size_t> &own = landing.empty() ? miss_u : others;
+  if (!own.empty()) read_and_admit(own);
   std::vector<uint8_t> kept;  // the first read's rows, copied when a second read would reuse their staging
   if (!landing.empty()) {
     // The read-ahead's reads ran beside this fetch's; what landed is pinned like a hit, the rest (its read failed
@@ -344,12 +345,12 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
       if (got[j] < 0) again.push_back(landing_u[j]);
     }
     if (!again.empty()) {
-      kept.resize(first.size() * row_bytes);
-      for (size_t j = 0; j < first.size(); ++j) {
-        std::memcpy(kept.data() + j * row_bytes, rows[first[j]], row_bytes);
-        rows[first[j]] = kept.data() + j * row_bytes;
+      kept.resize(own.size() * row_bytes);
+      for (size_t j = 0; j < own.size(); ++j) {
+        std::memcpy(kept.data() + j * row_bytes, rows[own[j]], row_bytes);
+        rows[own[j]] = kept.data() + j * row_bytes;
       }
-      read_and_admit(std::move(again));
+      read_and_admit(again);
     }
   }
   for (size_t u = 0; u < uniq.size(); ++u)

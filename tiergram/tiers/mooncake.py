@@ -417,7 +417,8 @@ class MooncakeTier:
                 raise ValueError(f"fallback {fallback} is not the table {table_name!r}: manifests differ")
             self.fallback = FileTier(local, mode="buffered")
         # the native fetch pipeline reads through this: one call of read_pages per batch of missed pages (dedup,
-        # cache, admission, decode and the sharing of rows in flight stay native); it adds rows and pages here
+        # cache, admission, decode and the sharing of rows in flight stay native); it adds rows and pages into
+        # native_counts, which stats() leaves out: the remote counters count pages and bytes at the store call
         self.reader = _native.CallbackPageSource(self.read_pages, m.page_size, m.n_pages)
         self.native_counts = np.zeros(2, dtype=np.int64)
 
