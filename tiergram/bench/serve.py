@@ -34,6 +34,7 @@ from tiergram.bench.common import cache_dir, log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
     BUSY,
+    COLD,
     DEFAULT_PLACEMENTS,
     NOWAIT,
     PLACEMENTS,
@@ -137,7 +138,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 extra_args=("--no-prompt-rows-first",) if placement.endswith(NOWAIT) else
                 ("--engine-process",) if placement.endswith(PROCESS) else
                 ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
-                ("--mooncake-busy-waits",) if placement.endswith(BUSY) else ()))
+                ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
+                hot_rows=cfg.hot_rows and not placement.endswith(COLD)))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))

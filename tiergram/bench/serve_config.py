@@ -51,6 +51,11 @@ class SweepConfig:
     compare_engine_process: bool = False
     # also serve the first file placement with --no-fixed-buffers (plain page reads), labelled <label>-plain
     compare_fixed_buffers: bool = False
+    # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
+    # `tiergram hot-rows`) at start
+    hot_rows: bool = False
+    # with hot_rows: also serve the first file placement without the preload, labelled <label>-cold
+    compare_hot_rows: bool = False
     # also serve the mooncake placement with --mooncake-busy-waits (its client spins at normal priority), mooncake-busy
     compare_busy_waits: bool = False
 
@@ -93,6 +98,11 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_fixed_buffers needs the file placement")
             out.insert(out.index(first) + 1, first + PLAIN)
+        if self.compare_hot_rows:
+            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN))), None)
+            if first is None or not self.hot_rows:
+                raise ValueError("compare_hot_rows needs the file placement and hot_rows")
+            out.insert(out.index(first) + 1, first + COLD)
         if self.compare_busy_waits:
             if "mooncake" not in out:
                 raise ValueError("compare_busy_waits needs the mooncake placement")
@@ -109,6 +119,7 @@ class SweepConfig:
 NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
 PROCESS = "-process"  # the label suffix of a server whose engine runs in a process of its own
 PLAIN = "-plain"  # the label suffix of a file server that reads pages without registered buffers
+COLD = "-cold"  # the label suffix of a file server that starts with an empty cache (no hot-rows preload)
 BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
 
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.serve_config import BUSY, NOWAIT, PLAIN, SweepConfig, file_label, kind_of
+from tiergram.bench.serve_config import BUSY, COLD, NOWAIT, PLAIN, SweepConfig, file_label, kind_of
 
 
 class ServeSubprocess:
@@ -85,7 +85,7 @@ class ServerProcess(ServeSubprocess):
     """A sweep's server: `tiergram serve` for one placement with the sweep's engine settings."""
 
     def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
-                 model_dir: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+                 model_dir: str | None = None, extra_args: tuple[str, ...] = (), hot_rows: bool = False) -> None:
         args = ["--placement", placement,
                 "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                 "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
@@ -100,7 +100,20 @@ class ServerProcess(ServeSubprocess):
             args += ["--host-memory", str(cfg.host_memory)]
         if placement == "mooncake":
             args += ["--mooncake-master", cfg.mooncake_master or ""]
+        if hot_rows and placement in ("file", "mooncake"):
+            args += ["--hot-rows", str(hot_rows_path(model_dir or cfg.model_dir))]
         super().__init__(model_dir or cfg.model_dir, *args, *extra_args, startup_timeout_s=cfg.startup_timeout_s)
+
+
+def hot_rows_path(model_dir: str | os.PathLike) -> Path:
+    """A model's hot-rows file for the sweep; FileNotFoundError with the command that writes it when absent."""
+    from tiergram.model.hot_rows import HOT_ROWS
+
+    path = Path(model_dir) / HOT_ROWS
+    if not path.is_file():
+        raise FileNotFoundError(f"--hot-rows: {model_dir} has no {HOT_ROWS}; write it first with "
+                                f"`tiergram hot-rows {model_dir}`")
+    return path
 
 
 def peak_rss(pid: int) -> int:
@@ -171,7 +184,7 @@ def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
     if "mooncake" in caches:  # the same host cache as the file placement
         caches["mooncake"] = int(cfg.fractions[0] * smallest)
     for label in labels:
-        for suffix in (NOWAIT, PLAIN, BUSY):
+        for suffix in (NOWAIT, PLAIN, BUSY, COLD):
             if label.endswith(suffix):  # the same cache as the server it is compared with
                 caches[label] = caches[label.removesuffix(suffix)]
     if cfg.big_model_dir:

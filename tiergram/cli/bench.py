@@ -137,6 +137,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--compare-fixed-buffers", action="store_true",
                     help="also serve the first file placement with --no-fixed-buffers (plain page reads), as "
                          "<label>-plain")
+    sv.add_argument("--hot-rows", action="store_true",
+                    help="file and mooncake servers preload their cache with their model's hot rows at start "
+                         "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
+    sv.add_argument("--compare-hot-rows", action="store_true",
+                    help="with --hot-rows: also serve the first file placement starting with an empty cache, as "
+                         "<label>-cold")
     sv.add_argument("--compare-busy-waits", action="store_true",
                     help="also serve the mooncake placement with --mooncake-busy-waits (its store client spinning at "
                          "normal priority), as mooncake-busy")
@@ -289,7 +295,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
         compare_rows_first=args.compare_rows_first, compare_engine_process=args.compare_engine_process,
         compare_fixed_buffers=args.compare_fixed_buffers, compare_busy_waits=args.compare_busy_waits,
-        max_num_seqs=args.max_num_seqs,
+        hot_rows=args.hot_rows, compare_hot_rows=args.compare_hot_rows, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
         plot=args.plot, markdown=args.markdown, mooncake_master=args.mooncake_master)
     try:

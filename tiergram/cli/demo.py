@@ -63,6 +63,17 @@ def ensure_model(model_dir: Path, minutes: float, retrain: bool) -> Path:
     return model_dir
 
 
+def ensure_hot_rows(model_dir: Path, corpus: Path) -> Path:
+    """MODEL_DIR/hot_rows.npz, counted from the corpus's train split when missing or older than the weights."""
+    from tiergram.model.checkpoint import WEIGHTS
+    from tiergram.model.hot_rows import HOT_ROWS, count_model_hot_rows
+
+    path = model_dir / HOT_ROWS
+    if path.is_file() and path.stat().st_mtime_ns >= (model_dir / WEIGHTS).stat().st_mtime_ns:
+        return path
+    return count_model_hot_rows(model_dir, corpus=corpus, progress=True)[0]
+
+
 def binding_budget(model_dir: Path, seqs: int, seq_tokens: int, max_num_seqs: int) -> int:
     """A device budget that leaves K/V room for `seqs` sequences of seq_tokens when the tables are resident."""
     from tiergram.engine import EngineConfig, LLMEngine
@@ -91,6 +102,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     sizes = sweep.layer_table_bytes(str(model_dir), CODEC)
     print(f"{len(sizes)} tables, {sum(sizes) / 2**20:.1f} MiB in all, in {model_dir / 'export'}")
 
+    hot = ensure_hot_rows(model_dir, corpus)
+    print(f"hot rows (preloaded into the file placement's cache at start): {hot}", flush=True)
+
     _stage(4, "serving sweep: device (resident) vs host (DRAM) vs file (SSD + 10% host cache)", t0)
     input_len, output_len, max_c, per_user, warm = (64, 16, 4, 2, 1) if args.quick else (128, 32, 16, 4, 2)
     out = Path(args.out) if args.out else cache_dir("demo")
@@ -102,7 +116,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
               f"requests, offloaded ones for more", flush=True)
     cfg = sweep.SweepConfig(model_dir=str(model_dir), input_len=input_len, output_len=output_len,
                             max_concurrency=max_c, requests_per_user=per_user, warmup_per_user=warm,
-                            device_memory=budget, plot=str(out / "sweep.png"), markdown=str(out / "sweep.md"))
+                            device_memory=budget, hot_rows=True, plot=str(out / "sweep.png"),
+                            markdown=str(out / "sweep.md"))
     res = sweep.run(cfg, progress=True)
     (out / "sweep.json").write_text(sweep.to_json(res))
     print()

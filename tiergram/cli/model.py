@@ -79,6 +79,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--quiet", action="store_true", help="no progress bars")
     i.set_defaults(func=cmd_init_model)
 
+    h = sub.add_parser("hot-rows", help="rank each Engram layer's rows by how often a corpus reads them, for the "
+                                        "engine to preload into a cold cache (serve --hot-rows)")
+    h.add_argument("dir", help="model directory (its hashing and tokenizer)")
+    h.add_argument("--corpus", help="corpus folder (default: the cache's corpus, built if absent)")
+    h.add_argument("--split", default="train", choices=["train", "validation", "test"],
+                   help="the split counted (default train; the benchmarks replay the test split)")
+    h.add_argument("--tokens", type=_count, help="count only the split's first N tokens (e.g. 2M)")
+    h.add_argument("--max-fraction", type=float, default=0.25,
+                   help="keep at most this fraction of each layer's rows, the most read (default 0.25)")
+    h.add_argument("--out", help="output file (default DIR/hot_rows.npz)")
+    h.add_argument("--quiet", action="store_true", help="no progress bars")
+    h.set_defaults(func=cmd_hot_rows)
+
     g = sub.add_parser("generate", help="generate text with the K/V cache and streaming hashing")
     g.add_argument("dir", help="model directory")
     g.add_argument("--prompt", required=True)
@@ -149,6 +162,20 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     print(f"wrote {out}: {info['geometry']} Engram, {info['rows_per_head']:,} rows per head, tables "
           f"{info['table_bytes'] / 2**30:.2f} GiB written in {info['tables_write_s']:.1f} s "
           f"({info['table_bytes'] / max(info['tables_write_s'], 1e-9) / 2**30:.2f} GiB/s); random weights")
+    return 0
+
+
+def cmd_hot_rows(args: argparse.Namespace) -> int:
+    from tiergram.model.hot_rows import count_model_hot_rows
+
+    path, hot = count_model_hot_rows(args.dir, corpus=args.corpus, split=args.split, max_tokens=args.tokens,
+                                     max_fraction=args.max_fraction, out=args.out, progress=not args.quiet)
+    for layer in sorted(hot.keys):
+        c, reads = hot.counts[layer], max(1, hot.reads[layer])
+        print(f"layer {layer}: the {c.size:,} most read rows kept serve {int(c.sum()) / reads:.1%} of the "
+              f"{reads:,} row reads of {hot.tokens:,} tokens; the first tenth of them "
+              f"{int(c[: max(1, c.size // 10)].sum()) / reads:.1%}")
+    print(f"wrote {path}")
     return 0
 
 

@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prompt-rows-first", dest="prompt_rows_first", action="store_false",
                    help="let a new prompt join the batch at once instead of once its rows are read into the cache "
                         "(then running sequences' steps wait for those reads)")
+    g.add_argument("--hot-rows", default=None, metavar="PATH",
+                   help="a hot-rows file (tiergram hot-rows): fill the file or mooncake placement's cache with each "
+                        "table's most read rows at start, as many as it holds")
     g.add_argument("--no-fixed-buffers", dest="fixed_buffers", action="store_false",
                    help="read the file placement's pages plainly instead of into io_uring-registered staging "
                         "buffers (READ_FIXED saves the kernel pinning each page; docs/benchmarks.md)")
@@ -81,7 +84,8 @@ def engine_config(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead,
                         prompt_rows_first=getattr(args, "prompt_rows_first", True),
-                        host_memory_bytes=getattr(args, "host_memory", None))
+                        host_memory_bytes=getattr(args, "host_memory", None),
+                        hot_rows=getattr(args, "hot_rows", None))
 
 
 def _device(name: str) -> str:

@@ -171,9 +171,14 @@ class EngineConfig:
     # host memory the Engram tables may use in all (None: no limit), split evenly over the Engram layers: a host
     # placement must fit its share whole; a file placement's cache, staging and index are sized to fit it
     host_memory_bytes: int | None = None
+    # a hot-rows file (tiergram hot-rows): at start, each file / mooncake cache is filled with the table's most read
+    # rows, as many as it holds, so a fresh server starts with the hits a long-running one has (docs/engine.md)
+    hot_rows: str | None = None
 
     def __post_init__(self) -> None:
         self.model_dir = str(self.model_dir)
+        if self.hot_rows is not None:
+            self.hot_rows = str(self.hot_rows)
         if isinstance(self.placement, dict) and "kind" not in self.placement:
             self.placement = {int(k): Placement.from_any(v) for k, v in self.placement.items()}
         else:

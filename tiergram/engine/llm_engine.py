@@ -22,7 +22,7 @@ from tiergram.engine.model_runner import ModelRunner
 from tiergram.engine.sampler import sample
 from tiergram.engine.scheduler import Scheduler
 from tiergram.engine.sequence import RequestOutput, Sequence
-from tiergram.engine.tables import device_bytes, export_dir_for, open_table, table_stats
+from tiergram.engine.tables import device_bytes, export_dir_for, open_table, preload_hot_rows, table_stats
 from tiergram.engine.validate import RequestError, check_prompt
 from tiergram.engram import RowSourceTable
 from tiergram.model.checkpoint import WEIGHTS, check_table, hasher_of, load_tokenizer_of, read_config
@@ -62,6 +62,10 @@ class LLMEngine:
             self.model = self._load(model_dir, mconfig, layers)
             self.budget: Budget = self._plan(total, mconfig)
             self.degrader = Degrader(config.degrade)  # loads the skip predictor, if the policy names one
+            # {layer: rows read into its cache at start} from config.hot_rows
+            self.hot_rows_preloaded: dict[int, int] = {}
+            if config.hot_rows is not None and self.model.hasher is not None:
+                self.hot_rows_preloaded = preload_hot_rows(self.sources, config.hot_rows, self.model.hasher)
         except BaseException:
             self.close()
             raise

@@ -6,11 +6,15 @@ import fcntl
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from tqdm import tqdm
 
 from tiergram.engine.config import Placement
+from tiergram.hashing import NgramHasher
 from tiergram.model.checkpoint import CONFIG, EXPORT_SUBDIR, WEIGHTS, read_config
 from tiergram.model.export import export_model, table_filename, table_path
+from tiergram.model.hot_rows import load_hot_rows
 from tiergram.store import TieredTable
 from tiergram.store.device_table import DeviceTable
 
@@ -64,6 +68,35 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
     return TieredTable(path, tier="file", cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
                        file_mode=placement.file_mode, host_memory_bytes=budget,
                        fixed_buffers=placement.fixed_buffers)
+
+
+# hot rows are preloaded in this many warm-up calls, coldest part first: the parts set the cache's recency order, and
+# a page holding rows of several parts is read once per part
+PRELOAD_PARTS = 4
+
+
+def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) -> dict[int, int]:
+    """Fill each cached table's cache (file, mooncake) with its most read rows from a hot-rows file, as many as it
+    holds, the coldest first so the hottest are the most recent; {layer: rows preloaded}. Read errors raise.
+    A progress bar on a terminal (a 4 GiB table's 10% cache takes ~15 s on a 100K-IOPS disk)."""
+    hot = load_hot_rows(path, hasher)
+    loaded = {}
+    cached = {layer: src for layer, src in sources.items() if isinstance(src, TieredTable) and src.cache is not None}
+    bar = tqdm(total=len(cached) * PRELOAD_PARTS, desc="preloading hot rows", unit="part", disable=None)
+    for layer, src in cached.items():
+        capacity = int(src.stats()["cache"]["capacity_rows"])
+        heads = hot.per_head(layer, hasher.head_sizes(layer), capacity)
+        n = max((h.size for h in heads), default=0)
+        # [n, H] coldest first; a head with fewer hot rows repeats its coldest one (a repeat is read once)
+        ids = np.stack([np.concatenate([np.full(n - h.size, h[-1] if h.size else 0, dtype=np.int64), h[::-1]])
+                        for h in heads], axis=1)
+        for part in np.array_split(ids, PRELOAD_PARTS):
+            if part.size:
+                src.warm(part).wait()
+            bar.update()
+        loaded[layer] = int(sum(h.size for h in heads))
+    bar.close()
+    return loaded
 
 
 def check_host_memory(path: Path, placement: Placement) -> tuple[int | None, int | None]:
