@@ -148,12 +148,15 @@ def test_the_cli_counts_a_corpus_split_into_the_model_directory(model_dir, tmp_p
 
 
 def test_the_sweep_preloads_its_file_servers_and_compares_one_cold(model_dir, tmp_path):
-    from tiergram.bench.serve_config import SweepConfig
+    from tiergram.bench.serve_config import SweepConfig, kind_of
     from tiergram.bench.serve_process import ServerProcess, cache_budgets
     from tiergram.model.export import export_model
 
     cfg = SweepConfig(str(model_dir), placements=("host", "file"), hot_rows=True, compare_hot_rows=True)
     assert cfg.labels() == ["host", "file", "file-cold"]
+    remote = SweepConfig(str(model_dir), placements=("host", "file", "mooncake"), hot_rows=True, compare_hot_rows=True)
+    assert remote.labels() == ["host", "file", "file-cold", "mooncake", "mooncake-cold"]
+    assert kind_of("mooncake-cold") == "mooncake" and kind_of("file-cold") == "file"
     with pytest.raises(FileNotFoundError, match="tiergram hot-rows"):  # no MODEL_DIR/hot_rows.npz yet
         ServerProcess(cfg, "file", 4096, 256, hot_rows=True)
     tables = sorted(export_model(model_dir, "fp8_e4m3", tmp_path / "export", progress=False).glob("*.tgram"))

@@ -96,6 +96,34 @@ def test_prompt_rows_first_waits_for_decode_rows_and_the_read_in_progress() -> N
         predict_point(MODEL, fast, WL, Placement("host"), 2).step_s)
 
 
+def test_without_rows_first_a_step_waits_for_what_the_prompts_read_ahead_has_not_read() -> None:
+    slow = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 2e3),)))  # 0.5 ms per page, at any depth
+    pl = Placement("file", cache_fraction=0.1, hit_rate=0.5)
+    wl = replace(WL, read_ahead=True)  # prompt_rows_first off: the prompt joins at once, its read-ahead running
+    p = predict_point(MODEL, slow, wl, pl, 2)
+    rows = 5.6 * 8
+    waited = rows * 4 / 14  # the decode tokens' rows are the step's own reads
+    io = waited * 0.5 / 2e3 + 1 / 2e3
+    hide, cpu = 0.25 * 5.6e-3, rows / 1e6
+    disk = rows * 0.5 / 2e3  # every miss is read: 11.2 ms, longer than the cores' 10.1 ms, so the disk sets the step
+    step0 = max(5.6e-3 + cpu + max(0.0, io - hide - cpu) + 2.2e-3, disk)
+    prompt = 10 * 8 * 0.5 / 2e3 + 1 / 2e3  # one prompt's misses: 20.5 ms, longer than a step
+    late = (prompt - step0) * 2 / 5  # started one step before its step; 2 users / 5 steps = 0.4 prompts per step
+    queue = (disk * 10 / 14) / step0 * (waited * 0.5 / 2e3)
+    assert step0 == pytest.approx(disk)
+    assert p.terms["prompt rows late"] == pytest.approx(late)
+    assert p.terms["engram exposed"] == pytest.approx(max(0.0, io - hide - cpu) + queue + late)
+    assert p.terms["engram wait"] == pytest.approx(max(0.0, io - hide) + queue + late)
+    assert "prompt rows wait" not in p.terms  # the request itself does not wait: its step does
+    assert p.throughput_tok_s == pytest.approx(2 * 15 / (5 * p.step_s))
+    # a step that waited for every prompt row (no read-ahead) is longer; a disk fast enough to finish the read
+    # within a step leaves nothing late; alone (c = 1) the prompt starts at once, as without read-ahead
+    assert p.step_s < predict_point(MODEL, slow, WL, pl, 2).step_s
+    fast = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e5),)))
+    assert "prompt rows late" not in predict_point(MODEL, fast, wl, pl, 2).terms
+    assert predict_point(MODEL, slow, wl, pl, 1).step_s == pytest.approx(predict_point(MODEL, slow, WL, pl, 1).step_s)
+
+
 def test_a_disk_that_cannot_read_every_miss_within_the_step_sets_it() -> None:
     slow = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e6), (128.0, 100.0))))  # fast QD1, slow at depth
     p = predict_point(MODEL, slow, replace(WL, prompt_rows_first=True), Placement("file", hit_rate=0.0), 2)

@@ -54,7 +54,7 @@ class SweepConfig:
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
-    # with hot_rows: also serve the first file placement without the preload, labelled <label>-cold
+    # with hot_rows: also serve the first file placement (and mooncake) without the preload, labelled <label>-cold
     compare_hot_rows: bool = False
     # also serve the mooncake placement with --mooncake-busy-waits (its client spins at normal priority), mooncake-busy
     compare_busy_waits: bool = False
@@ -100,9 +100,11 @@ class SweepConfig:
             out.insert(out.index(first) + 1, first + PLAIN)
         if self.compare_hot_rows:
             first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN))), None)
-            if first is None or not self.hot_rows:
-                raise ValueError("compare_hot_rows needs the file placement and hot_rows")
-            out.insert(out.index(first) + 1, first + COLD)
+            if (first is None and "mooncake" not in out) or not self.hot_rows:
+                raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
+            for label in (first, "mooncake"):
+                if label in out:
+                    out.insert(out.index(label) + 1, label + COLD)
         if self.compare_busy_waits:
             if "mooncake" not in out:
                 raise ValueError("compare_busy_waits needs the mooncake placement")
@@ -119,7 +121,7 @@ class SweepConfig:
 NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
 PROCESS = "-process"  # the label suffix of a server whose engine runs in a process of its own
 PLAIN = "-plain"  # the label suffix of a file server that reads pages without registered buffers
-COLD = "-cold"  # the label suffix of a file server that starts with an empty cache (no hot-rows preload)
+COLD = "-cold"  # the label suffix of a file or mooncake server that starts with an empty cache (no hot-rows preload)
 BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
 
 
@@ -130,7 +132,7 @@ def file_label(fraction: float) -> str:
 
 def kind_of(label: str) -> str:
     """The placement kind a server label runs (file-10% and file-big are file, host-process is host)."""
-    return "file" if label.startswith("file") else label.removesuffix(PROCESS).removesuffix(BUSY)
+    return "file" if label.startswith("file") else label.removesuffix(PROCESS).removesuffix(BUSY).removesuffix(COLD)
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:

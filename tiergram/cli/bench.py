@@ -141,8 +141,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="file and mooncake servers preload their cache with their model's hot rows at start "
                          "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
     sv.add_argument("--compare-hot-rows", action="store_true",
-                    help="with --hot-rows: also serve the first file placement starting with an empty cache, as "
-                         "<label>-cold")
+                    help="with --hot-rows: also serve the first file placement (and mooncake) starting with an empty "
+                         "cache, as <label>-cold")
     sv.add_argument("--compare-busy-waits", action="store_true",
                     help="also serve the mooncake placement with --mooncake-busy-waits (its store client spinning at "
                          "normal priority), as mooncake-busy")

@@ -246,8 +246,10 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             elif pt.get("engram_cache_hit_rate") is not None:
                 pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
                 source = "sweep (reported hit rate)"
-        wl = replace(base_wl, prompt_rows_first=sweep_rows_first(cfg, name) if rows_first is None else
-                     rows_first and not name.endswith("-nowait"))
+        first = sweep_rows_first(cfg, name) if rows_first is None else rows_first and not name.endswith("-nowait")
+        # a server without the wait still read the prompt's rows ahead (engines that know the setting)
+        ahead = bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not first
+        wl = replace(base_wl, prompt_rows_first=first, read_ahead=ahead)
         p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
