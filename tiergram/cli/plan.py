@@ -211,9 +211,7 @@ def _validate(a: argparse.Namespace) -> int:
             if pl.kind == "file" and not model.hit_rate_curve:
                 hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
                 pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
-            first = predict.sweep_rows_first(cfg, name) if rows_first is None else rows_first
-            fronts.append(predict_front(model, hw2, replace(wl, prompt_rows_first=first and not
-                                                            name.endswith("-nowait")), pl,
+            fronts.append(predict_front(model, hw2, predict.server_workload(wl, cfg, name, rows_first), pl,
                                         int(cfg.get("max_concurrency", 64))))
         measured: dict[str, list[tuple[float, float, int]]] = {}
         for p in (p for p in sweep["points"] if p["placement"] in names):

@@ -205,6 +205,15 @@ def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
     return bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not label.endswith("-nowait")
 
 
+def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first: bool | None = None) -> Workload:
+    """The sweep's workload as one server ran it: prompt_rows_first (None: from the sweep, `sweep_rows_first`;
+    never for a `-nowait` server), and the read-ahead of a server without that wait (engines that know the setting
+    still read a joining prompt's rows from its arrival on)."""
+    first = sweep_rows_first(cfg, label) if rows_first is None else rows_first and not label.endswith("-nowait")
+    ahead = bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not first
+    return replace(base, prompt_rows_first=first, read_ahead=ahead)
+
+
 def _binds(engram: str, disk_share: float, stall_share: float) -> str:
     """What binds a served point, by its evidence: the disk when reads take > 80% of its limit, the Engram source
     when the engine waits for rows > 25% of the time, else compute. validate names both sides by this rule."""
@@ -246,10 +255,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             elif pt.get("engram_cache_hit_rate") is not None:
                 pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
                 source = "sweep (reported hit rate)"
-        first = sweep_rows_first(cfg, name) if rows_first is None else rows_first and not name.endswith("-nowait")
-        # a server without the wait still read the prompt's rows ahead (engines that know the setting)
-        ahead = bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not first
-        wl = replace(base_wl, prompt_rows_first=first, read_ahead=ahead)
+        wl = server_workload(base_wl, cfg, name, rows_first)
         p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
