@@ -132,6 +132,37 @@ def test_the_engine_preloads_the_hottest_rows_and_serves_the_same_tokens(model_d
         engine(model_dir, placement, hot_rows=str(other))
 
 
+def test_a_gpu_tables_hbm_cache_is_preloaded_too(model_dir, tmp_path):
+    """On a GPU, host / file tables are DeviceTables with an HBM cache: the same preload fills it (here on the CPU)."""
+    import torch
+
+    from tiergram.engine.tables import export_dir_for, preload_hot_rows
+    from tiergram.model.checkpoint import hasher_of, load_tokenizer_of
+    from tiergram.model.export import table_path
+    from tiergram.store.device_table import DeviceTable
+
+    src = export_dir_for(model_dir, [0, 1], {"fp32"})
+    h = hasher_of(json.loads((model_dir / "config.json").read_text()), load_tokenizer_of(model_dir))
+    stream = np.concatenate([np.asarray(p) for p in PROMPTS] * 2)
+    path = save_hot_rows(count_hot_rows(h, stream, max_fraction=1.0, progress=False), tmp_path / "h.npz")
+    hot = load_hot_rows(path)
+    tables = {layer: DeviceTable(table_path(src, layer, "fp32"), device=torch.device("cpu"), tier="host",
+                                 cache_bytes=30 * 128) for layer in (0, 1)}  # 30 fp32 rows of 32 values
+    try:
+        loaded = preload_hot_rows(tables, str(path), h)
+        for layer, t in tables.items():
+            cache = t.stats()["cache"]
+            assert loaded[layer] == cache["rows"] == min(cache["capacity_rows"], hot.keys[layer].size)
+            heads = hot.per_head(layer, h.head_sizes(layer), cache["capacity_rows"])
+            n = min(r.size for r in heads)
+            before = t.stats()["cache"]["hits"]
+            t.lookup(np.stack([r[:n] for r in heads], axis=1))
+            assert t.stats()["cache"]["hits"] - before == n * len(heads)  # every preloaded row hits
+    finally:
+        for t in tables.values():
+            t.close()
+
+
 def test_the_cli_counts_a_corpus_split_into_the_model_directory(model_dir, tmp_path, capsys):
     corpus = fixture_corpus(tmp_path / "cache", vocab_size=None)
     out = tmp_path / "rows.npz"
