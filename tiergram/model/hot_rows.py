@@ -24,7 +24,10 @@ from tiergram.hashing import NgramHasher
 
 HOT_ROWS = "hot_rows.npz"  # the default file name, in the model directory
 FORMAT = "tiergram-hot-rows/1"
-CHUNK_TOKENS = 1 << 18  # tokens hashed per call while counting (a count array per layer is added per call)
+CHUNK_TOKENS = 1 << 18  # tokens hashed per call while counting
+# layers of up to this many rows add a bincount per chunk (fast, one table-sized temporary); larger ones (real tables:
+# V4.1-Flash has ~360M rows a layer) add the chunk's unique keys instead (4x slower on the 8 GiB model, no temporary)
+DENSE_ROWS = 1 << 26
 
 
 def hashing_digest(hasher: NgramHasher) -> str:
@@ -69,14 +72,19 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
     layers = hasher.layer_ids
     sizes = {layer: hasher.head_sizes(layer) for layer in layers}
     offsets = {layer: np.cumsum([0, *sizes[layer]])[:-1] for layer in layers}
-    counts = {layer: np.zeros(sum(sizes[layer]), dtype=np.int64) for layer in layers}
+    # uint32: one count per row, 4 bytes a row (a real V4.1-Flash layer of ~360M rows: 1.4 GiB)
+    counts = {layer: np.zeros(sum(sizes[layer]), dtype=np.uint32) for layer in layers}
     history = np.full((1, hasher.max_ngram_size - 1), hasher.pad_id, dtype=np.int64)
     bar = tqdm(total=tokens.size, desc="counting hot rows", unit="tok", unit_scale=True, disable=not progress)
     for chunk in _chunks(tokens):
         ids = hasher.row_ids_with_history(chunk[None], history)
         for layer, rows in ids.items():  # [1, T, H]
             keys = (rows[0] + offsets[layer]).reshape(-1)
-            counts[layer] += np.bincount(keys, minlength=counts[layer].size)
+            if counts[layer].size <= DENSE_ROWS:
+                counts[layer] += np.bincount(keys, minlength=counts[layer].size).astype(np.uint32)
+            else:
+                keys, n = np.unique(keys, return_counts=True)
+                counts[layer][keys] += n.astype(np.uint32)
         k = history.shape[1]
         history = np.concatenate([history, chunk[None]], axis=1)[:, -k:] if k else history
         bar.update(chunk.size)
@@ -84,10 +92,14 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
     keys_out, counts_out = {}, {}
     for layer, c in counts.items():
         keep = min(int(np.count_nonzero(c)), max(1, int(max_fraction * c.size)))
-        top = np.argpartition(-c, keep - 1)[:keep] if keep < c.size else np.arange(c.size)
-        top = top[np.lexsort((top, -c[top]))]  # most read first, ties by key: deterministic
-        keys_out[layer], counts_out[layer] = top.astype(np.int64), c[top]
-    reads = {layer: int(c.sum()) for layer, c in counts.items()}
+        read = np.flatnonzero(c)  # rank only the rows read at all (a few % of a real table)
+        if keep < read.size:  # the keep most read; of the rows tied at the cut, the lowest keys (deterministic)
+            cut = np.partition(c[read], read.size - keep)[read.size - keep]
+            above, tied = read[c[read] > cut], read[c[read] == cut]
+            read = np.concatenate([above, tied[:keep - above.size]])
+        top = read[np.lexsort((read, -c[read].astype(np.int64)))]  # most read first, ties by key
+        keys_out[layer], counts_out[layer] = top.astype(np.int64), c[top].astype(np.int64)
+    reads = {layer: int(c.sum(dtype=np.int64)) for layer, c in counts.items()}
     return HotRows(hashing_digest(hasher), int(tokens.size), source, keys_out, counts_out, reads)
 
 
