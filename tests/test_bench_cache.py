@@ -43,7 +43,7 @@ def tiny_result(tmp_path_factory):
 
 def test_json_structure(tiny_result):
     obj = json.loads(cb.to_json(tiny_result))
-    assert set(obj["hit_rate"]) == set(cb.ALL_POLICIES)
+    assert set(obj["hit_rate"]) == set(cb.DEFAULT_POLICIES)  # lru-hot is opt-in: it needs the corpus
     for rates in obj["hit_rate"].values():
         assert list(rates) == list(CAPS)
         assert all(0.0 <= r <= 1.0 for r in rates.values())
@@ -132,3 +132,39 @@ def test_corpus_source_builds_a_missing_corpus(tmp_path, monkeypatch):
     docs = cb.load_docs(cb.CacheBenchConfig(source="corpus", max_tokens=500))
     assert (corpus / "tokenizer.json").is_file() and docs.source.startswith("corpus validation split")
     assert sum(len(d) for d in docs.docs) > 0
+
+
+def test_lru_hot_never_hits_less_than_lru_and_hits_first_touches(tiny_result, tmp_path):
+    """LRU is a stack algorithm: a preloaded prefix can only add hits (first touches of preloaded rows)."""
+    docs = zipf_docs()
+    cfg = tiny_config(tmp_path, policies=("lru", cb.HOT), plot="")
+    hasher = cb.NgramHasher([16 * 300] * 2, 3, 2, [cfg.layer_id], 0, 0, compressed_vocab_size=300)
+    steps = cb.schedule(cb.request_rows(cb.make_requests(docs.docs, cfg), hasher, cfg.layer_id), cfg)
+    flat = np.concatenate(steps)
+    keys, counts = np.unique(flat, return_counts=True)
+    hot = keys[np.argsort(-counts, kind="stable")]  # the stream's own most read rows, hottest first
+    res = cb.run_steps(steps, cfg, {"table_rows": 6 * 16 * 300}, hot=hot)
+    for cap in res.capacity_rows:
+        assert res.hit_rate[cb.HOT][cap] >= res.hit_rate["lru"][cap]
+    # a cache holding every row the stream reads hits all but nothing: only the preload can hit a first touch
+    full = cb.replay_hot(steps, keys.size, hot)
+    assert full == 1.0 > res.hit_rate["lru"]["0.25"]
+    assert cb.replay_hot(steps, keys.size, hot[::-1][:0]) == pytest.approx(cb.replay(steps, keys.size, "lru"))
+    with pytest.raises(ValueError, match="needs the hot rows"):
+        cb.run_steps(steps, cfg, {})
+
+
+def test_lru_hot_counts_the_corpus_train_split(tmp_path):
+    from support import fixture_corpus
+
+    corpus = fixture_corpus(tmp_path / "cache")
+    cfg = cb.CacheBenchConfig(source="corpus", corpus=str(corpus), max_tokens=3000, prompt_len=48, decode_len=16,
+                              max_seqs=4, step_tokens=64, max_ngram_size=3, n_head_per_ngram=2, table_factor=16,
+                              capacities=(0.05, 0.25), policies=("lru", cb.HOT), plot="")
+    res = cb.run(cfg, progress=False)
+    assert all(res.hit_rate[cb.HOT][c] >= res.hit_rate["lru"][c] for c in res.capacity_rows)
+    assert "lru-hot" in cb.to_text(res)
+    with pytest.raises(ValueError, match="train split"):
+        cb.run(cb.CacheBenchConfig(**{**cfg.__dict__, "split": "train"}), progress=False)
+    with pytest.raises(ValueError, match="train split"):
+        cb.run(tiny_config(tmp_path, policies=(cb.HOT,)), docs=zipf_docs(), progress=False)

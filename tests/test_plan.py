@@ -124,6 +124,19 @@ def test_without_rows_first_a_step_waits_for_what_the_prompts_read_ahead_has_not
     assert predict_point(MODEL, slow, wl, pl, 1).step_s == pytest.approx(predict_point(MODEL, slow, WL, pl, 1).step_s)
 
 
+def test_a_cache_preloaded_with_hot_rows_takes_the_hot_curve() -> None:
+    curves = replace(MODEL, hit_rate_curve=((0.01, 0.2), (0.1, 0.3)), hot_hit_rate_curve=((0.01, 0.4), (0.1, 0.7)))
+    cold = predict_point(curves, CPU, WL, Placement("file", cache_fraction=0.1), 2)
+    hot = predict_point(curves, CPU, WL, Placement("file", cache_fraction=0.1, hot_rows=True), 2)
+    assert (cold.hit_rate, hot.hit_rate) == (pytest.approx(0.3), pytest.approx(0.7))
+    assert hot.step_s < cold.step_s and hot.terms["disk busy"] == pytest.approx(cold.terms["disk busy"] * 0.3 / 0.7)
+    assert "hot rows" in Placement("file", cache_fraction=0.1, hot_rows=True).label
+    with pytest.raises(ValueError, match="no hot_hit_rate_curve"):
+        predict_point(MODEL, CPU, WL, Placement("file", cache_fraction=0.1, hot_rows=True), 2)
+    with pytest.raises(ValueError, match="hot_rows applies to the file placement"):
+        Placement("host", hot_rows=True)
+
+
 def test_a_disk_that_cannot_read_every_miss_within_the_step_sets_it() -> None:
     slow = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e6), (128.0, 100.0))))  # fast QD1, slow at depth
     p = predict_point(MODEL, slow, replace(WL, prompt_rows_first=True), Placement("file", hit_rate=0.0), 2)
@@ -287,8 +300,11 @@ def test_bad_model_specs_and_names(tmp_path: Path) -> None:
     bad.write_text(src.replace("layers = [1, 14]", "layers = [1, 44]"))
     with pytest.raises(SpecError, match=r"m\.toml.*`layers`.*must lie in 0\.\.42"):
         load_model(bad)
-    bad.write_text(src.replace("[[0.001, 0.20]", "[[0.001, 1.20]"))
-    with pytest.raises(SpecError, match="hit rate 1.2 .* above 1"):
+    bad.write_text(src.replace("[[0.0001, 0.1553]", "[[0.0001, 1.20]"))
+    with pytest.raises(SpecError, match="`hit_rate_curve`: hit rate 1.2 .* above 1"):
+        load_model(bad)
+    bad.write_text(src.replace("[[0.0001, 0.1561]", "[[0.0001, 1.5]"))
+    with pytest.raises(SpecError, match="`hot_hit_rate_curve`: hit rate 1.5 .* above 1"):
         load_model(bad)
     bad.write_text("[model\nname=")
     with pytest.raises(SpecError, match="not valid TOML"):

@@ -41,7 +41,12 @@ from tiergram.cache.row_cache import RowCache
 from tiergram.hashing import NgramHasher, build_compression
 
 ONLINE = tuple(POLICIES)  # every policy a cache can run (Belady needs the whole future: offline)
-ALL_POLICIES = (*ONLINE, "belady")
+# LRU whose cache starts full of the rows the corpus's train split reads most (the engine's --hot-rows): opt-in, it
+# needs the corpus and counts its train split under the bench's hashing
+HOT = "lru-hot"
+HOT_MAX_ROWS = 48 << 20  # lru-hot replays no larger cache: the reference RowCache indexes with a dict (~0.4 KB a row)
+DEFAULT_POLICIES = (*ONLINE, "belady")
+ALL_POLICIES = (*ONLINE, HOT, "belady")
 STDLIB_VOCAB = 8192
 STDLIB_TRAIN_BYTES = 6 << 20  # the fallback BPE is trained on the first 6 MB of sorted stdlib source
 
@@ -65,7 +70,7 @@ class CacheBenchConfig:
     capacity_of: str = "touched"  # capacities as fractions of the distinct rows "touched", or of the "table"
     layer_id: int = 1
     capacities: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25)  # fractions of the distinct rows touched
-    policies: tuple[str, ...] = ALL_POLICIES
+    policies: tuple[str, ...] = DEFAULT_POLICIES
     window: int = 64  # steps announced ahead of the one being probed (lookahead)
     row_bytes: int = 1
     seed: int = 0
@@ -292,9 +297,29 @@ def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64
     return c.hits / c.probes if c.probes else 0.0
 
 
+def replay_hot(steps: list[np.ndarray], capacity: int, hot: np.ndarray) -> float:
+    """Hit rate of an LRU RowCache of `capacity` rows that starts holding hot[:capacity] (keys hottest first), the
+    hottest most recently used, over the steps."""
+    cache = RowCache(capacity, 1, "lru")
+    first = np.asarray(hot[:capacity], dtype=np.int64)[::-1]
+    cache.admit(first, (first & 0xFF).astype(np.uint8)[:, None])
+    cache.counters = type(cache.counters)()  # count the stream only
+    for keys in steps:
+        slots = cache.probe(keys)
+        hit = slots >= 0
+        if hit.any() and not (cache.rows[slots[hit], 0] == (keys[hit] & 0xFF)).all():
+            raise AssertionError("lru-hot cache returned another key's row")
+        miss = keys[~hit]
+        cache.admit(miss, (miss & 0xFF).astype(np.uint8)[:, None])
+        cache.unpin(slots)
+    c = cache.counters
+    return c.hits / c.probes if c.probes else 0.0
+
+
 def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, object] | None = None,
-              progress: bool = False) -> CacheBenchResult:
-    """Replay per-step unique keys through every policy and capacity of cfg; plots unless cfg.plot == ""."""
+              progress: bool = False, hot: np.ndarray | None = None) -> CacheBenchResult:
+    """Replay per-step unique keys through every policy and capacity of cfg (lru-hot: `hot`, keys hottest first);
+    plots unless cfg.plot == ""."""
     for name in cfg.policies:
         if name not in ALL_POLICIES:
             raise ValueError(f"unknown cache policy {name!r} (valid: {', '.join(ALL_POLICIES)})")
@@ -312,6 +337,8 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
     base = int(stream["table_rows"]) if cfg.capacity_of == "table" else distinct
     caps = {cap_key(f): max(1, round(f * base)) for f in cfg.capacities}
     res = CacheBenchResult(cfg, facts, caps)
+    if HOT in cfg.policies and hot is None:
+        raise ValueError("lru-hot needs the hot rows (run() counts them from the corpus's train split)")
     for name in cfg.policies:
         t0 = time.perf_counter()
         res.hit_rate[name] = {}
@@ -319,11 +346,16 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
             # a cache of at least every row the stream touches never evicts: the same hits at that size, without
             # allocating a slot array for a whole V4.1 table
             eff = min(cap, max(1, distinct))
-            if name == "belady":
+            if name == HOT:  # starts full of rows the stream may never touch: every slot counts
+                if cap > HOT_MAX_ROWS:
+                    res.hit_rate[name][key] = None
+                    continue
+                res.hit_rate[name][key] = replay_hot(steps, cap, hot)
+            elif name == "belady":
                 res.hit_rate[name][key] = belady_hit_rate(flat, eff)
             else:
                 res.hit_rate[name][key] = replay(steps, eff, name, cfg.window, cfg.row_bytes)
-            if progress:
+            if progress and res.hit_rate[name][key] is not None:
                 print(f"  {name:<10} {key:>5} ({cap} rows): {100 * res.hit_rate[name][key]:6.2f}%", flush=True)
         res.seconds[name] = time.perf_counter() - t0
     if cfg.plot != "":
@@ -354,6 +386,7 @@ def run(cfg: CacheBenchConfig, docs: TokenDocs | None = None, progress: bool = T
     if not requests:
         raise ValueError(f"the token source ({docs.source}) yielded no request of 2 or more tokens")
     steps = schedule(request_rows(requests, hasher, cfg.layer_id), cfg)
+    hot = hot_keys(cfg, docs, hasher, progress) if HOT in cfg.policies else None
     table_rows = sum(hasher.head_sizes(cfg.layer_id))
     stream = {"source": docs.source, "tokens": int(sum(r.size for r in requests)), "requests": len(requests),
               "vocab_size": docs.vocab_size, "compressed_vocab_size": compressed, "heads": hasher.num_heads,
@@ -362,7 +395,24 @@ def run(cfg: CacheBenchConfig, docs: TokenDocs | None = None, progress: bool = T
     if progress:
         print(f"stream: {stream['tokens']} tokens of {docs.source}, {len(requests)} requests, "
               f"{len(steps)} steps, prepared in {stream['prepare_s']} s", flush=True)
-    return run_steps(steps, cfg, stream, progress)
+    return run_steps(steps, cfg, stream, progress, hot)
+
+
+def hot_keys(cfg: CacheBenchConfig, docs: TokenDocs, hasher: NgramHasher, progress: bool) -> np.ndarray:
+    """The layer's keys the corpus's train split reads, most read first (the replayed split must be another)."""
+    from tiergram.corpus import corpus_dir
+    from tiergram.model.data import tokenize_split
+    from tiergram.model.hot_rows import count_hot_rows
+
+    if not docs.source.startswith("corpus") or cfg.split == "train":
+        raise ValueError(f"lru-hot counts the corpus's train split: replay another split of the corpus (source "
+                         f"{docs.source!r}, split {cfg.split!r})")
+    folder = Path(cfg.corpus) if cfg.corpus else corpus_dir()
+    tokens = tokenize_split(folder, "train", folder / "tokenizer.json", progress=progress)
+    caps = max(cfg.capacities) if cfg.capacity_of == "table" else 1.0
+    counted = count_hot_rows(hasher, tokens, max_fraction=min(1.0, caps), progress=progress,
+                             source=f"train split of {folder}")
+    return counted.keys[cfg.layer_id]
 
 
 # ---------------------------------------------------------------- output
@@ -378,7 +428,8 @@ def plot(res: CacheBenchResult, path: Path) -> Path:
     fracs = [float(k) for k in res.capacity_rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     for name, rates in res.hit_rate.items():
-        ax.plot(fracs, [100 * rates[k] for k in res.capacity_rows], marker="o",
+        shown = [(float(k), 100 * rates[k]) for k in res.capacity_rows if rates[k] is not None]
+        ax.plot([x for x, _ in shown], [y for _, y in shown], marker="o",
                 linestyle="--" if name == "belady" else "-", label=name)
     ax.axhline(100 * float(res.stream["reuse"]), color="gray", linestyle=":", label="every reuse a hit")
     ax.set_xscale("log")
@@ -414,7 +465,8 @@ def to_text(res: CacheBenchResult) -> str:
              f"{'(rows)':<16}" + "".join(f"{n:>9}" for n in res.capacity_rows.values())]
     for name, rates in res.hit_rate.items():
         label = f"{name} (w={c.window})" if name == "lookahead" else name
-        lines.append(f"{label:<16}" + "".join(f"{100 * r:>8.2f}%" for r in rates.values()))
+        lines.append(f"{label:<16}" + "".join(f"{100 * r:>8.2f}%" if r is not None else f"{'-':>9}"
+                                              for r in rates.values()))
     gaps = res.gap_points
     if gaps:
         lines.append(f"{'belady gap':<16}" + "".join(f"{g:>9.2f}" for g in gaps.values()))

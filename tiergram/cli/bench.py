@@ -61,7 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="capacities as fractions of the distinct rows the stream touches, or of the table")
     ca.add_argument("--capacities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25],
                     help="cache sizes as fractions of the distinct rows the stream touches")
-    ca.add_argument("--policies", nargs="+", default=list(cache.ALL_POLICIES), choices=list(cache.ALL_POLICIES))
+    ca.add_argument("--policies", nargs="+", default=list(cache.DEFAULT_POLICIES), choices=list(cache.ALL_POLICIES),
+                    help="cache policies to replay (lru-hot: LRU started full of the rows the corpus's train split "
+                         "reads most, as `serve --hot-rows`; needs the corpus)")
     ca.add_argument("--window", type=int, default=64, help="steps the lookahead policy is told ahead")
     ca.add_argument("--seed", type=int, default=0)
     ca.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")

@@ -49,6 +49,8 @@ class ModelSpec:
     engram: EngramGeometry
     activation_bytes: float = 0.0  # device reserve for one step's activations
     hit_rate_curve: tuple[tuple[float, float], ...] = ()  # (host cache fraction of the table, hit rate)
+    # the same with the cache preloaded at start with the rows a corpus reads most (the engine's --hot-rows)
+    hot_hit_rate_curve: tuple[tuple[float, float], ...] = ()
 
     @property
     def flops_per_token(self) -> float:
@@ -60,8 +62,14 @@ class ModelSpec:
         """Share of a step's backbone compute that runs before the first Engram layer (embedding ≈ free)."""
         return min(self.engram.layers) / self.n_layers
 
-    def hit_rate(self, cache_fraction: float) -> float:
-        """Hit rate of a host cache holding `cache_fraction` of the table (log-linear in the measured curve)."""
+    def hit_rate(self, cache_fraction: float, hot_rows: bool = False) -> float:
+        """Hit rate of a host cache holding `cache_fraction` of the table (log-linear in the measured curve); with
+        `hot_rows`, of one preloaded with the most read rows (ValueError when the spec has no such curve)."""
+        if hot_rows:
+            if not self.hot_hit_rate_curve:
+                raise ValueError(f"model spec {self.name!r} has no hot_hit_rate_curve: a placement with hot rows "
+                                 "needs one (`tiergram bench cache --policies lru-hot` measures it)")
+            return interpolate(self.hot_hit_rate_curve, cache_fraction, log_x=True)
         return interpolate(self.hit_rate_curve, cache_fraction, log_x=True) if self.hit_rate_curve else 0.0
 
 
@@ -121,6 +129,7 @@ class Placement:
     kind: str
     cache_fraction: float = 0.0  # file: host cache as a fraction of the table
     hit_rate: float | None = None  # file: the cache hit rate; None: from the model's hit-rate curve
+    hot_rows: bool = False  # file: the cache starts with the most read rows (the model's hot_hit_rate_curve)
     kv_offload: bool = False  # K/V past the device's room lives in host DRAM, streamed over the link every step
 
     def __post_init__(self) -> None:
@@ -130,10 +139,13 @@ class Placement:
             raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
             raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
+        if self.hot_rows and self.kind != "file":
+            raise ValueError(f"hot_rows applies to the file placement's cache, not to {self.kind!r}")
 
     @property
     def label(self) -> str:
         name = self.kind + (f" {self.cache_fraction:.0%} cache" if self.kind == "file" else "")
+        name += " + hot rows" if self.hot_rows else ""
         return name + (" + KV offload" if self.kv_offload else "")
 
 
@@ -296,7 +308,8 @@ def prompt_wait_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 def prompt_read_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement) -> float:
     """Seconds to read a prompt's missed rows at the queue depth, plus one read's latency (a file placement)."""
-    hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
+    hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction,
+                                                                                   placement.hot_rows)
     misses = wl.input_len * model.engram.rows_per_token * (1.0 - hit)
     return misses / hw.disk.pages_per_s(wl.queue_depth) + hw.disk.latency_s if misses > 0 else 0.0
 
@@ -340,7 +353,8 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         else:
             cpu_fetch = hw.gather_call_s + rows / hw.gather_rows_s
     else:
-        hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction)
+        hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction,
+                                                                                   placement.hot_rows)
         misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
         waited = waited_rows * (1.0 - hit)
         # the reads pipeline at the queue depth; the first one still waits a whole read's latency (1 / QD1 rate)

@@ -76,6 +76,7 @@ MODEL_FIELDS = (
     Field("kv_bytes_per_token", "kv_bytes_per_token", positive=True),
     Field("activation_gb", "activation_bytes", GB, required=False),
     Field("hit_rate_curve", "hit_rate_curve", kind="curve", required=False),
+    Field("hot_hit_rate_curve", "hot_hit_rate_curve", kind="curve", required=False),
 )
 ENGRAM_FIELDS = (
     Field("layers", "layers", kind="ints"),
@@ -196,9 +197,10 @@ def load_model(spec: str | Path) -> ModelSpec:
                         f"0..{m['n_layers'] - 1} (n_layers = {m['n_layers']})")
     if m["active_weight_bytes"] > m["weight_bytes"]:
         raise SpecError(f"{path}: [model] field `active_weight_gb`: larger than weight_gb")
-    for name, v in m.get("hit_rate_curve", ()):
-        if v > 1:
-            raise SpecError(f"{path}: [model] field `hit_rate_curve`: hit rate {v} at {name} is above 1")
+    for field in ("hit_rate_curve", "hot_hit_rate_curve"):
+        for name, v in m.get(field, ()):
+            if v > 1:
+                raise SpecError(f"{path}: [model] field `{field}`: hit rate {v} at {name} is above 1")
     return ModelSpec(**m, engram=EngramGeometry(**e))
 
 

@@ -80,21 +80,25 @@ def offload_vs_resident(model: ModelSpec, hws: dict[str, HardwareSpec]) -> dict[
 
 def ssd_vs_dram(model: ModelSpec, hws: dict[str, HardwareSpec], drives: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                 fractions: tuple[float, ...] = (0.01, 0.1), workload: str = "8K/1K") -> dict[str, Any]:
-    """(2) file / host throughput (same node, so the same cost per hour: tokens per dollar) by drive count."""
+    """(2) file / host throughput (same node, so the same cost per hour: tokens per dollar) by drive count; keys
+    (machine, cache label, drives), the label "10%" or, with the model's hot-row curve, "10% + hot rows"."""
     wl = _workload(workload)
     out: dict[str, Any] = {}
+    caches = [(f"{f:.0%}", f, False) for f in fractions]
+    if model.hot_hit_rate_curve:
+        caches += [(f"{f:.0%} + hot rows", f, True) for f in fractions]
     for hname, hw in hws.items():
         host = predict_front(model, hw, wl, Placement("host"))
         grid = _grid([host])
-        for f in fractions:
+        for label, f, hot in caches:
             for d in drives:
                 # assumed: 128 reads in flight and 4 reader threads per drive (32 of 112 host cores for 8 drives)
                 hw_d = replace(hw, disk=replace(hw.disk, drives=d, threads=READER_THREADS_PER_DRIVE * d))
                 fr = predict_front(model, hw_d, replace(wl, queue_depth=QD_PER_DRIVE * d),
-                                   Placement("file", cache_fraction=f))
+                                   Placement("file", cache_fraction=f, hot_rows=hot))
                 ratio = envelope(fr, grid) / envelope(host, grid)
                 best = max(p.throughput_tok_s for p in fr.points) / max(p.throughput_tok_s for p in host.points)
-                out[(hname, f, d)] = {"max_tok_s_ratio": best,
+                out[(hname, label, d)] = {"max_tok_s_ratio": best,
                                       "mean_ratio": float(np.nanmean(np.where(np.isnan(ratio), 0.0, ratio))),
                                       "binding_at_max": max(fr.points, key=lambda p: p.throughput_tok_s).binding}
     return out
@@ -222,9 +226,10 @@ def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=100)
-    for hname, f in sorted({(h, f) for h, f, _ in res}):
-        ds = sorted(d for h, ff, d in res if h == hname and ff == f)
-        ax.plot(ds, [res[(hname, f, d)]["max_tok_s_ratio"] for d in ds], marker="o", label=f"{hname}, cache {f:.0%}")
+    for hname, label in sorted({(h, c) for h, c, _ in res}):
+        ds = sorted(d for h, c, d in res if h == hname and c == label)
+        ax.plot(ds, [res[(hname, label, d)]["max_tok_s_ratio"] for d in ds], marker="o",
+                linestyle="--" if "hot" in label else "-", label=f"{hname}, cache {label}")
     ax.axhline(52 / 121, color="grey", ls="--", lw=1,
                label="SemiAnalysis mmap path, tokens/$ (52M vs 121M)")
     ax.set_xscale("log", base=2)
@@ -315,9 +320,9 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
     drives = sorted({d for _, _, d in res2})
     md.append("| machine | cache | " + " | ".join(f"{d} drives" for d in drives) + " |")
     md.append("|---|---|" + "---|" * len(drives))
-    for h, f in sorted({(h, f) for h, f, _ in res2}):
-        md.append(f"| {h} | {f:.0%} | " + " | ".join(
-            f"{res2[(h, f, d)]['max_tok_s_ratio']:.2f} ({res2[(h, f, d)]['binding_at_max']})" for d in drives) + " |")
+    for h, c in sorted({(h, c) for h, c, _ in res2}):
+        md.append(f"| {h} | {c} | " + " | ".join(
+            f"{res2[(h, c, d)]['max_tok_s_ratio']:.2f} ({res2[(h, c, d)]['binding_at_max']})" for d in drives) + " |")
     # (3)
     res3 = contention(model, {"H200": h200, "B200": b200, "GB300": gb300})
     plot_contention(res3, out / "kv-engram-contention.png")
