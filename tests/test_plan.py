@@ -327,6 +327,9 @@ def test_plan_prints_the_fronts_and_writes_a_png(tmp_path: Path, capsys: pytest.
     assert main(["plan", "deepseek-v4.1-flash", "h200", "--json", "--plot", str(png)]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert {f["placement"] for f in obj["fronts"]} >= {"device", "host", "file 1% cache"}
+    assert main(["plan", "deepseek-v4.1-flash", "h200", "--hot-rows", "--json", "--plot", str(png)]) == 0
+    fronts = {f["placement"]: f for f in json.loads(capsys.readouterr().out)["fronts"]}
+    assert {"file 10% cache", "file 10% cache + hot rows"} <= set(fronts)  # each cache cold and preloaded
     assert main(["plan", "nosuch", "h200"]) == 2
     assert "no model spec named 'nosuch'" in capsys.readouterr().err
 

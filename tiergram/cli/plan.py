@@ -41,6 +41,9 @@ def _predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-rows-first", action="store_true",
                    help="file placements: the engine reads a new prompt's rows before it joins (steps wait only for "
                         "decode rows); default: every step waits for all its rows")
+    p.add_argument("--hot-rows", action="store_true",
+                   help="also each file placement with its cache preloaded with hot rows (the model spec's "
+                        "hot_hit_rate_curve; the engine's --hot-rows)")
     p.add_argument("--device-memory", type=float, default=None, help="override the device budget, bytes")
     p.add_argument("--max-concurrency", type=int, default=1 << 16)
     p.add_argument("--plot", default=None, help="PNG path (default: plan-MODEL-HARDWARE.png in the cache)")
@@ -144,7 +147,7 @@ def _predict(a: argparse.Namespace) -> int:
                   max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
                   prompt_rows_first=a.prompt_rows_first)
     kinds = tuple(k.strip() for k in a.placements.split(",") if k.strip())
-    pls = predict.placements(fractions, kv_offload=not a.no_kv_offload, kinds=kinds)
+    pls = predict.placements(fractions, kv_offload=not a.no_kv_offload, kinds=kinds, hot_rows=a.hot_rows)
     fronts = predict.predict_all(model, hw, wl, pls, a.max_concurrency)
     path = Path(a.plot) if a.plot else cache_dir("plan") / f"plan-{Path(str(a.model)).stem}-{Path(a.hardware).stem}.png"
     title = (f"PREDICTED: {model.name} on {hw.name}\ninput {wl.input_len:g} / output {wl.output_len:g} tokens "

@@ -20,12 +20,14 @@ from tiergram.plan.model import (
 
 
 def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: bool = True,
-               kinds: tuple[str, ...] = ("device", "host", "file")) -> list[Placement]:
-    """device, host, file at each cache size, and host with K/V offloaded to host DRAM too."""
+               kinds: tuple[str, ...] = ("device", "host", "file"), hot_rows: bool = False) -> list[Placement]:
+    """device, host, file at each cache size (and, with hot_rows, each again preloaded with hot rows), and host
+    with K/V offloaded to host DRAM too."""
     out = []
     for kind in kinds:
         if kind == "file":
             out += [Placement("file", cache_fraction=f) for f in cache_fractions]
+            out += [Placement("file", cache_fraction=f, hot_rows=True) for f in cache_fractions if hot_rows]
         else:
             out.append(Placement(kind))
     if kv_offload:
