@@ -125,6 +125,11 @@ def test_the_engine_preloads_the_hottest_rows_and_serves_the_same_tokens(model_d
             before = src.stats()["pages_read"]
             src.lookup(np.stack([r[:n] for r in heads], axis=1))
             assert src.stats()["pages_read"] == before
+        m = eng.metrics()
+        assert m.hot_rows_preloaded == sum(eng.hot_rows_preloaded.values()) > 0 and m.hot_rows_preload_s > 0
+        from tiergram.server.metrics import engine_text
+
+        assert f"tiergram_engram_hot_rows_preloaded {float(m.hot_rows_preloaded)}" in engine_text(m)
         for i, p in enumerate(PROMPTS):
             eng.add_request(str(i), p, GREEDY)
         got = drain(eng)

@@ -64,8 +64,11 @@ class LLMEngine:
             self.degrader = Degrader(config.degrade)  # loads the skip predictor, if the policy names one
             # {layer: rows read into its cache at start} from config.hot_rows
             self.hot_rows_preloaded: dict[int, int] = {}
+            preload_s = 0.0
             if config.hot_rows is not None and self.model.hasher is not None:
+                t0 = time.perf_counter()
                 self.hot_rows_preloaded = preload_hot_rows(self.sources, config.hot_rows, self.model.hasher)
+                preload_s = time.perf_counter() - t0
         except BaseException:
             self.close()
             raise
@@ -83,7 +86,9 @@ class LLMEngine:
         self._deferred_aborts: list[Sequence] = []
         self._lock = threading.Lock()
         self._arrivals = itertools.count()
-        self._stats = EngineMetrics(stall_by_layer_s=dict.fromkeys(self.placements, 0.0))  # the running counters
+        self._stats = EngineMetrics(stall_by_layer_s=dict.fromkeys(self.placements, 0.0),  # the running counters
+                                    hot_rows_preloaded=sum(self.hot_rows_preloaded.values()),
+                                    hot_rows_preload_s=preload_s)
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
         self._read_ahead = config.read_ahead and self.runner.can_warm
         self._rows_first = self._read_ahead and config.prompt_rows_first

@@ -42,3 +42,5 @@ class EngineMetrics:
     last_fault: str | None = None  # the cause of the last failed step
     failed_requests: int = 0  # requests that ended with finish_reason "error" (a failed step or their own sampling)
     deferred_aborts: int = 0  # aborts of a sequence the step in flight computed: its blocks freed when it ended
+    hot_rows_preloaded: int = 0  # rows read into the Engram caches at start from a hot-rows file (all layers)
+    hot_rows_preload_s: float = 0.0  # the time that took

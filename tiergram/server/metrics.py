@@ -131,6 +131,10 @@ def engine_metrics(m: Any) -> Iterator[Any]:
          "prefill reads.", m.degrade_level),
         ("tiergram_engine_consecutive_faults", "Engine steps failed in a row (0 after a step that succeeded).",
          m.consecutive_faults),
+        ("tiergram_engram_hot_rows_preloaded", "Rows read into the Engram caches at start from a hot-rows file.",
+         m.hot_rows_preloaded),
+        ("tiergram_engram_hot_rows_preload_seconds", "Time the hot-rows preload took at start.",
+         m.hot_rows_preload_s),
     ]
     for name, help_, value in gauges:
         yield _gauge(name, help_, value)
