@@ -73,6 +73,8 @@ def test_the_file_round_trips_and_refuses_other_hashing_and_other_files(tmp_path
         assert np.array_equal(back.counts[layer], hot.counts[layer])
     with pytest.raises(ValueError, match="other hashing"):
         load_hot_rows(path, hasher(seed=1))
+    with pytest.raises(FileNotFoundError, match="missing.npz: count one with `tiergram hot-rows"):
+        load_hot_rows(tmp_path / "missing.npz")
     (tmp_path / "other.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="other.npz is not a hot-rows file"):
         load_hot_rows(tmp_path / "other.npz")

@@ -161,7 +161,7 @@ def load_hot_rows(path: str | os.PathLike, hasher: NgramHasher | None = None) ->
             keys = {int(layer): z[f"keys_{layer}"].astype(np.int64) for layer in meta["layers"]}
             counts = {int(layer): z[f"counts_{layer}"].astype(np.int64) for layer in meta["layers"]}
     except FileNotFoundError:
-        raise
+        raise FileNotFoundError(f"no hot-rows file at {path}: count one with `tiergram hot-rows MODEL_DIR`") from None
     except (OSError, KeyError, ValueError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a hot-rows file ({e})") from e
     reads = {int(k): int(v) for k, v in meta.get("reads", {}).items()}
