@@ -504,6 +504,8 @@ def test_exported_directory_and_a_model_without_engram(model_dir, tmp_path):
     with engine(tmp_path / "plain") as eng:
         assert eng.generate(PROMPTS, GREEDY) == [generate(plain, p, 12).ids for p in PROMPTS]
         assert eng.metrics().engram["bytes_read"] == {} and eng.tokenizer is None and eng.eos_token_id is None
+    with pytest.raises(ValueError, match="has no Engram layers to preload"):
+        engine(tmp_path / "plain", hot_rows=str(tmp_path / "hot_rows.npz"))
 
 
 def test_a_new_prompt_joins_once_its_rows_are_read(model_dir):

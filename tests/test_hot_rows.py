@@ -108,7 +108,6 @@ def model_dir(tmp_path_factory):
 
 
 def test_the_engine_preloads_the_hottest_rows_and_serves_the_same_tokens(model_dir, tmp_path):
-    from tiergram.engine import LLMEngine  # noqa: F401 - the engine under test is built by `engine`
     from tiergram.model.checkpoint import load_pretrained
 
     model, _ = load_pretrained(model_dir, tier="memory")

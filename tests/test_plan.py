@@ -439,6 +439,10 @@ def test_sweep_placement_names() -> None:
     assert sweep_placement("file-1%", cfg).cache_fraction == pytest.approx(0.01)
     assert sweep_placement("file-big", cfg).cache_fraction == pytest.approx(0.01)
     assert sweep_placement("host", cfg) == Placement("host")
+    # a compared server names the placement it is compared with
+    one = sweep_placement("file-1%", cfg)
+    assert sweep_placement("file-1%-cold", cfg) == sweep_placement("file-1%-plain", cfg) == one
+    assert sweep_placement("host-process", cfg) == Placement("host")
     with pytest.raises(ValueError, match="'mooncake'"):
         sweep_placement("mooncake", cfg)
 

@@ -130,9 +130,21 @@ def file_label(fraction: float) -> str:
     return f"file-{100 * fraction:g}%"
 
 
+COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY)  # the suffixes of a server compared with the one it is named after
+
+
+def base_label(label: str) -> str:
+    """The server a compared one is named after (file-10%-nowait -> file-10%; host -> host): the same placement
+    and cache."""
+    for suffix in COMPARED:
+        if label.endswith(suffix):
+            return label.removesuffix(suffix)
+    return label
+
+
 def kind_of(label: str) -> str:
     """The placement kind a server label runs (file-10% and file-big are file, host-process is host)."""
-    return "file" if label.startswith("file") else label.removesuffix(PROCESS).removesuffix(BUSY).removesuffix(COLD)
+    return "file" if label.startswith("file") else base_label(label)
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.serve_config import BUSY, COLD, NOWAIT, PLAIN, SweepConfig, file_label, kind_of
+from tiergram.bench.serve_config import SweepConfig, base_label, file_label, kind_of
 
 
 class ServeSubprocess:
@@ -184,9 +184,8 @@ def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
     if "mooncake" in caches:  # the same host cache as the file placement
         caches["mooncake"] = int(cfg.fractions[0] * smallest)
     for label in labels:
-        for suffix in (NOWAIT, PLAIN, BUSY, COLD):
-            if label.endswith(suffix):  # the same cache as the server it is compared with
-                caches[label] = caches[label.removesuffix(suffix)]
+        if base_label(label) != label:  # the same cache as the server it is compared with
+            caches[label] = caches[base_label(label)]
     if cfg.big_model_dir:
         first_file = next((caches[lb] for lb in labels if lb != "file-big" and kind_of(lb) == "file"),
                           int(cfg.fractions[0] * smallest))

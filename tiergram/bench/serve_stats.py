@@ -10,7 +10,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
-from tiergram.bench.serve_config import COLD, NOWAIT, PLAIN, PROCESS, SweepConfig, kind_of
+from tiergram.bench.serve_config import PROCESS, SweepConfig, base_label, kind_of
 from tiergram.bench.serve_process import layer_table_bytes
 
 
@@ -191,8 +191,7 @@ def _check_key(label: str) -> str:
 
 def _fraction(res: SweepResult, label: str) -> float:
     """The cache of a file server as a fraction of its tables (file-big: its cache bytes over its tables)."""
-    # the same cache as the server it is compared with
-    label = label.removesuffix(NOWAIT).removesuffix(PLAIN).removesuffix(COLD)
+    label = base_label(label)  # the same cache as the server it is compared with
     if label == "file":
         return res.config.cache_fraction
     if label != "file-big":

@@ -65,7 +65,9 @@ class LLMEngine:
             # {layer: rows read into its cache at start} from config.hot_rows
             self.hot_rows_preloaded: dict[int, int] = {}
             preload_s = 0.0
-            if config.hot_rows is not None and self.model.hasher is not None:
+            if config.hot_rows is not None:
+                if self.model.hasher is None:
+                    raise ValueError(f"hot_rows {config.hot_rows}: {model_dir} has no Engram layers to preload")
                 t0 = time.perf_counter()
                 self.hot_rows_preloaded = preload_hot_rows(self.sources, config.hot_rows, self.model.hasher)
                 preload_s = time.perf_counter() - t0

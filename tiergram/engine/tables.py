@@ -91,7 +91,9 @@ def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) ->
         capacity = int(src.stats()["cache"]["capacity_rows"])
         heads = hot.per_head(layer, hasher.head_sizes(layer), capacity)
         n = max((h.size for h in heads), default=0)
-        # [n, H] coldest first; a head with fewer hot rows repeats its coldest one (a repeat is read once)
+        # [n, H] coldest first; a head with fewer hot rows repeats its coldest one (a repeat is read once). Every
+        # token reads a row in every head, so a head has none only when the cache holds fewer rows than heads: it
+        # then reads its row 0, one row that is not counted as preloaded
         ids = np.stack([np.concatenate([np.full(n - h.size, h[-1] if h.size else 0, dtype=np.int64), h[::-1]])
                         for h in heads], axis=1)
         parts = PRELOAD_PARTS if isinstance(src, TieredTable) else max(PRELOAD_PARTS, -(-n // DEVICE_PRELOAD_POSITIONS))

@@ -85,8 +85,7 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
             else:
                 keys, n = np.unique(keys, return_counts=True)
                 counts[layer][keys] += n.astype(np.uint32)
-        k = history.shape[1]
-        history = np.concatenate([history, chunk[None]], axis=1)[:, -k:] if k else history
+        history = np.concatenate([history, chunk[None]], axis=1)[:, -history.shape[1]:]  # max_ngram_size >= 2
         bar.update(chunk.size)
     bar.close()
     keys_out, counts_out = {}, {}

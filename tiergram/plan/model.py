@@ -306,10 +306,16 @@ def prompt_wait_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     return prompt_read_s(model, hw, wl, placement)
 
 
+def placement_hit_rate(model: ModelSpec, placement: Placement) -> float:
+    """A file placement's cache hit rate: its own, else the model's curve at its cache size (hot or cold)."""
+    if placement.hit_rate is not None:
+        return placement.hit_rate
+    return model.hit_rate(placement.cache_fraction, placement.hot_rows)
+
+
 def prompt_read_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement) -> float:
     """Seconds to read a prompt's missed rows at the queue depth, plus one read's latency (a file placement)."""
-    hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction,
-                                                                                   placement.hot_rows)
+    hit = placement_hit_rate(model, placement)
     misses = wl.input_len * model.engram.rows_per_token * (1.0 - hit)
     return misses / hw.disk.pages_per_s(wl.queue_depth) + hw.disk.latency_s if misses > 0 else 0.0
 
@@ -353,8 +359,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         else:
             cpu_fetch = hw.gather_call_s + rows / hw.gather_rows_s
     else:
-        hit = placement.hit_rate if placement.hit_rate is not None else model.hit_rate(placement.cache_fraction,
-                                                                                   placement.hot_rows)
+        hit = placement_hit_rate(model, placement)
         misses = rows * (1.0 - hit)  # one page per missed row: rows never straddle pages; dedup ignored
         waited = waited_rows * (1.0 - hit)
         # the reads pipeline at the queue depth; the first one still waits a whole read's latency (1 / QD1 rate)

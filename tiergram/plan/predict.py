@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from tiergram.bench.serve_config import base_label
 from tiergram.plan.model import (
     Front,
     HardwareSpec,
@@ -184,9 +185,9 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
 def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     """The placement a sweep point names: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
     file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a
-    `-nowait` suffix (the same server with prompt_rows_first off) or `-cold` (without the hot-rows preload) names
-    the same placement."""
-    kind, _, tail = name.removesuffix("-nowait").removesuffix("-cold").partition("-")
+    compared server's suffix (`-nowait`: prompt_rows_first off, `-cold`: no hot-rows preload, `-plain`, `-process`)
+    names the same placement."""
+    kind, _, tail = base_label(name).partition("-")
     if kind not in ("device", "host", "file"):
         raise ValueError(f"sweep point placement {name!r}: not device, host or file[-N%|-big]")
     if kind != "file":
