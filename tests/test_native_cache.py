@@ -58,6 +58,7 @@ ops_st = st.lists(
         st.tuples(st.just("admit"), keys_st),
         st.tuples(st.just("unpin"), st.integers(0, 7)),
         st.tuples(st.just("missing"), keys_st),
+        st.tuples(st.just("touch"), keys_st),
         st.tuples(st.just("announce"), keys_st),
         st.tuples(st.just("probe_announced"), st.integers(0, 7)),
         st.tuples(st.just("retire"), st.integers(0, 7)),
@@ -95,6 +96,9 @@ def test_native_equals_reference(policy, capacity, ops):
         elif op == "missing":
             keys = np.array(arg, dtype=np.int64)
             assert np.array_equal(py.missing(keys), nat.missing(keys))
+        elif op == "touch":
+            keys = np.array(arg, dtype=np.int64)
+            assert py.touch(keys) == nat.touch(keys)
         elif op == "announce":
             keys = np.array(arg, dtype=np.int64)
             a, b = py.announce(keys), nat.announce(keys)

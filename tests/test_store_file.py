@@ -30,6 +30,7 @@ from tiergram import _native
 from tiergram.bench.common import python_calls
 from tiergram.format import TableManifest, create_table, matrix_values
 from tiergram.store import TieredTable
+from tiergram.store import table as table_module
 from tiergram.tiers.aligned import aligned_empty
 
 MODES = ["direct", "buffered", "mmap"]
@@ -528,6 +529,69 @@ def test_corrupt_page_on_disk_is_never_served(host, corrupt_copy, mode, policy, 
         assert_clean(store)
     finally:
         store.close()
+
+
+# --- preload: the whole file in order, or page by page --------------------------------------------------
+
+
+def preload_ids(rows_per_head: int, seed: int = 3) -> np.ndarray:
+    """[n, H] distinct per-head ids in a random order (coldest first, as a hot-rows file lists them)."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(r)[:rows_per_head] for r in HEAD_ROWS], axis=1)
+
+
+@pytest.mark.parametrize("pipeline", ["auto", "python"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipeline):
+    """Reading the whole table in order fills the cache with the rows, the recency and the counters page-by-page
+    warm-ups give, and a lookup of them then reads nothing."""
+    ids = preload_ids(40)
+    rb = host.manifest.row_bytes
+    seen = []
+    for share, scanned in ((0.0, True), (2.0, False)):  # 0: always read the whole file, 2: never
+        monkeypatch.setattr(table_module, "PRELOAD_SCAN_SHARE", share)
+        store = open_file_store(table, "direct", policy, cache_rows=120, row_bytes=rb, pipeline=pipeline)
+        try:
+            with pytest.raises(ValueError, match="preload of 123 distinct rows into a cache of 120 rows"):
+                store.preload(np.concatenate([ids, [[90, 45, 190]]]))
+            assert store.preload(ids) == 120
+            snap = store.stats()
+            assert (snap["pages_read"] == store.manifest.n_pages) is scanned
+            cache, index = store.cache, store.cache.index
+            rows = {k: cache.rows[slot].tobytes() for k, slot in index.items()}
+            keys = (ids + store.table.head_offsets).reshape(-1)
+            if policy == "lru":  # least recently used first: the ids' order
+                assert (list(index) if pipeline == "auto" else list(cache.policy._order)) == keys.tolist()
+            seen.append((rows, dict(vars(cache.counters))))
+            resident = np.array([[k in index for k in row] for row in keys.reshape(ids.shape)])
+            kept = ids[resident.all(axis=1)]
+            before = store.stats()["pages_read"]
+            assert_same(store.lookup(kept), host.lookup(kept))
+            assert store.stats()["pages_read"] == before  # every preloaded row is a hit
+            assert_clean(store)
+        finally:
+            store.close()
+    (rows_a, counters_a), (rows_b, counters_b) = seen
+    assert rows_a == rows_b
+    assert counters_a["probes"] == counters_b["probes"] == 0  # a preload is not a lookup
+
+
+def test_preload_scan_rereads_a_corrupt_page_and_names_it(corrupt_copy, monkeypatch, host):
+    """A page failing its checksum in the scan is read again by the tier's reader: it fails loudly, naming the file
+    and page, when a preloaded row is on it, and costs nothing when none is."""
+    path, page = corrupt_copy
+    monkeypatch.setattr(table_module, "PRELOAD_SCAN_SHARE", 0.0)
+    rb = host.manifest.row_bytes
+    with open_file_store(path, "direct", "lru", cache_rows=200, row_bytes=rb) as store:
+        on_page = np.array([[0, 0, 150]])
+        with pytest.raises(OSError, match=rf"cannot read page {page} of {path}.*checksum mismatch"):
+            store.preload(on_page)
+        assert 150 + int(store.table.head_offsets[2]) not in store.cache.index
+        elsewhere = np.array([[1, 2, 3], [4, 5, 6]])
+        assert store.preload(elsewhere) == 6
+        assert_same(store.lookup(elsewhere), host.lookup(elsewhere))
+        with pytest.raises(IndexError, match="head 1"):
+            store.preload(np.array([[0, 50, 0]]))  # head 1 has 50 rows
 
 
 # --- statistics ------------------------------------------------------------------------------------------

@@ -157,6 +157,19 @@ void NativeRowCache::probe(const int64_t *keys, size_t n, int64_t *slots, int64_
   probe_locked(keys, n, slots, batch);
 }
 
+uint64_t NativeRowCache::touch(const int64_t *keys, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t resident = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (policy_ != Policy::kLRU) p_observe(keys[i]);
+    const int64_t slot = find(keys[i]);
+    if (slot < 0) continue;
+    ++resident;
+    p_touch(keys[i], slot);
+  }
+  return resident;
+}
+
 int64_t NativeRowCache::announce(const int64_t *keys, size_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   return announce_locked(keys, n);

@@ -48,6 +48,10 @@ class NativeRowCache {
   void retire(int64_t batch);
   // Announced batches not yet probed or retired.
   uint64_t live_batches();
+  // Marks the resident keys of [n] used, in order, as a probe's hits would be (every key observed), without
+  // pinning or counting: a preload that admitted rows in file order sets their recency (LRU: the last the most
+  // recent). Returns how many were resident.
+  uint64_t touch(const int64_t *keys, size_t n);
   // out[i] = 1 if keys[i] is not resident (no pins, nothing counted, no touch).
   void missing(const int64_t *keys, size_t n, uint8_t *out);
   // Offers keys [n] whose encoded rows are at src[i] (row_bytes each); returns how many entered. Duplicates and

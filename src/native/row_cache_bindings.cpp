@@ -50,6 +50,15 @@ void register_row_cache(nb::module_ &m) {
           "slots[i] = slot of keys[i] or -1 (int64 [n]); hits are touched and pinned; batch >= 0 (announce's id) "
           "is retired.")
       .def(
+          "touch",
+          [](NativeRowCache &c, IdsIn keys) {
+            nb::gil_scoped_release release;
+            return c.touch(keys.data(), keys.size());
+          },
+          nb::arg("keys").noconvert(),
+          "Mark the resident keys int64 [n] used, in order, as a probe's hits (no pins, not counted); returns how "
+          "many were resident.")
+      .def(
           "announce",
           [](NativeRowCache &c, IdsIn keys) {
             nb::gil_scoped_release release;

@@ -87,6 +87,11 @@ class NativeRowCache:
         self.native.probe(keys, slots, -1 if batch is None else batch)
         return slots
 
+    def touch(self, keys: np.ndarray) -> int:
+        """Mark the resident keys of int64 [n] used, in order, as a probe's hits (no pins, not counted); returns
+        how many were resident."""
+        return int(self.native.touch(np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)))
+
     def missing(self, keys: np.ndarray) -> np.ndarray:
         """The keys of int64 [n] not resident now (no pins taken, nothing counted)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)

@@ -97,6 +97,20 @@ class RowCache:
             self.counters.hits += int(hit.sum())
         return slots
 
+    def touch(self, keys: np.ndarray) -> int:
+        """Mark the resident keys of int64 [n] used, in order, as a probe's hits would be (every key observed), with
+        no pins and nothing counted: a preload that admitted in file order sets recency with it; returns how many
+        were resident."""
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        policy, index, resident = self.policy, self.index, 0
+        with self._lock:
+            for key in keys.tolist():
+                policy.observe(key)
+                if key in index:
+                    policy.touch(key)
+                    resident += 1
+        return resident
+
     def missing(self, keys: np.ndarray) -> np.ndarray:
         """The keys of int64 [n] not resident now (no pins taken, nothing counted, the policy not told)."""
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)

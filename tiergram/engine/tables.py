@@ -17,6 +17,7 @@ from tiergram.model.export import export_model, table_filename, table_path
 from tiergram.model.hot_rows import load_hot_rows
 from tiergram.store import TieredTable
 from tiergram.store.device_table import DeviceTable
+from tiergram.store.table import PRELOAD_PARTS
 
 
 def export_dir_for(model_dir: Path, layers: list[int], codecs: set[str]) -> Path:
@@ -70,18 +71,16 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
                        fixed_buffers=placement.fixed_buffers)
 
 
-# hot rows are preloaded in this many warm-up calls, coldest part first: the parts set the cache's recency order, and
-# a page holding rows of several parts is read once per part
-PRELOAD_PARTS = 4
-# a DeviceTable's warm-up also gathers its rows into a scratch output ([positions, H, D] on the device): smaller parts
+# a DeviceTable's preload is warm-up calls coldest part first (they set the cache's recency order), each gathering
+# its rows into a scratch output ([positions, H, D] on the device): parts of at most
 DEVICE_PRELOAD_POSITIONS = 4096
 
 
 def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) -> dict[int, int]:
     """Fill each cached table's cache (file, mooncake; on a GPU the HBM cache of host / file tables) with its most
     read rows from a hot-rows file, as many as it holds, the coldest first so the hottest are the most recent;
-    {layer: rows preloaded}. Read errors raise. A progress bar on a terminal (the 8 GiB V4.1-geometry model's two
-    10% caches: 27 s on this project's VM)."""
+    {layer: rows preloaded}. Read errors raise. A progress bar on a terminal. A file table whose hot rows sit on
+    most of its pages is read whole, in order (TieredTable.preload)."""
     hot = load_hot_rows(path, hasher)
     loaded = {}
     cached = {layer: src for layer, src in sources.items()
@@ -96,10 +95,12 @@ def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) ->
         # then reads its row 0, one row that is not counted as preloaded
         ids = np.stack([np.concatenate([np.full(n - h.size, h[-1] if h.size else 0, dtype=np.int64), h[::-1]])
                         for h in heads], axis=1)
-        parts = PRELOAD_PARTS if isinstance(src, TieredTable) else max(PRELOAD_PARTS, -(-n // DEVICE_PRELOAD_POSITIONS))
-        for part in np.array_split(ids, parts):
-            if part.size:
-                src.warm(part).wait()
+        if isinstance(src, TieredTable):
+            src.preload(ids, progress=bar.disable is False)
+        else:
+            for part in np.array_split(ids, max(PRELOAD_PARTS, -(-n // DEVICE_PRELOAD_POSITIONS))):
+                if part.size:
+                    src.warm(part).wait()
         bar.update()
         loaded[layer] = int(sum(h.size for h in heads))
     bar.close()

@@ -7,6 +7,7 @@ import errno
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,9 +78,20 @@ class TableFile:
             bad += range(missing, m.n_pages)
         return sorted(bad)
 
-    def _scan(self, out: np.ndarray | None, verb: str, progress: bool) -> tuple[list[int], int | None]:
+    def scan(self, on_chunk: Callable[[int, np.ndarray, list[int]], None], *, verb: str = "scanning",
+             progress: bool = False) -> None:
+        """Read every page in order at the disk's sequential rate, verify it, and hand each chunk to
+        on_chunk(first page, uint8 [n * page_size], its bad page indices); the buffer is reused after the call.
+        TableFormatError when the file ends early."""
+        _, missing = self._scan(None, verb, progress, on_chunk)
+        if missing is not None:
+            raise TableFormatError(f"{self.path}: short read at page {missing}")
+
+    def _scan(self, out: np.ndarray | None, verb: str, progress: bool,
+              on_chunk: Callable[[int, np.ndarray, list[int]], None] | None = None) -> tuple[list[int], int | None]:
         """Read the data region a chunk at a time (into `out`, or into recycled buffers when None) and verify every
-        page: (bad page indices, first page the file ended before — None when it holds them all).
+        page: (bad page indices, first page the file ended before — None when it holds them all). `on_chunk` sees
+        each chunk's whole pages and bad pages once verified.
 
         A reader thread reads the next chunks (large O_DIRECT reads where the file system and the buffer allow)
         while this thread checks the last one (native CRC-32C, GIL released), so a large table is read at the
@@ -130,7 +142,10 @@ class TableFile:
                     if err is not None:
                         raise err
                     whole = got // ps
-                    bad += _native.verify_pages(buf[: whole * ps], ps, p0)
+                    chunk_bad = _native.verify_pages(buf[: whole * ps], ps, p0)
+                    bad += chunk_bad
+                    if on_chunk is not None:
+                        on_chunk(p0, buf[: whole * ps], chunk_bad)
                     if pool is not None:
                         pool.put(buf.base if buf.base is not None else buf)
                     bar.update(n * ps)
