@@ -214,6 +214,7 @@ void WorkerPool::run_chunks() {
 }
 
 void WorkerPool::worker_loop() {
+  name_this_thread("tiergram-gather");
   uint64_t seen = 0;
   for (;;) {
     {

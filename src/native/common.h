@@ -1,6 +1,8 @@
 // Shared pieces of the native core: the worker pool, CRC-32C and page geometry.
 #pragma once
 
+#include <pthread.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -86,6 +88,9 @@ struct PageGeometry {
 };
 
 // A small persistent pool; parallel_for splits [0, n) into chunks run by the workers and the caller.
+// Names the calling thread (at most 15 characters) as `top -H`, `perf` and py-spy show it.
+inline void name_this_thread(const char *name) { pthread_setname_np(pthread_self(), name); }
+
 class WorkerPool {
  public:
   explicit WorkerPool(unsigned n_threads);

@@ -158,6 +158,7 @@ class ThreadBackend : public ReadBackend {
   };
 
   void work() {
+    name_this_thread("tiergram-read");
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       cv_work_.wait(lock, [&] { return stop_ || !jobs_.empty(); });

@@ -3,7 +3,7 @@
 #include <vector>
 
 #include <nanobind/stl/optional.h>
-
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "bindings.h"
@@ -178,6 +178,14 @@ void register_gather(nb::module_ &m) {
   m.def("set_num_threads", [](unsigned n) { set_num_threads(n); }, nb::arg("n"),
         "Size of the native worker pool used by gathers.");
   m.def("num_threads", []() { return global_pool()->size(); }, "Threads in the native worker pool.");
+  m.def(
+      "name_thread",
+      [](const std::string &name) {
+        require(!name.empty() && name.size() <= 15,
+                "a thread name has 1-15 characters, got " + std::to_string(name.size()));
+        name_this_thread(name.c_str());
+      },
+      nb::arg("name"), "Name the calling thread as the OS shows it (top -H, perf, py-spy); 1-15 characters.");
 }
 
 }  // namespace tiergram

@@ -586,6 +586,7 @@ class FetchQueue {
 
  private:
   void loop() {
+    name_this_thread("tiergram-fetch");
     for (;;) {
       std::shared_ptr<Job> job;
       {

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tiergram import _native
 from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
 
 SNAPSHOT_EVERY_S = 0.02  # engine metrics are snapshotted at most this often while busy (always when idle)
@@ -196,6 +197,7 @@ class AsyncEngine:
             self._snapshot_t = now
 
     def _run(self) -> None:
+        _native.name_thread("tiergram-engine")  # the OS's name too: top -H and perf tell the step thread apart
         try:
             while not self._stopping:
                 changed = self._handle_inbox()

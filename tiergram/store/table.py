@@ -204,9 +204,10 @@ class TieredTable(ManifestGeometry):
 
     def preload(self, row_ids: np.ndarray | torch.Tensor, *, progress: bool = False) -> int:
         """Fill the cache with the rows of per-head ids int64 [n, H], the coldest first (the last ends the most
-        recently used), at most the cache's capacity of distinct rows; returns how many entered. A file tier whose pages holding them are at least
-        PRELOAD_SCAN_SHARE of the table is read whole, in order (large reads, every page verified); otherwise the
-        rows are read page by page through warm(). Read errors raise."""
+        recently used), at most the cache's capacity of distinct rows; returns how many entered. A file tier
+        whose pages holding them are at least PRELOAD_SCAN_SHARE of the table is read whole, in order (large
+        reads, every page verified); otherwise the rows are read page by page through warm(). Read errors
+        raise."""
         self._check_open()
         if self.cache is None:
             return 0
