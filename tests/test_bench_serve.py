@@ -59,13 +59,23 @@ def test_trace_lengths_and_windows():
 
 
 def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
+    from tiergram.model.checkpoint import hasher_of, load_tokenizer_of
+    from tiergram.model.hot_rows import count_hot_rows, save_hot_rows
+
     png, md = tmp_path / "fronts.png", tmp_path / "table.md"
-    rc = main(["bench", "serve", str(model_dir), "--placements", "device,host,file", "--input-len", "24",
-               "--output-len", "6", "--max-concurrency", "2", "--requests-per-user", "3", "--warmup-per-user", "1",
-               "--rounds", "2",
-               "--source", "stdlib", "--plot", str(png), "--markdown", str(md), "--json"])
+    h = hasher_of(json.loads((model_dir / "config.json").read_text()), load_tokenizer_of(model_dir))
+    hot = save_hot_rows(count_hot_rows(h, np.arange(600) % 41, progress=False), model_dir / "hot_rows.npz")
+    try:
+        rc = main(["bench", "serve", str(model_dir), "--placements", "device,host,file", "--input-len", "24",
+                   "--output-len", "6", "--max-concurrency", "2", "--requests-per-user", "3", "--warmup-per-user",
+                   "1", "--rounds", "2", "--hot-rows",
+                   "--source", "stdlib", "--plot", str(png), "--markdown", str(md), "--json"])
+    finally:
+        hot.unlink()
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
+    assert res["servers"]["file"]["hot_rows_preloaded"] > 0 and res["servers"]["file"]["hot_rows_preload_s"] > 0
+    assert "hot_rows_preloaded" not in res["servers"]["host"]  # nothing to preload: the table is in DRAM
     assert {(p["placement"], p["concurrency"]) for p in res["points"]} == {
         (pl, c) for pl in ("device", "host", "file") for c in (1, 2)}
     for p in res["points"]:

@@ -151,6 +151,12 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                   "peak_rss_bytes_at_start": peak_rss(server.proc.pid)}
             if kind_of(placement) == "file":
                 servers[placement]["file_mode"] = file_mode(layer_tables(servers[placement]["model_dir"])[0])
+            started = scrape(server.url)
+            if started.get("tiergram_engram_hot_rows_preloaded"):  # the start's cost of the preload
+                servers[placement]["hot_rows_preloaded"] = int(started["tiergram_engram_hot_rows_preloaded"])
+                servers[placement]["hot_rows_preload_s"] = started.get("tiergram_engram_hot_rows_preload_seconds", 0.0)
+                log(progress, f"[{placement}] preloaded {servers[placement]['hot_rows_preloaded']:,} hot rows in "
+                               f"{servers[placement]['hot_rows_preload_s']:.1f} s")
             if limit < 1:
                 log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
                                "sequence; skipped")

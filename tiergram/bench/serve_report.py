@@ -53,6 +53,10 @@ def checks_text(res: SweepResult) -> str:
                       if s_.get("peak_rss_bytes"))
     if peaks:
         lines.append(f"  servers' peak RSS: {peaks}")
+    preloads = ", ".join(f"{pl} {s_['hot_rows_preloaded']:,} rows in {s_['hot_rows_preload_s']:.1f} s"
+                         for pl, s_ in res.servers.items() if s_.get("hot_rows_preloaded"))
+    if preloads:
+        lines.append(f"  hot-rows preload at start: {preloads}")
     if len(lines) == 1:
         lines.append("  none (they need device+host or host+file placements)")
     return "\n".join(lines)
