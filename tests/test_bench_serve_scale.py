@@ -28,6 +28,7 @@ def test_checks_compare_every_file_server_with_host():
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1))
     servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 2 << 30}
                for lb in cfg.labels()}
+    servers["file-10%"] |= {"hot_rows_preloaded": 1_500_000, "hot_rows_preload_s": 5.31}
     points = [point("host", 1, 100.0, 2.0), point("host", 2, 200.0, 2.0), point("file-1%", 1, 80.0, 2.2),
               point("file-1%", 2, 150.0, 2.4), point("file-10%", 1, 95.0), point("file-10%", 2, 190.0)]
     res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0})
@@ -43,6 +44,7 @@ def test_checks_compare_every_file_server_with_host():
     text = sv.checks_text(res)
     assert "share of the disk's limit file-1% needs to reach 90% of host" in text
     assert "file-1%" in text and "file-10%" in text and "peak RSS: host 2.00 GiB" in text
+    assert "hot-rows preload at start: file-10% 1,500,000 rows in 5.3 s" in text
     assert "peak RSS GiB" in sv.to_markdown(res)
 
 
