@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from tiergram import _native
 from tiergram.bench.common import python_calls
 from tiergram.format import TableManifest, create_table, matrix_values
+from tiergram.format import reader as reader_module
 from tiergram.store import TieredTable
 from tiergram.store import table as table_module
 from tiergram.tiers.aligned import aligned_empty
@@ -540,11 +541,13 @@ def preload_ids(rows_per_head: int, seed: int = 3) -> np.ndarray:
     return np.stack([rng.permutation(r)[:rows_per_head] for r in HEAD_ROWS], axis=1)
 
 
+@pytest.mark.parametrize("chunk_pages", [None, 3])  # the whole test table in one read, or in 3-page reads
 @pytest.mark.parametrize("pipeline", ["auto", "python"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
-def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipeline):
+def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipeline, chunk_pages):
     """Reading the whole table in order fills the cache with the rows, the recency and the counters page-by-page
     warm-ups give, and a lookup of them then reads nothing."""
+    monkeypatch.setattr(reader_module, "_CHUNK_PAGES", chunk_pages)
     ids = preload_ids(40)
     rb = host.manifest.row_bytes
     seen = []
@@ -581,6 +584,7 @@ def test_preload_scan_rereads_a_corrupt_page_and_names_it(corrupt_copy, monkeypa
     and page, when a preloaded row is on it, and costs nothing when none is."""
     path, page = corrupt_copy
     monkeypatch.setattr(table_module, "PRELOAD_SCAN_SHARE", 0.0)
+    monkeypatch.setattr(reader_module, "_CHUNK_PAGES", 4)  # the bad page inside one of several reads
     rb = host.manifest.row_bytes
     with open_file_store(path, "direct", "lru", cache_rows=200, row_bytes=rb) as store:
         on_page = np.array([[0, 0, 150]])

@@ -79,16 +79,18 @@ class TableFile:
         return sorted(bad)
 
     def scan(self, on_chunk: Callable[[int, np.ndarray, list[int]], None], *, verb: str = "scanning",
-             progress: bool = False) -> None:
+             progress: bool = False, chunk_bytes: int | None = None) -> None:
         """Read every page in order at the disk's sequential rate, verify it, and hand each chunk to
         on_chunk(first page, uint8 [n * page_size], its bad page indices); the buffer is reused after the call.
-        TableFormatError when the file ends early."""
-        _, missing = self._scan(None, verb, progress, on_chunk)
+        Three buffers of `chunk_bytes` (default: the writer's chunk) are in use. TableFormatError when the file
+        ends early."""
+        _, missing = self._scan(None, verb, progress, on_chunk, chunk_bytes)
         if missing is not None:
             raise TableFormatError(f"{self.path}: short read at page {missing}")
 
     def _scan(self, out: np.ndarray | None, verb: str, progress: bool,
-              on_chunk: Callable[[int, np.ndarray, list[int]], None] | None = None) -> tuple[list[int], int | None]:
+              on_chunk: Callable[[int, np.ndarray, list[int]], None] | None = None,
+              chunk_bytes: int | None = None) -> tuple[list[int], int | None]:
         """Read the data region a chunk at a time (into `out`, or into recycled buffers when None) and verify every
         page: (bad page indices, first page the file ended before — None when it holds them all). `on_chunk` sees
         each chunk's whole pages and bad pages once verified.
@@ -99,7 +101,7 @@ class TableFile:
         """
         m = self.manifest
         ps = m.page_size
-        per = _CHUNK_PAGES or max(1, _CHUNK_BYTES // ps)
+        per = _CHUNK_PAGES or max(1, (chunk_bytes or _CHUNK_BYTES) // ps)
         chunks = [(p0, min(per, m.n_pages - p0)) for p0 in range(0, m.n_pages, per)]
         pool: queue.Queue | None = None
         if out is None:
