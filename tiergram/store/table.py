@@ -193,12 +193,11 @@ class TieredTable(ManifestGeometry):
         def run() -> None:
             if cancelled.is_set():
                 raise CancelledError
-            m, miss = self.manifest, self.cache.missing(keys)
+            miss = self.cache.missing(keys)
             if miss.size:
-                buf, offsets, pages = self.tier.read_rows(miss)
-                raw = np.empty((miss.size, m.row_bytes), dtype=np.uint8)
-                _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
-                self.stats_.record_warm(self.cache.admit(miss, raw), {self.tier.name: pages * m.page_size}, pages)
+                raw, pages = self._read_raw(miss)
+                self.stats_.record_warm(self.cache.admit(miss, raw), {self.tier.name: pages * self.manifest.page_size},
+                                        pages)
 
         return Ticket(self._warm_executor.submit(run), cancelled, lambda: None)
 
@@ -236,10 +235,8 @@ class TieredTable(ManifestGeometry):
                 failed.append(rows[~sound])
                 rows, pages = rows[sound], pages[sound]
             if rows.size:
-                raw = np.empty((rows.size, m.row_bytes), dtype=np.uint8)
-                offsets = (pages - p0) * m.page_size + rows % m.rows_per_page * m.row_bytes
-                _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
-                self.cache.admit(rows, raw)
+                self.cache.admit(rows, self._raw_at(buf, (pages - p0) * m.page_size
+                                                    + rows % m.rows_per_page * m.row_bytes))
 
         # 16 MiB reads: the three buffers fit the staging reserve of a host-memory budget, at the same rate as 32 MiB
         self.table.scan(admit, verb="preloading", progress=progress, chunk_bytes=STAGING_KEEP_BYTES)
@@ -247,9 +244,7 @@ class TieredTable(ManifestGeometry):
         self.tier.count(int(wanted.size - again.size), m.n_pages)
         pages_read = m.n_pages
         if again.size:  # read_rows counts its own reads
-            buf, offsets, n = self.tier.read_rows(again)
-            raw = np.empty((again.size, m.row_bytes), dtype=np.uint8)
-            _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)
+            raw, n = self._read_raw(again)
             self.cache.admit(again, raw)
             pages_read += n
         self.cache.touch(keys)  # admitted in file order: the recency order comes from the ids
@@ -334,6 +329,18 @@ class TieredTable(ManifestGeometry):
             raise ValueError(f"out must be a contiguous CPU {self.dtype} tensor of shape {list(shape)}")
         return out
 
+    def _raw_at(self, buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Copies of the encoded rows at byte offsets int64 [n] of buf: uint8 [n, row_bytes]."""
+        m = self.manifest
+        raw = np.empty((offsets.size, m.row_bytes), dtype=np.uint8)
+        _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
+        return raw
+
+    def _read_raw(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        """(encoded rows uint8 [n, row_bytes] of the global keys [n], read from the tier; pages read)."""
+        buf, offsets, pages = self.tier.read_rows(keys)
+        return self._raw_at(buf, offsets), pages
+
     def _fetch(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None,
                announced: tuple[np.ndarray | None, int | None] | None) -> None:
         """Fill out [N, H, D] with the rows of flat ids [N, H] from cache and tier."""
@@ -381,9 +388,7 @@ class TieredTable(ManifestGeometry):
             if miss_keys.size:
                 if cancelled is not None and cancelled.is_set():
                     raise CancelledError
-                buf, offsets, pages = self.tier.read_rows(miss_keys)
-                miss_raw = np.empty((miss_keys.size, m.row_bytes), dtype=np.uint8)
-                _native.decode_at(buf, offsets, m.codec_id, m.dim, miss_raw)  # uint8 out: a raw copy
+                miss_raw, pages = self._read_raw(miss_keys)
                 raw[~hit] = miss_raw
                 cache.admit(miss_keys, miss_raw)
             _native.decode_at(raw.reshape(-1), inverse * m.row_bytes, m.codec_id, m.dim, out)
