@@ -467,12 +467,24 @@ def test_validate_reports_the_predicted_stall_share_beside_the_measured() -> Non
         wait = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0))
         assert r["predicted_stall_share"] == pytest.approx(wait / p.step_s, abs=1e-4)
         assert (r["predicted_stall_share"] > 0) == (r["placement"] == "file")
-        # both sides are named by one rule: the disk past 80% of its limit, the Engram source past 25% stall
+        # both sides are named by one rule: the disk at its limit, the Engram source past 25% stall
         disk = p.terms.get("disk busy", 0.0) / p.step_s
-        want = "engram (disk)" if disk > 0.8 else (("engram (disk)" if r["placement"] == "file" else
+        want = "engram (disk)" if disk >= 1 - 1e-9 else (("engram (disk)" if r["placement"] == "file" else
                                                     f"engram ({'host DRAM' if r['placement'] == 'host' else 'device'})")
                                                    if wait / p.step_s > 0.25 else "compute")
         assert r["predicted_binding"] == want
+
+
+def test_binding_by_evidence() -> None:
+    """The disk binds only at its limit; short of it, the engine's wait decides between the source and compute."""
+    from tiergram.plan.predict import binds
+
+    assert binds("engram (disk)", 1.0, 0.0) == "engram (disk)"  # reading the whole limit
+    assert binds("engram (host DRAM)", 1.3, 0.0) == "engram (disk)"  # over a limit probed low: still the disk
+    assert binds("engram (disk)", 0.85, 0.10) == "compute"  # a busy disk that keeps up does not set the step
+    assert binds("engram (disk)", 0.85, 0.30) == "engram (disk)"
+    assert binds("engram (host DRAM)", 0.0, 0.26) == "engram (host DRAM)"
+    assert binds("engram (host DRAM)", 0.0, 0.25) == "compute"
 
 
 def test_the_engines_wait_covers_the_exposed_fetch_and_is_not_added_to_the_step() -> None:

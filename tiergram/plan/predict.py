@@ -217,10 +217,18 @@ def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first:
     return replace(base, prompt_rows_first=first, read_ahead=ahead)
 
 
-def _binds(engram: str, disk_share: float, stall_share: float) -> str:
-    """What binds a served point, by its evidence: the disk when reads take > 80% of its limit, the Engram source
-    when the engine waits for rows > 25% of the time, else compute. validate names both sides by this rule."""
-    return "engram (disk)" if disk_share > 0.8 else engram if stall_share > 0.25 else "compute"
+DISK_BOUND_SHARE = 1.0  # reads at the disk's whole limit: it cannot keep up
+STALL_BOUND_SHARE = 0.25  # the engine waits for rows over a quarter of its time
+
+
+def binds(engram: str, disk_share: float, stall_share: float) -> str:
+    """What binds a served point, by its evidence: the disk when its reads take its whole limit, the Engram source
+    when the engine waits for rows over a quarter of the time, else compute. A disk busy short of its limit while
+    the engine seldom waits keeps up, so it does not set the step (the wait shows when it stops keeping up).
+    validate names both sides by this rule."""
+    if disk_share >= DISK_BOUND_SHARE * (1 - 1e-9):  # the model's disk-bound step is its disk time exactly
+        return "engram (disk)"
+    return engram if stall_share > STALL_BOUND_SHARE else "compute"
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
@@ -270,9 +278,9 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         p_disk = p.terms.get("disk busy", 0.0) / p.step_s if p.step_s > 0 else 0.0
         runs = [round(x, 1) for x in pt.get("throughput_runs", [measured])]
         rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
-                             _binds(seen, p_disk, p_stall), p.interactivity,
+                             binds(seen, p_disk, p_stall), p.interactivity,
                              float(inter) if inter is not None else None, p.hit_rate, source, runs,
-                             _binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4)))
+                             binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4)))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
