@@ -258,6 +258,26 @@ def test_read_ahead_fills_the_cache_and_changes_no_token(model_dir):
     assert on["per_layer"][0]["warmed_rows"] > 0 and on["per_layer"][1]["warmed_rows"] > 0
 
 
+def test_early_decode_reads_are_hits_at_their_step_and_change_no_token(model_dir):
+    """With early_decode_reads a step's sampled tokens' next rows are read before the next step starts, on the
+    prefetch worker in front of its prefetch: that step finds them cached. Tokens are the same either way."""
+    placement = Placement("file", codec="fp32", cache_bytes=1 << 20)  # holds every row: no eviction in the way
+    want = expected(model_dir, PROMPTS)
+    stats = {}
+    for early in (True, False):
+        with engine(model_dir, placement, early_decode_reads=early, prompt_rows_first=False) as eng:
+            assert eng.generate(PROMPTS, GREEDY) == want
+            stats[early] = eng.metrics().engram
+    on, off = stats[True], stats[False]
+    miss = {k: v["cache_probes"] - v["cache_hits"] for k, v in stats.items()}
+    e = eng.runner.model.config.engram
+    decode_rows = len(PROMPTS) * (GREEDY.max_tokens - 1) * len(e.layers) * e.n_head_per_ngram * (e.max_ngram_size - 1)
+    assert on["cache_probes"] == off["cache_probes"]  # the same steps probed the same rows
+    assert on["warmed_rows"] > off["warmed_rows"]
+    # the decode rows were read before their step probed: at most that many fewer misses, and most of them
+    assert decode_rows // 2 < miss[False] - miss[True] <= decode_rows
+
+
 def test_read_ahead_of_an_arriving_prompt_only_while_a_step_runs(model_dir):
     with engine(model_dir, Placement("file", codec="fp32", cache_bytes=16384), max_num_batched_tokens=8) as eng:
         [prompt] = prompts_of(20, seed=17)

@@ -874,6 +874,38 @@ def test_a_fetch_waits_for_rows_a_read_ahead_has_in_flight(table, host, policy):
         store.close()
 
 
+@pytest.mark.parametrize("pipeline", ["native", "python"])
+def test_an_urgent_warm_runs_on_the_prefetch_worker_not_behind_read_aheads(table, host, pipeline):
+    """warm(urgent=True) (the next step's decode rows) does not queue behind a read-ahead on the warm-up worker; it
+    runs on the prefetch worker, so a prefetch of the same rows queued after it finds every row read, once."""
+    store = open_file_store(table, "direct", "lru", cache_rows=300, row_bytes=host.manifest.row_bytes,
+                            pipeline=pipeline)
+    gate = threading.Event()
+    try:
+        if pipeline == "native":
+            hold = _QueueHold(store._warm_queue)
+        else:
+            hold = threading.Event()
+            store._warm_executor.submit(lambda: hold.set() or gate.wait(30))
+        ahead = store.warm(np.array([[1, 2, 3]]))  # queued on (or held by) the warm-up worker
+        if pipeline == "native":
+            assert hold.wait(30)
+        ids = np.array([[40, 41, 42], [90, 30, 190]])
+        urgent = store.warm(ids, urgent=True)
+        ticket = store.prefetch(ids)  # behind the urgent warm, on the same worker
+        assert urgent.wait(30) is None  # done while the warm-up worker is still held
+        assert not ahead.done()
+        assert_same(ticket.wait(30), host.lookup(ids))
+        s = store.stats()
+        pages = len({page_of(store, h, int(r)) for h in range(3) for r in ids[..., h].ravel()})
+        assert s["pages_read"] == pages  # the prefetch read nothing: the urgent warm had read its rows
+        assert s["lookups"] == 1 and s["misses"] == 0
+    finally:
+        hold.set()
+        gate.set()
+        store.close()
+
+
 @pytest.mark.parametrize("kind", ["eio", "flip"])
 def test_a_fetch_reads_itself_what_a_failed_read_ahead_did_not_land(table, host, kind):
     """A read-ahead whose read fails lands nothing: the fetch that waited for its rows reads them itself and serves

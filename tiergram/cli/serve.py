@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prompt-rows-first", dest="prompt_rows_first", action="store_false",
                    help="let a new prompt join the batch at once instead of once its rows are read into the cache "
                         "(then running sequences' steps wait for those reads)")
+    g.add_argument("--no-early-decode-reads", dest="early_decode_reads", action="store_false",
+                   help="read a decode step's rows from the step's entry instead of as soon as the step before "
+                        "sampled its tokens")
     g.add_argument("--hot-rows", default=None, metavar="PATH",
                    help="a hot-rows file (tiergram hot-rows): fill the file or mooncake placement's cache with each "
                         "table's most read rows at start, as many as it holds")
@@ -84,6 +87,7 @@ def engine_config(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead,
                         prompt_rows_first=getattr(args, "prompt_rows_first", True),
+                        early_decode_reads=getattr(args, "early_decode_reads", True),
                         host_memory_bytes=getattr(args, "host_memory", None),
                         hot_rows=getattr(args, "hot_rows", None))
 

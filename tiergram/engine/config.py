@@ -168,6 +168,10 @@ class EngineConfig:
     # with read_ahead: a new prompt joins the batch only once its first chunk's rows are in the cache (read while
     # other sequences decode), so its compulsory reads do not stall their steps; alone it starts at once
     prompt_rows_first: bool = True
+    # with read_ahead: as soon as a step samples, read the rows of each going-on sequence's next decode position
+    # (known from its new token) in front of the next step's prefetch, while outputs are handed out and the next
+    # step is scheduled, instead of from that step's entry
+    early_decode_reads: bool = True
     # host memory the Engram tables may use in all (None: no limit), split evenly over the Engram layers: a host
     # placement must fit its share whole; a file placement's cache, staging and index are sized to fit it
     host_memory_bytes: int | None = None

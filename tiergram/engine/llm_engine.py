@@ -93,6 +93,7 @@ class LLMEngine:
                                     hot_rows_preload_s=preload_s)
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
         self._read_ahead = config.read_ahead and self.runner.can_warm
+        self._early_decode_reads = config.early_decode_reads
         self._rows_first = self._read_ahead and config.prompt_rows_first
         # read_ahead()'s tickets by first-chunk tokens, claimed by the add_request of that prompt
         self._ahead: dict[tuple[int, ...], list[Any]] = {}
@@ -184,6 +185,14 @@ class LLMEngine:
         """Read-ahead is on and the degrade policy is at level 0: under stall pressure no speculative reads."""
         return self._read_ahead and self.degrader.level == 0
 
+    def _warm_next(self, seqs: list[Sequence], sampled: list[Any]) -> None:
+        """Read the next decode rows of the sequences this step's tokens do not end by length (a stop token's few
+        reads are wasted); each sequence is fully computed and its token not yet appended."""
+        go = [(s, t) for s, t in zip(seqs, sampled, strict=True) if not isinstance(t, Exception)
+              and s.num_tokens + 1 - s.prompt_len < s.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        if go:
+            self.runner.warm_next([s for s, _ in go], [int(t) for _, t in go])
+
     def _busy(self) -> bool:
         """A step runs now or sequences are running: a new prompt's rows can be read while they compute."""
         return bool(self._inflight or self.scheduler.running)
@@ -270,6 +279,8 @@ class LLMEngine:
                         outputs.append(self._fail(seq, e))
                 self._finish_deferred(outputs)
             return outputs
+        if self._early_decode_reads and self._reading_ahead():
+            self._warm_next(to_sample, sampled)
         tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
         # a step with prompt tokens (a prefill chunk, or a recomputation after preemption) reads rows that no
         # earlier step announced; its stall is counted apart from the decode steps'

@@ -84,6 +84,21 @@ class ModelRunner:
         tickets = [targets[layer].warm(np.concatenate(ids)) for layer, ids in parts.items()]
         return [t for t in tickets if t is not None]
 
+    def warm_next(self, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Start reading the rows of each sequence's next decode position — seqs[b] fully computed, tokens[b] just
+        sampled and not yet appended — on the tables' prefetch workers, in front of the next step's prefetch: the
+        reads run while the step's outputs are handed out and the next step is scheduled."""
+        targets = self._warmable()
+        if not seqs or not targets or self.model.hasher is None:
+            return
+        k = self.lookback
+        hist = [s.token_ids[max(0, s.num_tokens - k):] for s in seqs]
+        hist = np.array([[self.pad_id] * (k - len(h)) + h for h in hist], dtype=np.int64).reshape(len(seqs), k)
+        chunk = np.asarray(tokens, dtype=np.int64).reshape(len(seqs), 1)
+        for layer, ids in sorted(self.model.hasher.row_ids_with_history(chunk, hist).items()):  # [B, 1, H]
+            if layer in targets:
+                targets[layer].warm(ids[:, 0], urgent=True)
+
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], counts: list[int],
                 ahead: list[tuple[list[int], int, int]] | None = None) -> StepResult:

@@ -59,8 +59,9 @@ class RowStore(Protocol):
         """Start fetching now; `ticket.wait()` gives what `lookup` would, `ticket.cancel()` abandons it."""
         ...
 
-    def warm(self, row_ids: RowIds) -> RowTicket | None:
-        """Read rows into the cache ahead of need (advisory); None when the table has no cache."""
+    def warm(self, row_ids: RowIds, *, urgent: bool = False) -> RowTicket | None:
+        """Read rows into the cache ahead of need (advisory); None when the table has no cache. `urgent`: the next
+        step needs them, so they queue on the prefetch worker, in front of that step's prefetch."""
         ...
 
     def stats(self) -> dict[str, Any]:

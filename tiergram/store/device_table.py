@@ -116,11 +116,12 @@ class DeviceTable(ManifestGeometry):
         here; device ids in the worker, so the caller never synchronizes with the GPU)."""
         return self._submit(row_ids, None, staged=True)
 
-    def warm(self, row_ids: np.ndarray | torch.Tensor) -> DeviceTicket | None:
+    def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> DeviceTicket | None:
         """Read the rows of per-head ids [..., H] into the HBM cache ahead of their step (None without a cache).
 
         Runs as an ordinary fetch on the table's worker and stream (counted in `stats()` like one), into a scratch
-        output nobody reads; the cache admits the missed rows under its policy.
+        output nobody reads; the cache admits the missed rows under its policy. Always in the prefetches' order,
+        so `urgent` changes nothing here.
         """
         if self.cache is None:
             return None

@@ -167,11 +167,12 @@ class TieredTable(ManifestGeometry):
             raise
         return Ticket(future, cancelled, retire)
 
-    def warm(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | NativeTicket | None:
+    def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> Ticket | NativeTicket | None:
         """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, on a worker of
-        their own (beside the prefetches, never in front of them); None when there is no cache. Advisory: a lookup
-        re-reads whatever a failed, cancelled or not yet finished warm-up left out (and raises any read error
-        itself)."""
+        their own (beside the prefetches, never in front of them) or, `urgent`, on the prefetch worker (the next
+        step's rows: its prefetch then queues behind them instead of reading them again); None when there is no
+        cache. Advisory: a lookup re-reads whatever a failed, cancelled or not yet finished warm-up left out (and
+        raises any read error itself)."""
         self._check_open()
         if self.cache is None or self._warm_executor is None:
             return None
@@ -179,9 +180,9 @@ class TieredTable(ManifestGeometry):
         if self.pipeline == "native":  # the queue checks the ids in this call
             rpp, codec, dim = self._native_table
             try:
-                job = self._warm_queue.warm(self.tier.reader, self._native_cache, flat, self._offsets,
-                                            self._head_rows, rpp, codec, dim, self.stats_.native_warm,
-                                            self.tier.native_counts)
+                queue = self._queue if urgent else self._warm_queue
+                job = queue.warm(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows, rpp, codec,
+                                 dim, self.stats_.native_warm, self.tier.native_counts)
             except ValueError:
                 self._check_open()
                 raise
@@ -199,7 +200,7 @@ class TieredTable(ManifestGeometry):
                 self.stats_.record_warm(self.cache.admit(miss, raw), {self.tier.name: pages * self.manifest.page_size},
                                         pages)
 
-        return Ticket(self._warm_executor.submit(run), cancelled, lambda: None)
+        return Ticket((self._executor if urgent else self._warm_executor).submit(run), cancelled, lambda: None)
 
     def preload(self, row_ids: np.ndarray | torch.Tensor, *, progress: bool = False) -> int:
         """Fill the cache with the rows of per-head ids int64 [n, H], the coldest first (the last ends the most
@@ -252,15 +253,17 @@ class TieredTable(ManifestGeometry):
         return len(self.cache) - before
 
     def drain_warm(self, timeout: float | None = None) -> None:
-        """Wait until the read-aheads queued so far have ended (TimeoutError after `timeout` s); their errors are
-        theirs (read-aheads are advisory)."""
+        """Wait until the read-aheads queued so far, urgent ones included, have ended (TimeoutError after `timeout`
+        s); their errors are theirs (read-aheads are advisory)."""
         self._check_open()
         if self.cache is None:
             return
         if self.pipeline == "native":
-            NativeTicket(self._warm_queue.marker(), None).wait(timeout)
+            for queue in (self._warm_queue, self._queue):
+                NativeTicket(queue.marker(), None).wait(timeout)
         elif self._warm_executor is not None:
-            self._warm_executor.submit(lambda: None).result(timeout)
+            for pool in (self._warm_executor, self._executor):
+                pool.submit(lambda: None).result(timeout)
 
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
