@@ -272,6 +272,9 @@ def test_early_decode_reads_are_hits_at_their_step_and_change_no_token(model_dir
     miss = {k: v["cache_probes"] - v["cache_hits"] for k, v in stats.items()}
     e = eng.runner.model.config.engram
     decode_rows = len(PROMPTS) * (GREEDY.max_tokens - 1) * len(e.layers) * e.n_head_per_ngram * (e.max_ngram_size - 1)
+    assert engine_config(build_parser().parse_args(["serve", "m"])).early_decode_reads is True
+    assert engine_config(build_parser().parse_args(["serve", "m", "--no-early-decode-reads"])).early_decode_reads \
+        is False
     assert on["cache_probes"] == off["cache_probes"]  # the same steps probed the same rows
     assert on["warmed_rows"] > off["warmed_rows"]
     # the decode rows were read before their step probed: at most that many fewer misses, and most of them
