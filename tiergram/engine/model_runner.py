@@ -76,13 +76,18 @@ class ModelRunner:
         k, parts = self.lookback, {layer: [] for layer in targets}
         for tokens, start, end in windows:
             chunk = np.asarray([tokens[start:end]], dtype=np.int64)
-            hist = list(tokens[max(0, start - k):start])
-            hist = np.asarray([[self.pad_id] * (k - len(hist)) + hist], dtype=np.int64).reshape(1, k)
+            hist = self.histories([tokens[max(0, start - k):start]])
             for layer, ids in self.model.hasher.row_ids_with_history(chunk, hist).items():  # [1, T, H]
                 if layer in parts:
                     parts[layer].append(ids[0])
         tickets = [targets[layer].warm(np.concatenate(ids)) for layer, ids in parts.items()]
         return [t for t in tickets if t is not None]
+
+    def histories(self, lookbacks: list[list[int]]) -> np.ndarray:
+        """int64 [B, k] hashing histories: each lookback (at most k token ids) left-padded with pad_id."""
+        k = self.lookback
+        return np.array([[self.pad_id] * (k - len(h)) + list(h) for h in lookbacks], dtype=np.int64).reshape(
+            len(lookbacks), k)
 
     def warm_next(self, seqs: list[Sequence], tokens: list[int]) -> None:
         """Start reading the rows of each sequence's next decode position — seqs[b] fully computed, tokens[b] just
@@ -92,8 +97,7 @@ class ModelRunner:
         if not seqs or not targets or self.model.hasher is None:
             return
         k = self.lookback
-        hist = [s.token_ids[max(0, s.num_tokens - k):] for s in seqs]
-        hist = np.array([[self.pad_id] * (k - len(h)) + h for h in hist], dtype=np.int64).reshape(len(seqs), k)
+        hist = self.histories([s.token_ids[max(0, s.num_tokens - k):] for s in seqs])
         chunk = np.asarray(tokens, dtype=np.int64).reshape(len(seqs), 1)
         for layer, ids in sorted(self.model.hasher.row_ids_with_history(chunk, hist).items()):  # [B, 1, H]
             if layer in targets:
@@ -199,8 +203,7 @@ class ModelRunner:
         for c, members in by_len.items():  # one hashing call per chunk length
             chunk = np.array([seqs[b].token_ids[seqs[b].num_computed:seqs[b].num_computed + c] for b in members],
                              dtype=np.int64)
-            hist = [seqs[b].history(k) for b in members]
-            hist = np.array([[self.pad_id] * (k - len(h)) + h for h in hist], dtype=np.int64).reshape(len(members), k)
+            hist = self.histories([seqs[b].history(k) for b in members])
             for layer, ids in hasher.row_ids_with_history(chunk, hist).items():  # [G, c, H]
                 dst = out.setdefault(layer, np.empty((n_total, ids.shape[-1]), dtype=np.int64))
                 for g, b in enumerate(members):
