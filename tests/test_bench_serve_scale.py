@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tiergram.bench import serve as sv
@@ -46,6 +48,24 @@ def test_checks_compare_every_file_server_with_host():
     assert "file-1%" in text and "file-10%" in text and "peak RSS: host 2.00 GiB" in text
     assert "hot-rows preload at start: file-10% 1,500,000 rows in 5.3 s" in text
     assert "peak RSS GiB" in sv.to_markdown(res)
+
+
+def test_file_big_is_set_against_the_disk_limit_measured_on_its_own_tables(monkeypatch):
+    """The volume serves recently read extents faster than cold ones: file-big's share of the disk is taken against
+    the limit measured on the big model's tables, the others' against their own model's."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), big_model_dir="b", big_cache_bytes=10)
+    servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1,
+                    "model_dir": "b"} for lb in cfg.labels()}
+    monkeypatch.setattr("tiergram.bench.serve_stats.layer_table_bytes", lambda d: [500, 500])  # b's two tables
+    points = [point(lb, 1, 100.0) for lb in cfg.labels()]
+    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0},
+                         big_disk_pages_per_s={"before": 100.0, "after": 300.0})
+    ck = sv.checks(res)
+    assert ck["file_vs_host"]["disk_pages_per_s"] == {"before": 1000.0}
+    assert ck["file_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 100 * 0.9 * 100 / 1000)}
+    assert ck["file-big_vs_host"]["disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
+    assert ck["file-big_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 100 * 0.8 * 100 / 200)}
+    assert json.loads(sv.to_json(res))["big_disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
 
 
 def test_default_sweep_starts_no_mooncake_cluster():

@@ -475,6 +475,43 @@ def test_validate_reports_the_predicted_stall_share_beside_the_measured() -> Non
         assert r["predicted_binding"] == want
 
 
+def test_validate_can_predict_file_points_on_the_disk_the_sweep_measured_on_their_own_tables() -> None:
+    """The cloud volume serves recently read extents faster than cold ones: asked to, validate predicts each file
+    server on the limit the sweep measured on its own tables (file-big on the big model's), the spec's curve scaled
+    to it; the measured disk share is always taken against the point's own tables' limit."""
+    from dataclasses import replace
+
+    slow = CPU.disk.pages_per_s(128) / 8
+    disk = CPU.disk.at_limit(slow, 128)
+    assert disk.pages_per_s(128) == pytest.approx(slow) and disk.latency_s == pytest.approx(8 * CPU.disk.latency_s)
+    assert disk.pages_per_s(8) == pytest.approx(CPU.disk.pages_per_s(8) / 8)  # the curve's shape kept
+    sweep = _sweep("unused", 1.0)
+    sweep["config"]["big_model_dir"] = "big"
+    sweep["points"] += [dict(p, placement="file-big") for p in sweep["points"] if p["placement"] == "file"]
+    same = validate(sweep, MODEL, CPU, disk_from_sweep=True)  # no limit measured: the spec's disk
+    assert same["disk"]["pages_per_s"] == {"file": pytest.approx(CPU.disk.pages_per_s(128)),
+                                           "file-big": pytest.approx(CPU.disk.pages_per_s(128))}
+    sweep |= {"disk_pages_per_s": {"before": CPU.disk.pages_per_s(128)}, "big_disk_pages_per_s": {"before": slow}}
+    res = validate(sweep, MODEL, CPU, disk_from_sweep=True)
+    assert res["disk"] == {"from": "sweep", "pages_per_s": {"file": pytest.approx(CPU.disk.pages_per_s(128)),
+                                                            "file-big": pytest.approx(slow)}}
+    got = {(r["placement"], r["concurrency"]): r for r in res["points"]}
+    slow_hw = replace(CPU, disk=disk)
+    wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
+    for c in (1, 2, 4):
+        assert got["file", c]["predicted_tok_s"] == pytest.approx(got["file", c]["measured_tok_s"])
+        want = predict_point(MODEL, slow_hw, wl, Placement("file", 0.1, hit_rate=got["file-big", c]["hit_rate"]), c)
+        assert got["file-big", c]["predicted_tok_s"] == pytest.approx(want.throughput_tok_s)
+        assert got["file-big", c]["predicted_tok_s"] < got["file", c]["predicted_tok_s"]
+        # the measured disk share is taken against the big tables' own limit
+        assert got["file-big", c]["disk_share"] == pytest.approx(
+            got["file", c]["disk_share"] * CPU.disk.pages_per_s(128) / slow, rel=1e-3)
+    spec = validate(sweep, MODEL, CPU)  # by default the spec's disk, whatever the sweep measured
+    assert spec["disk"]["from"] == "spec" and {r["placement"]: r["predicted_tok_s"] for r in spec["points"]
+                                               if r["concurrency"] == 4}["file-big"] == pytest.approx(
+        got["file", 4]["predicted_tok_s"])
+
+
 def test_binding_by_evidence() -> None:
     """The disk binds only at its limit; short of it, the engine's wait decides between the source and compute."""
     from tiergram.plan.predict import binds

@@ -57,6 +57,7 @@ class SweepResult:
     checks: dict[str, Any]
     seconds: float
     disk_pages_per_s: dict[str, float] = field(default_factory=dict)  # the disk's limit before/after the sweep
+    big_disk_pages_per_s: dict[str, float] = field(default_factory=dict)  # the same on the big model's tables
     plot: str | None = None
 
 
@@ -163,16 +164,22 @@ def checks(res: SweepResult) -> dict[str, Any]:
             "table_bytes": res.servers[label].get("table_bytes"),
             "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
             "cpu_per_token_vs_host": _ratios(res, label, "host", "cpu_ms_per_token"),
-            "disk_pages_per_s": res.disk_pages_per_s,
+            "disk_pages_per_s": disk_limits(res, label),
             "disk_share_needed": disk_share_needed(res, label, target)}
     return out
+
+
+def disk_limits(res: SweepResult, label: str) -> dict[str, float]:
+    """The disk's limit before/after the sweep on the tables `label` read (file-big: the big model's)."""
+    big = base_label(label) == "file-big" and res.big_disk_pages_per_s
+    return res.big_disk_pages_per_s if big else res.disk_pages_per_s
 
 
 def disk_share_needed(res: SweepResult, label: str, target: float) -> dict[int, float]:
     """Per concurrency: the share of the disk's limit (mean of the sweep's before/after) that `label` would have
     to read at to serve target x host's tokens/s, at the pages per token it read. Near or above 1 the disk binds:
     no scheduling reaches the target on this disk at that point."""
-    limits = [v for v in res.disk_pages_per_s.values() if v]
+    limits = [v for v in disk_limits(res, label).values() if v]
     if not limits:
         return {}
     limit = sum(limits) / len(limits)

@@ -83,6 +83,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
                    help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
                         "config; `-nowait` servers never)")
+    p.add_argument("--disk-from-sweep", action="store_true",
+                   help="predict each file server on the disk's limit the sweep measured on its own tables (the "
+                        "spec's curve scaled to it) instead of the spec's level")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -200,7 +203,8 @@ def _validate(a: argparse.Namespace) -> int:
     model = load_model(a.model or sweep["config"]["model_dir"])
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
-    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first)
+    res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
+                           disk_from_sweep=a.disk_from_sweep)
     if a.plot:
         from dataclasses import replace
 
@@ -214,7 +218,10 @@ def _validate(a: argparse.Namespace) -> int:
             if pl.kind == "file" and not model.hit_rate_curve:
                 hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
                 pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
-            fronts.append(predict_front(model, hw2, predict.server_workload(wl, cfg, name, rows_first), pl,
+            hw_n = hw2  # the disk each file server was predicted on (validate's choice)
+            if name in res["disk"]["pages_per_s"]:
+                hw_n = replace(hw2, disk=hw2.disk.at_limit(res["disk"]["pages_per_s"][name], wl.queue_depth))
+            fronts.append(predict_front(model, hw_n, predict.server_workload(wl, cfg, name, rows_first), pl,
                                         int(cfg.get("max_concurrency", 64))))
         measured: dict[str, list[tuple[float, float, int]]] = {}
         for p in (p for p in sweep["points"] if p["placement"] in names):

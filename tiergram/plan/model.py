@@ -92,6 +92,12 @@ class DiskSpec:
         """Pages/s of all drives with `queue_depth` reads in flight, spread evenly over the drives."""
         return self.drives * interpolate(self.iops_curve, max(1.0, queue_depth / self.drives), log_x=True)
 
+    def at_limit(self, pages_per_s: float, queue_depth: float) -> DiskSpec:
+        """These drives with every point of the curve scaled so that `queue_depth` gives `pages_per_s` (the same
+        curve's shape at a measured level)."""
+        k = pages_per_s / self.pages_per_s(queue_depth)
+        return replace(self, iops_curve=tuple((q, r * k) for q, r in self.iops_curve))
+
 
 @dataclass(frozen=True)
 class HardwareSpec:

@@ -177,9 +177,11 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
             merged[f] = sum(float(r.get(f) or 0.0) for r in runs)
         merged["throughput_runs"] = [float(r["throughput_tok_s"]) for r in runs]
         points.append(merged)
-    disk = [v for sw in sweeps for v in (sw.get("disk_pages_per_s") or {}).values()]
-    return {**sweeps[0], "points": points, "disk_pages_per_s": {"min over runs": min(disk)} if disk else {},
-            "runs": names}
+    out = {**sweeps[0], "points": points, "runs": names}
+    for key in ("disk_pages_per_s", "big_disk_pages_per_s"):
+        disk = [v for sw in sweeps for v in (sw.get(key) or {}).values()]
+        out[key] = {"min over runs": min(disk)} if disk else {}
+    return out
 
 
 def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
@@ -217,6 +219,15 @@ def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first:
     return replace(base, prompt_rows_first=first, read_ahead=ahead)
 
 
+def sweep_disk_limit(sweep: dict[str, Any], label: str) -> float:
+    """The disk's limit (pages/s, QD 128) the sweep measured on the tables `label` read, the slower of its
+    before/after figures (0: none measured). file-big read the big model's tables, measured apart since sweeps
+    recorded `big_disk_pages_per_s` (earlier sweeps measured only the big model's when they had one)."""
+    key = "big_disk_pages_per_s" if base_label(label) == "file-big" and sweep.get("big_disk_pages_per_s") else \
+        "disk_pages_per_s"
+    return min((sweep.get(key) or {}).values(), default=0.0)
+
+
 DISK_BOUND_SHARE = 1.0  # reads at the disk's whole limit: it cannot keep up
 STALL_BOUND_SHARE = 0.25  # the engine waits for rows over a quarter of its time
 
@@ -232,18 +243,22 @@ def binds(engram: str, disk_share: float, stall_share: float) -> str:
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
-             rows_first: bool | None = None) -> dict[str, Any]:
+             rows_first: bool | None = None, disk_from_sweep: bool = False) -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
     host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
-    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`)."""
+    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `disk_from_sweep`: predict a file point
+    on the disk as the sweep measured it on that point's own tables (the spec's queue-depth curve scaled to that
+    limit at QD 128) instead of the spec's level: the cloud volume here serves recently read extents several times
+    faster than cold ones, so a calibration on one model's tables need not give another's rate (docs/planner.md,
+    session 13)."""
     cfg = sweep["config"]
     base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
     rows: list[Compared] = []
     skipped: set[str] = set()
+    disks: dict[str, float] = {}  # file server -> the disk's pages/s at QD 128 its points were predicted on
     limits: dict[str, dict[str, Any]] = {}
-    disk_limit = min((sweep.get("disk_pages_per_s") or {}).values(), default=0.0)  # the slower of before/after
     for pt in sweep["points"]:
         name = pt["placement"]
         try:
@@ -267,7 +282,13 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                 pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
                 source = "sweep (reported hit rate)"
         wl = server_workload(base_wl, cfg, name, rows_first)
-        p = predict_point(model, hw, wl, pl, int(pt["concurrency"]))
+        disk_limit = sweep_disk_limit(sweep, name)
+        hw_pt = hw
+        if kind == "file" and disk_from_sweep and disk_limit:
+            hw_pt = replace(hw, disk=hw.disk.at_limit(disk_limit, wl.queue_depth))
+        if kind == "file":
+            disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)
+        p = predict_point(model, hw_pt, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
         stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
@@ -291,6 +312,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
             "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
+            "disk": {"from": "sweep" if disk_from_sweep else "spec", "pages_per_s": disks},
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
@@ -314,6 +336,9 @@ def validate_text(res: dict[str, Any]) -> str:
     for kind, lim in res["limits"].items():
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
+    if res.get("disk", {}).get("pages_per_s"):
+        lines.append(f"disk predicted on (QD 128, from the {res['disk']['from']}): " + ", ".join(
+            f"{k} {v:,.0f} pages/s" for k, v in res["disk"]["pages_per_s"].items()))
     if res.get("skipped_placements"):
         lines.append(f"not modelled, skipped: {', '.join(res['skipped_placements'])}")
     s = res["summary"]
