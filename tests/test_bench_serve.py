@@ -87,6 +87,10 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
         assert (p["engram_cache_hit_rate"] is not None) == (p["placement"] == "file")
         assert (p["file_pages_per_s"] > 0) == (p["placement"] == "file")  # a 10% cache misses: pages are read
         assert p["cpu_ms_per_token"] > 0  # the server's process_cpu_seconds_total moved
+        by_thread = p["cpu_ms_per_token_by_thread"]
+        assert "tiergram-engine" in by_thread  # the step thread (and torch's workers it started)
+        # the threads' sum is the process's CPU less threads that ended mid-round (read just after /metrics)
+        assert 0 < sum(by_thread.values()) <= 1.25 * p["cpu_ms_per_token"]
     assert set(res["fronts"]) == {"device", "host", "file"} and all(res["fronts"].values())
     checks = res["checks"]
     assert set(checks["host_vs_device"]["ratios"]) == {"1", "2"} and "passed" in checks["host_vs_device"]

@@ -128,3 +128,34 @@ def test_compare_engine_process_adds_host_with_its_engine_in_a_process_and_check
     assert "host-process_vs_host" not in ck and "file_vs_host" in ck
     with pytest.raises(ValueError, match="needs the host placement"):
         sv.SweepConfig(model_dir="m", placements=("file",), compare_engine_process=True).labels()
+
+
+def test_thread_cpu_seconds_names_each_threads_time():
+    """The per-thread CPU a sweep records: a thread named by the OS is counted under its name."""
+    import os
+    import threading
+    import time
+
+    from tiergram import _native
+    from tiergram.bench.serve_process import thread_cpu_seconds
+
+    def burn() -> None:
+        _native.name_thread("tiergram-burn")
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+        done.wait()
+
+    done = threading.Event()
+    t = threading.Thread(target=burn)
+    t.start()
+    key = 'thread_cpu_seconds{name="tiergram-burn"}'
+    for _ in range(200):
+        got = thread_cpu_seconds(os.getpid())
+        if got.get(key, 0.0) >= 0.09:
+            break
+        time.sleep(0.01)
+    done.set()
+    t.join()
+    assert 0.09 <= got[key] < 5  # clock ticks of 10 ms
+    assert sum(got.values()) >= got[key]

@@ -55,6 +55,7 @@ from tiergram.bench.serve_process import (
     layer_tables,
     peak_rss,
     scrape,
+    thread_cpu_seconds,
 )
 from tiergram.bench.serve_report import checks_text, plot, to_json, to_markdown, to_text
 from tiergram.bench.serve_stats import BIG_TARGET, Point, Round, SweepResult, checks, pareto, summarize
@@ -63,7 +64,8 @@ __all__ = [
     "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",
     "Timing", "Trace", "TraceRequest", "cache_budgets", "checks", "checks_text", "closed_loop", "concurrency_limit",
     "disk_limit", "file_label", "file_mode", "kind_of", "layer_table_bytes", "layer_tables", "levels", "one_request",
-    "pareto", "peak_rss", "plot", "run", "scrape", "summarize", "to_json", "to_markdown", "to_text", "trace_tokens",
+    "pareto", "peak_rss", "plot", "run", "scrape", "summarize", "thread_cpu_seconds", "to_json", "to_markdown",
+    "to_text", "trace_tokens",
 ]
 
 
@@ -181,9 +183,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 requests = trace.take(cfg.requests_per_user * c)  # every placement serves the same ones
                 for pl in members[r % len(members):] + members[:r % len(members)]:
                     url, model, _ = live[pl]
-                    before = scrape(url)
+                    before = scrape(url) | thread_cpu_seconds(procs[pl])
                     timings, wall = asyncio.run(closed_loop(url, model, requests, c))
-                    rounds[pl].append(Round(timings, wall, before, scrape(url)))
+                    rounds[pl].append(Round(timings, wall, before, scrape(url) | thread_cpu_seconds(procs[pl])))
             for pl in members:
                 p = summarize(pl, c, rounds[pl])
                 p.server_peak_rss_bytes = peak_rss(procs[pl])

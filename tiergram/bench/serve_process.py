@@ -143,6 +143,29 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a live process's threads and its descendants', summed per thread name, as
+    samples `thread_cpu_seconds{name="..."}` (torch's workers carry the name of the thread that started them)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc in [pid, *_children(pid)]:
+        try:
+            tasks = os.listdir(f"/proc/{proc}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{proc}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # the thread ended meanwhile
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()  # fields 14 and 15 of proc(5), from field 3 on
+            key = f'thread_cpu_seconds{{name="{name}"}}'
+            out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def scrape(url: str) -> dict[str, float]:
     """The server's /metrics samples."""
     import httpx

@@ -43,6 +43,9 @@ class Point:
     cpu_ms_per_token: float = 0.0  # the server's CPU time (all threads, HTTP and engine processes) per token served
     server_peak_rss_bytes: int = 0  # the server's peak resident memory (VmHWM, its processes summed) after this point
     prefill_stall_s: float = 0.0  # the part of exposed_stall_s in steps that computed prompt tokens
+    # the server's CPU per token by thread name (the engine's step thread and torch's workers, the file tier's
+    # fetch and warm-up threads, the HTTP loop...); threads that ended during a round are not counted
+    cpu_ms_per_token_by_thread: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,6 +99,9 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     hit = total("tiergram_engram_cache_hits_total") / lookups if lookups > 0 else None  # None: no cache
     keys = {k for r in rounds for k in r.after if k.startswith("tiergram_engram_bytes_read_total{")}
     tiers = {k.split('tier="')[1].rstrip('"}'): total(k) for k in sorted(keys)}
+    tokens = max(1, sum(r.tokens for r in rounds))
+    names = {k for r in rounds for k in r.after if k.startswith("thread_cpu_seconds{")}
+    by_thread = {k.split('name="')[1][:-2]: round(1e3 * total(k) / tokens, 4) for k in sorted(names)}
     itl50, itl90 = percentile(itl, 50), percentile(itl, 90)
     throughput = float(np.median(per_round))
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
@@ -110,8 +116,8 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  prefill_stall_s=total("tiergram_engram_prefill_stall_seconds_total"),
                  file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
                  cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
-                                         total("tiergram_engine_process_cpu_seconds_total"))
-                 / max(1, sum(r.tokens for r in rounds)))
+                                         total("tiergram_engine_process_cpu_seconds_total")) / tokens,
+                 cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0})
 
 
 def pareto(points: list[Point]) -> list[Point]:
