@@ -101,7 +101,10 @@ SLOW_WRITER = textwrap.dedent("""
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_an_interrupted_create_leaves_no_file_under_the_final_name(tmp_path, sig):
     final = tmp_path / "t.tgram"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(final)], stdout=subprocess.PIPE, text=True)
+    # a child inherits an ignored SIGINT (from a shell's background job, or a test before this one that ignored it
+    # in this process) and Python then keeps it ignored: give the writer the default, as a terminal's Ctrl-C finds it
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(final)], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for _ in range(3):  # a few chunks in: the temp file exists and holds data
             assert proc.stdout.readline().startswith("chunk")
