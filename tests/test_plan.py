@@ -397,6 +397,15 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     obj = json.loads(capsys.readouterr().out)
     assert {p["placement"] for p in obj["points"]} == {"device", "host", "file", "file-nowait"}
     assert obj["skipped_placements"] == ["mooncake"] and (tmp_path / "v2.png").is_file()
+    # --disk-from-sweep: the file servers predicted (and plotted) on the limit the sweep measured, here half the spec's
+    both["disk_pages_per_s"] = {"before": hw.disk.pages_per_s(128) / 2}
+    sweep.write_text(json.dumps(both))
+    assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json", "--disk-from-sweep",
+                 "--plot", str(tmp_path / "v3.png")]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["disk"] == {"from": "sweep", "pages_per_s": {"file": pytest.approx(hw.disk.pages_per_s(128) / 2),
+                                                            "file-nowait": pytest.approx(hw.disk.pages_per_s(128) / 2)}}
+    assert (tmp_path / "v3.png").is_file()
     assert main(["plan", "validate", str(tmp_path / "none.json"), "--hardware", str(spec)]) == 2
     assert "cannot read the sweep JSON" in capsys.readouterr().err
 
@@ -405,7 +414,9 @@ def test_repeated_sweeps_merge_by_their_mean_and_refuse_other_settings() -> None
     from tiergram.plan.predict import merge_sweeps
 
     a, b = _sweep("m", 1.0), _sweep("m", 1.2)
+    a["big_disk_pages_per_s"], b["big_disk_pages_per_s"] = {"before": 300.0, "after": 200.0}, {"before": 250.0}
     merged = merge_sweeps([a, b], ["a.json", "b.json"])
+    assert merged["big_disk_pages_per_s"] == {"min over runs": 200.0} and merged["disk_pages_per_s"] == {}
     res = validate(merged, MODEL, CPU)
     for r in res["points"]:
         assert r["ratio"] == pytest.approx(1.1) and len(r["measured_runs"]) == 2
