@@ -123,3 +123,50 @@ def test_bad_options(bench_home):
     with pytest.raises(ValueError, match="rounds"):
         file_lookup.run(file_lookup.FileLookupBenchConfig(rounds=0), progress=False)
 
+
+
+def test_readers_draw_pages_no_earlier_probe_or_round_chose(bench_home):
+    """This VM's volume serves blocks it served recently from a cache: a probe that repeats an earlier probe's
+    pages, or a round that repeats an earlier round's ids, would measure that cache, not the disk. Unseeded, every
+    reader draws new pages (a seed still makes a run repeatable)."""
+    cfg = file_lookup.FileLookupBenchConfig(heads=2, dim=64, rows_per_head=3000, positions=4, store_queue_depth=8)
+    table = file_lookup.bench_file_table(cfg, progress=False)
+    n = table.manifest.n_pages
+    a, b = (file_lookup.LimitReader(table, 4) for _ in range(2))
+    s1, s2 = (file_lookup.LimitReader(table, 4, seed=5) for _ in range(2))
+    try:
+        assert not np.array_equal(a.rng.integers(0, n, 64), b.rng.integers(0, n, 64))
+        assert np.array_equal(s1.rng.integers(0, n, 64), s2.rng.integers(0, n, 64))
+    finally:
+        for r in (a, b, s1, s2):
+            r.close()
+    look = file_lookup.TiergramLookup(table, cfg, "uniform", seed=10)
+    threads = file_lookup.PythonThreads(table, 2)
+    try:
+        first = [x.copy() for x in look.batches]
+        assert look.segment(0.05).pages > 0
+        assert not all(np.array_equal(x, y) for x, y in zip(first, look.batches, strict=True))
+        threads.segment(0.02)
+        offsets = [list(o) for o in threads.offsets]
+        threads.segment(0.02)
+        assert offsets != threads.offsets
+    finally:
+        look.close()
+        threads.close()
+
+
+def test_reread_probe_reads_new_pages_then_the_same_ones(bench_home):
+    """The probe behind `scripts/reread_probe.py` and `plan calibrate`: both passes read the same pages (O_DIRECT),
+    and the script prints both rates and their ratio."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = file_lookup.FileLookupBenchConfig(heads=2, dim=64, rows_per_head=3000)
+    table = file_lookup.bench_file_table(cfg, progress=False)
+    fresh, again = file_lookup.reread_rates(table, pages=300, qd=8)
+    assert fresh > 0 and again > 0
+    script = Path(__file__).resolve().parents[1] / "scripts" / "reread_probe.py"
+    out = subprocess.run([sys.executable, str(script), str(table.path), "--pages", "200", "--rounds", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.count("new pages") == 2 and "re-read / new, median of 2:" in out

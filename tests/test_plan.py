@@ -378,6 +378,8 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     spec.write_text(to_toml(cal))
     hw = load_hardware(spec)
     assert hw.kind == "cpu" and hw.per_token_s > 0 and hw.disk.pages_per_s(128) > 0
+    # the volume's cache under the disk, measured beside the curve: new pages, then the same pages again
+    assert cal.detail["disk"]["new_pages_per_s"] > 0 and cal.detail["disk"]["reread_pages_per_s"] > 0
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps(_sweep(str(model_dir), 1.0)))
     assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",

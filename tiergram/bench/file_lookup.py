@@ -81,7 +81,11 @@ class FileLookupBenchConfig:
     hit_positions: tuple[int, ...] = (1, 64, 256)  # all-hit lookups vs host (empty: skip that phase)
     layer_tables: tuple[int, ...] = (1, 2)  # a step's rows prefetched from 1 or 2 tables (empty: skip)
     table: str | None = None  # table path (default: in the bench cache folder)
-    seed: int = 0
+    seed: int = 0  # the table's contents
+    # the pages the readers read (None: fresh ones each run, and every round draws new ones): the volume under this
+    # VM serves blocks it served recently from a cache several times faster than the device (docs/benchmarks.md,
+    # session 14), so a page an earlier run or round read measures that cache, not the disk
+    read_seed: int | None = None
 
 
 @dataclass
@@ -224,14 +228,17 @@ def _cpu() -> float:
 
 
 class LimitReader:
-    """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd."""
+    """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd.
 
-    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int = 0,
+    `seed` None (the default) draws pages no earlier probe chose: the volume under this VM caches the blocks it
+    served, so a probe repeating an earlier one's pages would measure that cache."""
+
+    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int | None = None,
                  batch_wait: bool = True, fixed_files: bool = False) -> None:
         m = self.manifest = table.manifest
         self.batch = max(1024, 48 * qd)  # 6144 pages at QD128: as many as a 256-position lookup reads
         self.out = aligned_empty(self.batch * m.page_size)
-        self.rng = np.random.default_rng([seed, qd])
+        self.rng = np.random.default_rng(None if seed is None else [seed, qd])
         self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
                                          queue_depth=qd, backend=backend, direct=True, batch_wait=batch_wait,
                                          fixed_files=fixed_files)
@@ -250,19 +257,43 @@ class LimitReader:
         self.reader.close()
 
 
+def reread_rates(table: TableFile, pages: int = 20000, qd: int = 128) -> tuple[float, float]:
+    """Pages/s reading `pages` random pages no probe chose before, then the same pages again (native reader, O_DIRECT:
+    not the guest's page cache). Equal on a bare device; several times faster the second time where a cache sits
+    under the VM's disk (this machine's volume: docs/benchmarks.md, session 14)."""
+    reader = LimitReader(table, qd)
+    try:
+        if not reader.reader.direct:
+            raise RuntimeError(f"{table.path}: the filesystem refuses O_DIRECT; no figure would be the disk's")
+        ids = reader.rng.integers(0, table.manifest.n_pages, pages)
+        rates = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            for start in range(0, ids.size, reader.batch):
+                chunk = ids[start:start + reader.batch]
+                reader.reader.read_pages(chunk, reader.out[: chunk.size * table.manifest.page_size], verify=False)
+            rates.append(ids.size / (time.perf_counter() - t0))
+        return rates[0], rates[1]
+    finally:
+        reader.close()
+
+
 class PythonThreads:
     """The baseline without a native reader: Python threads each calling os.preadv on an O_DIRECT fd."""
 
-    def __init__(self, table: TableFile, n_threads: int, seed: int = 0) -> None:
-        m = table.manifest
+    def __init__(self, table: TableFile, n_threads: int, seed: int | None = None) -> None:
+        self.table = table
         self.fd = os.open(table.path, os.O_RDONLY | os.O_DIRECT)
         self.n = n_threads
-        self.bufs = [mmap.mmap(-1, m.page_size) for _ in range(n_threads)]  # page-aligned, as O_DIRECT needs
-        self.offsets = [(table.data_offset + np.random.default_rng([seed, 100 + i]).integers(0, m.n_pages, 1 << 17)
-                         * m.page_size).tolist() for i in range(n_threads)]
+        self.bufs = [mmap.mmap(-1, table.manifest.page_size) for _ in range(n_threads)]  # page-aligned (O_DIRECT)
+        self.rngs = [np.random.default_rng(None if seed is None else [seed, 100 + i]) for i in range(n_threads)]
         self.pos = [0] * n_threads
 
     def segment(self, seconds: float) -> Segment:
+        m = self.table.manifest
+        # new pages each segment (drawn before the clock starts): none an earlier segment read
+        self.offsets = [(self.table.data_offset + rng.integers(0, m.n_pages, 1 << 17) * m.page_size).tolist()
+                        for rng in self.rngs]
         counts = [0] * self.n
         errors: list[BaseException] = []
         start = threading.Barrier(self.n + 1)
@@ -309,14 +340,16 @@ class TiergramLookup:
         self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
                                  queue_depth=cfg.store_queue_depth, backend=cfg.backend, pipeline=pipeline,
                                  cache_bytes=cache_rows * table.manifest.row_bytes, fixed_buffers=fixed_buffers)
-        rng = np.random.default_rng([cfg.seed, seed])
-        n_batches = 32 if not cache_rows else 256  # cached: ids a cache could keep (10%) are rare within a run
-        self.batches = [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng) for _ in range(n_batches)]
+        self.rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
+        self.draw = lambda: [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, self.rng)
+                             for _ in range(32 if not cache_rows else 256)]  # cached: 10%-cacheable ids are rare
+        self.batches = self.draw()
         self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
         self.calls = 0
         self.store.lookup(self.batches[-1], out=self.out)  # warm-up (first-call allocations)
 
     def segment(self, seconds: float) -> Segment:
+        self.batches = self.draw()  # new ids each segment, none an earlier one read (unless by chance)
         s0 = self.store.stats()
         rows, t0, c0 = 0, time.perf_counter(), _cpu()
         while True:
@@ -344,9 +377,11 @@ class LayersLookup:
             raise ValueError(f"positions ({cfg.positions}) must divide among {n_tables} tables")
         self.stores = [TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
                                    queue_depth=cfg.store_queue_depth, backend=cfg.backend) for _ in range(n_tables)]
-        rng = np.random.default_rng([cfg.seed, seed])
+        rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
         part = (cfg.positions // n_tables, cfg.heads)
-        self.batches = [[draw_ids("uniform", part, table.head_rows, rng) for _ in range(n_tables)] for _ in range(32)]
+        self.draw = lambda: [[draw_ids("uniform", part, table.head_rows, rng) for _ in range(n_tables)]
+                             for _ in range(32)]
+        self.batches = self.draw()
         self.calls = 0
         self._step(self.batches[-1])  # warm-up
 
@@ -355,6 +390,7 @@ class LayersLookup:
             ticket.wait()
 
     def segment(self, seconds: float) -> Segment:
+        self.batches = self.draw()  # new ids each segment
         pages0, rows, t0, c0 = self._pages(), 0, time.perf_counter(), _cpu()
         while True:
             parts = self.batches[self.calls % len(self.batches)]
@@ -384,7 +420,7 @@ class MmapLookup:
         drop_page_cache(table.path)
         self.table, self.cfg = table, cfg
         self.store = TieredTable(table.path, tier="file", file_mode="mmap", dtype=getattr(torch, cfg.dtype))
-        self.rng = np.random.default_rng([cfg.seed, seed])
+        self.rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
         self.touched = np.zeros(table.manifest.n_pages, dtype=bool)
         self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
 
@@ -439,13 +475,14 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     readers: dict[tuple[str, str], LimitReader | PythonThreads | TiergramLookup | MmapLookup] = {}
     try:
         for qd in cfg.queue_depths:
-            readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.seed)
+            readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.read_seed)
         deepest = max(cfg.queue_depths)
-        readers["limit_wait_one", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.seed, batch_wait=False)
-        readers["limit_fixed_files", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.seed,
+        readers["limit_wait_one", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.read_seed,
+                                                                  batch_wait=False)
+        readers["limit_fixed_files", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.read_seed,
                                                                  fixed_files=True)
         for n in cfg.py_threads:
-            readers["python_threads", str(n)] = PythonThreads(table, n, cfg.seed)
+            readers["python_threads", str(n)] = PythonThreads(table, n, cfg.read_seed)
         for i, dist in enumerate(cfg.dists):
             readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=cfg.pipelines[0])
             for pipe in cfg.pipelines[1:]:  # the first is the headline reader above

@@ -70,8 +70,9 @@ __all__ = [
 
 
 def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
-    """Random 4 KiB-page reads per second the disk gives the native reader at queue depth 128 (O_DIRECT); None
-    where the filesystem refuses O_DIRECT: reads through the page cache would measure the cache, not the disk."""
+    """Random 4 KiB-page reads per second the disk gives the native reader at queue depth 128 (O_DIRECT), on pages
+    no earlier probe chose (a volume that caches what it served would otherwise give a repeated probe its own
+    cache); None where the filesystem refuses O_DIRECT: reads through the page cache would measure that cache."""
     from tiergram.bench.file_lookup import LimitReader
     from tiergram.format import TableFile
 

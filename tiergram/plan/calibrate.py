@@ -251,8 +251,9 @@ def file_costs(table_path: Path, heads: int, cache_fraction: float = 0.1, second
 
 
 def disk_curve(table_path: Path, seconds: float = 1.0) -> dict[str, Any]:
-    """Random 4 KiB page reads per second at each queue depth (native O_DIRECT reader) and CPU seconds per page."""
-    from tiergram.bench.file_lookup import LimitReader
+    """Random 4 KiB page reads per second at each queue depth (native O_DIRECT reader, pages no earlier probe chose)
+    and CPU seconds per page; and at QD 128 new pages against the same pages read again (a cache under the disk)."""
+    from tiergram.bench.file_lookup import LimitReader, reread_rates
     from tiergram.format import TableFile
 
     curve, cpu = [], []
@@ -266,8 +267,9 @@ def disk_curve(table_path: Path, seconds: float = 1.0) -> dict[str, Any]:
         curve.append([qd, round(f["pages_per_s"])])
         if f.get("cpu_us_per_page") is not None:
             cpu.append(f["cpu_us_per_page"])
+    fresh, again = reread_rates(TableFile.open(table_path), pages=max(2048, int(curve[-1][1] * seconds)))
     return {"iops_curve": curve, "cpu_us_per_page": float(np.median(cpu)) if cpu else 3.0,
-            "cpu_measured": bool(cpu)}
+            "cpu_measured": bool(cpu), "new_pages_per_s": round(fresh), "reread_pages_per_s": round(again)}
 
 
 def host_bandwidth(mib: int = 256, repeats: int = 5) -> float:
@@ -333,6 +335,9 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                    f"{fc['cpu_s_per_page'] * 1e6:.1f} us CPU per page read ({fc['pages']:,} pages)")
     _log(progress, "      " + ", ".join(f"QD{q} {p:,} pages/s" for q, p in d["iops_curve"])
          + f"; {d['cpu_us_per_page']:.1f} us CPU per page")
+    _log(progress, f"      QD128 new pages {d['new_pages_per_s']:,} pages/s, the same pages read again "
+                   f"{d['reread_pages_per_s']:,} ({d['reread_pages_per_s'] / max(1, d['new_pages_per_s']):.1f}x: above "
+                   "1 a cache under this disk serves what it served recently; the curve is new pages)")
     speed.append(cpu_speed_ms(probe_s))
     _log(progress, "[4/5] host memory bandwidth and size")
     bw = host_bandwidth()
