@@ -13,8 +13,8 @@ Per point: TTFT, inter-token latency (ITL) and end-to-end latency p50/p90/p99 as
 interactivity (tokens/s per user = 1000 / ITL ms; `interactivity_p90` = 1000 / ITL p90), total throughput
 (prompt + output tokens per second of the measured phase), and from /metrics deltas the Engram cache hit
 rate, the exposed prefetch stall and the file tier's page reads per second, which the checks set against the
-disk's own limit (the native reader at queue depth 128) measured before and after the sweep on the tables those
-servers read (the big model's apart from the others'). Per placement
+disk's own limit (the native reader at queue depth 128, pages no earlier probe read) measured once the servers
+have started and after the sweep, on the tables those servers read (the big model's apart). Per placement
 the pareto front keeps the points no other point beats on both throughput and interactivity.
 
 The pieces: `serve_config` (what to sweep), `load` (the trace and the streaming clients), `serve_process` (the
@@ -107,23 +107,13 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     need = sum(per_user * c for c in max_levels) * (cfg.input_len + cfg.output_len)
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
     log(progress, f"trace: {len(tokens)} tokens of the {source}")
-    # the disk's limit on each model's own tables: the cloud volume under this machine serves recently read extents
-    # several times faster than cold ones, so one file's rate says little about another's
+    # the disk's limit on each model's own tables: the volume under this VM serves blocks it served recently several
+    # times faster than others, so one file's rate says little about another's
     disk: dict[str, float] = {}
     big_disk: dict[str, float] = {}
     limit_tables = {"": tables[0]}
     if cfg.big_model_dir and any(kind_of(lb) == "file" for lb in labels):
         limit_tables["big"] = layer_tables(cfg.big_model_dir)[0]
-    if any(kind_of(lb) == "file" for lb in labels):
-        for which, table in limit_tables.items():
-            before = disk_limit(table)
-            if before is None:
-                log(progress, f"{table}: the filesystem refuses O_DIRECT; the file servers read through the page "
-                               "cache and no disk limit is measured")
-                continue
-            (big_disk if which else disk)["before"] = before
-            log(progress, f"disk limit on {table.name}{' (big model)' if which else ''} (native reader, QD128, "
-                           f"O_DIRECT): {before:.0f} pages/s")
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
     live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
@@ -173,6 +163,18 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                "sequence; skipped")
                 continue
             live[placement] = (server.url, health["model"], levels(limit, cfg.max_concurrency))
+        # measured once the servers have started: a hot-rows preload that read a table whole leaves it in whatever
+        # cache sits under the disk (this VM's volume has one), and the rounds then read it as it is now
+        if any(kind_of(lb) == "file" for lb in labels):
+            for which, table in limit_tables.items():
+                before = disk_limit(table)
+                if before is None:
+                    log(progress, f"{table}: the filesystem refuses O_DIRECT; the file servers read through the "
+                                   "page cache and no disk limit is measured")
+                    continue
+                (big_disk if which else disk)["before"] = before
+                log(progress, f"disk limit on {table.name}{' (big model)' if which else ''} (native reader, QD128, "
+                               f"O_DIRECT, new pages): {before:.0f} pages/s")
         trace = Trace(tokens, cfg.input_len, cfg.output_len, cfg.seed)
         for c in sorted({c for _, _, lv in live.values() for c in lv}):
             members = [pl for pl, (_, _, lv) in live.items() if c in lv]
