@@ -399,15 +399,21 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     obj = json.loads(capsys.readouterr().out)
     assert {p["placement"] for p in obj["points"]} == {"device", "host", "file", "file-nowait"}
     assert obj["skipped_placements"] == ["mooncake"] and (tmp_path / "v2.png").is_file()
-    # --disk-from-sweep: the file servers predicted (and plotted) on the limit the sweep measured, here half the spec's
+    # the file servers predicted (and plotted) on the limit the sweep measured, here half the spec's (the default)
     both["disk_pages_per_s"] = {"before": hw.disk.pages_per_s(128) / 2}
     sweep.write_text(json.dumps(both))
-    assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json", "--disk-from-sweep",
+    assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
                  "--plot", str(tmp_path / "v3.png")]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert obj["disk"] == {"from": "sweep", "pages_per_s": {"file": pytest.approx(hw.disk.pages_per_s(128) / 2),
-                                                            "file-nowait": pytest.approx(hw.disk.pages_per_s(128) / 2)}}
+    assert obj["disk"] == {"from": {"file": "sweep", "file-nowait": "sweep"},
+                           "pages_per_s": {"file": pytest.approx(hw.disk.pages_per_s(128) / 2),
+                                           "file-nowait": pytest.approx(hw.disk.pages_per_s(128) / 2)}}
     assert (tmp_path / "v3.png").is_file()
+    # --disk spec: the spec's disk, whatever the sweep measured
+    assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json", "--disk", "spec"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["disk"]["from"] == {"file": "spec", "file-nowait": "spec"}
+    assert obj["disk"]["pages_per_s"]["file"] == pytest.approx(hw.disk.pages_per_s(128))
     assert main(["plan", "validate", str(tmp_path / "none.json"), "--hardware", str(spec)]) == 2
     assert "cannot read the sweep JSON" in capsys.readouterr().err
 
@@ -501,13 +507,17 @@ def test_validate_can_predict_file_points_on_the_disk_the_sweep_measured_on_thei
     sweep = _sweep("unused", 1.0)
     sweep["config"]["big_model_dir"] = "big"
     sweep["points"] += [dict(p, placement="file-big") for p in sweep["points"] if p["placement"] == "file"]
-    same = validate(sweep, MODEL, CPU, disk_from_sweep=True)  # no limit measured: the spec's disk
-    assert same["disk"]["pages_per_s"] == {"file": pytest.approx(CPU.disk.pages_per_s(128)),
-                                           "file-big": pytest.approx(CPU.disk.pages_per_s(128))}
+    same = validate(sweep, MODEL, CPU)  # no limit measured: the spec's disk
+    assert same["disk"] == {"from": {"file": "spec", "file-big": "spec"},
+                            "pages_per_s": {"file": pytest.approx(CPU.disk.pages_per_s(128)),
+                                            "file-big": pytest.approx(CPU.disk.pages_per_s(128))}}
     sweep |= {"disk_pages_per_s": {"before": CPU.disk.pages_per_s(128)}, "big_disk_pages_per_s": {"before": slow}}
-    res = validate(sweep, MODEL, CPU, disk_from_sweep=True)
-    assert res["disk"] == {"from": "sweep", "pages_per_s": {"file": pytest.approx(CPU.disk.pages_per_s(128)),
-                                                            "file-big": pytest.approx(slow)}}
+    res = validate(sweep, MODEL, CPU)
+    assert res["disk"] == {"from": {"file": "sweep", "file-big": "sweep"},
+                           "pages_per_s": {"file": pytest.approx(CPU.disk.pages_per_s(128)),
+                                           "file-big": pytest.approx(slow)}}
+    with pytest.raises(ValueError, match="disk_from"):
+        validate(sweep, MODEL, CPU, disk_from="cache")
     got = {(r["placement"], r["concurrency"]): r for r in res["points"]}
     slow_hw = replace(CPU, disk=disk)
     wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
@@ -519,8 +529,9 @@ def test_validate_can_predict_file_points_on_the_disk_the_sweep_measured_on_thei
         # the measured disk share is taken against the big tables' own limit
         assert got["file-big", c]["disk_share"] == pytest.approx(
             got["file", c]["disk_share"] * CPU.disk.pages_per_s(128) / slow, rel=1e-3)
-    spec = validate(sweep, MODEL, CPU)  # by default the spec's disk, whatever the sweep measured
-    assert spec["disk"]["from"] == "spec" and {r["placement"]: r["predicted_tok_s"] for r in spec["points"]
+    spec = validate(sweep, MODEL, CPU, disk_from="spec")  # the spec's disk, whatever the sweep measured
+    assert spec["disk"]["from"] == {"file": "spec", "file-big": "spec"} and {
+        r["placement"]: r["predicted_tok_s"] for r in spec["points"]
                                                if r["concurrency"] == 4}["file-big"] == pytest.approx(
         got["file", 4]["predicted_tok_s"])
 

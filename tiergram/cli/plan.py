@@ -83,9 +83,10 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
                    help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
                         "config; `-nowait` servers never)")
-    p.add_argument("--disk-from-sweep", action="store_true",
-                   help="predict each file server on the disk's limit the sweep measured on its own tables (the "
-                        "spec's curve scaled to it) instead of the spec's level")
+    p.add_argument("--disk", choices=("sweep", "spec"), default="sweep",
+                   help="the disk each file server is predicted on: the limit the sweep measured on its own tables "
+                        "(default; the spec's curve scaled to it, the spec's where the sweep measured none), or the "
+                        "spec's")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -204,7 +205,7 @@ def _validate(a: argparse.Namespace) -> int:
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
-                           disk_from_sweep=a.disk_from_sweep)
+                           disk_from=a.disk)
     if a.plot:
         from dataclasses import replace
 

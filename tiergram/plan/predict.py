@@ -243,14 +243,16 @@ def binds(engram: str, disk_share: float, stall_share: float) -> str:
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
-             rows_first: bool | None = None, disk_from_sweep: bool = False) -> dict[str, Any]:
+             rows_first: bool | None = None, disk_from: str = "sweep") -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
     host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
-    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `disk_from_sweep`: predict a file point
+    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `disk_from` "sweep": predict a file point
     on the disk as the sweep measured it on that point's own tables (the spec's queue-depth curve scaled to that
-    limit at QD 128) instead of the spec's level: the cloud volume here serves recently read extents several times
-    faster than cold ones, so a calibration on one model's tables need not give another's rate (docs/planner.md,
-    session 13)."""
+    limit at QD 128; the spec's disk where the sweep measured none), "spec": on the spec's. A disk with a cache under
+    it (this VM's volume) serves a table it holds several times faster than one it does not, so one calibration
+    cannot give every table's rate (docs/planner.md, session 14)."""
+    if disk_from not in ("sweep", "spec"):
+        raise ValueError(f"disk_from must be 'sweep' or 'spec', got {disk_from!r}")
     cfg = sweep["config"]
     base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
@@ -258,6 +260,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     rows: list[Compared] = []
     skipped: set[str] = set()
     disks: dict[str, float] = {}  # file server -> the disk's pages/s at QD 128 its points were predicted on
+    disk_sources: dict[str, str] = {}  # file server -> "sweep" or "spec": where that figure came from
     limits: dict[str, dict[str, Any]] = {}
     for pt in sweep["points"]:
         name = pt["placement"]
@@ -284,10 +287,11 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         wl = server_workload(base_wl, cfg, name, rows_first)
         disk_limit = sweep_disk_limit(sweep, name)
         hw_pt = hw
-        if kind == "file" and disk_from_sweep and disk_limit:
+        if kind == "file" and disk_from == "sweep" and disk_limit:
             hw_pt = replace(hw, disk=hw.disk.at_limit(disk_limit, wl.queue_depth))
         if kind == "file":
             disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)
+            disk_sources[name] = "sweep" if hw_pt is not hw else "spec"
         p = predict_point(model, hw_pt, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
@@ -312,7 +316,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
             "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
-            "disk": {"from": "sweep" if disk_from_sweep else "spec", "pages_per_s": disks},
+            "disk": {"from": disk_sources, "pages_per_s": disks},
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
@@ -337,8 +341,8 @@ def validate_text(res: dict[str, Any]) -> str:
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
     if res.get("disk", {}).get("pages_per_s"):
-        lines.append(f"disk predicted on (QD 128, from the {res['disk']['from']}): " + ", ".join(
-            f"{k} {v:,.0f} pages/s" for k, v in res["disk"]["pages_per_s"].items()))
+        lines.append("disk predicted on (QD 128): " + ", ".join(
+            f"{k} {v:,.0f} pages/s (the {res['disk']['from'][k]}'s)" for k, v in res["disk"]["pages_per_s"].items()))
     if res.get("skipped_placements"):
         lines.append(f"not modelled, skipped: {', '.join(res['skipped_placements'])}")
     s = res["summary"]
