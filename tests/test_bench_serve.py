@@ -86,6 +86,10 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
             float(np.median(p["throughput_rounds"])), rel=1e-3)
         assert (p["engram_cache_hit_rate"] is not None) == (p["placement"] == "file")
         assert (p["file_pages_per_s"] > 0) == (p["placement"] == "file")  # a 10% cache misses: pages are read
+        if p["placement"] == "file":  # the share of them its server had never read before
+            assert 0 <= p["file_first_read_share"] <= 1
+        else:
+            assert p["file_first_read_share"] is None
         assert p["cpu_ms_per_token"] > 0  # the server's process_cpu_seconds_total moved
         by_thread = p["cpu_ms_per_token_by_thread"]
         assert "tiergram-engine" in by_thread  # the step thread (and torch's workers it started)
@@ -111,7 +115,9 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
 
     def metrics(probes: float, hits: float, file_bytes: float, cpu: float = 0.0) -> dict[str, float]:
         return {"tiergram_engram_cache_probes_total": probes, "tiergram_engram_cache_hits_total": hits,
-                'tiergram_engram_bytes_read_total{tier="file"}': file_bytes, "process_cpu_seconds_total": cpu}
+                'tiergram_engram_bytes_read_total{tier="file"}': file_bytes, "process_cpu_seconds_total": cpu,
+                "tiergram_engram_pages_read_total": file_bytes / 4096,
+                "tiergram_engram_pages_first_read_total": file_bytes / 4096 / 5}  # a fifth of them first reads
 
     zero = metrics(0, 0, 0)
     rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10, cpu=0.6)),  # 100 tok/s
@@ -123,6 +129,7 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     assert p.requests == 12 and p.duration_s == 3.5
     assert p.engram_cache_hit_rate == pytest.approx(120 / 400)  # counters summed over the rounds
     assert p.file_pages_per_s == pytest.approx(35 / 3.5)
+    assert p.file_first_read_share == pytest.approx(0.2)  # first reads over pages read, both summed
     assert p.itl_p90_ms == pytest.approx(2.0) and p.ttft_p50_ms == pytest.approx(10.0)
     assert p.cpu_ms_per_token == pytest.approx(1e3 * 0.6 / 300)  # CPU over every round's 3 x 100 tokens
 

@@ -380,6 +380,7 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     assert hw.kind == "cpu" and hw.per_token_s > 0 and hw.disk.pages_per_s(128) > 0
     # the volume's cache under the disk, measured beside the curve: new pages, then the same pages again
     assert cal.detail["disk"]["new_pages_per_s"] > 0 and cal.detail["disk"]["reread_pages_per_s"] > 0
+    assert hw.disk.cache_pages_per_s == cal.detail["disk"]["reread_pages_per_s"]  # into the spec, with its source
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps(_sweep(str(model_dir), 1.0)))
     assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
@@ -600,3 +601,37 @@ def test_a_servers_step_factor_stretches_the_cores_work_not_the_disk() -> None:
     assert disk_bound[0].step_s == pytest.approx(disk_bound[1].step_s)  # the disk's own time does not stretch
     assert predict_point(MODEL, replace(GPU, server_step_curve=curve), WL, Placement("host"), 2).step_s == \
         pytest.approx(predict_point(MODEL, GPU, WL, Placement("host"), 2).step_s)
+
+
+def test_rereads_read_at_the_rate_of_a_cache_under_the_disk() -> None:
+    """A disk with a cache under it (this VM's volume): a workload's re-reads at the cache's rate, first reads at the
+    drives', time per page mixed — by hand: drives 1,000 pages/s at QD 128, cache 10,000, half re-reads:
+    1 / (0.5 / 1,000 + 0.5 / 10,000) = 1,818 pages/s, the curve's shape kept."""
+    from dataclasses import replace
+
+    disk = DiskSpec(drives=1, iops_curve=((1, 100.0), (128, 1000.0)), cache_pages_per_s=10000.0)
+    mixed = disk.with_rereads(0.5)
+    assert mixed.pages_per_s(128) == pytest.approx(1 / (0.5 / 1000 + 0.5 / 10000))
+    assert mixed.pages_per_s(1) == pytest.approx(100.0 * mixed.pages_per_s(128) / 1000)
+    assert disk.with_rereads(0.0) == disk and disk.with_rereads(1.0).pages_per_s(128) == pytest.approx(10000)
+    assert replace(disk, cache_pages_per_s=0.0).with_rereads(0.9).pages_per_s(128) == pytest.approx(1000)
+    assert replace(disk, cache_pages_per_s=500.0).with_rereads(0.9).pages_per_s(128) == pytest.approx(1000)
+    with pytest.raises(ValueError, match="reread_share"):
+        disk.with_rereads(1.5)
+    # validate: a file point's measured share of first reads sets its mix; without the count, every read is new
+    slow = replace(CPU, disk=replace(CPU.disk, iops_curve=tuple((q, r / 50) for q, r in CPU.disk.iops_curve),
+                                     cache_pages_per_s=CPU.disk.pages_per_s(128)))
+    sweep = _sweep("unused", 1.0)
+    plain = {(r["placement"], r["concurrency"]): r for r in validate(sweep, MODEL, slow)["points"]}
+    for p in sweep["points"]:
+        if p["placement"] == "file":
+            p["file_first_read_share"] = 0.25
+    got = {(r["placement"], r["concurrency"]): r for r in validate(sweep, MODEL, slow)["points"]}
+    wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
+    for c in (1, 2, 4):
+        assert got["file", c]["first_read_share"] == 0.25 and plain["file", c]["first_read_share"] is None
+        want = predict_point(MODEL, replace(slow, disk=slow.disk.with_rereads(0.75)), wl,
+                             Placement("file", 0.1, hit_rate=got["file", c]["hit_rate"]), c)
+        assert got["file", c]["predicted_tok_s"] == pytest.approx(want.throughput_tok_s)
+        assert got["file", c]["predicted_tok_s"] >= plain["file", c]["predicted_tok_s"]
+        assert got["host", c]["predicted_tok_s"] == plain["host", c]["predicted_tok_s"]

@@ -809,6 +809,24 @@ def test_reads_larger_than_the_staging_buffer_go_in_chunks(table, host, policy, 
     assert stats[0]["pages_read"] > 4 * 2  # several calls read more pages than one chunk
 
 
+def test_the_reader_counts_the_pages_it_reads_for_the_first_time(table):
+    """Re-reads are not first reads (a cache under the disk may hold them); the table's stats carry the count."""
+    store = TieredTable(table, tier="file")
+    try:
+        reader = store.tier.reader
+        out = aligned_empty(4 * store.manifest.page_size)
+        reader.read_pages(np.array([0, 1, 1, 2], dtype=np.int64), out)
+        assert reader.first_reads == 3
+        reader.read_pages(np.array([2, 3, 0, 4], dtype=np.int64), out)
+        assert reader.first_reads == 5
+        pages = store.manifest.n_pages
+        store.lookup(np.zeros((1, store.num_heads), dtype=np.int64))  # row 0 of each head: pages read again or new
+        s = store.stats()
+        assert 5 <= s["pages_first_read"] <= min(pages, 5 + s["pages_read"])
+    finally:
+        store.close()
+
+
 def test_read_pages_into_a_callers_buffer_never_registers_it(table):
     """A caller's buffer may be freed and its address reused: read_pages must read into it plainly."""
     store = TieredTable(table, tier="file")

@@ -191,7 +191,8 @@ class PageReader : public PageSource {
              unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait, bool fixed_files,
              bool fixed_buffers)
       : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
-        queue_depth_(queue_depth), want_direct_(direct), fixed_buffers_(fixed_buffers) {
+        queue_depth_(queue_depth), want_direct_(direct), fixed_buffers_(fixed_buffers),
+        seen_(new std::atomic<uint64_t>[(n_pages + 63) / 64]()) {
     require(page_size >= 512 && page_size <= (1u << 30) && (page_size & (page_size - 1)) == 0,
             "page_size must be a power of two between 512 and 2^30, got " + std::to_string(page_size));
     require(n_pages <= (uint64_t{1} << 32), "n_pages " + std::to_string(n_pages) + " exceeds the u32 page index");
@@ -278,6 +279,7 @@ class PageReader : public PageSource {
       ops[i] = ReadOp{data_offset_ + static_cast<uint64_t>(ids[i]) * page_size_, out + i * page_size_,
                       static_cast<uint32_t>(page_size_), 0};
     std::vector<size_t> bad = read_once(ops, ids, nullptr, verify, area);
+    note_read(ids, m);  // (a page that fails twice throws below; it was read all the same)
     if (bad.empty()) return;
 
     // Re-read each failed page once: a transient error or a torn read should not fail the request.
@@ -323,6 +325,7 @@ class PageReader : public PageSource {
   bool direct() const { return direct_; }
   bool fixed_buffers() const { return fixed_buffers_; }
   uint64_t fixed_reads() const { return fixed_reads_.load(); }
+  uint64_t first_reads() const { return first_reads_.load(); }
   int buffer_refused() const {
     std::lock_guard<std::mutex> lock(mu_);
     return backend_ ? backend_->buffer_refused() : 0;
@@ -342,6 +345,17 @@ class PageReader : public PageSource {
       if (--r.active_ == 0) r.cv_idle_.notify_all();
     }
   };
+
+  // Counts the pages of a request this reader had never read: a cache under the disk (a VM's volume, a SAN) can hold
+  // what was read before, so the share of first reads says which rate a workload's reads get.
+  void note_read(const int64_t *ids, size_t m) {
+    uint64_t first = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const uint64_t page = static_cast<uint64_t>(ids[i]), bit = uint64_t{1} << (page & 63);
+      if (!(seen_[page >> 6].fetch_or(bit, std::memory_order_relaxed) & bit)) ++first;
+    }
+    first_reads_ += first;
+  }
 
   // Reads ops once; returns the positions (in ops) that failed. ops[k] reads page ids[pos ? pos[k] : k].
   std::vector<size_t> read_once(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos, bool verify,
@@ -386,6 +400,8 @@ class PageReader : public PageSource {
   bool want_direct_, direct_ = false;
   bool fixed_buffers_;
   std::atomic<uint64_t> fixed_reads_{0};
+  std::unique_ptr<std::atomic<uint64_t>[]> seen_;  // a bit per page read so far (n_pages / 8 bytes)
+  std::atomic<uint64_t> first_reads_{0};
   int fd_ = -1;
   std::unique_ptr<ReadBackend> backend_;
   std::string backend_name_;
@@ -474,6 +490,8 @@ void register_file_reader(nb::module_ &m) {
       .def_prop_ro("fixed_buffers", &PageReader::fixed_buffers)
       .def_prop_ro("fixed_reads", &PageReader::fixed_reads,
                    "Reads that went out as READ_FIXED into a registered staging buffer, since the reader opened.")
+      .def_prop_ro("first_reads", &PageReader::first_reads,
+                   "Pages this reader read for the first time since it opened (re-reads of a page not counted).")
       .def_prop_ro("buffer_refused", &PageReader::buffer_refused,
                    "errno of a buffer registration the kernel refused (0: none), e.g. ENOMEM under RLIMIT_MEMLOCK.")
       .def_prop_ro("path", &PageReader::path);

@@ -46,6 +46,9 @@ class Point:
     # the server's CPU per token by thread name (the engine's step thread and torch's workers, the file tier's
     # fetch and warm-up threads, the HTTP loop...); threads that ended during a round are not counted
     cpu_ms_per_token_by_thread: dict[str, float] = field(default_factory=dict)
+    # of the pages the file tier read, the share its server had never read before (None: no reads); the rest are
+    # re-reads, which a cache under the disk (this VM's volume has one) may serve at its own rate
+    file_first_read_share: float | None = None
 
 
 @dataclass
@@ -104,6 +107,8 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     by_thread = {k.split('name="')[1][:-2]: round(1e3 * total(k) / tokens, 4) for k in sorted(names)}
     itl50, itl90 = percentile(itl, 50), percentile(itl, 90)
     throughput = float(np.median(per_round))
+    pages = total("tiergram_engram_pages_read_total")
+    first = total("tiergram_engram_pages_first_read_total") / pages if pages > 0 else None
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
                  throughput_tok_s=throughput, output_tok_s=throughput * out_share,
                  ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90), ttft_p99_ms=percentile(ttft, 99),
@@ -117,7 +122,8 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
                  cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
                                          total("tiergram_engine_process_cpu_seconds_total")) / tokens,
-                 cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0})
+                 cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0},
+                 file_first_read_share=first)
 
 
 def pareto(points: list[Point]) -> list[Point]:

@@ -219,9 +219,13 @@ def _validate(a: argparse.Namespace) -> int:
             if pl.kind == "file" and not model.hit_rate_curve:
                 hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
                 pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
-            hw_n = hw2  # the disk each file server was predicted on (validate's choice)
+            hw_n = hw2  # the disk each file server was predicted on (validate's choice), its re-reads as measured
             if name in res["disk"]["pages_per_s"]:
                 hw_n = replace(hw2, disk=hw2.disk.at_limit(res["disk"]["pages_per_s"][name], wl.queue_depth))
+                firsts = [r["first_read_share"] for r in res["points"]
+                          if r["placement"] == name and r.get("first_read_share") is not None]
+                if firsts:
+                    hw_n = replace(hw_n, disk=hw_n.disk.with_rereads(1.0 - sum(firsts) / len(firsts)))
             fronts.append(predict_front(model, hw_n, predict.server_workload(wl, cfg, name, rows_first), pl,
                                         int(cfg.get("max_concurrency", 64))))
         measured: dict[str, list[tuple[float, float, int]]] = {}

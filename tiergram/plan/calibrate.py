@@ -386,7 +386,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         **({"server_step_curve": srv["server_step_curve"]} if srv["server_step_curve"] else {}),
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
-                "iops_curve": d["iops_curve"]}
+                "iops_curve": d["iops_curve"], "cache_pages_per_s": d["reread_pages_per_s"]}
     src = {
         "device_memory_gb": "the engine's default device budget on a CPU (2 GiB); `plan validate` uses the sweep's "
                             "--device-memory when it had one",
@@ -419,7 +419,10 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "disk.cpu_us_per_page": f"{how}: the file tier's CPU time over the pages it read on lookups of random rows "
                                 f"behind a 10% cache (the bare reader: {d['cpu_us_per_page']:.1f} us)",
         "disk.threads": "the file tier's single reader thread",
-        "disk.iops_curve": f"{how}: the native O_DIRECT io_uring reader, {disk_seconds:g} s per queue depth",
+        "disk.iops_curve": f"{how}: the native O_DIRECT io_uring reader, {disk_seconds:g} s per queue depth, "
+                           "pages no earlier probe read",
+        "disk.cache_pages_per_s": f"{how}: the same pages read again at QD 128 (a cache under the disk serves them "
+                                  "at its rate; about the curve's QD-128 figure where there is none)",
     }
     cal.sources = src
     st.pop("samples", None)

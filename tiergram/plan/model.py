@@ -82,6 +82,9 @@ class DiskSpec:
     page_bytes: int = 4096
     cpu_s_per_page: float = 0.0  # host CPU seconds per page read (submit, complete, verify, copy out)
     threads: int = 1  # reader threads the CPU seconds spread over
+    # a cache under the drives (a VM volume's host cache, a SAN's): pages/s at queue depth 128 for pages it holds,
+    # which a workload's re-reads may find there (0: none)
+    cache_pages_per_s: float = 0.0
 
     @property
     def latency_s(self) -> float:
@@ -96,6 +99,18 @@ class DiskSpec:
         """These drives with every point of the curve scaled so that `queue_depth` gives `pages_per_s` (the same
         curve's shape at a measured level)."""
         k = pages_per_s / self.pages_per_s(queue_depth)
+        return replace(self, iops_curve=tuple((q, r * k) for q, r in self.iops_curve))
+
+    def with_rereads(self, reread_share: float) -> DiskSpec:
+        """These drives for a workload whose page reads are `reread_share` re-reads, which the cache under the drives
+        serves at its rate (the curve's shape at its level) and the rest at the drives': each queue depth's time
+        per page is the reads' mix of the two. Unchanged without a cache, or where it is no faster."""
+        drives = self.pages_per_s(128)
+        if not 0.0 <= reread_share <= 1.0:
+            raise ValueError(f"reread_share must be in [0, 1], got {reread_share}")
+        if self.cache_pages_per_s <= drives:
+            return self
+        k = 1.0 / (1.0 - reread_share + reread_share * drives / self.cache_pages_per_s)
         return replace(self, iops_curve=tuple((q, r * k) for q, r in self.iops_curve))
 
 

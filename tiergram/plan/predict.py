@@ -134,6 +134,9 @@ class Compared:
     stall_share: float  # exposed stall seconds / measured seconds
     predicted_stall_share: float  # the step model's engine wait for rows / its step time (the same quantity)
     disk_share: float  # file pages/s / the disk's limit measured in the same sweep
+    # of the file tier's page reads, the share its server read for the first time (the rest are re-reads, which a
+    # cache under the disk serves at the spec's cache_pages_per_s); None where the sweep did not count them
+    first_read_share: float | None = None
 
 
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
@@ -170,7 +173,7 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
         if len(runs) < len(sweeps):
             continue
         merged = dict(first)
-        for f in ("throughput_tok_s", "file_pages_per_s", "interactivity_p50"):
+        for f in ("throughput_tok_s", "file_pages_per_s", "interactivity_p50", "file_first_read_share"):
             vals = [float(r[f]) for r in runs if r.get(f) is not None]
             merged[f] = sum(vals) / len(vals) if vals else None
         for f in ("exposed_stall_s", "duration_s"):
@@ -290,8 +293,11 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         if kind == "file" and disk_from == "sweep" and disk_limit:
             hw_pt = replace(hw, disk=hw.disk.at_limit(disk_limit, wl.queue_depth))
         if kind == "file":
-            disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)
+            disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)  # new pages: the probe's and the curve's
             disk_sources[name] = "sweep" if hw_pt is not hw else "spec"
+        first = pt.get("file_first_read_share") if kind == "file" else None
+        if first is not None:  # its re-reads at the cache's rate, where the disk has a faster one under it
+            hw_pt = replace(hw_pt, disk=hw_pt.disk.with_rereads(1.0 - float(first)))
         p = predict_point(model, hw_pt, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
@@ -305,7 +311,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
                              binds(seen, p_disk, p_stall), p.interactivity,
                              float(inter) if inter is not None else None, p.hit_rate, source, runs,
-                             binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4)))
+                             binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
+                             None if first is None else round(float(first), 4)))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -330,6 +337,8 @@ def validate_text(res: dict[str, Any]) -> str:
              "(measured: stall share, disk share of its limit)"]
     for r in res["points"]:
         hit = f" (hit {r['hit_rate']:.0%} from {r['hit_rate_source']})" if r["hit_rate"] is not None else ""
+        if r.get("first_read_share") is not None:
+            hit += f" ({r['first_read_share']:.0%} of its pages first reads)"
         if len(r["measured_runs"]) > 1:
             hit += " runs: " + ", ".join(f"{x:,.0f}" for x in r["measured_runs"])
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
@@ -341,7 +350,8 @@ def validate_text(res: dict[str, Any]) -> str:
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
     if res.get("disk", {}).get("pages_per_s"):
-        lines.append("disk predicted on (QD 128): " + ", ".join(
+        lines.append("disk predicted on (QD 128, new pages; re-reads at the cache's rate where the spec has one): "
+                     + ", ".join(
             f"{k} {v:,.0f} pages/s (the {res['disk']['from'][k]}'s)" for k, v in res["disk"]["pages_per_s"].items()))
     if res.get("skipped_placements"):
         lines.append(f"not modelled, skipped: {', '.join(res['skipped_placements'])}")

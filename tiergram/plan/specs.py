@@ -66,6 +66,7 @@ DISK_FIELDS = (
     Field("cpu_us_per_page", "cpu_s_per_page", 1e-6),
     Field("threads", "threads", kind="int", positive=True, required=False),
     Field("iops_curve", "iops_curve", kind="curve"),
+    Field("cache_pages_per_s", "cache_pages_per_s", required=False),
 )
 MODEL_FIELDS = (
     Field("name", "name", kind="str"),

@@ -142,6 +142,8 @@ def engine_metrics(m: Any) -> Iterator[Any]:
         ("tiergram_num_preemptions", "Sequences preempted for K/V space.", m.num_preemptions),
         ("tiergram_engine_steps", "Engine steps run.", m.steps),
         ("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read")),
+        ("tiergram_engram_pages_first_read", "Table pages read from storage for the first time since the server "
+         "started (the rest are re-reads, which a cache under the disk may hold).", engram.get("pages_first_read")),
         ("tiergram_engram_exposed_stall_seconds", "Time the forward waited on Engram rows (not hidden by prefetch).",
          m.exposed_stall_s),
         ("tiergram_engram_prefill_stall_seconds", "The part of the exposed stall in steps that computed prompt "

@@ -275,6 +275,8 @@ class TieredTable(ManifestGeometry):
             snap["file_mode"] = self.tier.mode  # the mode in use: 'buffered' where O_DIRECT was refused
             if self.tier.reader is not None:  # reads into io_uring-registered staging buffers (READ_FIXED)
                 snap["registered_buffer_reads"] = self.tier.reader.fixed_reads
+                # pages its reader had never read before: a cache under the disk may hold the others
+                snap["pages_first_read"] = self.tier.reader.first_reads
                 snap["buffer_registration_errno"] = self.tier.reader.buffer_refused
         snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
