@@ -560,6 +560,8 @@ def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipe
             assert store.preload(ids) == 120
             snap = store.stats()
             assert (snap["pages_read"] == store.manifest.n_pages) is scanned
+            if scanned:  # the scan read every page: it counts as read, so later reads of them are re-reads
+                assert snap["pages_first_read"] == store.manifest.n_pages
             cache, index = store.cache, store.cache.index
             rows = {k: cache.rows[slot].tobytes() for k, slot in index.items()}
             keys = (ids + store.table.head_offsets).reshape(-1)
@@ -823,6 +825,14 @@ def test_the_reader_counts_the_pages_it_reads_for_the_first_time(table):
         store.lookup(np.zeros((1, store.num_heads), dtype=np.int64))  # row 0 of each head: pages read again or new
         s = store.stats()
         assert 5 <= s["pages_first_read"] <= min(pages, 5 + s["pages_read"])
+        reader.mark_read(0, pages)  # another path (a whole-table scan) read them all
+        assert reader.first_reads == pages
+        reader.read_pages(np.array([pages - 1], dtype=np.int64), out[: store.manifest.page_size])
+        assert reader.first_reads == pages
+        with pytest.raises(IndexError, match="out of range"):
+            reader.mark_read(1, pages)
+        with pytest.raises(IndexError, match="out of range"):
+            reader.mark_read(-1, 2)
     finally:
         store.close()
 

@@ -326,6 +326,19 @@ class PageReader : public PageSource {
   bool fixed_buffers() const { return fixed_buffers_; }
   uint64_t fixed_reads() const { return fixed_reads_.load(); }
   uint64_t first_reads() const { return first_reads_.load(); }
+
+  // Pages [first, first + count) were read by another path of this process (a whole-table scan): counted as read.
+  void mark_read(int64_t first, int64_t count) {
+    if (first < 0 || count < 0 || static_cast<uint64_t>(first) > n_pages_ ||
+        static_cast<uint64_t>(count) > n_pages_ - static_cast<uint64_t>(first))
+      throw nb::index_error(("pages [" + std::to_string(first) + ", " + std::to_string(first) + " + " +
+                             std::to_string(count) + ") are out of range: " + path_ + " has " +
+                             std::to_string(n_pages_) + " pages")
+                                .c_str());
+    std::vector<int64_t> ids(static_cast<size_t>(count));
+    for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = first + i;
+    note_read(ids.data(), ids.size());
+  }
   int buffer_refused() const {
     std::lock_guard<std::mutex> lock(mu_);
     return backend_ ? backend_->buffer_refused() : 0;
@@ -492,6 +505,9 @@ void register_file_reader(nb::module_ &m) {
                    "Reads that went out as READ_FIXED into a registered staging buffer, since the reader opened.")
       .def_prop_ro("first_reads", &PageReader::first_reads,
                    "Pages this reader read for the first time since it opened (re-reads of a page not counted).")
+      .def("mark_read", &PageReader::mark_read, nb::arg("first"), nb::arg("count"),
+           "Count pages [first, first + count) as read (another path of this process read them, e.g. a whole-table "
+           "scan); IndexError outside the table.")
       .def_prop_ro("buffer_refused", &PageReader::buffer_refused,
                    "errno of a buffer registration the kernel refused (0: none), e.g. ENOMEM under RLIMIT_MEMLOCK.")
       .def_prop_ro("path", &PageReader::path);

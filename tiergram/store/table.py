@@ -241,6 +241,8 @@ class TieredTable(ManifestGeometry):
 
         # 16 MiB reads: the three buffers fit the staging reserve of a host-memory budget, at the same rate as 32 MiB
         self.table.scan(admit, verb="preloading", progress=progress, chunk_bytes=STAGING_KEEP_BYTES)
+        if self.tier.reader is not None:  # the scan read every page: later reads of them are re-reads
+            self.tier.reader.mark_read(0, m.n_pages)
         again = np.concatenate(failed) if failed else wanted[:0]
         self.tier.count(int(wanted.size - again.size), m.n_pages)
         pages_read = m.n_pages
