@@ -825,7 +825,12 @@ def test_the_reader_counts_the_pages_it_reads_for_the_first_time(table):
         store.lookup(np.zeros((1, store.num_heads), dtype=np.int64))  # row 0 of each head: pages read again or new
         s = store.stats()
         assert 5 <= s["pages_first_read"] <= min(pages, 5 + s["pages_read"])
+        before = reader.first_reads
+        reader.mark_read(3, 0)  # nothing
+        assert reader.first_reads == before
         reader.mark_read(0, pages)  # another path (a whole-table scan) read them all
+        assert reader.first_reads == pages
+        reader.mark_read(1, pages - 1)  # all read already: nothing new
         assert reader.first_reads == pages
         reader.read_pages(np.array([pages - 1], dtype=np.int64), out[: store.manifest.page_size])
         assert reader.first_reads == pages
@@ -835,6 +840,25 @@ def test_the_reader_counts_the_pages_it_reads_for_the_first_time(table):
             reader.mark_read(-1, 2)
     finally:
         store.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=8))
+def test_mark_read_counts_each_page_once_across_bitmap_words(tmp_path_factory, ranges):
+    """mark_read sets the bitmap a 64-page word at a time: the count is the pages of the ranges' union, as a set
+    of page numbers gives it (ranges clipped to the table's 300 pages, across word boundaries)."""
+    path = tmp_path_factory.mktemp("marks") / "pages.bin"
+    path.write_bytes(b"\0" * 4096)  # mark_read reads nothing: the file only has to open
+    reader = _native.PageReader(str(path), 0, 4096, 300, direct=False)
+    try:
+        seen: set[int] = set()
+        for first, count in ranges:
+            count = min(count, 300 - first)
+            reader.mark_read(first, count)
+            seen.update(range(first, first + count))
+            assert reader.first_reads == len(seen)
+    finally:
+        reader.close()
 
 
 def test_read_pages_into_a_callers_buffer_never_registers_it(table):

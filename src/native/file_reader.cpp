@@ -335,9 +335,17 @@ class PageReader : public PageSource {
                              std::to_string(count) + ") are out of range: " + path_ + " has " +
                              std::to_string(n_pages_) + " pages")
                                 .c_str());
-    std::vector<int64_t> ids(static_cast<size_t>(count));
-    for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = first + i;
-    note_read(ids.data(), ids.size());
+    // a word of the bitmap at a time (no list of page ids: a 1 TiB table has 268M pages)
+    uint64_t page = static_cast<uint64_t>(first), added = 0;
+    const uint64_t end = page + static_cast<uint64_t>(count);
+    while (page < end) {
+      const uint64_t lo = page & 63, hi = std::min<uint64_t>(64, lo + (end - page));
+      const uint64_t mask = (hi == 64 ? ~uint64_t{0} : (uint64_t{1} << hi) - 1) & ~((uint64_t{1} << lo) - 1);
+      added += static_cast<uint64_t>(
+          __builtin_popcountll(mask & ~seen_[page >> 6].fetch_or(mask, std::memory_order_relaxed)));
+      page = (page | 63) + 1;
+    }
+    first_reads_ += added;
   }
   int buffer_refused() const {
     std::lock_guard<std::mutex> lock(mu_);
