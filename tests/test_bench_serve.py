@@ -91,6 +91,7 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
         else:
             assert p["file_first_read_share"] is None
         assert p["cpu_ms_per_token"] > 0  # the server's process_cpu_seconds_total moved
+        assert p["cpu_speed_ms"] > 0 and len(p["cpu_speed_rounds"]) == 2  # the speed probes beside its rounds
         by_thread = p["cpu_ms_per_token_by_thread"]
         assert "tiergram-engine" in by_thread  # the step thread (and torch's workers it started)
         # the threads' sum is the process's CPU less threads that ended mid-round (read just after /metrics)
@@ -120,9 +121,9 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
                 "tiergram_engram_pages_first_read_total": file_bytes / 4096 / 5}  # a fifth of them first reads
 
     zero = metrics(0, 0, 0)
-    rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10, cpu=0.6)),  # 100 tok/s
-              Round(timings(4, 20, 5), 0.5, zero, metrics(100, 50, 4096 * 20)),  # 200 tok/s
-              Round(timings(4, 20, 5), 2.0, zero, metrics(200, 40, 4096 * 5))]  # 50 tok/s
+    rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10, cpu=0.6), 9.0),  # 100 tok/s
+              Round(timings(4, 20, 5), 0.5, zero, metrics(100, 50, 4096 * 20), 7.0),  # 200 tok/s
+              Round(timings(4, 20, 5), 2.0, zero, metrics(200, 40, 4096 * 5), 12.0)]  # 50 tok/s
     p = summarize("file", 4, rounds)
     assert p.throughput_rounds == [100.0, 200.0, 50.0] and p.throughput_tok_s == 100.0  # the median, not the mean
     assert p.output_tok_s == pytest.approx(20.0)  # the output share (5 of 25 tokens) of that throughput
@@ -132,6 +133,8 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     assert p.file_first_read_share == pytest.approx(0.2)  # first reads over pages read, both summed
     assert p.itl_p90_ms == pytest.approx(2.0) and p.ttft_p50_ms == pytest.approx(10.0)
     assert p.cpu_ms_per_token == pytest.approx(1e3 * 0.6 / 300)  # CPU over every round's 3 x 100 tokens
+    assert p.cpu_speed_rounds == [9.0, 7.0, 12.0] and p.cpu_speed_ms == 9.0  # the rounds' speed probes, median
+    assert summarize("file", 4, [Round(timings(4, 20, 5), 1.0, zero, zero)]).cpu_speed_ms is None  # no probe
 
 
 def test_page_cache_reads_get_no_disk_limit():

@@ -27,7 +27,7 @@ from tiergram.plan.model import (
     predict_point,
     step_terms,
 )
-from tiergram.plan.predict import validate
+from tiergram.plan.predict import validate, validate_text
 from tiergram.plan.specs import SpecError, load_hardware, load_model, shipped
 
 # A model and a CPU machine small enough to compute by hand.
@@ -635,3 +635,48 @@ def test_rereads_read_at_the_rate_of_a_cache_under_the_disk() -> None:
         assert got["file", c]["predicted_tok_s"] == pytest.approx(want.throughput_tok_s)
         assert got["file", c]["predicted_tok_s"] >= plain["file", c]["predicted_tok_s"]
         assert got["host", c]["predicted_tok_s"] == plain["host", c]["predicted_tok_s"]
+
+
+def test_a_point_is_predicted_at_the_cpu_speed_the_sweep_probed_beside_it() -> None:
+    """This VM's speed drifts by tens of percent within minutes: a sweep point whose speed probe read 1.25x the
+    calibration's is predicted with every CPU cost 1.25x (rates / 1.25), memory and the disk's rates unchanged;
+    on a CPU machine whose host point is all CPU work, that is the throughput / 1.25 exactly."""
+    from dataclasses import replace
+
+    cpu = replace(CPU, cpu_speed_ms=8.0, gather_call_s=1e-4, request_overhead_s=1e-3,
+                  disk=replace(CPU.disk, cpu_s_per_page=4e-6, cache_pages_per_s=5e3))
+    slow = cpu.at_speed(10.0)
+    assert slow.compute_flops == pytest.approx(2e9 / 1.25) and slow.gather_rows_s == pytest.approx(1e6 / 1.25)
+    assert slow.step_overhead_s == pytest.approx(2.5e-3) and slow.per_seq_s == pytest.approx(1.25e-4)
+    assert slow.gather_call_s == pytest.approx(1.25e-4) and slow.request_overhead_s == pytest.approx(1.25e-3)
+    assert slow.disk.cpu_s_per_page == pytest.approx(5e-6)
+    assert (slow.host_bw, slow.disk.iops_curve, slow.disk.cache_pages_per_s) == (cpu.host_bw, cpu.disk.iops_curve,
+                                                                                 5e3)
+    assert cpu.at_speed(8.0) == cpu and replace(cpu, cpu_speed_ms=0.0).at_speed(10.0).compute_flops == 2e9
+    assert GPU.at_speed(10.0) == GPU  # a GPU's backbone is not this CPU's
+    with pytest.raises(ValueError, match="speed_ms"):
+        cpu.at_speed(0.0)
+    wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
+    for c in (1, 4):
+        assert predict_point(MODEL, slow, wl, Placement("host"), c).throughput_tok_s == pytest.approx(
+            predict_point(MODEL, cpu, wl, Placement("host"), c).throughput_tok_s / 1.25)
+    # validate: every point at the median of the sweep's probes, the factor reported; --speed spec (or no probe
+    # on either side): the spec's
+    sweep = _sweep("unused", 1.0)
+    for p, ms in zip(sweep["points"], [10.0, 10.0, 9.0, 12.0, 10.0, 10.0, 10.0, 7.0, 11.0], strict=True):
+        p["cpu_speed_ms"] = ms
+    res = validate(sweep, MODEL, cpu)
+    assert res["speed"] == {"from": "sweep", "spec_probe_ms": 8.0, "sweep_probe_ms": 10.0, "factor": 1.25}
+    got = {(r["placement"], r["concurrency"]): r for r in res["points"]}
+    spec = validate(sweep, MODEL, cpu, speed_from="spec")
+    assert spec["speed"] == {"from": "spec", "spec_probe_ms": 8.0, "factor": 1.0}
+    want = {(r["placement"], r["concurrency"]): r for r in validate(sweep, MODEL, slow, speed_from="spec")["points"]}
+    for key, r in got.items():
+        assert r["predicted_tok_s"] == pytest.approx(want[key]["predicted_tok_s"])
+    for c in (1, 2, 4):
+        assert got["host", c]["predicted_tok_s"] == pytest.approx(spec["points"][3 + (1, 2, 4).index(c)][
+            "predicted_tok_s"] / 1.25)
+    assert "1.25x the spec's CPU time" in validate_text(res) and "CPU costs at" not in validate_text(spec)
+    assert validate(sweep, MODEL, replace(cpu, cpu_speed_ms=0.0))["speed"]["from"] == "spec"
+    with pytest.raises(ValueError, match="speed_from"):
+        validate(sweep, MODEL, cpu, speed_from="probe")

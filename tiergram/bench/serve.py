@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.common import cache_dir, log
+from tiergram.bench.common import cache_dir, cpu_speed_ms, log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
     BUSY,
@@ -83,6 +83,11 @@ def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
         return reader.segment(seconds).figures()["pages_per_s"]
     finally:
         reader.close()
+
+
+def speed_probe(seconds: float) -> float | None:
+    """The machine's CPU speed probe (ms, `bench.common.cpu_speed_ms`) over `seconds`; None when 0 (no probe)."""
+    return cpu_speed_ms(seconds) if seconds > 0 else None
 
 
 def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
@@ -184,17 +189,23 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 asyncio.run(closed_loop(live[pl][0], live[pl][1], warm, c))
             for r in range(cfg.rounds):
                 requests = trace.take(cfg.requests_per_user * c)  # every placement serves the same ones
+                speed = speed_probe(cfg.speed_probe_s)
                 for pl in members[r % len(members):] + members[:r % len(members)]:
                     url, model, _ = live[pl]
                     before = scrape(url) | thread_cpu_seconds(procs[pl])
                     timings, wall = asyncio.run(closed_loop(url, model, requests, c))
-                    rounds[pl].append(Round(timings, wall, before, scrape(url) | thread_cpu_seconds(procs[pl])))
+                    after = scrape(url) | thread_cpu_seconds(procs[pl])
+                    speed_after = speed_probe(cfg.speed_probe_s)  # also the next placement's probe before
+                    around = None if speed is None or speed_after is None else (speed + speed_after) / 2
+                    rounds[pl].append(Round(timings, wall, before, after, around))
+                    speed = speed_after
             for pl in members:
                 p = summarize(pl, c, rounds[pl])
                 p.server_peak_rss_bytes = peak_rss(procs[pl])
                 points.append(p)
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
                 reads = f", {p.file_pages_per_s:.0f} pages/s" if kind_of(pl) == "file" else ""
+                reads += "" if p.cpu_speed_ms is None else f", speed probe {p.cpu_speed_ms:.2f} ms"
                 reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
                 log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "

@@ -58,6 +58,9 @@ class SweepConfig:
     compare_hot_rows: bool = False
     # also serve the mooncake placement with --mooncake-busy-waits (its client spins at normal priority), mooncake-busy
     compare_busy_waits: bool = False
+    # seconds of the CPU speed probe (`bench.common.cpu_speed_ms`) before and after each placement's round, while
+    # the servers idle: `plan validate` predicts each point at the speed the machine ran it (0: no probes)
+    speed_probe_s: float = 0.25
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -65,6 +68,8 @@ class SweepConfig:
             raise ValueError(f"unknown placements {bad} (valid: {', '.join(PLACEMENTS)})")
         if min(self.input_len, self.output_len, self.max_concurrency, self.requests_per_user, self.rounds) < 1:
             raise ValueError("input_len, output_len, max_concurrency, requests_per_user and rounds must be >= 1")
+        if self.speed_probe_s < 0:
+            raise ValueError(f"speed_probe_s must be >= 0, got {self.speed_probe_s}")
         if self.warmup_per_user < 0 or self.torch_threads < 0:
             raise ValueError(f"warmup_per_user and torch_threads must be >= 0, got {self.warmup_per_user}, "
                              f"{self.torch_threads}")

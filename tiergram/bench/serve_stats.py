@@ -49,6 +49,10 @@ class Point:
     # of the pages the file tier read, the share its server had never read before (None: no reads); the rest are
     # re-reads, which a cache under the disk (this VM's volume has one) may serve at its own rate
     file_first_read_share: float | None = None
+    # the machine's CPU speed probe (ms; higher is slower) around each of this point's rounds, and their median
+    # (None: no probes)
+    cpu_speed_rounds: list[float] = field(default_factory=list)
+    cpu_speed_ms: float | None = None
 
 
 @dataclass
@@ -79,6 +83,7 @@ class Round:
     wall_s: float
     before: dict[str, float]
     after: dict[str, float]
+    speed_ms: float | None = None  # the CPU speed probe around the round: the mean of the one before and after
 
     @property
     def tokens(self) -> int:
@@ -109,6 +114,7 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     throughput = float(np.median(per_round))
     pages = total("tiergram_engram_pages_read_total")
     first = total("tiergram_engram_pages_first_read_total") / pages if pages > 0 else None
+    speeds = [r.speed_ms for r in rounds if r.speed_ms is not None]
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
                  throughput_tok_s=throughput, output_tok_s=throughput * out_share,
                  ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90), ttft_p99_ms=percentile(ttft, 99),
@@ -123,7 +129,9 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
                                          total("tiergram_engine_process_cpu_seconds_total")) / tokens,
                  cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0},
-                 file_first_read_share=first)
+                 file_first_read_share=first,
+                 cpu_speed_rounds=[round(x, 3) for x in speeds],
+                 cpu_speed_ms=round(float(np.median(speeds)), 3) if speeds else None)
 
 
 def pareto(points: list[Point]) -> list[Point]:

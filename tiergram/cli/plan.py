@@ -87,6 +87,10 @@ def _validate_parser() -> argparse.ArgumentParser:
                    help="the disk each file server is predicted on: the limit the sweep measured on its own tables "
                         "(default; the spec's curve scaled to it, the spec's where the sweep measured none), or the "
                         "spec's")
+    p.add_argument("--speed", choices=("sweep", "spec"), default="sweep",
+                   help="the CPU speed the points are predicted at: the median of the speed probes the sweep took "
+                        "beside its rounds, against the spec's (default; the spec's where either has none), or the "
+                        "spec's")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -205,7 +209,7 @@ def _validate(a: argparse.Namespace) -> int:
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
-                           disk_from=a.disk)
+                           disk_from=a.disk, speed_from=a.speed)
     if a.plot:
         from dataclasses import replace
 
@@ -220,8 +224,10 @@ def _validate(a: argparse.Namespace) -> int:
                 hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
                 pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
             hw_n = hw2  # the disk each file server was predicted on (validate's choice), its re-reads as measured
+            if res["speed"]["from"] == "sweep":  # the CPU speed validate predicted at
+                hw_n = hw2.at_speed(res["speed"]["sweep_probe_ms"])
             if name in res["disk"]["pages_per_s"]:
-                hw_n = replace(hw2, disk=hw2.disk.at_limit(res["disk"]["pages_per_s"][name], wl.queue_depth))
+                hw_n = replace(hw_n, disk=hw_n.disk.at_limit(res["disk"]["pages_per_s"][name], wl.queue_depth))
                 firsts = [r["first_read_share"] for r in res["points"]
                           if r["placement"] == name and r.get("first_read_share") is not None]
                 if firsts:

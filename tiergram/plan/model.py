@@ -141,6 +141,23 @@ class HardwareSpec:
     # cpu kind: a server's step over the engine's alone, (concurrency, factor) pairs, measured by calibrate
     server_step_curve: tuple[tuple[float, float], ...] = ()
 
+    def at_speed(self, speed_ms: float) -> HardwareSpec:
+        """This CPU machine while its speed probe (`bench.common.cpu_speed_ms`) reads `speed_ms` instead of the
+        calibration's `cpu_speed_ms`: every CPU cost scaled by their ratio (times up, rates down), memory, link and
+        the disk's page rates unchanged. A shared VM's speed drifts by tens of percent within minutes; a sweep
+        that probes it beside each point is predicted at its own speed. A GPU machine is returned as it is."""
+        if not speed_ms > 0:
+            raise ValueError(f"speed_ms must be > 0, got {speed_ms}")
+        if self.kind != "cpu" or self.cpu_speed_ms <= 0:
+            return self
+        k = speed_ms / self.cpu_speed_ms
+        return replace(self, compute_flops=self.compute_flops / k, step_overhead_s=self.step_overhead_s * k,
+                       per_seq_s=self.per_seq_s * k, gather_rows_s=self.gather_rows_s / k,
+                       per_token_s=self.per_token_s * k, request_overhead_s=self.request_overhead_s * k,
+                       device_gather_rows_s=self.device_gather_rows_s / k, gather_call_s=self.gather_call_s * k,
+                       file_gather_rows_s=self.file_gather_rows_s / k, file_call_s=self.file_call_s * k,
+                       disk=replace(self.disk, cpu_s_per_page=self.disk.cpu_s_per_page * k))
+
 
 
 @dataclass(frozen=True)

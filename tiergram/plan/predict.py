@@ -4,6 +4,7 @@ against a measured `tiergram bench serve` sweep."""
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,8 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
         if len(runs) < len(sweeps):
             continue
         merged = dict(first)
-        for f in ("throughput_tok_s", "file_pages_per_s", "interactivity_p50", "file_first_read_share"):
+        for f in ("throughput_tok_s", "file_pages_per_s", "interactivity_p50", "file_first_read_share",
+                  "cpu_speed_ms"):
             vals = [float(r[f]) for r in runs if r.get(f) is not None]
             merged[f] = sum(vals) / len(vals) if vals else None
         for f in ("exposed_stall_s", "duration_s"):
@@ -246,20 +248,31 @@ def binds(engram: str, disk_share: float, stall_share: float) -> str:
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
-             rows_first: bool | None = None, disk_from: str = "sweep") -> dict[str, Any]:
+             rows_first: bool | None = None, disk_from: str = "sweep", speed_from: str = "sweep") -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
     host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
     prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `disk_from` "sweep": predict a file point
     on the disk as the sweep measured it on that point's own tables (the spec's queue-depth curve scaled to that
     limit at QD 128; the spec's disk where the sweep measured none), "spec": on the spec's. A disk with a cache under
     it (this VM's volume) serves a table it holds several times faster than one it does not, so one calibration
-    cannot give every table's rate (docs/planner.md, session 14)."""
+    cannot give every table's rate (docs/planner.md, session 14). `speed_from` "sweep": predict each point at the
+    CPU speed the sweep probed beside it (`HardwareSpec.at_speed`; where the sweep and the spec both have a probe),
+    "spec": at the calibration's (docs/planner.md, session 15)."""
     if disk_from not in ("sweep", "spec"):
         raise ValueError(f"disk_from must be 'sweep' or 'spec', got {disk_from!r}")
+    if speed_from not in ("sweep", "spec"):
+        raise ValueError(f"speed_from must be 'sweep' or 'spec', got {speed_from!r}")
     cfg = sweep["config"]
     base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
+    probes = [float(p["cpu_speed_ms"]) for p in sweep["points"] if p.get("cpu_speed_ms")]
+    speed: dict[str, Any] = {"from": "spec", "spec_probe_ms": hw.cpu_speed_ms, "factor": 1.0}
+    if speed_from == "sweep" and probes and hw.kind == "cpu" and hw.cpu_speed_ms > 0:
+        swept = statistics.median(probes)
+        hw = hw.at_speed(swept)
+        speed |= {"from": "sweep", "sweep_probe_ms": round(swept, 3),
+                  "factor": round(swept / speed["spec_probe_ms"], 4)}
     rows: list[Compared] = []
     skipped: set[str] = set()
     disks: dict[str, float] = {}  # file server -> the disk's pages/s at QD 128 its points were predicted on
@@ -291,10 +304,10 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         disk_limit = sweep_disk_limit(sweep, name)
         hw_pt = hw
         if kind == "file" and disk_from == "sweep" and disk_limit:
-            hw_pt = replace(hw, disk=hw.disk.at_limit(disk_limit, wl.queue_depth))
+            hw_pt = replace(hw_pt, disk=hw_pt.disk.at_limit(disk_limit, wl.queue_depth))
         if kind == "file":
             disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)  # new pages: the probe's and the curve's
-            disk_sources[name] = "sweep" if hw_pt is not hw else "spec"
+            disk_sources[name] = "sweep" if disk_from == "sweep" and disk_limit else "spec"
         first = pt.get("file_first_read_share") if kind == "file" else None
         if first is not None:  # its re-reads at the cache's rate, where the disk has a faster one under it
             hw_pt = replace(hw_pt, disk=hw_pt.disk.with_rereads(1.0 - float(first)))
@@ -323,7 +336,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
             "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
-            "disk": {"from": disk_sources, "pages_per_s": disks},
+            "disk": {"from": disk_sources, "pages_per_s": disks}, "speed": speed,
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
@@ -353,6 +366,10 @@ def validate_text(res: dict[str, Any]) -> str:
         lines.append("disk predicted on (QD 128, new pages; re-reads at the cache's rate where the spec has one): "
                      + ", ".join(
             f"{k} {v:,.0f} pages/s (the {res['disk']['from'][k]}'s)" for k, v in res["disk"]["pages_per_s"].items()))
+    sp = res.get("speed")
+    if sp and sp["from"] == "sweep":
+        lines.append(f"CPU costs at the sweep's speed: its probes' median {sp['sweep_probe_ms']:.2f} ms against the "
+                     f"calibration's {sp['spec_probe_ms']:.2f} ms ({sp['factor']:.2f}x the spec's CPU time)")
     if res.get("skipped_placements"):
         lines.append(f"not modelled, skipped: {', '.join(res['skipped_placements'])}")
     s = res["summary"]
