@@ -14,8 +14,9 @@ interactivity (tokens/s per user = 1000 / ITL ms; `interactivity_p90` = 1000 / I
 (prompt + output tokens per second of the measured phase), and from /metrics deltas the Engram cache hit
 rate, the exposed prefetch stall and the file tier's page reads per second, which the checks set against the
 disk's own limit (the native reader at queue depth 128, pages no earlier probe read) measured once the servers
-have started and after the sweep, on the tables those servers read (the big model's apart). Per placement
-the pareto front keeps the points no other point beats on both throughput and interactivity.
+have started and after the sweep, on the tables those servers read (the big model's apart), and the
+machine's CPU speed probed beside every round (`plan validate` predicts at it). Per placement the pareto front
+keeps the points no other point beats on both throughput and interactivity.
 
 The pieces: `serve_config` (what to sweep), `load` (the trace and the streaming clients), `serve_process` (the
 server subprocesses and their memory), `serve_stats` (points, fronts, checks) and `serve_report` (plot, markdown,
