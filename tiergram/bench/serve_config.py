@@ -59,7 +59,7 @@ class SweepConfig:
     # also serve the mooncake placement with --mooncake-busy-waits (its client spins at normal priority), mooncake-busy
     compare_busy_waits: bool = False
     # seconds of the CPU speed probe (`bench.common.cpu_speed_ms`) before and after each placement's round, while
-    # the servers idle: `plan validate` predicts each point at the speed the machine ran it (0: no probes)
+    # the servers idle: `plan validate` predicts the sweep at its probes' median speed (0: no probes)
     speed_probe_s: float = 0.25
 
     def __post_init__(self) -> None:
