@@ -410,8 +410,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                              "(calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
-                        + " ms); informational: a later calibration with a different figure ran on a faster or "
-                        "slower machine",
+                        + " ms); `plan validate` scales the CPU costs by a sweep's own probes over this figure",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "
                                "T = 8 and 128, 10% cache)",
         "file_call_us": f"{how}: the same, per call, x {n_layers} Engram layers",

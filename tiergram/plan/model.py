@@ -137,7 +137,7 @@ class HardwareSpec:
     file_gather_rows_s: float = 0.0  # the file tier's all-hit path (cache probe + gather), rows/s; 0: gather_rows_s
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
     cores: int = 0  # CPU cores (cpu kind: what other host-memory traffic steals its copying time from)
-    cpu_speed_ms: float = 0.0  # calibrate's CPU speed probe (informational: compare two calibrations)
+    cpu_speed_ms: float = 0.0  # calibrate's CPU speed probe: the speed its CPU costs were measured at (at_speed)
     # cpu kind: a server's step over the engine's alone, (concurrency, factor) pairs, measured by calibrate
     server_step_curve: tuple[tuple[float, float], ...] = ()
 
@@ -145,7 +145,7 @@ class HardwareSpec:
         """This CPU machine while its speed probe (`bench.common.cpu_speed_ms`) reads `speed_ms` instead of the
         calibration's `cpu_speed_ms`: every CPU cost scaled by their ratio (times up, rates down), memory, link and
         the disk's page rates unchanged. A shared VM's speed drifts by tens of percent within minutes; a sweep
-        that probes it beside each point is predicted at its own speed. A GPU machine is returned as it is."""
+        that probed it beside its rounds is predicted at its probes' median. A GPU machine is returned as it is."""
         if not speed_ms > 0:
             raise ValueError(f"speed_ms must be > 0, got {speed_ms}")
         if self.kind != "cpu" or self.cpu_speed_ms <= 0:
