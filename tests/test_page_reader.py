@@ -308,3 +308,43 @@ def test_io_uring_blocked_falls_back_to_threads(table):
     first = bytes(pages[1, :4]).hex()
     assert proc.stdout.split("\n")[:3] == [f"threads {first}", f"threads {first}", "refused 38"]
     assert proc.stderr.count("io_uring unavailable") == 1 and "using thread-pool pread" in proc.stderr
+
+
+@pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here")
+@pytest.mark.parametrize(("qd", "fixed_files"), [(1, False), (32, False), (32, True)])
+def test_a_stalled_read_is_cancelled_and_read_again(table, qd, fixed_files):
+    """A read the kernel never completes (the 'stall' fault: a real io_uring read of an empty pipe) does not hang the
+    call: once no read has completed for stall_timeout_s the ring cancels the reads in flight and the call reads
+    them with pread. The ring stays healthy for the next call."""
+    path, pages = table
+    ids = np.array([1, 30, 2, 30, 63, *range(20)], np.int64)
+    with _native.PageReader(path, OFFSET, PS, 64, queue_depth=qd, backend="io_uring", fixed_files=fixed_files,
+                            stall_timeout_s=0.5) as r:
+        assert r.stall_timeout_s == 0.5
+        r.inject_fault("stall", 2, times=1)
+        np.testing.assert_array_equal(read(r, ids), pages[ids])
+        # at depth 1 the reads queued behind the stalled one were never offered: the call reads those with pread too
+        assert r.stalled_reads == (ids.size - 2 if qd == 1 else 1)
+        np.testing.assert_array_equal(read(r, ids), pages[ids])
+        assert r.stalled_reads == (ids.size - 2 if qd == 1 else 1)  # the fault is spent: nothing stalls
+
+        r.stall_timeout_s = 0.2  # settable; every read of page 5 stalls, each is recovered
+        r.inject_fault("stall", 5, times=3)
+        before = r.stalled_reads
+        for _ in range(3):
+            np.testing.assert_array_equal(read(r, [5, 6]), pages[[5, 6]])
+        assert r.stalled_reads - before >= 3
+
+
+def test_stall_timeout_and_fault_errors(table):
+    path, _ = table
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
+            _native.PageReader(path, OFFSET, PS, 64, stall_timeout_s=bad)
+    with _native.PageReader(path, OFFSET, PS, 64, stall_timeout_s=float("inf")) as r:
+        with pytest.raises(ValueError, match="stall_timeout_s must be > 0"):
+            r.stall_timeout_s = 0
+        assert r.stall_timeout_s == float("inf")
+    with _native.PageReader(path, OFFSET, PS, 64, backend="threads") as r:
+        with pytest.raises(ValueError, match="'stall' fault needs the io_uring backend"):
+            r.inject_fault("stall", 0)

@@ -231,6 +231,7 @@ def test_metrics_keep_every_name(url):
     names = {key.split("{")[0] for key in metrics(url)}
     assert not set(METRIC_NAMES) - names, sorted(set(METRIC_NAMES) - names)
     assert "tiergram_engine_faults_total" in names and "process_resident_memory_bytes" in names
+    assert "tiergram_engram_pages_stalled_total" in names
     assert not any(n.endswith("_created") for n in names)
 
 

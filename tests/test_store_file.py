@@ -958,6 +958,30 @@ def test_an_urgent_warm_runs_on_the_prefetch_worker_not_behind_read_aheads(table
         store.close()
 
 
+@pytest.mark.parametrize("policy", [None, "lru"])
+@pytest.mark.parametrize("pipeline", ["auto", "python"])
+def test_a_stalled_page_read_is_recovered(table, host, policy, pipeline):
+    """A page read the kernel never completes (io_uring, the 'stall' fault) is cancelled after the reader's stall
+    timeout and read with pread: lookups and prefetches still serve the right rows, and stats() counts it."""
+    store = open_file_store(table, "direct", policy, cache_rows=40, row_bytes=host.manifest.row_bytes,
+                            pipeline=pipeline)
+    try:
+        if store.tier.backend != "io_uring":
+            pytest.skip("io_uring unavailable here")
+        store.tier.reader.stall_timeout_s = 0.3
+        ids = np.array([[5, 6, 150], [60, 7, 199]])
+        store.tier.reader.inject_fault("stall", page_of(store, 2, 150), 1)
+        assert_same(store.lookup(ids), host.lookup(ids))
+        assert store.stats()["pages_stalled"] == 1
+        more = np.array([[11, 12, 152], [61, 10, 100]])
+        store.tier.reader.inject_fault("stall", page_of(store, 0, 61), 1)
+        assert_same(store.prefetch(more).wait(30), host.lookup(more))
+        assert store.stats()["pages_stalled"] == 2
+        assert_clean(store)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("kind", ["eio", "flip"])
 def test_a_fetch_reads_itself_what_a_failed_read_ahead_did_not_land(table, host, kind):
     """A read-ahead whose read fails lands nothing: the fetch that waited for its rows reads them itself and serves

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -50,39 +51,64 @@ PyObject *g_page_read_error = nullptr;
 void say_once(std::atomic<bool> &said, const std::string &msg) {
   if (!said.exchange(true)) std::fprintf(stderr, "tiergram: %s\n", msg.c_str());
 }
-std::atomic<bool> g_said_uring{false}, g_said_direct{false};
+std::atomic<bool> g_said_uring{false}, g_said_direct{false}, g_said_stall{false};
+
+// One blocking positioned read (the thread pool's, and the io_uring backend's way round a stalled ring).
+int32_t pread_op(int fd, const ReadOp &op) {
+  ssize_t r;
+  do r = pread(fd, op.dst, op.len, static_cast<off_t>(op.offset));
+  while (r < 0 && errno == EINTR);
+  return r < 0 ? -errno : static_cast<int32_t>(r);
+}
+
+struct BackendReads {
+  size_t fixed = 0;    // reads that went out as READ_FIXED into a registered buffer
+  size_t stalled = 0;  // reads a stalled ring gave up on, re-read with pread
+};
 
 class ReadBackend {
  public:
   virtual ~ReadBackend() = default;
   virtual const char *name() const = 0;
   // Reads every op once, setting op.res; never throws for a failed read (that is op.res < 0). area: the
-  // registrable staging buffer the ops' dst lie in, or nullptr. Returns how many reads used a registered buffer.
-  virtual size_t read(int fd, ReadOp *ops, size_t n, const StagingArea *area) = 0;
+  // registrable staging buffer the ops' dst lie in, or nullptr.
+  virtual BackendReads read(int fd, ReadOp *ops, size_t n, const StagingArea *area) = 0;
   // errno of a refused buffer registration (0: none refused).
   virtual int buffer_refused() const { return 0; }
+  // How long a call waits with no read completing before it gives the rest up (< 0: for ever); io_uring only.
+  virtual void set_stall_ns(int64_t) {}
 };
 
 class UringBackend : public ReadBackend {
  public:
-  UringBackend(unsigned depth, bool batch_wait, bool fixed_files, bool fixed_buffers)
-      : depth_(depth), batch_wait_(batch_wait), fixed_files_(fixed_files), fixed_buffers_(fixed_buffers) {
+  UringBackend(unsigned depth, bool batch_wait, bool fixed_files, bool fixed_buffers, int64_t stall_ns)
+      : depth_(depth), batch_wait_(batch_wait), fixed_files_(fixed_files), fixed_buffers_(fixed_buffers),
+        stall_ns_(stall_ns) {
     idle_.push_back(std::make_unique<Ring>(depth));
   }
   const char *name() const override { return "io_uring"; }
 
-  size_t read(int fd, ReadOp *ops, size_t n, const StagingArea *area) override {
+  BackendReads read(int fd, ReadOp *ops, size_t n, const StagingArea *area) override {
     if (!fixed_buffers_) area = nullptr;
     std::unique_ptr<Ring> ring = acquire(area ? area->serial : 0);
-    const size_t fixed = ring->run(fd, ops, n, depth_, batch_wait_, fixed_files_, area);
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ring->buffer_refused()) buffer_refused_ = ring->buffer_refused();
-    idle_.push_back(std::move(ring));
-    cv_.notify_one();
-    return fixed;
+    BackendReads got;
+    got.fixed = ring->run(fd, ops, n, depth_, batch_wait_, fixed_files_, area, stall_ns_.load());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ring->buffer_refused()) buffer_refused_ = ring->buffer_refused();
+      // A retired ring may still owe the kernel a read: it is closed here, never reused (the next call makes one).
+      if (!ring->retired()) idle_.push_back(std::move(ring));
+      cv_.notify_one();
+    }
+    // The kernel completed none of these reads for the stall timeout (a lost completion would otherwise hang the
+    // caller for ever): read them the slow, sure way.
+    for (size_t i = 0; i < n; ++i)
+      if (ops[i].res == kStalled) ops[i].res = pread_op(fd, ops[i]), ++got.stalled;
+    return got;
   }
 
   int buffer_refused() const override { return buffer_refused_.load(); }
+  void set_stall_ns(int64_t ns) override { stall_ns_ = ns; }
 
  private:
   // Prefers an idle ring that has `serial`'s staging area registered already (each thread's staging buffer
@@ -116,6 +142,7 @@ class UringBackend : public ReadBackend {
   bool batch_wait_;
   bool fixed_files_;
   bool fixed_buffers_;
+  std::atomic<int64_t> stall_ns_;
   std::atomic<int> buffer_refused_{0};
   std::mutex mu_;
   std::condition_variable cv_;
@@ -137,15 +164,15 @@ class ThreadBackend : public ReadBackend {
   }
   const char *name() const override { return "threads"; }
 
-  size_t read(int fd, ReadOp *ops, size_t n, const StagingArea *) override {
-    if (n == 0) return 0;
+  BackendReads read(int fd, ReadOp *ops, size_t n, const StagingArea *) override {
+    if (n == 0) return {};
     Job job;
     job.fd = fd, job.ops = ops, job.n = n;
     std::unique_lock<std::mutex> lock(mu_);
     jobs_.push_back(&job);
     cv_work_.notify_all();
     job.cv_done.wait(lock, [&] { return job.done == job.n; });
-    return 0;
+    return {};
   }
 
  private:
@@ -167,10 +194,7 @@ class ThreadBackend : public ReadBackend {
       ReadOp &op = job->ops[job->next++];
       if (job->next == job->n) jobs_.pop_front();  // every op handed out; the caller still waits for `done`
       lock.unlock();
-      ssize_t r;
-      do r = pread(job->fd, op.dst, op.len, static_cast<off_t>(op.offset));
-      while (r < 0 && errno == EINTR);
-      op.res = r < 0 ? -errno : static_cast<int32_t>(r);
+      op.res = pread_op(job->fd, op);
       lock.lock();
       if (++job->done == job->n) job->cv_done.notify_all();
     }
@@ -183,13 +207,13 @@ class ThreadBackend : public ReadBackend {
   bool stop_ = false;
 };
 
-enum class Fault { kEio, kShort, kFlip };
+enum class Fault { kEio, kShort, kFlip, kStall };
 
 class PageReader : public PageSource {
  public:
   PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
              unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait, bool fixed_files,
-             bool fixed_buffers)
+             bool fixed_buffers, double stall_timeout_s)
       : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
         queue_depth_(queue_depth), want_direct_(direct), fixed_buffers_(fixed_buffers),
         seen_(new std::atomic<uint64_t>[(n_pages + 63) / 64]()) {
@@ -202,6 +226,7 @@ class PageReader : public PageSource {
             "queue_depth must be in [1, " + std::to_string(kMaxQueueDepth) + "], got " + std::to_string(queue_depth));
     require(backend == "auto" || backend == "io_uring" || backend == "threads",
             "backend must be 'auto', 'io_uring' or 'threads', got '" + backend + "'");
+    const int64_t stall_ns = stall_timeout_ns(stall_timeout_s);
     require(!direct || data_offset % 512 == 0,
             "data_offset " + std::to_string(data_offset) + " is not a multiple of 512, as O_DIRECT needs");
 
@@ -222,7 +247,7 @@ class PageReader : public PageSource {
     try {
       if (backend != "threads") {
         try {
-          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait, fixed_files, fixed_buffers);
+          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait, fixed_files, fixed_buffers, stall_ns);
         } catch (const UringUnavailable &e) {
           const std::string why =
               "io_uring unavailable (errno " + std::to_string(e.err) + ": " + std::strerror(e.err) + ")";
@@ -247,6 +272,8 @@ class PageReader : public PageSource {
     backend_.reset();
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
+    for (int &end : stall_pipe_)
+      if (end >= 0) ::close(end), end = -1;
   }
 
   void read_pages(IdsIn pages, BytesOut out, bool verify) {
@@ -300,11 +327,21 @@ class PageReader : public PageSource {
     if (kind == "eio") f = Fault::kEio;
     else if (kind == "short") f = Fault::kShort;
     else if (kind == "flip") f = Fault::kFlip;
-    else throw std::invalid_argument("fault kind must be 'eio', 'short' or 'flip', got '" + kind + "'");
+    else if (kind == "stall") f = Fault::kStall;
+    else throw std::invalid_argument("fault kind must be 'eio', 'short', 'flip' or 'stall', got '" + kind + "'");
     if (page < 0 || static_cast<uint64_t>(page) >= n_pages_)
       throw nb::index_error(("page id " + std::to_string(page) + " is out of range").c_str());
     require(times >= 0, "times must be >= 0");
     std::lock_guard<std::mutex> lock(fault_mu_);
+    if (f == Fault::kStall) {
+      require(backend_name_ == "io_uring", "the 'stall' fault needs the io_uring backend, this reader uses " +
+                                               backend_name_);
+      // A stalled read is a real io_uring read of an empty pipe whose write end stays open: it never completes.
+      if (stall_pipe_[0] < 0 && pipe2(stall_pipe_, O_CLOEXEC) < 0) {
+        const int err = errno;
+        throw OsFailure(err, std::string("cannot make the stall fault's pipe: ") + std::strerror(err));
+      }
+    }
     if (times == 0) faults_.erase(page);
     else faults_[page] = {f, times};
     any_faults_ = !faults_.empty();
@@ -325,6 +362,13 @@ class PageReader : public PageSource {
   bool direct() const { return direct_; }
   bool fixed_buffers() const { return fixed_buffers_; }
   uint64_t fixed_reads() const { return fixed_reads_.load(); }
+  uint64_t stalled_reads() const { return stalled_reads_.load(); }
+  double stall_timeout_s() const { return stall_timeout_s_.load(); }
+  void set_stall_timeout_s(double s) {
+    const int64_t ns = stall_timeout_ns(s);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (backend_) backend_->set_stall_ns(ns);
+  }
   uint64_t first_reads() const { return first_reads_.load(); }
 
   // Pages [first, first + count) were read by another path of this process (a whole-table scan): counted as read.
@@ -353,6 +397,13 @@ class PageReader : public PageSource {
   }
 
  private:
+  // Validates a stall timeout in seconds (inf: none) and keeps it; returns it in ns (-1: none).
+  int64_t stall_timeout_ns(double s) {
+    require(s > 0, "stall_timeout_s must be > 0 seconds (inf: wait for ever), got " + std::to_string(s));
+    stall_timeout_s_ = s;
+    return std::isinf(s) ? -1 : static_cast<int64_t>(s * 1e9);
+  }
+
   // Counts running calls so that close() can wait for them.
   struct CallGuard {
     PageReader &r;
@@ -381,7 +432,16 @@ class PageReader : public PageSource {
   // Reads ops once; returns the positions (in ops) that failed. ops[k] reads page ids[pos ? pos[k] : k].
   std::vector<size_t> read_once(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos, bool verify,
                                 const StagingArea *area) {
-    fixed_reads_ += backend_->read(fd_, ops.data(), ops.size(), area);
+    if (any_faults_) route_stalls(ops, ids, pos);
+    const BackendReads got = backend_->read(fd_, ops.data(), ops.size(), area);
+    fixed_reads_ += got.fixed;
+    if (got.stalled) {
+      stalled_reads_ += got.stalled;
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%g", stall_timeout_s_.load());
+      say_once(g_said_stall, "io_uring reads of " + path_ + " made no progress for " + secs + " s; cancelled " +
+                                 std::to_string(got.stalled) + " and re-read them with pread (stalled_reads)");
+    }
     std::vector<size_t> bad;
     for (size_t k = 0; k < ops.size(); ++k) {
       ReadOp &op = ops[k];
@@ -394,15 +454,28 @@ class PageReader : public PageSource {
     return bad;
   }
 
+  // Test hook: points the reads of pages with a pending 'stall' fault at the stall pipe (one use per read).
+  void route_stalls(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos) {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    for (size_t k = 0; k < ops.size(); ++k) {
+      auto it = faults_.find(ids[pos ? pos[k] : k]);
+      if (it == faults_.end() || it->second.first != Fault::kStall) continue;
+      ops[k].fd = stall_pipe_[0];
+      if (--it->second.second == 0) faults_.erase(it);
+    }
+    any_faults_ = !faults_.empty();
+  }
+
   // Test hook: corrupts the outcome of a read of a page that has a pending injected fault.
   void apply_fault(ReadOp &op, int64_t page) {
     std::lock_guard<std::mutex> lock(fault_mu_);
     auto it = faults_.find(page);
-    if (it == faults_.end()) return;
+    if (it == faults_.end() || it->second.first == Fault::kStall) return;
     switch (it->second.first) {
       case Fault::kEio: op.res = -EIO; break;
       case Fault::kShort: op.res = op.res > 0 ? std::min<int32_t>(op.res, op.len / 2) : op.res; break;
       case Fault::kFlip: op.dst[op.len / 3] ^= 0x10; break;
+      case Fault::kStall: break;
     }
     if (--it->second.second == 0) faults_.erase(it);
     any_faults_ = !faults_.empty();
@@ -421,6 +494,8 @@ class PageReader : public PageSource {
   bool want_direct_, direct_ = false;
   bool fixed_buffers_;
   std::atomic<uint64_t> fixed_reads_{0};
+  std::atomic<uint64_t> stalled_reads_{0};
+  std::atomic<double> stall_timeout_s_{0};
   std::unique_ptr<std::atomic<uint64_t>[]> seen_;  // a bit per page read so far (n_pages / 8 bytes)
   std::atomic<uint64_t> first_reads_{0};
   int fd_ = -1;
@@ -434,6 +509,7 @@ class PageReader : public PageSource {
 
   std::mutex fault_mu_;
   std::unordered_map<int64_t, std::pair<Fault, int>> faults_;
+  int stall_pipe_[2] = {-1, -1};  // the 'stall' fault's pipe (made on first use)
   std::atomic<bool> any_faults_{false};
 };
 
@@ -468,16 +544,19 @@ void register_file_reader(nb::module_ &m) {
                          "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
                          "pread thread pool), verifying each page's trailer.")
       .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,
-                    bool, bool, bool, bool>(),
+                    bool, bool, bool, bool, double>(),
            nb::arg("path"), nb::arg("data_offset"), nb::arg("page_size"), nb::arg("n_pages"),
            nb::arg("queue_depth") = 128, nb::arg("backend") = "auto", nb::arg("direct") = true,
            nb::arg("batch_wait") = true, nb::arg("fixed_files") = false, nb::arg("fixed_buffers") = true,
+           nb::arg("stall_timeout_s") = 10.0,
            "batch_wait (io_uring): each io_uring_enter waits for a quarter of the reads in flight instead of one "
            "(fewer syscalls per page; False is the earlier behaviour, kept for comparison). fixed_files (io_uring): "
            "the file is registered with each ring (IORING_REGISTER_FILES) and reads name its slot. fixed_buffers "
            "(io_uring): the fetch pipeline's per-thread staging buffers are registered with the rings "
            "(IORING_REGISTER_BUFFERS) and its reads are READ_FIXED (the kernel pins each buffer once, not per read); "
-           "read_pages into a caller's buffer always reads plainly.")
+           "read_pages into a caller's buffer always reads plainly. stall_timeout_s (io_uring, Linux 5.11+): when no "
+           "read of a call completes for this long, its reads still in flight are cancelled and re-read with pread "
+           "(counted in stalled_reads); inf waits for ever.")
       // noconvert: a converted copy of out would take the pages and leave the caller's buffer untouched,
       // and float page ids would be truncated silently.
       .def("read_pages", &PageReader::read_pages, nb::arg("pages").noconvert(), nb::arg("out").noconvert(),
@@ -499,8 +578,8 @@ void register_file_reader(nb::module_ &m) {
             r.close();
           })
       .def("inject_fault", &PageReader::inject_fault, nb::arg("kind"), nb::arg("page"), nb::arg("times") = 1,
-           "Test hook: make the next `times` reads of `page` fail: 'eio', 'short' (half the bytes) or 'flip' (a bit "
-           "of the delivered page flipped).")
+           "Test hook: make the next `times` reads of `page` fail: 'eio', 'short' (half the bytes), 'flip' (a bit "
+           "of the delivered page flipped) or 'stall' (io_uring: the read goes to an empty pipe and never completes).")
       .def("clear_faults", &PageReader::clear_faults)
       .def_prop_ro("backend", &PageReader::backend)
       .def_prop_ro("queue_depth", &PageReader::queue_depth)
@@ -511,6 +590,11 @@ void register_file_reader(nb::module_ &m) {
       .def_prop_ro("fixed_buffers", &PageReader::fixed_buffers)
       .def_prop_ro("fixed_reads", &PageReader::fixed_reads,
                    "Reads that went out as READ_FIXED into a registered staging buffer, since the reader opened.")
+      .def_prop_ro("stalled_reads", &PageReader::stalled_reads,
+                   "Reads a stalled io_uring call cancelled and re-read with pread, since the reader opened.")
+      .def_prop_rw("stall_timeout_s", &PageReader::stall_timeout_s, &PageReader::set_stall_timeout_s,
+                   "io_uring: seconds a call waits with no read completing before it cancels the reads in flight "
+                   "and re-reads them with pread (inf: for ever). Settable; the next call uses it.")
       .def_prop_ro("first_reads", &PageReader::first_reads,
                    "Pages this reader read for the first time since it opened (re-reads of a page not counted).")
       .def("mark_read", &PageReader::mark_read, nb::arg("first"), nb::arg("count"),

@@ -1,6 +1,7 @@
 // A minimal io_uring driven through raw syscalls: enough to keep a batch of positioned reads in flight.
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 
@@ -19,12 +20,18 @@ struct StagingArea {
 };
 
 // One positioned read of `len` bytes at `offset` into `dst`. `res` receives the bytes read or -errno.
+// fd: -1 reads the run's file; a test hook may point one read at another fd (a pipe that never has data).
 struct ReadOp {
   uint64_t offset = 0;
   uint8_t *dst = nullptr;
   uint32_t len = 0;
   int32_t res = 0;
+  int fd = -1;
 };
+
+// res of a read the ring gave up on: no read of the run completed for the stall timeout, so the reads still in
+// flight were cancelled (or never offered). The caller reads it another way.
+constexpr int32_t kStalled = -ETIMEDOUT;
 
 // Thrown when the kernel will not give us a usable ring (ENOSYS, EPERM under seccomp, ENOMEM, too old).
 struct UringUnavailable {
@@ -51,18 +58,26 @@ class Ring {
   // fixed_buffer: the staging area to register with the ring (IORING_REGISTER_BUFFERS, kept until another area
   // comes); reads whose dst lies inside it are READ_FIXED, which spares the kernel pinning the page per read.
   // If the kernel refuses the registration (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the ring reads plainly.
+  // stall_ns: when no read completes for this long (and the kernel can time a wait, 5.11+), the reads in flight are
+  // cancelled and every read not done gets kStalled; < 0 waits without a bound. A read the kernel neither completes
+  // nor cancels within a second stall period retires the ring (retired()): it must not be used again.
   // Returns how many reads went out as READ_FIXED.
   size_t run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true, bool fixed_file = false,
-             const StagingArea *fixed_buffer = nullptr);
+             const StagingArea *fixed_buffer = nullptr, int64_t stall_ns = -1);
+
+  bool retired() const { return retired_; }
 
   uint64_t buffer_serial() const { return buffer_serial_; }
   int buffer_refused() const { return buffer_refused_; }
 
  private:
   void release();
-  int enter(unsigned to_submit, unsigned min_complete);
+  int enter(unsigned to_submit, unsigned min_complete, int64_t timeout_ns = -1);
   unsigned reap(ReadOp *ops, size_t n);
-  void drain(ReadOp *ops, size_t n, unsigned &inflight);
+  // Waits for the `inflight` reads among ops[0, offered); cancels them first if `stalled`, or once none completes
+  // for stall_ns. Returns whether it cancelled (retired_ set if a cancelled read still did not end).
+  bool settle(ReadOp *ops, size_t n, size_t offered, unsigned &inflight, int64_t stall_ns, bool stalled);
+  void cancel(ReadOp *ops, size_t offered);
 
   bool use_fixed_file(int fd);
   bool use_fixed_buffer(const StagingArea &area);
@@ -75,6 +90,8 @@ class Ring {
   size_t buffer_bytes_ = 0;
   int buffer_refused_ = 0;         // errno of a refused buffer registration: do not ask again
   unsigned sq_entries_ = 0;
+  bool timed_waits_ = false;  // IORING_FEAT_EXT_ARG: io_uring_enter takes a timeout
+  bool retired_ = false;      // a read outlived its cancellation: the kernel may still hold a dst
   void *sq_map_ = nullptr, *cq_map_ = nullptr, *sqe_map_ = nullptr;
   size_t sq_map_bytes_ = 0, cq_map_bytes_ = 0, sqe_map_bytes_ = 0;
   // Ring fields shared with the kernel (pointers into the mappings).

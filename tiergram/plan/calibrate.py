@@ -102,7 +102,8 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
             "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
 
 
-SERVE_CONCURRENCIES = (1, 2, 4, 16)  # the step stretch jumps between 1 and 2 users: measure both
+# the step stretch jumps between 1 and 2 users and is not monotone past 4: measure every level a default sweep runs
+SERVE_CONCURRENCIES = (1, 2, 4, 8, 16)
 
 
 def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
@@ -305,6 +306,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
 
     when = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     how = f"measured by `tiergram plan calibrate` on {when}"
+    levels = ", ".join(map(str, SERVE_CONCURRENCIES))  # the HTTP path's closed-loop concurrencies
     cal = Calibration()
     spec = model_from_dir(Path(model_dir))
     tables = layer_tables(model_dir)
@@ -347,7 +349,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
         _log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = "
-             + ", ".join(map(str, SERVE_CONCURRENCIES)))
+             + levels)
 
         def engine_step(tokens: float, seqs: float) -> float:
             """The engine's own step: the fit, plus the host tier's gather it was fitted without."""
@@ -395,7 +397,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps of {Path(model_dir).name} "
                             f"({where} tables; R^2 {st['r2']:.2f})",
         "per_seq_us": f"{how}: the same fit" + (", plus the HTTP path's cost per sequence per step (`tiergram serve` "
-                                                 "under a closed loop at c = 1, 2, 4 and 16: the server's idle time, "
+                                                 f"under a closed loop at c = {levels}: the server's idle time, "
                                                  "wall less its own step seconds)" if serve else ""),
         "per_token_us": f"{how}: the same fit",
         "request_overhead_ms": f"{how}: the HTTP path's fixed cost per request (same closed loop)" if serve else
@@ -406,7 +408,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
         "server_step_curve": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
-                             "(the fit above) at c = 1, 2, 4, 16 (interpolated in log c)" if serve else "not measured "
+                             f"(the fit above) at c = {levels} (interpolated in log c)" if serve else "not measured "
                              "(calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)

@@ -144,6 +144,8 @@ def engine_metrics(m: Any) -> Iterator[Any]:
         ("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read")),
         ("tiergram_engram_pages_first_read", "Table pages read from storage for the first time since the server "
          "started (the rest are re-reads, which a cache under the disk may hold).", engram.get("pages_first_read")),
+        ("tiergram_engram_pages_stalled", "Table page reads an io_uring call gave up on after no read completed for "
+         "the stall timeout, cancelled and re-read with pread.", engram.get("pages_stalled")),
         ("tiergram_engram_exposed_stall_seconds", "Time the forward waited on Engram rows (not hidden by prefetch).",
          m.exposed_stall_s),
         ("tiergram_engram_prefill_stall_seconds", "The part of the exposed stall in steps that computed prompt "

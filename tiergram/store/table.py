@@ -279,6 +279,8 @@ class TieredTable(ManifestGeometry):
                 snap["registered_buffer_reads"] = self.tier.reader.fixed_reads
                 # pages its reader had never read before: a cache under the disk may hold the others
                 snap["pages_first_read"] = self.tier.reader.first_reads
+                # reads a stalled io_uring call cancelled and re-read with pread (a lost completion, not an error)
+                snap["pages_stalled"] = self.tier.reader.stalled_reads
                 snap["buffer_registration_errno"] = self.tier.reader.buffer_refused
         snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
