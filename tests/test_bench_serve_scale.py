@@ -73,10 +73,12 @@ def test_default_sweep_starts_no_mooncake_cluster():
     assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()
 
 
-@pytest.mark.parametrize(("flag", "suffix"), [("compare_rows_first", "-nowait"), ("compare_fixed_buffers", "-plain")])
+@pytest.mark.parametrize(("flag", "suffix"), [("compare_rows_first", "-nowait"), ("compare_fixed_buffers", "-plain"),
+                                              ("compare_read_ahead_yield", "-greedy")])
 def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, suffix):
-    """--compare-rows-first (-nowait: prompts join at once) and --compare-fixed-buffers (-plain: no registered
-    buffers): the first file server again, right after it, with its cache and fraction."""
+    """--compare-rows-first (-nowait: prompts join at once), --compare-fixed-buffers (-plain: no registered
+    buffers) and --compare-read-ahead-yield (-greedy: the read-ahead never gives way): the first file server again,
+    right after it, with its cache and fraction."""
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), **{flag: True})
     assert cfg.labels() == ["host", "file-1%", "file-1%" + suffix, "file-10%"]
     assert sv.kind_of("file-1%" + suffix) == "file"

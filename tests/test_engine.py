@@ -140,6 +140,19 @@ def test_greedy_matches_model_generate(model_dir, name):
             assert set(engram["bytes_read"]) == {"host"} and m.budget["device_table_bytes"] == 0
 
 
+def test_the_read_ahead_gives_way_unless_told_not_to(model_dir):
+    """Placement.read_ahead_yields (serve --no-read-ahead-yield) reaches the file table's reader: its yield_depth is
+    the reader's default (a few reads) or 0 (never gives way); tokens are the same."""
+    want = expected(model_dir, PROMPTS)
+    for yields in (True, False):
+        with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096, read_ahead_yields=yields)) as eng:
+            assert eng.generate(PROMPTS, GREEDY) == want
+            depths = {src.tier.reader.yield_depth for src in eng.sources.values()}
+            assert depths == ({8} if yields else {0})
+    args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-read-ahead-yield"])
+    assert engine_config(args).placement.read_ahead_yields is False
+
+
 def test_file_placement_reads_with_and_without_registered_buffers(model_dir):
     """Placement.fixed_buffers (serve --no-fixed-buffers) reaches the file table's reader; tokens are the same."""
     want = expected(model_dir, PROMPTS)
@@ -154,6 +167,7 @@ def test_file_placement_reads_with_and_without_registered_buffers(model_dir):
                 assert all(r.fixed_reads > 0 for r in readers)
     args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-fixed-buffers"])
     assert engine_config(args).placement.fixed_buffers is False
+    assert engine_config(args).placement.read_ahead_yields is True
     assert engine_config(build_parser().parse_args(["serve", "m"])).placement.fixed_buffers is True
     busy = build_parser().parse_args([
         "serve", "m", "--placement", "mooncake", "--mooncake-master", "127.0.0.1:1", "--mooncake-busy-waits"])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -348,3 +349,36 @@ def test_stall_timeout_and_fault_errors(table):
     with _native.PageReader(path, OFFSET, PS, 64, backend="threads") as r:
         with pytest.raises(ValueError, match="'stall' fault needs the io_uring backend"):
             r.inject_fault("stall", 0)
+
+
+@pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here")
+def test_a_background_read_gives_way_to_a_foreground_one(table):
+    """While a foreground read is in flight (held there by a stalled read), a background read (a read-ahead) offers
+    its reads at yield_depth and counts them in yielded_reads; with yield_depth 0, or with no foreground read, it
+    does not give way. Every page is read right either way."""
+    path, pages = table
+    ids = np.random.default_rng(3).integers(0, 64, 200)
+    with _native.PageReader(path, OFFSET, PS, 64, queue_depth=32, backend="io_uring", stall_timeout_s=1.0) as r:
+        assert r.yield_depth == 8
+        np.testing.assert_array_equal(read_bg(r, ids), pages[ids])
+        assert r.yielded_reads == 0  # nothing to give way to
+        for depth in (8, 0):
+            r.yield_depth = depth
+            before = r.yielded_reads
+            r.inject_fault("stall", 40, times=1)
+            fg = threading.Thread(target=lambda: read(r, [40, 41]))
+            fg.start()
+            time.sleep(0.2)  # the foreground call's stalled read is in flight for 1 s
+            np.testing.assert_array_equal(read_bg(r, ids), pages[ids])
+            fg.join()
+            yielded = r.yielded_reads - before
+            assert (0 < yielded <= ids.size) if depth else yielded == 0
+    with pytest.raises(ValueError, match="yield_depth must be in"):
+        r.yield_depth = 5000
+
+
+def read_bg(reader, ids):
+    ids = np.asarray(ids, dtype=np.int64)
+    out = aligned_empty(len(ids) * reader.page_size)
+    reader.read_pages(ids, out, background=True)
+    return out.reshape(len(ids), reader.page_size)

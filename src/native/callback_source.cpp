@@ -21,7 +21,7 @@ class CallbackPageSource : public PageSource {
 
   // Takes the GIL for the call: read_pages(int64 [m]) must return the verified pages as uint8 [m * page_size] (or
   // raise, e.g. PageReadError naming table and page: the error reaches the ticket unchanged).
-  void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool, const StagingArea *) override {
+  void read_nogil(const int64_t *ids, size_t m, uint8_t *out, bool, const StagingArea *, bool) override {
     if (m == 0) return;
     nb::gil_scoped_acquire gil;
     if (!read_pages_.is_valid()) throw std::invalid_argument("the page source is closed");

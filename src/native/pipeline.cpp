@@ -57,6 +57,7 @@ struct AlignedBuffer {
 // io_uring rings (READ_FIXED). A call with more pages than it keeps reads them in chunks.
 thread_local AlignedBuffer t_staging;
 thread_local std::vector<uint8_t> t_rows;  // compact copies of a chunked read's rows
+thread_local bool t_background = false;    // this thread is a read-ahead queue's worker: its reads give way
 std::atomic<size_t> g_staging_keep{kStagingKeepBytes};
 
 // The pages of sorted rows (plan_pages: pages, and at[j] = row j's byte offset were all pages staged at once) read
@@ -76,7 +77,7 @@ std::vector<const uint8_t *> read_rows(PageSource &src, const std::vector<int64_
   size_t j = 0;
   for (size_t p0 = 0; p0 < pages.size(); p0 += chunk) {
     const size_t p1 = std::min(pages.size(), p0 + chunk);
-    src.read_nogil(pages.data() + p0, p1 - p0, t_staging.p, true, &area);
+    src.read_nogil(pages.data() + p0, p1 - p0, t_staging.p, true, &area, t_background);
     const uint64_t base = p0 * page_size, end = p1 * page_size;
     for (; j < at.size() && at[j] < end; ++j) {
       const uint8_t *row = t_staging.p + (at[j] - base);
@@ -523,6 +524,8 @@ struct Orphans {
 
 class FetchQueue {
  public:
+  // background: a read-ahead queue, whose page reads give way to the reader's foreground reads (fetches).
+  explicit FetchQueue(bool background = false) : background_(background) {}
   ~FetchQueue() {
     shutdown(true);
     orphans_->reap();
@@ -586,7 +589,8 @@ class FetchQueue {
 
  private:
   void loop() {
-    name_this_thread("tiergram-fetch");
+    name_this_thread(background_ ? "tiergram-warm" : "tiergram-fetch");
+    t_background = background_;
     for (;;) {
       std::shared_ptr<Job> job;
       {
@@ -627,6 +631,7 @@ class FetchQueue {
     }
   }
 
+  bool background_;
   std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
   std::mutex mu_;
   std::condition_variable cv_;
@@ -809,7 +814,8 @@ void register_pipeline(nb::module_ &m) {
 
   nb::class_<FetchQueue>(m, "FetchQueue",
                          "One C++ worker thread running fetches (and read-aheads) in submission order.")
-      .def(nb::init<>())
+      .def(nb::init<bool>(), nb::arg("background") = false,
+           "background: a read-ahead queue; its page reads give way to the reader's other reads (yield_depth).")
       .def("fetch", &submit_fetch, nb::arg("reader"), nb::arg("cache").none(), nb::arg("ids").noconvert(),
            nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
            nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("acc").noconvert(),

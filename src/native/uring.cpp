@@ -229,8 +229,11 @@ bool Ring::use_fixed_buffer(const StagingArea &area) {
 }
 
 size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, bool fixed_file,
-                 const StagingArea *fixed_buffer, int64_t stall_ns) {
+                 const StagingArea *fixed_buffer, int64_t stall_ns, const std::atomic<int> *yield_to,
+                 unsigned yield_depth) {
   depth = std::max(1u, std::min(depth, sq_entries_));
+  if (yield_depth == 0 || yield_depth >= depth) yield_to = nullptr;
+  yielded_ = 0;
   const bool fixed = fixed_file && use_fixed_file(fd);
   const bool fixed_buf = fixed_buffer && fixed_buffer->serial != 0 && use_fixed_buffer(*fixed_buffer);
   size_t n_fixed = 0;
@@ -245,7 +248,11 @@ size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait,
   int64_t progress_at = now_ns();  // when a read last completed (or the run began)
   while (done < n) {
     uint32_t tail = *sq_tail_;  // only this thread writes the SQ tail
-    while (next < n && queued + inflight < depth) {
+    // Giving way: a foreground read's pages would wait behind every read of ours already at the device.
+    const bool yielding = yield_to && yield_to->load(std::memory_order_relaxed) > 0;
+    const unsigned cap = yielding ? yield_depth : depth;
+    const size_t next_before = next;
+    while (next < n && queued + inflight < cap) {
       const unsigned idx = tail & sq_mask_;
       io_uring_sqe &s = sqes_[idx];
       std::memset(&s, 0, sizeof s);
@@ -268,6 +275,7 @@ size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait,
     }
     // Release: the SQEs and array slots are visible to the kernel before the tail that publishes them.
     __atomic_store_n(sq_tail_, tail, __ATOMIC_RELEASE);
+    if (yielding) yielded_ += next - next_before;
 
     const unsigned to_submit = wait_only ? 0 : queued;
     if (to_submit == 0 && inflight == 0) {

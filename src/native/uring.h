@@ -1,6 +1,7 @@
 // A minimal io_uring driven through raw syscalls: enough to keep a batch of positioned reads in flight.
 #pragma once
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -62,8 +63,13 @@ class Ring {
   // cancelled and every read not done gets kStalled; < 0 waits without a bound. A read the kernel neither completes
   // nor cancels within a second stall period retires the ring (retired()): it must not be used again.
   // Returns how many reads went out as READ_FIXED.
+  // yield_to: while it is > 0 (another caller's reads are in flight on this file), keep at most yield_depth reads in
+  // flight instead of depth, so that theirs do not queue behind ours at the device. Returns the reads offered while
+  // yielding in yielded().
   size_t run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true, bool fixed_file = false,
-             const StagingArea *fixed_buffer = nullptr, int64_t stall_ns = -1);
+             const StagingArea *fixed_buffer = nullptr, int64_t stall_ns = -1,
+             const std::atomic<int> *yield_to = nullptr, unsigned yield_depth = 0);
+  size_t yielded() const { return yielded_; }
 
   bool retired() const { return retired_; }
 
@@ -92,6 +98,7 @@ class Ring {
   unsigned sq_entries_ = 0;
   bool timed_waits_ = false;  // IORING_FEAT_EXT_ARG: io_uring_enter takes a timeout
   bool retired_ = false;      // a read outlived its cancellation: the kernel may still hold a dst
+  size_t yielded_ = 0;        // the last run's reads offered while it gave way
   void *sq_map_ = nullptr, *cq_map_ = nullptr, *sqe_map_ = nullptr;
   size_t sq_map_bytes_ = 0, cq_map_bytes_ = 0, sqe_map_bytes_ = 0;
   // Ring fields shared with the kernel (pointers into the mappings).

@@ -38,6 +38,7 @@ from tiergram.bench.serve_config import (
     BUSY,
     COLD,
     DEFAULT_PLACEMENTS,
+    GREEDY,
     NOWAIT,
     PLACEMENTS,
     PLAIN,
@@ -145,6 +146,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 extra_args=("--no-prompt-rows-first",) if placement.endswith(NOWAIT) else
                 ("--engine-process",) if placement.endswith(PROCESS) else
                 ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
+                ("--no-read-ahead-yield",) if placement.endswith(GREEDY) else
                 ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
                 hot_rows=cfg.hot_rows and not placement.endswith(COLD)))
             procs[placement] = server.proc.pid

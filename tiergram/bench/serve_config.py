@@ -51,6 +51,9 @@ class SweepConfig:
     compare_engine_process: bool = False
     # also serve the first file placement with --no-fixed-buffers (plain page reads), labelled <label>-plain
     compare_fixed_buffers: bool = False
+    # also serve the first file placement with --no-read-ahead-yield (its read-ahead never gives way to a step's
+    # reads at the disk), labelled <label>-greedy
+    compare_read_ahead_yield: bool = False
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
@@ -103,8 +106,14 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_fixed_buffers needs the file placement")
             out.insert(out.index(first) + 1, first + PLAIN)
-        if self.compare_hot_rows:
+        if self.compare_read_ahead_yield:
             first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN))), None)
+            if first is None:
+                raise ValueError("compare_read_ahead_yield needs the file placement")
+            out.insert(out.index(first) + 1, first + GREEDY)
+        if self.compare_hot_rows:
+            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN, GREEDY))),
+                         None)
             if (first is None and "mooncake" not in out) or not self.hot_rows:
                 raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
             for label in (first, "mooncake"):
@@ -128,6 +137,7 @@ PROCESS = "-process"  # the label suffix of a server whose engine runs in a proc
 PLAIN = "-plain"  # the label suffix of a file server that reads pages without registered buffers
 COLD = "-cold"  # the label suffix of a file or mooncake server that starts with an empty cache (no hot-rows preload)
 BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
+GREEDY = "-greedy"  # the label suffix of a file server whose read-ahead never gives way to a step's reads
 
 
 def file_label(fraction: float) -> str:
@@ -135,7 +145,8 @@ def file_label(fraction: float) -> str:
     return f"file-{100 * fraction:g}%"
 
 
-COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY)  # the suffixes of a server compared with the one it is named after
+# the suffixes of a server compared with the one it is named after
+COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY)
 
 
 def base_label(label: str) -> str:

@@ -49,6 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-fixed-buffers", dest="fixed_buffers", action="store_false",
                    help="read the file placement's pages plainly instead of into io_uring-registered staging "
                         "buffers (READ_FIXED saves the kernel pinning each page; docs/benchmarks.md)")
+    g.add_argument("--no-read-ahead-yield", dest="read_ahead_yields", action="store_false",
+                   help="let the file placement's read-ahead keep its whole queue depth at the disk while a step's "
+                        "rows are read (by default it keeps 8 reads there meanwhile, so the step's reads do not queue "
+                        "behind it)")
     g.add_argument("--mooncake-busy-waits", dest="low_priority_waits", action="store_false",
                    help="let the mooncake placement's store calls wait on the caller's thread at normal priority "
                         "(Mooncake's client spins until a transfer completes; by default it spins at the lowest "
@@ -81,6 +85,7 @@ def engine_config(args: argparse.Namespace):
     placement = Placement(kind=args.placement, cache_bytes=args.cache_bytes, cache_policy=args.cache_policy,
                           codec=args.codec, master=args.mooncake_master if args.placement == "mooncake" else "",
                           fixed_buffers=getattr(args, "fixed_buffers", True),
+                          read_ahead_yields=getattr(args, "read_ahead_yields", True),
                           low_priority_waits=getattr(args, "low_priority_waits", True))
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,

@@ -55,13 +55,15 @@ class TieredTable(ManifestGeometry):
     else (mmap, other tiers) through the Python reference path; 'python' forces the reference path, 'native'
     refuses a table it cannot serve natively. fixed_buffers: the native pipeline reads pages into io_uring-registered
     staging buffers (READ_FIXED; the kernel pins each buffer once rather than per read); False reads plainly.
+    read_ahead_yields: while a fetch's pages are being read, the native read-ahead keeps only a few reads at the device
+    (`PageReader.yield_depth`) so the fetch's reads do not queue behind its own; False: it keeps its whole depth.
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
                  file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
                  remote_options: dict | None = None, host_memory_bytes: int | None = None,
-                 pipeline: str = "auto", fixed_buffers: bool = True) -> None:
+                 pipeline: str = "auto", fixed_buffers: bool = True, read_ahead_yields: bool = True) -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
         if pipeline not in PIPELINES:
@@ -89,7 +91,7 @@ class TieredTable(ManifestGeometry):
             self.tier: HostTier | FileTier = HostTier(self.table, shared=shared, progress=progress)
         elif tier == "file":
             self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend,
-                                 fixed_buffers=fixed_buffers)
+                                 fixed_buffers=fixed_buffers, read_ahead_yields=read_ahead_yields)
         elif remote is not None:
             self.tier = remote  # the FileTier interface: check_ids, read_rows, gather, close
         else:
@@ -117,7 +119,8 @@ class TieredTable(ManifestGeometry):
             # prefetches and read-aheads run on C++ threads of their own (read-aheads never queue in front of a
             # step's fetch); tickets wait on them without the GIL
             self._queue = _native.FetchQueue()
-            self._warm_queue = _native.FetchQueue() if self.cache is not None else None
+            # the read-ahead queue gives way to fetches at the device (PageReader.yield_depth)
+            self._warm_queue = _native.FetchQueue(background=True) if self.cache is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
