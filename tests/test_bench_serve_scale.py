@@ -50,6 +50,28 @@ def test_checks_compare_every_file_server_with_host():
     assert "peak RSS GiB" in sv.to_markdown(res)
 
 
+def test_throughput_ratios_pair_the_rounds():
+    """A round's placements run back to back: the check is the median of the ratios within a round, not the ratio
+    of two medians that may come from different rounds (here a slow third round for both)."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"))
+    servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    host, file = point("host", 1, 100.0), point("file", 1, 90.0)
+    host.throughput_rounds, file.throughput_rounds = [100.0, 110.0, 60.0], [97.0, 108.0, 59.0]
+    unequal = point("file", 2, 50.0)
+    unequal.throughput_rounds = [50.0]
+    host2 = point("host", 2, 100.0)
+    host2.throughput_rounds = [100.0, 100.0]
+    res = sv.SweepResult(cfg, "test", [host, file, host2, unequal], {}, servers, {}, 1.0)
+    ck = sv.checks(res)["file_vs_host"]
+    assert ck["ratios"] == {1: pytest.approx(108 / 110), 2: pytest.approx(0.5)}  # 2: no pairs, the fields' ratio
+    assert ck["median_ratios"] == {1: pytest.approx(0.9), 2: pytest.approx(0.5)}
+    assert ck["round_ratios"][1] == [0.97, pytest.approx(0.9818, abs=1e-4), pytest.approx(0.9833, abs=1e-4)]
+    assert ck["round_ratios"][2] == [] and ck["passed"] is False
+    res.checks = sv.checks(res)
+    assert "c=1 0.97/0.98/0.98 (medians' ratio 0.900)" in sv.checks_text(res)
+
+
 def test_file_big_is_set_against_the_disk_limit_measured_on_its_own_tables(monkeypatch):
     """The volume serves recently read extents faster than cold ones: file-big's share of the disk is taken against
     the limit measured on the big model's tables, the others' against their own model's."""

@@ -11,9 +11,18 @@ from tiergram.bench.common import save_figure
 from tiergram.bench.serve_stats import SweepResult
 
 
+def rounds_text(check: dict) -> str:
+    """A check's ratio in each round and the ratio of the medians, per concurrency."""
+    rounds, medians = check.get("round_ratios", {}), check.get("median_ratios", {})
+    return "; ".join(f"c={c} " + "/".join(f"{x:.2f}" for x in rs) + (f" (medians' ratio {medians[c]:.3f})"
+                                                                      if c in medians else "")
+                     for c, rs in rounds.items() if rs) or "no rounds recorded"
+
+
 def checks_text(res: SweepResult) -> str:
     """The acceptance checks in words, with the measured ratios."""
-    ck, lines = res.checks, ["acceptance checks (ratios of throughput measured in this run):"]
+    ck, lines = res.checks, ["acceptance checks (ratios of throughput measured in this run; at each concurrency the "
+                             "median over rounds of the ratio within a round):"]
 
     def rs(r: dict[int, float]) -> str:
         return ", ".join(f"c={c} {v:.3f}" for c, v in r.items()) or "no common concurrency"
@@ -23,6 +32,7 @@ def checks_text(res: SweepResult) -> str:
         note = " (the device budget binds: compared where both ran)" if h["memory_binds"] else ""
         lines.append(f"  host >= {h['target']:.0%} of resident (device) at every concurrency{note}: "
                      f"{'PASS' if h['passed'] else 'FAIL'} [{rs(h['ratios'])}]")
+        lines.append(f"    round by round: {rounds_text(h)}")
     if "budget" in ck:
         b = ck["budget"]
         if b["binds"]:
@@ -44,6 +54,7 @@ def checks_text(res: SweepResult) -> str:
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
         limit = (f"the disk's limit (QD128, O_DIRECT), pages/s: {disk} the sweep" if disk else
                  "no disk limit (O_DIRECT refused: the reads went through the page cache)")
+        lines.append(f"    round by round: {rounds_text(f)}")
         lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
         lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
         if f.get("disk_share_needed"):
