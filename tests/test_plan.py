@@ -467,26 +467,25 @@ def test_sweep_placement_names() -> None:
         sweep_placement("mooncake", cfg)
 
 
-def test_calibrate_serve_costs_takes_each_level_at_the_fits_speed(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The HTTP phase on a real server: two passes (up, then down the levels); each level's step ratio is scaled
-    by the fit's CPU speed over the level's (the probes before and after it); the curve is the passes' median."""
+def test_calibrate_serve_costs_measures_each_level_in_two_passes(tmp_path: Path) -> None:
+    """The HTTP phase on a real server: two passes (up, then down the levels); each level's step ratio is the
+    server's mean step over the engine's alone, the curve the median of the passes."""
     from test_server import make_tiny_model
 
     from tiergram.plan.calibrate import serve_costs
 
     model_dir = make_tiny_model(tmp_path / "m")
-    probes = iter([10.0, 30.0, 10.0, 30.0, 10.0])  # levels in order c=1, c=2, c=2, c=1: 20 ms each
-    monkeypatch.setattr("tiergram.bench.common.cpu_speed_ms", lambda seconds=1.0: next(probes))
     srv = serve_costs(str(model_dir), concurrencies=(1, 2), input_len=8, output_len=4, requests_per_user=1,
-                      engine_step=lambda tokens, seqs: 1e-3, fit_speed_ms=10.0, probe_s=0.01)
-    assert srv["level_speed_ms"] == {1: [20.0, 20.0], 2: [20.0, 20.0]}
-    for c in (1, 2):
-        assert len(srv["server_step_raw"][c]) == 2 and min(srv["server_step_raw"][c]) > 0
-        assert srv["server_step_passes"][c] == pytest.approx([x / 2 for x in srv["server_step_raw"][c]], abs=2e-3)
+                      engine_step=lambda tokens, seqs: 1e-3)
+    assert set(srv["server_step_passes"]) == {1, 2}
+    for c, ratio in srv["server_step_curve"]:
+        passes = srv["server_step_passes"][c]
+        assert len(passes) == 2 and min(passes) > 0 and ratio == pytest.approx(sum(passes) / 2, abs=2e-3)
     assert [c for c, _ in srv["server_step_curve"]] == [1, 2] and len(srv["gaps_s"]) == 2
     assert srv["request_overhead_s"] >= 0 and srv["per_seq_http_s"] >= 0
-    assert next(probes, None) is None  # one probe before the first level and one after every level
+    without = serve_costs(str(model_dir), concurrencies=(1,), input_len=8, output_len=4, requests_per_user=1,
+                          passes=1)
+    assert without["server_step_curve"] == [] and len(without["gaps_s"]) == 1  # no engine step: no curve
 
 
 def test_calibrate_times_large_tables_with_the_host_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

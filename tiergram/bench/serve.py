@@ -5,9 +5,11 @@ and a closed loop of `c` streaming HTTP clients (httpx, async) runs at c = 1, 2,
 limit (max_num_seqs, or the sequences the K/V budget holds). Each point runs 2c warm-up requests, then 3
 rounds of 4c measured ones; in each round the placements take turns (in rotating order) on the same requests,
 and a point's throughput is its median round, so a drift of this machine's speed (other jobs, a throttled
-disk) cannot favour the placement measured first. Input and output lengths are drawn uniformly from [0.8 L,
-L]; prompts and outputs are replayed from held-out real text (the corpus's test split, or the Python stdlib's
-source), the output forced token by token from the trace, so every placement serves the same tokens.
+disk) cannot favour the placement measured first; a check's ratio of two placements is the median over rounds
+of their ratio within a round, where the machine's speed in that round cancels. Input and output lengths are
+drawn uniformly from [0.8 L, L]; prompts and outputs are replayed from held-out real text (the corpus's test
+split, or the Python stdlib's source), the output forced token by token from the trace, so every placement
+serves the same tokens.
 
 Per point: TTFT, inter-token latency (ITL) and end-to-end latency p50/p90/p99 as the client sees them,
 interactivity (tokens/s per user = 1000 / ITL ms; `interactivity_p90` = 1000 / ITL p90), total throughput

@@ -116,7 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="measured requests per point and round: this x concurrency")
     sv.add_argument("--warmup-per-user", type=int, default=2, help="warm-up requests per point = this x concurrency")
     sv.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds per point: the placements take turns on the same requests")
+                    help="interleaved rounds per point: the placements take turns on the same requests; a "
+                         "check's ratio is the median of the ratios within a round")
     sv.add_argument("--device-memory", type=_size, default=None,
                     help="device memory budget of every server, e.g. 64M (a small one makes resident tables bind)")
     sv.add_argument("--cache-fraction", type=float, default=0.10,

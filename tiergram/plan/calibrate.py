@@ -108,8 +108,7 @@ SERVE_CONCURRENCIES = (1, 2, 4, 8, 16)
 
 def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
                 output_len: int = 32, requests_per_user: int = 4, passes: int = 2,
-                engine_step: Callable[[float, float], float] | None = None, fit_speed_ms: float | None = None,
-                probe_s: float = 1.0) -> dict[str, Any]:
+                engine_step: Callable[[float, float], float] | None = None) -> dict[str, Any]:
     """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
 
     A real `tiergram serve` (host placement) and the closed-loop streaming client of `bench serve` on held-out
@@ -123,17 +122,15 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     `engine_step(tokens, sequences)`: the engine's own step seconds (the fit above); the server's mean step over
     it at each concurrency is `server_step_curve`: the server's steps run beside its HTTP loop on the same cores
     (measured on 2 cores, alternating server and in-process engine on the same requests at c = 2 and 4:
-    1.35-1.45x with torch's 2 threads, 1.1-1.15x with one; about 1.0 at c = 1). With `fit_speed_ms` (the CPU
-    speed probe around the fit) each level's ratio is taken at the fit's speed: times the fit's probe over the
-    mean of the probes before and after the level (one level measured in a slow minute read 1.33 at c = 1 where
-    the level's probe said the machine ran 1.27x slower than at the fit); the curve is the median over passes.
+    1.35-1.45x with torch's 2 threads, 1.1-1.15x with one; about 1.0 at c = 1); the curve is the median over
+    passes. (Scaling each level by the CPU speed probe around it over the probe around the fit was tried: the two
+    passes then agreed less, mean |log ratio| 0.13 against 0.08 as measured, and the validation moved 23 -> 22/30.)
     """
     import asyncio
 
     import httpx
 
     from tiergram.bench import serve as sweep
-    from tiergram.bench.common import cpu_speed_ms
     from tiergram.model.checkpoint import load_tokenizer_of
     from tiergram.plan.model import Workload, steps_per_request
 
@@ -147,11 +144,8 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     wl = Workload(input_len=(lo_in + input_len) / 2, output_len=(lo_out + output_len) / 2)
     gaps: list[tuple[int, float, float]] = []
     ratios: dict[int, list[float]] = {c: [] for c in concurrencies}
-    raw: dict[int, list[float]] = {c: [] for c in concurrencies}
-    speeds: dict[int, list[float]] = {c: [] for c in concurrencies}
     with sweep.ServerProcess(cfg, "host", 0, max_waiting=256) as server:
         model = httpx.get(f"{server.url}/health", timeout=30).json()["model"]
-        speed = cpu_speed_ms(probe_s) if fit_speed_ms else None
         for k in range(passes):
             for c in (concurrencies if k % 2 == 0 else concurrencies[::-1]):
                 asyncio.run(sweep.closed_loop(server.url, model, trace.take(c), c))  # warm-up
@@ -164,26 +158,15 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
                                                                          "tiergram_engine_computed_tokens_total"))
                 # c users each wait out the engine's idle time: per request, idle x c / requests
                 gaps.append((c, steps_per_request(wl, c), max(0.0, wall - busy) * c / max(1, len(timings))))
-                if engine_step is None or steps <= 0:
-                    continue
-                r = busy / steps / engine_step(tokens / steps, float(c))
-                raw[c].append(r)
-                if speed is not None and fit_speed_ms:
-                    speed_after = cpu_speed_ms(probe_s)
-                    level = (speed + speed_after) / 2
-                    speeds[c].append(level)
-                    r *= fit_speed_ms / level
-                    speed = speed_after
-                ratios[c].append(r)
+                if engine_step is not None and steps > 0:
+                    ratios[c].append(busy / steps / engine_step(tokens / steps, float(c)))
     # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
     a = np.array([[1.0, s * c] for c, s, _ in gaps])
     coef = _nonneg_lstsq(a, np.array([g for _, _, g in gaps]))
     return {"request_overhead_s": float(coef[0]), "per_seq_http_s": float(coef[1]),
             "gaps_s": [round(float(np.median([g for cc, _, g in gaps if cc == c])), 5) for c in concurrencies],
             "server_step_curve": [[c, round(float(np.median(ratios[c])), 3)] for c in concurrencies if ratios[c]],
-            "server_step_passes": {c: [round(x, 3) for x in ratios[c]] for c in concurrencies if ratios[c]},
-            "server_step_raw": {c: [round(x, 3) for x in raw[c]] for c in concurrencies if raw[c]},
-            "level_speed_ms": {c: [round(x, 3) for x in speeds[c]] for c in concurrencies if speeds[c]}}
+            "server_step_passes": {c: [round(x, 3) for x in ratios[c]] for c in concurrencies if ratios[c]}}
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -382,19 +365,14 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
             return own
 
         srv = serve_costs(model_dir, input_len=min(128, max_seq // 2), output_len=min(32, max_seq // 4),
-                          engine_step=engine_step, fit_speed_ms=(speed[0] + speed[1]) / 2, probe_s=probe_s)
+                          engine_step=engine_step)
         _log(progress, f"      {srv['request_overhead_s'] * 1e3:.1f} ms per request, "
                        f"{srv['per_seq_http_s'] * 1e6:.0f} us per sequence per step on top of the engine (the "
                        "engine's idle time per request: " + ", ".join(f"{1e3 * g:.1f}" for g in srv["gaps_s"])
                        + " ms)")
-        _log(progress, "      the server's steps over the engine's alone, at the fit's speed (median of the passes): "
-             + ", ".join(f"{r:.2f} at c = {c}" for c, r in srv["server_step_curve"]))
-        def slash(xs: list[float]) -> str:
-            return "/".join(f"{x:.2f}" for x in xs)
-
-        _log(progress, "      each pass at the fit's speed / as measured / the level's speed probe (ms): " + "; ".join(
-            f"c = {c} {slash(xs)} / {slash(srv['server_step_raw'][c])} / {slash(srv['level_speed_ms'].get(c, []))}"
-            for c, xs in srv["server_step_passes"].items()))
+        _log(progress, "      the server's steps over the engine's alone (median of the passes): " + ", ".join(
+            f"{r:.2f} at c = {c} ({'/'.join(f'{x:.2f}' for x in srv['server_step_passes'][c])})"
+            for c, r in srv["server_step_curve"]))
         speed.append(cpu_speed_ms(probe_s))
     _log(progress, "CPU speed probe around the measurements: " + ", ".join(f"{x:.2f}" for x in speed) + " ms")
     if max(speed) > SPEED_SPREAD * min(speed):
@@ -437,8 +415,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
         "server_step_curve": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
-                             f"(the fit above) at c = {levels}, each level taken at the fit's CPU speed (probes "
-                             "around the fit and the level), the median of two passes (interpolated in log c)"
+                             f"(the fit above) at c = {levels}, the median of two passes up and down the levels "
+                             "(interpolated in log c)"
                              if serve else "not measured (calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
