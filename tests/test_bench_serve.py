@@ -91,6 +91,7 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
         else:
             assert p["file_first_read_share"] is None
         assert p["cpu_ms_per_token"] > 0  # the server's process_cpu_seconds_total moved
+        assert p["prompt_rows_timeouts"] <= p["prompt_rows_waits"] and p["prompt_rows_wait_s"] >= 0
         assert p["cpu_speed_ms"] > 0 and len(p["cpu_speed_rounds"]) == 2  # the speed probes beside its rounds
         by_thread = p["cpu_ms_per_token_by_thread"]
         assert "tiergram-engine" in by_thread  # the step thread (and torch's workers it started)
@@ -118,7 +119,10 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
         return {"tiergram_engram_cache_probes_total": probes, "tiergram_engram_cache_hits_total": hits,
                 'tiergram_engram_bytes_read_total{tier="file"}': file_bytes, "process_cpu_seconds_total": cpu,
                 "tiergram_engram_pages_read_total": file_bytes / 4096,
-                "tiergram_engram_pages_first_read_total": file_bytes / 4096 / 5}  # a fifth of them first reads
+                "tiergram_engram_pages_first_read_total": file_bytes / 4096 / 5,  # a fifth of them first reads
+                "tiergram_engine_prompt_rows_waits_total": probes / 100,
+                "tiergram_engine_prompt_rows_wait_seconds_total": probes / 1000,
+                "tiergram_engine_prompt_rows_timeouts_total": float(probes > 100)}
 
     zero = metrics(0, 0, 0)
     rounds = [Round(timings(4, 20, 5), 1.0, zero, metrics(100, 30, 4096 * 10, cpu=0.6), 9.0),  # 100 tok/s
@@ -134,6 +138,7 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     assert p.itl_p90_ms == pytest.approx(2.0) and p.ttft_p50_ms == pytest.approx(10.0)
     assert p.cpu_ms_per_token == pytest.approx(1e3 * 0.6 / 300)  # CPU over every round's 3 x 100 tokens
     assert p.cpu_speed_rounds == [9.0, 7.0, 12.0] and p.cpu_speed_ms == 9.0  # the rounds' speed probes, median
+    assert (p.prompt_rows_waits, p.prompt_rows_timeouts) == (4, 1) and p.prompt_rows_wait_s == pytest.approx(0.4)
     assert summarize("file", 4, [Round(timings(4, 20, 5), 1.0, zero, zero)]).cpu_speed_ms is None  # no probe
 
 

@@ -562,6 +562,8 @@ def test_a_new_prompt_joins_once_its_rows_are_read(model_dir):
         for out in eng.step():  # b's rows are in: it joins this step beside a's decode
             got[out.request_id] += out.new_token_ids
         assert eng.scheduler.last[0] == ("a", 1, False) and eng.scheduler.last[1][:2] == ("b", len(b))
+        m = eng.metrics()  # b waited for its rows (counted once), and they were in before it joined
+        assert (m.prompt_rows_waits, m.prompt_rows_timeouts) == (1, 0) and m.prompt_rows_wait_s > 0
         # a's decode token may miss; b's 20 prompt positions hit the cache
         assert all(s.stats()["misses"] - before[layer] <= s.num_heads for layer, s in eng.sources.items())
         for rid, outs in drain(eng).items():
@@ -588,6 +590,8 @@ def test_a_waiting_prompt_holds_back_no_one(model_dir, monkeypatch):
             order += [rid for rid, _, _ in eng.scheduler.last]
             steps += 1
         assert order == ["a", "a", "b", "b", "b"]  # a decoded on while b waited; b came once its wait was over
+        m = eng.metrics()  # b joined with a read-ahead still unfinished: a timeout
+        assert (m.prompt_rows_waits, m.prompt_rows_timeouts) == (1, 1) and m.prompt_rows_wait_s >= 0.2
         assert steps < 10  # the empty steps while b waited blocked on its rows instead of spinning
     assert got == {"a": expected(model_dir, [a], 3)[0][1:], "b": expected(model_dir, [b], 3)[0]}
 

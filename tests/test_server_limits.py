@@ -232,6 +232,8 @@ def test_metrics_keep_every_name(url):
     assert not set(METRIC_NAMES) - names, sorted(set(METRIC_NAMES) - names)
     assert "tiergram_engine_faults_total" in names and "process_resident_memory_bytes" in names
     assert "tiergram_engram_pages_stalled_total" in names
+    assert {"tiergram_engine_prompt_rows_waits_total", "tiergram_engine_prompt_rows_wait_seconds_total",
+            "tiergram_engine_prompt_rows_timeouts_total"} <= names
     assert not any(n.endswith("_created") for n in names)
 
 

@@ -53,6 +53,11 @@ class Point:
     # (None: no probes)
     cpu_speed_rounds: list[float] = field(default_factory=list)
     cpu_speed_ms: float | None = None
+    # prompts that waited for their read-ahead rows before joining (prompt_rows_first), the seconds they waited in
+    # all, and how many joined with rows still being read after the longest wait
+    prompt_rows_waits: int = 0
+    prompt_rows_wait_s: float = 0.0
+    prompt_rows_timeouts: int = 0
 
 
 @dataclass
@@ -131,7 +136,10 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0},
                  file_first_read_share=first,
                  cpu_speed_rounds=[round(x, 3) for x in speeds],
-                 cpu_speed_ms=round(float(np.median(speeds)), 3) if speeds else None)
+                 cpu_speed_ms=round(float(np.median(speeds)), 3) if speeds else None,
+                 prompt_rows_waits=int(total("tiergram_engine_prompt_rows_waits_total")),
+                 prompt_rows_wait_s=total("tiergram_engine_prompt_rows_wait_seconds_total"),
+                 prompt_rows_timeouts=int(total("tiergram_engine_prompt_rows_timeouts_total")))
 
 
 def pareto(points: list[Point]) -> list[Point]:

@@ -199,9 +199,16 @@ class LLMEngine:
 
     def _rows_ready(self, seq: Sequence) -> bool:
         """(Under the lock) whether a waiting sequence's read-ahead rows are in, or it has waited long enough."""
-        if seq.rows_pending and (all(t.done() for t in seq.rows_pending)
-                                 or time.perf_counter() - seq.rows_since > PROMPT_ROWS_MAX_WAIT_S):
+        if not seq.rows_pending:
+            return True
+        waited = time.perf_counter() - seq.rows_since
+        ready = all(t.done() for t in seq.rows_pending)
+        if ready or waited > PROMPT_ROWS_MAX_WAIT_S:
             seq.rows_pending = []
+            st = self._stats
+            st.prompt_rows_waits += 1
+            st.prompt_rows_wait_s += waited
+            st.prompt_rows_timeouts += not ready
         return not seq.rows_pending
 
     def abort_request(self, request_id: str) -> None:

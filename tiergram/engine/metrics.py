@@ -23,6 +23,12 @@ class EngineMetrics:
     # the part of exposed_stall_s in steps that computed prompt tokens (prefill chunks), and how many such steps
     prefill_stall_s: float = 0.0
     prefill_steps: int = 0
+    # prompt_rows_first: prompts that waited for their read-ahead rows before joining the batch, the seconds they
+    # waited (from arrival to the rows in or the wait given up), and how many joined with rows still being read
+    # (waited PROMPT_ROWS_MAX_WAIT_S: their step reads what is missing, a prefill stall)
+    prompt_rows_waits: int = 0
+    prompt_rows_wait_s: float = 0.0
+    prompt_rows_timeouts: int = 0
     last_step_stall_s: float = 0.0
     step_time_s: float = 0.0  # total wall time inside step() that ran the model
     last_step_time_s: float = 0.0

@@ -152,6 +152,11 @@ def engine_metrics(m: Any) -> Iterator[Any]:
          "tokens.", m.prefill_stall_s),
         ("tiergram_engine_prefill_steps", "Engine steps that computed prompt tokens (prefill chunks).",
          m.prefill_steps),
+        ("tiergram_engine_prompt_rows_waits", "Prompts that waited for their read-ahead rows before joining the "
+         "batch (prompt_rows_first).", m.prompt_rows_waits),
+        ("tiergram_engine_prompt_rows_wait_seconds", "The time those prompts waited.", m.prompt_rows_wait_s),
+        ("tiergram_engine_prompt_rows_timeouts", "Prompts that joined with rows still being read, after waiting the "
+         "longest a prompt waits.", m.prompt_rows_timeouts),
         ("tiergram_engine_step_seconds", "Wall time inside steps that ran the model.", m.step_time_s),
         ("tiergram_engine_computed_tokens", "Tokens run through the model (recomputation included).",
          m.computed_tokens),
