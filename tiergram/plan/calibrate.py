@@ -124,7 +124,8 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     (measured on 2 cores, alternating server and in-process engine on the same requests at c = 2 and 4:
     1.35-1.45x with torch's 2 threads, 1.1-1.15x with one; about 1.0 at c = 1); the curve is the median over
     passes. (Scaling each level by the CPU speed probe around it over the probe around the fit was tried: the two
-    passes then agreed less, mean |log ratio| 0.13 against 0.08 as measured, and the validation moved 23 -> 22/30.)
+    passes then agreed less, mean |log ratio| 0.13 against 0.08 as measured, and pair h validated 22/30 within
+    ±15% with it against 23/30 without.)
     """
     import asyncio
 
