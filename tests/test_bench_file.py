@@ -82,8 +82,25 @@ def test_file_bench_text(bench_home, capsys):
     for needle in ("limit: native reader QD8", "python threads os.preadv x3", "tiergram lookup, uniform",
                    "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads",
                    "(QD8, registered file)", "one step's rows, prefetch, 2 tables",
-                   "uniform native +10% cache / no cache:", "x CPU per row (median of the rounds' ratios: "):
+                   "uniform native +10% cache / no cache:", "x CPU per row (median of the rounds' ratios: ",
+                   "x CPU per page read, i.e. per miss (median of the rounds' ratios: "):
         assert needle in out, needle
+
+
+def test_cached_reader_starts_with_a_full_cache(bench_home):
+    """The cache reader measures a serving cache's state: full before its first segment, so every miss evicts."""
+    cfg = file_lookup.FileLookupBenchConfig(heads=3, dim=64, rows_per_head=2000, positions=4)
+    table = file_lookup.bench_file_table(cfg, progress=False)
+    reader = file_lookup.TiergramLookup(table, cfg, "uniform", seed=3, cache_rows=600)
+    try:
+        cache = reader.store.cache
+        assert cache.capacity == 600 and len(cache) == 600
+        before = reader.store.stats()
+        seg = reader.segment(0.2)
+        after = reader.store.stats()
+        assert seg.pages > 0 and after["cache"]["evicted"] > before["cache"]["evicted"]
+    finally:
+        reader.close()
 
 
 def test_bench_table_is_valid_and_reused(bench_home):

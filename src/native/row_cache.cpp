@@ -486,6 +486,8 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
       if (found[i] < 0 && seen.insert(keys[i]).second) fresh.push_back(i);
   }
   const size_t n_free = std::min<size_t>(fresh.size(), capacity_ - next_free_);
+  const uint64_t first_free = next_free_;
+  int64_t entered_lru = -1;  // LRU: how many of the call's keys are resident at its end, counted on the way
   for (size_t k = 0; k < n_free; ++k) {
     if (k + 8 < n_free) prefetch_bucket(keys[fresh[k + 8]]);
     const int64_t slot = static_cast<int64_t>(next_free_++);
@@ -509,6 +511,11 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
         victim_keys.push_back(slot_key_[v]);
       }
     counters_.rejected += rest - victims.size();
+    // a victim that was a free slot this call filled evicts one of the call's own keys (the walk reaches those
+    // only when the cache holds fewer slots than the call has keys); no other of the call's keys is a victim
+    entered_lru = static_cast<int64_t>(n_free + victims.size());
+    for (const int64_t v : victims)
+      entered_lru -= static_cast<uint64_t>(v) >= first_free && static_cast<uint64_t>(v) < first_free + n_free;
     // A large cache's index and slots are DRAM: the buckets and row of replacement j are requested kAhead steps
     // before it runs. (No helper lambda: GCC 12 -O3 emitted none of the prefetches of the one this loop had.)
     constexpr size_t kAhead = 16;
@@ -538,10 +545,14 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
     }
   }
   uint64_t entered = 0;  // a key placed early in the call may have been a later key's victim
-  std::vector<int64_t> fresh_keys(fresh.size());
-  for (size_t k = 0; k < fresh.size(); ++k) fresh_keys[k] = keys[fresh[k]];
-  find_all(fresh_keys.data(), fresh_keys.size(), found.data());
-  for (size_t k = 0; k < fresh.size(); ++k) entered += found[k] >= 0;
+  if (entered_lru >= 0 || policy_ == Policy::kLRU) {
+    entered = entered_lru >= 0 ? static_cast<uint64_t>(entered_lru) : n_free;
+  } else {
+    std::vector<int64_t> fresh_keys(fresh.size());
+    for (size_t k = 0; k < fresh.size(); ++k) fresh_keys[k] = keys[fresh[k]];
+    find_all(fresh_keys.data(), fresh_keys.size(), found.data());
+    for (size_t k = 0; k < fresh.size(); ++k) entered += found[k] >= 0;
+  }
   counters_.admitted += entered;
   return entered;
 }

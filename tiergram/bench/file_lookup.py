@@ -10,9 +10,11 @@ All in one run, on one table file in the bench cache folder (a few GiB, created 
 - mmap: the same lookups through `file_mode="mmap"` (MADV_RANDOM), on pages not touched before in the run,
   after dropping the file from the page cache: the baseline of engines that map the file;
 - pipelines: the tiergram readers run through the native fetch pipeline (the default) and the Python reference
-  pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache (cold: the cache
-  fills as the run goes, almost every row a miss): what the cache costs a miss; and the headline readers once
-  more without io_uring-registered staging buffers (`fixed_buffers=False`): what READ_FIXED saves per page;
+  pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache, full from the start
+  (preloaded with the first rows of every head) so that every call evicts as a serving cache does, and uniform
+  ids hit it at about the cache fraction: what the cache costs a miss (CPU per page: each read page is a miss)
+  and what it saves a row; and the headline readers once more without io_uring-registered staging buffers
+  (`fixed_buffers=False`): what READ_FIXED saves per page;
 - layers: a step's uniform rows prefetched from one table in one call, and from two tables (the same file opened
   twice) in one call each, half the positions each — what the engine does with two Engram layers;
 - all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
@@ -332,7 +334,8 @@ class PythonThreads:
 class TiergramLookup:
     """TieredTable.lookup from the file (O_DIRECT): pages from its own stats, rows as served.
 
-    `cache_rows` > 0 adds an LRU cache; `fresh` draws new ids every call (a cold cache stays cold: no batch repeats).
+    `cache_rows` > 0 adds an LRU cache, filled before the first segment with the first cache_rows / heads rows of
+    every head (a full cache: every call's misses evict), which uniform ids hit at about cache_rows / rows.
     """
 
     def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int, pipeline: str = "auto",
@@ -346,6 +349,9 @@ class TiergramLookup:
         self.batches = self.draw()
         self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
         self.calls = 0
+        if cache_rows:
+            per_head = min(cache_rows // cfg.heads, int(np.min(table.head_rows)))
+            self.store.preload(np.repeat(np.arange(per_head, dtype=np.int64)[:, None], cfg.heads, axis=1))
         self.store.lookup(self.batches[-1], out=self.out)  # warm-up (first-call allocations)
 
     def segment(self, seconds: float) -> Segment:
@@ -676,6 +682,12 @@ def to_json(res: FileLookupBenchResult) -> str:
     return json.dumps(to_dict(res), indent=2)
 
 
+def _paired_ratio(d: dict, base: dict, name: str) -> float:
+    """The median over rounds of d's figure `name` over base's in the same round (NaN without rounds)."""
+    ratios = [a / b for a, b in zip(d.get(f"{name}_rounds", []), base.get(f"{name}_rounds", []), strict=False)]
+    return float(np.median(ratios)) if ratios else float("nan")
+
+
 def to_text(res: FileLookupBenchResult) -> str:
     """Pages/s and rows/s of every reader, the ratios, and whether each target is met."""
     c, t = res.config, res.table
@@ -709,11 +721,12 @@ def to_text(res: FileLookupBenchResult) -> str:
         base = res.tiergram.get(k.split()[0] if k.split()[1] == c.pipelines[0] else " ".join(k.split()[:2]))
         if base:
             # the two readers' segments of one round ran seconds apart: a round's ratio cancels the machine's drift
-            paired = np.median([a / b for a, b in zip(d.get("cpu_us_per_row_rounds", []),
-                                                      base.get("cpu_us_per_row_rounds", []), strict=False)] or [np.nan])
+            row_r, page_r = (_paired_ratio(d, base, name) for name in ("cpu_us_per_row", "cpu_us_per_page"))
             lines.append(f"{k} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
                          f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row (median of the rounds' "
-                         f"ratios: {paired:.2f}x)")
+                         f"ratios: {row_r:.2f}x), {d['cpu_us_per_page'] / base['cpu_us_per_page']:.2f}x CPU per "
+                         f"page read, i.e. per miss (median of the rounds' ratios: {page_r:.2f}x); "
+                         f"{d['pages_per_call'] / base['pages_per_call']:.2f}x pages per call")
     for dist in c.dists:
         fixed, plain = res.tiergram.get(dist), res.tiergram.get(f"{dist} plain buffers")
         if fixed and plain:
