@@ -183,3 +183,41 @@ def test_thread_cpu_seconds_names_each_threads_time():
     t.join()
     assert 0.09 <= got[key] < 5  # clock ticks of 10 ms
     assert sum(got.values()) >= got[key]
+
+
+def _rounds_sweep(file_rounds: dict[int, list[float]]) -> sv.SweepResult:
+    """host at 100 tok/s in every round; file's rounds as given (ratios to host)."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"))
+    servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    points = []
+    for c, rounds in file_rounds.items():
+        host, file = point("host", c, 100.0), point("file", c, 100.0 * sorted(rounds)[len(rounds) // 2])
+        host.throughput_rounds, file.throughput_rounds = [100.0] * len(rounds), [100.0 * r for r in rounds]
+        points += [host, file]
+    return sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0)
+
+
+def test_a_shortfall_within_the_rounds_noise_is_not_called_a_failure():
+    """A median under the target by less than two standard errors of the rounds (the spread pooled over the
+    points) is "within noise"; well under it, "fail"; the strict median test stays in `passed`."""
+    noisy = _rounds_sweep({1: [0.80, 1.00, 1.20], 2: [0.85, 0.88, 1.05], 4: [1.0, 1.0, 1.0]})
+    ck = sv.checks(noisy)["file_vs_host"]
+    assert ck["passed"] is False and ck["verdict"] == "within noise"
+    assert ck["within_noise"] == [2] and ck["below"] == []
+    assert ck["sigma_log"] == pytest.approx(0.134, abs=0.002)
+    assert ck["rounds_to_resolve"] == 7  # (2 x 0.134 / -ln 0.9)^2 = 6.5
+    noisy.checks = sv.checks(noisy)
+    text = sv.checks_text(noisy)
+    assert ">= 90% of host at every concurrency: WITHIN NOISE" in text
+    assert "below the target within that: c=2 (about 7 rounds would resolve the 10% margin)" in text
+
+    short = _rounds_sweep({1: [0.80, 1.00, 1.20], 2: [0.50, 0.52, 0.51], 4: [1.0, 1.0, 1.0]})
+    ck = sv.checks(short)["file_vs_host"]
+    assert ck["verdict"] == "fail" and ck["below"] == [2] and ck["within_noise"] == []
+
+    steady = _rounds_sweep({1: [0.95, 0.97, 0.99], 2: [0.93, 0.95, 0.97]})
+    assert sv.checks(steady)["file_vs_host"]["verdict"] == "pass"
+    single = _rounds_sweep({1: [0.85], 2: [0.95]})  # one round each: no noise estimate, the medians decide
+    ck = sv.checks(single)["file_vs_host"]
+    assert ck["sigma_log"] is None and ck["verdict"] == "fail"

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from tiergram.bench.common import save_figure
 from tiergram.bench.serve_stats import SweepResult
 
@@ -17,6 +19,27 @@ def rounds_text(check: dict) -> str:
     return "; ".join(f"c={c} " + "/".join(f"{x:.2f}" for x in rs) + (f" (medians' ratio {medians[c]:.3f})"
                                                                       if c in medians else "")
                      for c, rs in rounds.items() if rs) or "no rounds recorded"
+
+
+def verdict_text(check: dict) -> str:
+    """PASS / FAIL / WITHIN NOISE, as the check's resolution decided (PASS / FAIL by the medians without one)."""
+    return check.get("verdict", "pass" if check["passed"] else "fail").upper()
+
+
+def noise_text(check: dict) -> str:
+    """How far this run's rounds resolve the check's ratio, and which points missed the target within that."""
+    sigma = check.get("sigma_log")
+    if sigma is None:
+        return "no point has two rounds: no noise estimate (the verdict is the medians')"
+    n = max((len(r) for r in check.get("round_ratios", {}).values()), default=1)
+    text = (f"one round's ratio spreads sigma {sigma:.3f} (log, pooled over the points), so a point of {n} rounds "
+            f"resolves about +-{100 * (np.exp(2 * sigma / np.sqrt(n)) - 1):.0f}% (two standard errors)")
+    if check.get("within_noise"):
+        text += (f"; below the target within that: {', '.join(f'c={c}' for c in check['within_noise'])} (about "
+                 f"{check['rounds_to_resolve']} rounds would resolve the {1 - check['target']:.0%} margin)")
+    if check.get("below"):
+        text += f"; below it by more: {', '.join(f'c={c}' for c in check['below'])}"
+    return text
 
 
 def checks_text(res: SweepResult) -> str:
@@ -31,8 +54,9 @@ def checks_text(res: SweepResult) -> str:
         h = ck["host_vs_device"]
         note = " (the device budget binds: compared where both ran)" if h["memory_binds"] else ""
         lines.append(f"  host >= {h['target']:.0%} of resident (device) at every concurrency{note}: "
-                     f"{'PASS' if h['passed'] else 'FAIL'} [{rs(h['ratios'])}]")
+                     f"{verdict_text(h)} [{rs(h['ratios'])}]")
         lines.append(f"    round by round: {rounds_text(h)}")
+        lines.append(f"    noise: {noise_text(h)}")
     if "budget" in ck:
         b = ck["budget"]
         if b["binds"]:
@@ -48,13 +72,14 @@ def checks_text(res: SweepResult) -> str:
         label = key.removesuffix("_vs_host")
         size = f" on {f['table_bytes'] / 2**30:.1f} GiB tables" if f.get("table_bytes") else ""
         lines.append(f"  {label}{size} (host cache {f['cache_fraction']:.1%} of the tables, {f['cache_bytes']} B per "
-                     f"layer) >= {f['target']:.0%} of host at every concurrency: {'PASS' if f['passed'] else 'FAIL'} "
+                     f"layer) >= {f['target']:.0%} of host at every concurrency: {verdict_text(f)} "
                      f"[{rs(f['ratios'])}]")
         reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
         limit = (f"the disk's limit (QD128, O_DIRECT), pages/s: {disk} the sweep" if disk else
                  "no disk limit (O_DIRECT refused: the reads went through the page cache)")
         lines.append(f"    round by round: {rounds_text(f)}")
+        lines.append(f"    noise: {noise_text(f)}")
         lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
         lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
         if f.get("disk_share_needed"):

@@ -191,6 +191,35 @@ def _spread(res: SweepResult, num: str, den: str) -> dict[str, Any]:
                               if b[c].throughput_tok_s}}
 
 
+def resolution(res: SweepResult, num: str, den: str, target: float) -> dict[str, Any]:
+    """How well the rounds resolve num / den against `target`, and the verdict that follows.
+
+    One round's log ratio spreads sigma (pooled over the check's points: a point has only a few rounds); a point's
+    mean over its n rounds has standard error sigma / sqrt(n). A point whose median misses the target is "below"
+    when its mean lies more than two standard errors under the target, else "within noise". Verdict: "pass" when
+    every median meets the target, "fail" when a point is below, else "within noise"; "pass"/"fail" by the medians
+    alone when no point has two rounds."""
+    a, b = _by_c(res, num), _by_c(res, den)
+    logs = {c: np.log(r) for c in sorted(set(a) & set(b)) if (r := round_ratios(a[c], b[c])) and min(r) > 0}
+    medians = _ratios(res, num, den)
+    df = sum(len(v) - 1 for v in logs.values())
+    short = [c for c, r in medians.items() if r < target]
+    out: dict[str, Any] = {"sigma_log": None, "below": [], "within_noise": []}
+    if df == 0:
+        out["verdict"] = "fail" if short or not medians else "pass"
+        return out
+    sigma = float(np.sqrt(sum(((v - v.mean()) ** 2).sum() for v in logs.values()) / df))
+    out["sigma_log"] = sigma
+    for c in short:
+        se = sigma / np.sqrt(len(logs[c])) if c in logs else 0.0
+        below = c not in logs or logs[c].mean() + 2 * se < np.log(target)
+        out["below" if below else "within_noise"].append(c)
+    # rounds at which two standard errors shrink to the target's margin under 1 (a ratio of 1 then resolves)
+    out["rounds_to_resolve"] = int(np.ceil((2 * sigma / -np.log(target)) ** 2)) if target < 1 else None
+    out["verdict"] = "pass" if not short and medians else "fail" if out["below"] else "within noise"
+    return out
+
+
 def checks(res: SweepResult) -> dict[str, Any]:
     """The acceptance checks, as measured ratios (no check is run without both of its placements)."""
     out: dict[str, Any] = {}
@@ -199,6 +228,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
         r = _ratios(res, "host", "device")
         out["host_vs_device"] = {"ratios": r, "target": HOST_TARGET, **_spread(res, "host", "device"),
                                  "passed": bool(r) and min(r.values()) >= HOST_TARGET,
+                                 **resolution(res, "host", "device", HOST_TARGET),
                                  "memory_binds": limits["device"] < limits["host"]}
         offloaded = [p.throughput_tok_s for p in res.points if p.placement == "host"]
         resident = [p.throughput_tok_s for p in res.points if p.placement == "device"]
@@ -214,7 +244,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
         target = FILE_TARGET if label != "file-big" else BIG_TARGET
         out[_check_key(label)] = {
             "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target,
-            **_spread(res, label, "host"),
+            **_spread(res, label, "host"), **resolution(res, label, "host", target),
             "cache_fraction": _fraction(res, label),
             "cache_bytes": res.servers[label]["cache_bytes"],
             "file_mode": res.servers[label].get("file_mode"),  # buffered: O_DIRECT refused, reads via the page cache
