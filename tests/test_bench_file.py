@@ -70,6 +70,9 @@ def test_file_bench_json(bench_home, capsys):
     for name, target in (("vs_limit", 0.85), ("vs_python_threads", 2.0)):
         t = obj["targets"][name]
         assert t["target"] == target and t["met"] == (t["value"] >= target) and t["value"] == obj[name]
+    # what the disk allows: its best limit over the Python threads' pages/s (no queue depth >= 32 here: the best)
+    assert obj["targets"]["vs_python_threads"]["reachable"] == pytest.approx(
+        max(obj["limit_pages_per_s"].values()) / obj["python_threads_pages_per_s"])
     table = obj["table"]
     assert table["path"].startswith(str(bench_home)) and table["rows"] == 6000
     assert "tiled" in table["provenance"]["init"]
