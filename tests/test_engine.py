@@ -3,7 +3,6 @@ prefill, mixed steps, preemption, abort), budget arithmetic, replay, queue bound
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -511,9 +510,6 @@ def test_bad_input_is_refused(model_dir):
         engine(model_dir, {0: "host", 1: "host", 5: "host"})
     with pytest.raises(ValueError, match="max_seq 64"):
         engine(model_dir, max_model_len=65)
-    for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="prompt_rows_part must be an integer >= 0"):
-            EngineConfig(str(model_dir), "host", prompt_rows_part=bad)
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(str(model_dir), "host", block_size=0)
 
@@ -586,7 +582,7 @@ def test_a_waiting_prompt_holds_back_no_one(model_dir, monkeypatch):
         eng.add_request("a", a, SamplingParams(max_tokens=3, ignore_eos=True))
         eng.step()
         eng.add_request("b", b, SamplingParams(max_tokens=3, ignore_eos=True))
-        eng._seqs["b"].rows_pending.insert(0, (len(b), [_NeverDone()]))  # a read-ahead that does not finish
+        eng._seqs["b"].rows_pending.append(_NeverDone())  # a read-ahead that does not finish
         order, got, steps = [], {"a": [], "b": []}, 0
         while eng.has_unfinished():
             for out in eng.step():
@@ -598,59 +594,6 @@ def test_a_waiting_prompt_holds_back_no_one(model_dir, monkeypatch):
         assert (m.prompt_rows_waits, m.prompt_rows_timeouts) == (1, 1) and m.prompt_rows_wait_s >= 0.2
         assert steps < 10  # the empty steps while b waited blocked on its rows instead of spinning
     assert got == {"a": expected(model_dir, [a], 3)[0][1:], "b": expected(model_dir, [b], 3)[0]}
-
-
-def test_a_prompt_read_in_parts_prefills_as_far_as_its_rows_are_read(model_dir):
-    """prompt_rows_part: a new prompt's first chunk is read in parts; it joins once the first part's rows are in,
-    each step prefills it only up to the parts read so far (it sits a step out when the next part is not in), and
-    the tokens are the model's own."""
-    a, b = prompts_of(6, 20, seed=23)
-    cfg = dict(prompt_rows_part=8)
-    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=1 << 20), **cfg) as eng:
-        eng.add_request("a", a, SamplingParams(max_tokens=12, ignore_eos=True))
-        got = {"a": [t for o in eng.step() for t in o.new_token_ids], "b": []}
-        eng.add_request("b", b, SamplingParams(max_tokens=3, ignore_eos=True))
-        seq = eng._seqs["b"]
-        assert [end for end, _ in seq.rows_pending] == [8, 16, 20] and seq.warmed_to == 20
-        for source in eng.sources.values():
-            source.drain_warm()
-        second, third = _Gate(), _Gate()  # the last two parts finish when the test says so
-        seq.rows_pending = [seq.rows_pending[0], (16, [second]), (20, [third])]
-
-        def step() -> list[tuple[str, int]]:
-            for out in eng.step():
-                got[out.request_id] += out.new_token_ids
-            return [(rid, n) for rid, n, _ in eng.scheduler.last]
-
-        assert step() == [("a", 1), ("b", 8)]  # joined with its first part
-        assert step() == [("a", 1)]  # its second part is not in: b sits this step out
-        second.finish()
-        assert step() == [("a", 1), ("b", 8)]
-        third.finish()
-        assert step() == [("a", 1), ("b", 4)]  # the rest of the prompt; b samples its first token
-        assert got["b"] and seq.rows_pending == []
-        m = eng.metrics()  # one wait, counted when b joined
-        assert (m.prompt_rows_waits, m.prompt_rows_timeouts) == (1, 0)
-        for rid, outs in drain(eng).items():
-            got[rid] += [t for o in outs for t in o.new_token_ids]
-    assert [got["a"], got["b"]] == [expected(model_dir, [a], 12)[0], expected(model_dir, [b], 3)[0]]
-
-
-class _Gate:
-    """A read-ahead ticket that finishes when told to."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-
-    def finish(self) -> None:
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self._done.wait(timeout):
-            raise TimeoutError
 
 
 class _NeverDone:

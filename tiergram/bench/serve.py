@@ -42,7 +42,6 @@ from tiergram.bench.serve_config import (
     DEFAULT_PLACEMENTS,
     GREEDY,
     NOWAIT,
-    PARTS,
     PLACEMENTS,
     PLAIN,
     PROCESS,
@@ -150,7 +149,6 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 ("--engine-process",) if placement.endswith(PROCESS) else
                 ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
                 ("--no-read-ahead-yield",) if placement.endswith(GREEDY) else
-                ("--prompt-rows-part", str(cfg.compare_prompt_rows_part)) if placement.endswith(PARTS) else
                 ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
                 hot_rows=cfg.hot_rows and not placement.endswith(COLD)))
             procs[placement] = server.proc.pid

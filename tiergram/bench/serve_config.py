@@ -54,9 +54,6 @@ class SweepConfig:
     # also serve the first file placement with --no-read-ahead-yield (its read-ahead never gives way to a step's
     # reads at the disk), labelled <label>-greedy
     compare_read_ahead_yield: bool = False
-    # > 0: also serve the first file placement with --prompt-rows-part N (a new prompt joins once the first N
-    # tokens' rows are read, and prefills as far as its rows are), labelled <label>-parts
-    compare_prompt_rows_part: int = 0
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
@@ -79,9 +76,6 @@ class SweepConfig:
         if self.warmup_per_user < 0 or self.torch_threads < 0:
             raise ValueError(f"warmup_per_user and torch_threads must be >= 0, got {self.warmup_per_user}, "
                              f"{self.torch_threads}")
-        if self.compare_prompt_rows_part < 0:
-            raise ValueError(f"compare_prompt_rows_part must be >= 0 (0: no comparison), got "
-                             f"{self.compare_prompt_rows_part}")
         if not 0 < self.cache_fraction <= 1:
             raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
         if self.cache_fractions is not None:
@@ -117,15 +111,9 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_read_ahead_yield needs the file placement")
             out.insert(out.index(first) + 1, first + GREEDY)
-        if self.compare_prompt_rows_part:
+        if self.compare_hot_rows:
             first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN, GREEDY))),
                          None)
-            if first is None:
-                raise ValueError("compare_prompt_rows_part needs the file placement")
-            out.insert(out.index(first) + 1, first + PARTS)
-        if self.compare_hot_rows:
-            first = next((lb for lb in out if kind_of(lb) == "file"
-                          and not lb.endswith((NOWAIT, PLAIN, GREEDY, PARTS))), None)
             if (first is None and "mooncake" not in out) or not self.hot_rows:
                 raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
             for label in (first, "mooncake"):
@@ -150,7 +138,6 @@ PLAIN = "-plain"  # the label suffix of a file server that reads pages without r
 COLD = "-cold"  # the label suffix of a file or mooncake server that starts with an empty cache (no hot-rows preload)
 BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
 GREEDY = "-greedy"  # the label suffix of a file server whose read-ahead never gives way to a step's reads
-PARTS = "-parts"  # the label suffix of a file server that reads a new prompt's rows in parts (prompt_rows_part)
 
 
 def file_label(fraction: float) -> str:
@@ -159,7 +146,7 @@ def file_label(fraction: float) -> str:
 
 
 # the suffixes of a server compared with the one it is named after
-COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, PARTS)
+COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY)
 
 
 def base_label(label: str) -> str:

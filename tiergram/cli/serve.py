@@ -40,10 +40,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prompt-rows-first", dest="prompt_rows_first", action="store_false",
                    help="let a new prompt join the batch at once instead of once its rows are read into the cache "
                         "(then running sequences' steps wait for those reads)")
-    g.add_argument("--prompt-rows-part", type=int, default=0, metavar="TOKENS",
-                   help="read a new prompt's first chunk in parts of this many tokens: it joins the batch once the "
-                        "first part's rows are in, and each step prefills it as far as its rows are read (default 0: "
-                        "one part, the whole chunk)")
     g.add_argument("--no-early-decode-reads", dest="early_decode_reads", action="store_false",
                    help="read a decode step's rows from the step's entry instead of as soon as the step before "
                         "sampled its tokens")
@@ -96,7 +92,6 @@ def engine_config(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, max_waiting=args.max_waiting, read_ahead=args.read_ahead,
                         prompt_rows_first=getattr(args, "prompt_rows_first", True),
-                        prompt_rows_part=getattr(args, "prompt_rows_part", 0),
                         early_decode_reads=getattr(args, "early_decode_reads", True),
                         host_memory_bytes=getattr(args, "host_memory", None),
                         hot_rows=getattr(args, "hot_rows", None))

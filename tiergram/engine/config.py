@@ -169,9 +169,6 @@ class EngineConfig:
     # with read_ahead: a new prompt joins the batch only once its first chunk's rows are in the cache (read while
     # other sequences decode), so its compulsory reads do not stall their steps; alone it starts at once
     prompt_rows_first: bool = True
-    # with prompt_rows_first: the first chunk is read in parts of this many tokens, in order; the prompt joins once
-    # the first part's rows are in, and each step prefills it only as far as its rows are (0: one part)
-    prompt_rows_part: int = 0
     # with read_ahead: as soon as a step samples, read the rows of each going-on sequence's next decode position
     # (known from its new token) in front of the next step's prefetch, while outputs are handed out and the next
     # step is scheduled, instead of from that step's entry
@@ -194,10 +191,6 @@ class EngineConfig:
         self.degrade = DegradePolicy.from_any(self.degrade)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive_int(name, getattr(self, name))
-        if isinstance(self.prompt_rows_part, bool) or int(self.prompt_rows_part) != self.prompt_rows_part \
-                or self.prompt_rows_part < 0:
-            raise ValueError(f"EngineConfig.prompt_rows_part must be an integer >= 0 (0: one part), got "
-                             f"{self.prompt_rows_part!r}")
         if isinstance(self.max_waiting, bool) or int(self.max_waiting) != self.max_waiting or self.max_waiting < 0:
             raise ValueError(f"EngineConfig.max_waiting must be an integer >= 0, got {self.max_waiting!r}")
         for name in ("max_model_len", "num_kv_blocks"):

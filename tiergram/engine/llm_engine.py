@@ -96,7 +96,7 @@ class LLMEngine:
         self._early_decode_reads = config.early_decode_reads
         self._rows_first = self._read_ahead and config.prompt_rows_first
         # read_ahead()'s tickets by first-chunk tokens, claimed by the add_request of that prompt
-        self._ahead: dict[tuple[int, ...], list[tuple[int, list[Any]]]] = {}
+        self._ahead: dict[tuple[int, ...], list[Any]] = {}
 
     def _load(self, model_dir: Path, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
@@ -150,10 +150,10 @@ class LLMEngine:
             if self._rows_first and self._reading_ahead() and self._busy():
                 # others are decoding: read this prompt's first chunk now, and let it join once the rows are in
                 chunk = prompt[:self.config.max_num_batched_tokens]
-                parts = self._ahead.pop(tuple(chunk), None)
-                if parts is None:
-                    parts = self._warm_parts(chunk)
-                seq.rows_pending, seq.rows_since, seq.warmed_to = parts, time.perf_counter(), len(chunk)
+                tickets = self._ahead.pop(tuple(chunk), None)
+                if tickets is None:
+                    tickets = self.runner.warm([(chunk, 0, len(chunk))])
+                seq.rows_pending, seq.rows_since, seq.warmed_to = tickets, time.perf_counter(), len(chunk)
             self.scheduler.add(seq)
             self._stats.prompt_tokens += len(prompt)
             if self._reading_ahead() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
@@ -174,18 +174,12 @@ class LLMEngine:
             return  # bad input is add_request's to refuse, with the message it deserves
         if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
             chunk = ids[:self.config.max_num_batched_tokens]
-            parts = self._warm_parts(chunk)
+            tickets = self.runner.warm([(chunk, 0, len(chunk))])
             if self._rows_first:
                 with self._lock:  # add_request claims them (the rows are not read twice)
-                    self._ahead[tuple(chunk)] = parts
+                    self._ahead[tuple(chunk)] = tickets
                     while len(self._ahead) > AHEAD_KEPT:
                         del self._ahead[next(iter(self._ahead))]
-
-    def _warm_parts(self, chunk: list[int]) -> list[tuple[int, list[Any]]]:
-        """Start reading a prompt chunk's rows in parts of prompt_rows_part tokens, in order: [(end, tickets)]."""
-        step = self.config.prompt_rows_part or len(chunk)
-        return [(min(a + step, len(chunk)), self.runner.warm([(chunk, a, min(a + step, len(chunk)))]))
-                for a in range(0, len(chunk), step)]
 
     def _reading_ahead(self) -> bool:
         """Read-ahead is on and the degrade policy is at level 0: under stall pressure no speculative reads."""
@@ -203,25 +197,19 @@ class LLMEngine:
         """A step runs now or sequences are running: a new prompt's rows can be read while they compute."""
         return bool(self._inflight or self.scheduler.running)
 
-    def _rows_limit(self, seq: Sequence) -> int | None:
-        """(Under the lock) how many of a sequence's pending tokens have their read-ahead rows in: up to the first
-        part not yet read (None: no limit, every part is in or it has waited long enough). A prompt's wait is
-        counted once, when its first part is in (it may join) or it has waited long enough."""
+    def _rows_ready(self, seq: Sequence) -> bool:
+        """(Under the lock) whether a waiting sequence's read-ahead rows are in, or it has waited long enough."""
         if not seq.rows_pending:
-            return None
+            return True
         waited = time.perf_counter() - seq.rows_since
-        joined = seq.rows_ready_to > 0
-        while seq.rows_pending and all(t.done() for t in seq.rows_pending[0][1]):
-            seq.rows_ready_to = seq.rows_pending.pop(0)[0]
-        timed_out = waited > PROMPT_ROWS_MAX_WAIT_S
-        if timed_out:
+        ready = all(t.done() for t in seq.rows_pending)
+        if ready or waited > PROMPT_ROWS_MAX_WAIT_S:
             seq.rows_pending = []
-        if not joined and (seq.rows_ready_to > 0 or timed_out):
             st = self._stats
             st.prompt_rows_waits += 1
             st.prompt_rows_wait_s += waited
-            st.prompt_rows_timeouts += seq.rows_ready_to == 0
-        return seq.rows_ready_to - seq.num_computed if seq.rows_pending else None
+            st.prompt_rows_timeouts += not ready
+        return not seq.rows_pending
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort".
@@ -274,16 +262,13 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self._lock:
             outputs, self._aborted = self._aborted, []
-            batch = self.scheduler.schedule(self._rows_limit if self._rows_first else None)
+            batch = self.scheduler.schedule(self._rows_ready if self._rows_first else None)
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
             ahead = [(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)] \
                 if self._reading_ahead() and batch.seqs else []
-            # nothing runs and the next prompt rows are still being read (a running prefill's next part, or the first
-            # waiting prompt's first part): wait for them (outside the lock)
-            waiting = self.scheduler.waiting
-            head = next((s for s in [*self.scheduler.running, *([waiting[0]] if waiting else [])] if s.rows_pending),
-                        None) if not batch.seqs else None
-            pending = (list(head.rows_pending[0][1]), head.rows_since) if head is not None else ([], 0.0)
+            # nothing runs and the first waiting prompt's rows are still being read: wait for them (outside the lock)
+            head = self.scheduler.waiting[0] if not batch.seqs and self.scheduler.waiting else None
+            pending = (list(head.rows_pending), head.rows_since) if head is not None else ([], 0.0)
         if not batch.seqs:
             await_rows(*pending)
             return outputs

@@ -44,10 +44,9 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self, limit: Callable[[Sequence], int | None] | None = None) -> ScheduledBatch:
-        """Pick this step's sequences and token counts; allocates their KV blocks. `limit(seq)`: how many of a
-        sequence's pending tokens may be computed now (None: all). A running sequence limited to 0 sits this step
-        out; a waiting one keeps waiting, and those behind it with it (first come, first served)."""
+    def schedule(self, ready: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
+        """Pick this step's sequences and token counts; allocates their KV blocks. `ready(seq)`: whether a waiting
+        sequence may start now (False keeps it, and those behind it, waiting: first come, first served)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # running sequences: decodes (one pending token) first, then unfinished prefills, each in arrival order
@@ -56,11 +55,6 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             seq = queue[i]
             n = min(seq.num_pending, budget)
-            if limit is not None and seq.num_pending > 1 and (cap := limit(seq)) is not None and cap < n:
-                if cap <= 0:
-                    queue.pop(i)  # its next prompt tokens' rows are still being read: not this step
-                    continue
-                n = cap
             while not self.blocks.ensure(seq.block_table, seq.num_computed + n):
                 victim = max(queue[i:], key=lambda s: s.arrival)  # youngest not yet scheduled, maybe seq itself
                 queue.remove(victim)
@@ -75,11 +69,9 @@ class Scheduler:
         # new or resumed sequences, while budget, sequence slots and blocks last (none after a preemption)
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if ready is not None and not ready(seq):
+                break
             n = min(seq.num_pending, budget)
-            if limit is not None and (cap := limit(seq)) is not None:
-                if cap <= 0:
-                    break
-                n = min(n, cap)
             if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
                 break
             self.waiting.popleft()

@@ -47,13 +47,10 @@ class Sequence:
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # per Engram layer: short-conv lookback [W, 1, d]
     finish_reason: str | None = None
     warmed_to: int = 0  # prompt tokens before this have had their Engram rows read ahead into the caches
-    # read-aheads of its first prompt chunk still to finish, in prompt order: (end, tickets with done()) = the rows
-    # of the prompt tokens before `end` are in once these tickets are done. Until the first part is in, the
-    # scheduler leaves it waiting (a step running other sequences' decodes does not stall on this prompt's rows);
-    # after, each step prefills it only up to rows_ready_to
-    rows_pending: list[tuple[int, list[Any]]] = field(default_factory=list)
+    # read-aheads of its first prompt chunk still to finish (tickets with done()); while any is pending the scheduler
+    # leaves it waiting, so a step that runs other sequences' decodes does not stall on this prompt's rows
+    rows_pending: list[Any] = field(default_factory=list)
     rows_since: float = 0.0  # perf_counter() when rows_pending was set
-    rows_ready_to: int = 0  # prompt tokens before this have their read-ahead rows in (the parts done so far)
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +76,6 @@ class Sequence:
         self.conv = {}
         self.warmed_to = 0
         self.rows_pending = []
-        self.rows_ready_to = 0
 
     def output(self, new: list[int], error: str | None = None) -> RequestOutput:
         """This step's RequestOutput with the new tokens (and the error that ended it, if one did)."""
