@@ -70,7 +70,8 @@ def checks_text(res: SweepResult) -> str:
         if not key.endswith("_vs_host") or key == "host_vs_device":
             continue
         label = key.removesuffix("_vs_host")
-        size = f" on {f['table_bytes'] / 2**30:.1f} GiB tables" if f.get("table_bytes") else ""
+        tb = f.get("table_bytes") or 0
+        size = (f" on {tb / 2**30:.1f} GiB tables" if tb >= 2**30 else f" on {tb / 2**20:.1f} MiB tables") if tb else ""
         lines.append(f"  {label}{size} (host cache {f['cache_fraction']:.1%} of the tables, {f['cache_bytes']} B per "
                      f"layer) >= {f['target']:.0%} of host at every concurrency: {verdict_text(f)} "
                      f"[{rs(f['ratios'])}]")
