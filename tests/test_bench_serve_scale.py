@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tiergram.bench import serve as sv
@@ -221,3 +222,29 @@ def test_a_shortfall_within_the_rounds_noise_is_not_called_a_failure():
     single = _rounds_sweep({1: [0.85], 2: [0.95]})  # one round each: no noise estimate, the medians decide
     ck = sv.checks(single)["file_vs_host"]
     assert ck["sigma_log"] is None and ck["verdict"] == "fail"
+
+
+def test_pool_gathers_one_checks_rounds_over_runs(tmp_path, capsys):
+    """`tiergram bench pool`: a check's paired round ratios of several runs as one sample per concurrency, with
+    bootstrap intervals around its median and geometric mean; a run without the check is a clear error."""
+    from tiergram.bench.serve_stats import pool_rounds
+    from tiergram.cli import main
+
+    runs = [_rounds_sweep({1: [0.8, 1.0, 1.2], 2: [0.9, 0.9, 0.9]}), _rounds_sweep({1: [1.1, 0.9, 1.0]})]
+    paths = []
+    for i, res in enumerate(runs):
+        res.checks = sv.checks(res)
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(sv.to_json(res))
+    sweeps = [json.loads(p.read_text()) for p in paths]
+    pooled = pool_rounds(sweeps, "file_vs_host")
+    assert pooled[1]["rounds"] == 6 and pooled[1]["median"] == pytest.approx(1.0)
+    assert pooled[1]["median_lo"] <= pooled[1]["median"] <= pooled[1]["median_hi"]
+    assert pooled[1]["geomean"] == pytest.approx(float(np.exp(np.log([0.8, 1.0, 1.2, 1.1, 0.9, 1.0]).mean())))
+    assert pooled[2]["rounds"] == 3 and pooled[2]["median_lo"] == pooled[2]["median_hi"] == pytest.approx(0.9)
+    assert main(["bench", "pool", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "file_vs_host, paired round ratios pooled over 2 runs (target 0.9)" in out
+    assert "c=1     6 rounds  median 1.000" in out
+    assert main(["bench", "pool", str(paths[0]), "--check", "host_vs_device"]) == 1
+    assert "has no check 'host_vs_device' (it has: file_vs_host)" in capsys.readouterr().err

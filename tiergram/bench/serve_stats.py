@@ -220,6 +220,30 @@ def resolution(res: SweepResult, num: str, den: str, target: float) -> dict[str,
     return out
 
 
+def pool_rounds(sweeps: list[dict[str, Any]], check: str, *, resamples: int = 4000,
+                seed: int = 0) -> dict[int, dict[str, float]]:
+    """One check's paired round ratios pooled over several `bench serve` JSONs (runs of the same sweep): per
+    concurrency the rounds, their median and geometric mean, each with a bootstrap 95% interval (resampling
+    the rounds). A run without that check, or a point without rounds, adds nothing."""
+    pooled: dict[int, list[float]] = {}
+    for sweep in sweeps:
+        for c, ratios in (sweep.get("checks", {}).get(check, {}).get("round_ratios") or {}).items():
+            pooled.setdefault(int(c), []).extend(float(r) for r in ratios if r > 0)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for c in sorted(pooled):
+        v = np.asarray(pooled[c])
+        if not v.size:
+            continue
+        draws = v[rng.integers(0, v.size, (resamples, v.size))]
+        medians, means = np.median(draws, axis=1), np.exp(np.log(draws).mean(axis=1))
+        out[c] = {"rounds": int(v.size), "median": float(np.median(v)),
+                  "median_lo": float(np.percentile(medians, 2.5)), "median_hi": float(np.percentile(medians, 97.5)),
+                  "geomean": float(np.exp(np.log(v).mean())),
+                  "geomean_lo": float(np.percentile(means, 2.5)), "geomean_hi": float(np.percentile(means, 97.5))}
+    return out
+
+
 def checks(res: SweepResult) -> dict[str, Any]:
     """The acceptance checks, as measured ratios (no check is run without both of its placements)."""
     out: dict[str, Any] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tiergram.bench import cache, lookup
 from tiergram.cli.serve import CACHE_POLICIES
@@ -165,6 +166,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
     sv.add_argument("--json", action="store_true", help="print one JSON object")
     sv.set_defaults(func=cmd_serve)
+    po = bsub.add_parser("pool", help="one acceptance check's paired round ratios pooled over several `bench serve "
+                                      "--json` runs, with bootstrap 95%% intervals")
+    po.add_argument("sweeps", nargs="+", metavar="SWEEP_JSON", help="the JSON `tiergram bench serve --json` printed")
+    po.add_argument("--check", default="file_vs_host", help="the check's key in the JSON's checks (file_vs_host, "
+                    "host_vs_device, file-10%%_vs_host, ...)")
+    po.add_argument("--json", action="store_true", help="print one JSON object")
+    po.set_defaults(func=cmd_pool)
+
     sk = bsub.add_parser("soak", help="the server under fuzzing, hostile input, 2x overload, disconnects, storage "
                                       "faults and kill -9 (docs/serving.md, \"Limits and failure behaviour\")")
     sk.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=None,
@@ -313,6 +322,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tiergram: error: {e}", file=sys.stderr)
         return 1
     print(serve.to_json(res) if args.json else serve.to_text(res))
+    return 0
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from tiergram.bench.serve_stats import pool_rounds
+
+    sweeps, targets = [], set()
+    for path in args.sweeps:
+        try:
+            sweep = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            print(f"tiergram: error: {path}: not a readable bench serve JSON ({e})", file=sys.stderr)
+            return 1
+        check = sweep.get("checks", {}).get(args.check) if isinstance(sweep, dict) else None
+        if check is None:
+            known = ", ".join(sorted(sweep.get("checks", {}))) if isinstance(sweep, dict) else ""
+            print(f"tiergram: error: {path} has no check {args.check!r} (it has: {known or 'none'})", file=sys.stderr)
+            return 1
+        sweeps.append(sweep)
+        targets.add(check.get("target"))
+    pooled = pool_rounds(sweeps, args.check)
+    if args.json:
+        print(json.dumps({"check": args.check, "runs": args.sweeps, "target": min(t for t in targets if t),
+                          "points": pooled}, indent=2))
+        return 0
+    target = min((t for t in targets if t), default=None)
+    print(f"{args.check}, paired round ratios pooled over {len(sweeps)} runs" +
+          (f" (target {target:g})" if target else "") + ":")
+    for c, p in pooled.items():
+        print(f"  c={c:<3} {p['rounds']:>3} rounds  median {p['median']:.3f} [{p['median_lo']:.3f}, "
+              f"{p['median_hi']:.3f}]  geometric mean {p['geomean']:.3f} [{p['geomean_lo']:.3f}, "
+              f"{p['geomean_hi']:.3f}]  (bootstrap 95%)")
     return 0
 
 
