@@ -310,7 +310,7 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
     cache->admit_locked(staged_keys.data(), staged_keys.size(), staged_rows.data(), true);
     staged_keys.clear(), staged_rows.clear();
   };
-  auto read_and_admit = [&](std::vector<size_t> &which) {  // sorts `which` in place
+  auto read_and_stage = [&](std::vector<size_t> &which) {  // sorts `which` in place
     std::vector<std::pair<int64_t, size_t>> by_key(which.size());  // (key, u): sorted with the key in hand
     for (size_t j = 0; j < which.size(); ++j) by_key[j] = {uniq[which[j]], which[j]};
     std::sort(by_key.begin(), by_key.end());
@@ -337,7 +337,7 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
       if (!is_landing[u]) others.push_back(u);
   }
   std::vector<size_t> &own = landing.empty() ? miss_u : others;
-  if (!own.empty()) read_and_admit(own);
+  if (!own.empty()) read_and_stage(own);
   std::vector<uint8_t> kept;  // the first read's rows, copied when a second read would reuse their staging
   if (!landing.empty()) {
     // The read-ahead's reads ran beside this fetch's; what landed is pinned like a hit, the rest (its read failed
@@ -360,7 +360,7 @@ int64_t run_fetch(const FetchArgs &a, const std::atomic<bool> *cancel) {
         rows[own[j]] = kept.data() + j * row_bytes;
       }
       admit_staged();
-      read_and_admit(again);
+      read_and_stage(again);
     }
   }
   for (size_t u = 0; u < uniq.size(); ++u)
