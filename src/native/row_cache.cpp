@@ -545,7 +545,7 @@ uint64_t NativeRowCache::admit_locked(const int64_t *keys, size_t n, const uint8
     }
   }
   uint64_t entered = 0;  // a key placed early in the call may have been a later key's victim
-  if (entered_lru >= 0 || policy_ == Policy::kLRU) {
+  if (policy_ == Policy::kLRU) {  // counted above when it evicted; else only the free slots took keys
     entered = entered_lru >= 0 ? static_cast<uint64_t>(entered_lru) : n_free;
   } else {
     std::vector<int64_t> fresh_keys(fresh.size());

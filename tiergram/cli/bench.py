@@ -346,11 +346,10 @@ def cmd_pool(args: argparse.Namespace) -> int:
         sweeps.append(sweep)
         targets.add(check.get("target"))
     pooled = pool_rounds(sweeps, args.check)
-    if args.json:
-        print(json.dumps({"check": args.check, "runs": args.sweeps, "target": min(t for t in targets if t),
-                          "points": pooled}, indent=2))
-        return 0
     target = min((t for t in targets if t), default=None)
+    if args.json:
+        print(json.dumps({"check": args.check, "runs": args.sweeps, "target": target, "points": pooled}, indent=2))
+        return 0
     print(f"{args.check}, paired round ratios pooled over {len(sweeps)} runs" +
           (f" (target {target:g})" if target else "") + ":")
     for c, p in pooled.items():
