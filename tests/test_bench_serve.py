@@ -140,6 +140,20 @@ def test_summarize_takes_the_median_round_and_pools_the_rest():
     assert p.cpu_speed_rounds == [9.0, 7.0, 12.0] and p.cpu_speed_ms == 9.0  # the rounds' speed probes, median
     assert (p.prompt_rows_waits, p.prompt_rows_timeouts) == (4, 1) and p.prompt_rows_wait_s == pytest.approx(0.4)
     assert summarize("file", 4, [Round(timings(4, 20, 5), 1.0, zero, zero)]).cpu_speed_ms is None  # no probe
+    assert p.server_step_ms is None and p.steps_per_request is None  # no engine counters scraped
+
+
+def test_summarize_gives_the_servers_own_step_and_steps_per_request():
+    timing = Timing(0.01, [0.002] * 4, 0.05, 20, 5)
+    zero = {"tiergram_engine_steps_total": 0.0, "tiergram_engine_step_seconds_total": 0.0}
+    rounds = [Round([timing] * 4, 1.0, zero, {"tiergram_engine_steps_total": 30.0,
+                                              "tiergram_engine_step_seconds_total": 0.6}),
+              Round([timing] * 4, 2.0, zero, {"tiergram_engine_steps_total": 10.0,
+                                              "tiergram_engine_step_seconds_total": 1.4})]
+    p = summarize("host", 4, rounds)
+    assert p.server_step_ms == pytest.approx(1e3 * 2.0 / 40)  # seconds stepping over steps, both summed
+    assert p.steps_per_request == pytest.approx(40 / 8)
+    assert p.server_busy_share == pytest.approx(2.0 / 3.0, abs=1e-4)  # stepping over the rounds' wall time
 
 
 def test_page_cache_reads_get_no_disk_limit():

@@ -364,6 +364,27 @@ def test_validate_compares_point_by_point() -> None:
             assert r["hit_rate"] == pytest.approx(0.6) and r["hit_rate_source"] == "sweep (pages read per row)"
     assert res["summary"]["within_15pct"] == 9 and math.isclose(res["summary"]["max_abs_error"], 0.1)
     assert res["limits"]["device"]["measured"] == 4
+    assert res["summary"]["steps_compared"] == 0  # the sweep has no server counters: no step compared
+
+
+def test_validate_sets_the_servers_step_beside_the_predicted() -> None:
+    sweep = _sweep("unused", 1.0)
+    wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
+    for pt in sweep["points"]:  # the server stepped 1.5x the predicted step at c = 4, as predicted elsewhere
+        pl = Placement(pt["placement"], cache_fraction=0.1 if pt["placement"] == "file" else 0.0,
+                       hit_rate=0.6 if pt["placement"] == "file" else None)
+        p = predict_point(MODEL, CPU, wl, pl, pt["concurrency"])
+        pt["server_step_ms"] = p.step_s * 1e3 * (1.5 if pt["concurrency"] == 4 else 1.0)
+        pt["steps_per_request"] = 5.0
+    res = validate(sweep, MODEL, CPU)
+    for r in res["points"]:
+        assert r["measured_step_ms"] / r["predicted_step_ms"] == pytest.approx(1.5 if r["concurrency"] == 4 else 1.0,
+                                                                              rel=1e-3)  # ms to 3 decimals
+        assert r["predicted_steps_per_request"] == pytest.approx(4.5) and r["measured_steps_per_request"] == 5.0
+    s = res["summary"]
+    assert (s["steps_compared"], s["step_within_15pct"]) == (9, 6)
+    assert s["step_mean_abs_error"] == pytest.approx(3 * 0.5 / 9, rel=1e-3)
+    assert "step within 15% of the predicted step at 6/9 points" in validate_text(res)
 
 
 def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

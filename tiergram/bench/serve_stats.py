@@ -58,6 +58,11 @@ class Point:
     prompt_rows_waits: int = 0
     prompt_rows_wait_s: float = 0.0
     prompt_rows_timeouts: int = 0
+    # the server's engine over the rounds, from its own counters: its mean step (ms), the steps one request took
+    # (steps / requests), and the share of the rounds' wall time it spent stepping (None: no counters)
+    server_step_ms: float | None = None
+    steps_per_request: float | None = None
+    server_busy_share: float | None = None
 
 
 @dataclass
@@ -120,6 +125,7 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     pages = total("tiergram_engram_pages_read_total")
     first = total("tiergram_engram_pages_first_read_total") / pages if pages > 0 else None
     speeds = [r.speed_ms for r in rounds if r.speed_ms is not None]
+    steps, step_s = total("tiergram_engine_steps_total"), total("tiergram_engine_step_seconds_total")
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
                  throughput_tok_s=throughput, output_tok_s=throughput * out_share,
                  ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90), ttft_p99_ms=percentile(ttft, 99),
@@ -139,7 +145,10 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  cpu_speed_ms=round(float(np.median(speeds)), 3) if speeds else None,
                  prompt_rows_waits=int(total("tiergram_engine_prompt_rows_waits_total")),
                  prompt_rows_wait_s=total("tiergram_engine_prompt_rows_wait_seconds_total"),
-                 prompt_rows_timeouts=int(total("tiergram_engine_prompt_rows_timeouts_total")))
+                 prompt_rows_timeouts=int(total("tiergram_engine_prompt_rows_timeouts_total")),
+                 server_step_ms=round(1e3 * step_s / steps, 3) if steps > 0 else None,
+                 steps_per_request=round(steps / len(timings), 2) if steps > 0 and timings else None,
+                 server_busy_share=round(step_s / wall_s, 4) if steps > 0 and wall_s > 0 else None)
 
 
 def pareto(points: list[Point]) -> list[Point]:

@@ -18,6 +18,7 @@ from tiergram.plan.model import (
     Workload,
     predict_front,
     predict_point,
+    steps_per_request,
 )
 
 
@@ -138,6 +139,13 @@ class Compared:
     # of the file tier's page reads, the share its server read for the first time (the rest are re-reads, which a
     # cache under the disk serves at the spec's cache_pages_per_s); None where the sweep did not count them
     first_read_share: float | None = None
+    # the cycle's parts: the server's mean step and the steps a request took, predicted and (where the sweep has
+    # the server's own counters) measured; measured / predicted throughput is about their product's inverse, the
+    # rest is the time between steps (HTTP, prompt rows waited for)
+    predicted_step_ms: float = 0.0
+    measured_step_ms: float | None = None
+    predicted_steps_per_request: float = 0.0
+    measured_steps_per_request: float | None = None
 
 
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
@@ -327,7 +335,9 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                              binds(seen, p_disk, p_stall), p.interactivity,
                              float(inter) if inter is not None else None, p.hit_rate, source, runs,
                              binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
-                             None if first is None else round(float(first), 4)))
+                             None if first is None else round(float(first), 4), round(p.step_s * 1e3, 3),
+                             pt.get("server_step_ms"), round(steps_per_request(wl, p.concurrency), 2),
+                             pt.get("steps_per_request")))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -335,6 +345,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
+    stepped = [r for r in rows if r.measured_step_ms]
+    step_errs = [abs(r.measured_step_ms / r.predicted_step_ms - 1) for r in stepped if r.predicted_step_ms > 0]
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
             "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
@@ -342,7 +354,11 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
-                        "mean_abs_error": sum(errs) / len(errs) if errs else None}}
+                        "mean_abs_error": sum(errs) / len(errs) if errs else None,
+                        # the server's mean step against the predicted, where the sweep has its counters
+                        "steps_compared": len(step_errs),
+                        "step_within_15pct": sum(e <= 0.15 for e in step_errs),
+                        "step_mean_abs_error": sum(step_errs) / len(step_errs) if step_errs else None}}
 
 
 def validate_text(res: dict[str, Any]) -> str:
@@ -360,7 +376,7 @@ def validate_text(res: dict[str, Any]) -> str:
                      f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']} (measured "
                      f"{r['measured_binding']}: stall {r['stall_share']:.1%} "
                      f"[predicted {r['predicted_stall_share']:.1%}], "
-                     f"disk {r['disk_share']:.0%}){hit}")
+                     f"disk {r['disk_share']:.0%}){hit}{_cycle_text(r)}")
     for kind, lim in res["limits"].items():
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
@@ -378,4 +394,15 @@ def validate_text(res: dict[str, Any]) -> str:
     if s["points"]:
         lines.append(f"{s['within_15pct']}/{s['points']} points within 15%; mean |error| {s['mean_abs_error']:.1%}, "
                      f"max {s['max_abs_error']:.1%}; binding named as measured at {s['binding_named']}/{s['points']}")
+    if s.get("steps_compared"):
+        lines.append(f"the server's mean step within 15% of the predicted step at {s['step_within_15pct']}/"
+                     f"{s['steps_compared']} points (mean |error| {s['step_mean_abs_error']:.1%})")
     return "\n".join(lines)
+
+
+def _cycle_text(r: dict[str, Any]) -> str:
+    """' step M/P ms x M/P steps per request' (measured / predicted), where the sweep has the server's counters."""
+    if not r.get("measured_step_ms"):
+        return ""
+    return (f"; step {r['measured_step_ms']:.1f}/{r['predicted_step_ms']:.1f} ms x "
+            f"{r['measured_steps_per_request']:.1f}/{r['predicted_steps_per_request']:.1f} steps per request")
