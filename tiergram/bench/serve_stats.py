@@ -58,8 +58,9 @@ class Point:
     prompt_rows_waits: int = 0
     prompt_rows_wait_s: float = 0.0
     prompt_rows_timeouts: int = 0
-    # the server's engine over the rounds, from its own counters: its mean step (ms), the steps one request took
-    # (steps / requests), and the share of the rounds' wall time it spent stepping (None: no counters)
+    # the server's engine over the rounds, from its own counters: its mean step (ms), the steps a request lived
+    # through (steps x c / requests: c requests share each step), and the share of the rounds' wall time it spent
+    # stepping (None: no counters)
     server_step_ms: float | None = None
     steps_per_request: float | None = None
     server_busy_share: float | None = None
@@ -147,7 +148,7 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  prompt_rows_wait_s=total("tiergram_engine_prompt_rows_wait_seconds_total"),
                  prompt_rows_timeouts=int(total("tiergram_engine_prompt_rows_timeouts_total")),
                  server_step_ms=round(1e3 * step_s / steps, 3) if steps > 0 else None,
-                 steps_per_request=round(steps / len(timings), 2) if steps > 0 and timings else None,
+                 steps_per_request=round(steps * concurrency / len(timings), 2) if steps > 0 and timings else None,
                  server_busy_share=round(step_s / wall_s, 4) if steps > 0 and wall_s > 0 else None)
 
 
