@@ -2,7 +2,11 @@
 // all of it — bounds check, dedup, cache probe (hits pinned), one batched read of the missing pages (verified),
 // admission, gather + dequantise of hits and misses into the output, unpin, per-head counts.
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <deque>
@@ -12,7 +16,10 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cstdlib>
+#include <optional>
+#include <string>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -535,7 +542,15 @@ struct Orphans {
 class FetchQueue {
  public:
   // background: a read-ahead queue, whose page reads give way to the reader's foreground reads (fetches).
-  explicit FetchQueue(bool background = false) : background_(background) {}
+  // nice: the worker's CPU priority (setpriority on its own thread; 0 leaves it as created).
+  explicit FetchQueue(bool background = false, int nice = 0) : background_(background), nice_(nice) {
+    if (nice < -20 || nice > 19) throw std::invalid_argument("nice must be in -20..19, got " + std::to_string(nice));
+  }
+
+  // The worker's nice value once it started (kNotStarted before): what the kernel granted, which is the requested
+  // value unless raising the priority was refused (it needs CAP_SYS_NICE or RLIMIT_NICE).
+  static constexpr int kNotStarted = 100;
+  int worker_nice() const { return worker_nice_.load(); }
   ~FetchQueue() {
     shutdown(true);
     orphans_->reap();
@@ -601,6 +616,13 @@ class FetchQueue {
   void loop() {
     name_this_thread(background_ ? "tiergram-warm" : "tiergram-fetch");
     t_background = background_;
+    // A page read's completion must be reaped and the next read submitted promptly, or the disk's queue drains
+    // while the step's compute threads hold the cores; a refused change leaves the thread as it was.
+    const auto tid = static_cast<id_t>(syscall(SYS_gettid));
+    if (nice_ != 0) setpriority(PRIO_PROCESS, tid, nice_);
+    errno = 0;
+    const int got = getpriority(PRIO_PROCESS, tid);
+    worker_nice_.store(errno == 0 ? got : 0);
     for (;;) {
       std::shared_ptr<Job> job;
       {
@@ -642,6 +664,8 @@ class FetchQueue {
   }
 
   bool background_;
+  int nice_;
+  std::atomic<int> worker_nice_{kNotStarted};
   std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
   std::mutex mu_;
   std::condition_variable cv_;
@@ -824,8 +848,16 @@ void register_pipeline(nb::module_ &m) {
 
   nb::class_<FetchQueue>(m, "FetchQueue",
                          "One C++ worker thread running fetches (and read-aheads) in submission order.")
-      .def(nb::init<bool>(), nb::arg("background") = false,
-           "background: a read-ahead queue; its page reads give way to the reader's other reads (yield_depth).")
+      .def(nb::init<bool, int>(), nb::arg("background") = false, nb::arg("nice") = 0,
+           "background: a read-ahead queue; its page reads give way to the reader's other reads (yield_depth). "
+           "nice: its worker thread's CPU priority (-20..19; below 0 needs CAP_SYS_NICE or RLIMIT_NICE).")
+      .def_prop_ro(
+          "worker_nice",
+          [](const FetchQueue &q) -> std::optional<int> {
+            const int n = q.worker_nice();
+            return n == FetchQueue::kNotStarted ? std::nullopt : std::optional<int>(n);
+          },
+          "The worker thread's nice value as the kernel set it (None before its first job).")
       .def("fetch", &submit_fetch, nb::arg("reader"), nb::arg("cache").none(), nb::arg("ids").noconvert(),
            nb::arg("head_offsets").noconvert(), nb::arg("head_rows").noconvert(), nb::arg("rows_per_page"),
            nb::arg("codec"), nb::arg("dim"), nb::arg("out").noconvert(), nb::arg("acc").noconvert(),

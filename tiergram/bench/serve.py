@@ -41,6 +41,7 @@ from tiergram.bench.serve_config import (
     COLD,
     DEFAULT_PLACEMENTS,
     GREEDY,
+    NICE,
     NOWAIT,
     PLACEMENTS,
     PLAIN,
@@ -149,6 +150,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 ("--engine-process",) if placement.endswith(PROCESS) else
                 ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
                 ("--no-read-ahead-yield",) if placement.endswith(GREEDY) else
+                ("--read-nice", str(cfg.compare_read_nice)) if placement.endswith(NICE) else
                 ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
                 hot_rows=cfg.hot_rows and not placement.endswith(COLD)))
             procs[placement] = server.proc.pid

@@ -54,6 +54,8 @@ class SweepConfig:
     # also serve the first file placement with --no-read-ahead-yield (its read-ahead never gives way to a step's
     # reads at the disk), labelled <label>-greedy
     compare_read_ahead_yield: bool = False
+    # also serve the first file placement with --read-nice N (its page-read threads at nice N), labelled <label>-nice
+    compare_read_nice: int | None = None
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
@@ -111,8 +113,16 @@ class SweepConfig:
             if first is None:
                 raise ValueError("compare_read_ahead_yield needs the file placement")
             out.insert(out.index(first) + 1, first + GREEDY)
-        if self.compare_hot_rows:
+        if self.compare_read_nice is not None:
             first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN, GREEDY))),
+                         None)
+            if first is None:
+                raise ValueError("compare_read_nice needs the file placement")
+            if not -20 <= self.compare_read_nice <= 19:
+                raise ValueError(f"compare_read_nice must be in -20..19, got {self.compare_read_nice}")
+            out.insert(out.index(first) + 1, first + NICE)
+        if self.compare_hot_rows:
+            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN, GREEDY, NICE))),
                          None)
             if (first is None and "mooncake" not in out) or not self.hot_rows:
                 raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
@@ -138,6 +148,7 @@ PLAIN = "-plain"  # the label suffix of a file server that reads pages without r
 COLD = "-cold"  # the label suffix of a file or mooncake server that starts with an empty cache (no hot-rows preload)
 BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
 GREEDY = "-greedy"  # the label suffix of a file server whose read-ahead never gives way to a step's reads
+NICE = "-nice"  # the label suffix of a file server whose page-read threads run at compare_read_nice
 
 
 def file_label(fraction: float) -> str:
@@ -146,7 +157,7 @@ def file_label(fraction: float) -> str:
 
 
 # the suffixes of a server compared with the one it is named after
-COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY)
+COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE)
 
 
 def base_label(label: str) -> str:

@@ -53,6 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="let the file placement's read-ahead keep its whole queue depth at the disk while a step's "
                         "rows are read (by default it keeps 8 reads there meanwhile, so the step's reads do not queue "
                         "behind it)")
+    g.add_argument("--read-nice", type=int, default=0, metavar="N",
+                   help="run the file placement's page-read threads at nice N (-20..19; below 0 needs CAP_SYS_NICE): "
+                        "on a machine whose cores the step's compute fills, a read completion then gets a core at "
+                        "once and the disk's queue stays full (docs/serving.md)")
     g.add_argument("--mooncake-busy-waits", dest="low_priority_waits", action="store_false",
                    help="let the mooncake placement's store calls wait on the caller's thread at normal priority "
                         "(Mooncake's client spins until a transfer completes; by default it spins at the lowest "
@@ -86,6 +90,7 @@ def engine_config(args: argparse.Namespace):
                           codec=args.codec, master=args.mooncake_master if args.placement == "mooncake" else "",
                           fixed_buffers=getattr(args, "fixed_buffers", True),
                           read_ahead_yields=getattr(args, "read_ahead_yields", True),
+                          read_nice=getattr(args, "read_nice", 0),
                           low_priority_waits=getattr(args, "low_priority_waits", True))
     return EngineConfig(model_dir=args.model_dir, placement=placement, device=_device(args.device),
                         device_memory_bytes=args.device_memory, block_size=args.block_size,

@@ -67,6 +67,7 @@ class Placement:
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
     fixed_buffers: bool = True  # file only: page reads into io_uring-registered staging buffers (READ_FIXED)
     read_ahead_yields: bool = True  # file only: the read-ahead gives way to a step's fetch at the device
+    read_nice: int = 0  # file only: nice value of the fetch and read-ahead threads (< 0 needs CAP_SYS_NICE)
     master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
     # mooncake only: the store client's busy-poll for a batch's transfers runs at the lowest CPU priority (SCHED_IDLE)
     low_priority_waits: bool = True

@@ -68,7 +68,8 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
         return TieredTable(path, tier="host", host_memory_bytes=budget)
     return TieredTable(path, tier="file", cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
                        file_mode=placement.file_mode, host_memory_bytes=budget,
-                       fixed_buffers=placement.fixed_buffers, read_ahead_yields=placement.read_ahead_yields)
+                       fixed_buffers=placement.fixed_buffers, read_ahead_yields=placement.read_ahead_yields,
+                       read_nice=placement.read_nice)
 
 
 # a DeviceTable's preload is warm-up calls coldest part first (they set the cache's recency order), each gathering

@@ -57,17 +57,24 @@ class TieredTable(ManifestGeometry):
     staging buffers (READ_FIXED; the kernel pins each buffer once rather than per read); False reads plainly.
     read_ahead_yields: while a fetch's pages are being read, the native read-ahead keeps only a few reads at the device
     (`PageReader.yield_depth`) so the fetch's reads do not queue behind its own; False: it keeps its whole depth.
+    read_nice: the native pipeline's fetch and read-ahead threads run at this nice value (-20..19): below 0 they take
+    a core from the step's compute threads as soon as a read completes, so the disk's queue stays full on a busy
+    machine (it needs CAP_SYS_NICE or RLIMIT_NICE; where refused they stay at 0 and `stats()` says so).
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
                  file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
                  remote_options: dict | None = None, host_memory_bytes: int | None = None,
-                 pipeline: str = "auto", fixed_buffers: bool = True, read_ahead_yields: bool = True) -> None:
+                 pipeline: str = "auto", fixed_buffers: bool = True, read_ahead_yields: bool = True,
+                 read_nice: int = 0) -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r} (valid: {', '.join(PIPELINES)})")
+        if not -20 <= read_nice <= 19:
+            raise ValueError(f"read_nice must be in -20..19, got {read_nice}")
+        self.read_nice = read_nice
         if host_memory_bytes is not None and host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be positive, got {host_memory_bytes}")
         self._closed = False
@@ -118,9 +125,9 @@ class TieredTable(ManifestGeometry):
             self._native_cache = self.cache.native if self.cache is not None else None
             # prefetches and read-aheads run on C++ threads of their own (read-aheads never queue in front of a
             # step's fetch); tickets wait on them without the GIL
-            self._queue = _native.FetchQueue()
+            self._queue = _native.FetchQueue(nice=read_nice)
             # the read-ahead queue gives way to fetches at the device (PageReader.yield_depth)
-            self._warm_queue = _native.FetchQueue(background=True) if self.cache is not None else None
+            self._warm_queue = _native.FetchQueue(background=True, nice=read_nice) if self.cache is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
@@ -286,6 +293,9 @@ class TieredTable(ManifestGeometry):
                 snap["pages_stalled"] = self.tier.reader.stalled_reads
                 snap["buffer_registration_errno"] = self.tier.reader.buffer_refused
         snap["host_memory_bytes"] = self.host_memory_bytes
+        if self.pipeline == "native":  # the read threads' nice value asked for, and what each got (None: not started)
+            snap["read_nice"] = {"requested": self.read_nice, "fetch": self._queue.worker_nice,
+                                 "read_ahead": self._warm_queue.worker_nice if self._warm_queue else None}
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
             remote_bytes = snap["bytes_read"].get("mooncake", 0)  # counted apart from the file tier's
