@@ -96,13 +96,15 @@ def test_default_sweep_starts_no_mooncake_cluster():
     assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()
 
 
-@pytest.mark.parametrize(("flag", "suffix"), [("compare_rows_first", "-nowait"), ("compare_fixed_buffers", "-plain"),
-                                              ("compare_read_ahead_yield", "-greedy")])
-def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, suffix):
+@pytest.mark.parametrize(("flag", "value", "suffix"), [("compare_rows_first", True, "-nowait"),
+                                                       ("compare_fixed_buffers", True, "-plain"),
+                                                       ("compare_read_ahead_yield", True, "-greedy"),
+                                                       ("compare_read_nice", -10, "-nice")])
+def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, value, suffix):
     """--compare-rows-first (-nowait: prompts join at once), --compare-fixed-buffers (-plain: no registered
-    buffers) and --compare-read-ahead-yield (-greedy: the read-ahead never gives way): the first file server again,
-    right after it, with its cache and fraction."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), **{flag: True})
+    buffers), --compare-read-ahead-yield (-greedy: the read-ahead never gives way) and --compare-read-nice N (-nice:
+    its read threads at nice N): the first file server again, right after it, with its cache and fraction."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), **{flag: value})
     assert cfg.labels() == ["host", "file-1%", "file-1%" + suffix, "file-10%"]
     assert sv.kind_of("file-1%" + suffix) == "file"
     tables = [tmp_path / "a.tgram", tmp_path / "b.tgram"]
@@ -117,7 +119,10 @@ def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, suff
     assert ck[f"file-1%{suffix}_vs_host"]["cache_fraction"] == 0.01
     assert ck["file-1%_vs_host"]["disk_share_needed"] == {}  # no disk limit measured: no share claimed
     with pytest.raises(ValueError, match="needs the file placement"):
-        sv.SweepConfig(model_dir="m", placements=("host",), **{flag: True}).labels()
+        sv.SweepConfig(model_dir="m", placements=("host",), **{flag: value}).labels()
+    if flag == "compare_read_nice":
+        with pytest.raises(ValueError, match="compare_read_nice must be in -20..19, got -21"):
+            sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_read_nice=-21).labels()
 
 
 def test_compare_busy_waits_adds_the_mooncake_server_spinning_at_normal_priority(tmp_path):

@@ -3,6 +3,7 @@ prefill, mixed steps, preemption, abort), budget arithmetic, replay, queue bound
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -151,6 +152,23 @@ def test_the_read_ahead_gives_way_unless_told_not_to(model_dir):
             assert depths == ({8} if yields else {0})
     args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-read-ahead-yield"])
     assert engine_config(args).placement.read_ahead_yields is False
+
+
+def test_the_read_threads_run_at_the_nice_value_asked_for(model_dir):
+    """Placement.read_nice (serve --read-nice N) reaches the file table's native fetch and read-ahead threads: each
+    runs at N once started (a nice value above the test's own is always granted); tokens are the same."""
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096, read_nice=nice)) as eng:
+        assert eng.generate(PROMPTS, GREEDY) == expected(model_dir, PROMPTS)
+        for src in eng.sources.values():  # a read-ahead, so that its worker starts too
+            src.warm(torch.zeros((1, src.num_heads), dtype=torch.int64)).wait()
+        got = [src.stats()["read_nice"] for src in eng.sources.values()]
+    assert got and all(g == {"requested": nice, "fetch": nice, "read_ahead": nice} for g in got)
+    args = build_parser().parse_args(["serve", "m", "--placement", "file", "--read-nice", "-5"])
+    assert engine_config(args).placement.read_nice == -5
+    assert engine_config(build_parser().parse_args(["serve", "m"])).placement.read_nice == 0
+    with pytest.raises(ValueError, match="read_nice must be in -20..19, got 20"):
+        TieredTable(model_dir / "unused.tgram", tier="file", read_nice=20)
 
 
 def test_file_placement_reads_with_and_without_registered_buffers(model_dir):
