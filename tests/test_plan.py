@@ -71,6 +71,22 @@ def test_file_step_exposes_what_compute_before_the_first_engram_layer_does_not_h
     assert p.hit_rate == 0.5
 
 
+def test_page_read_cpu_spreads_over_the_cores_beside_the_step_unstretched() -> None:
+    """The reader threads' CPU for a step's misses runs beside the step's compute: with the spec's core count the
+    step takes it over the cores and not stretched by the server's step curve (the gather, on the engine's thread,
+    is); a spec without its cores adds it whole and stretched."""
+    disk = DiskSpec(drives=1, iops_curve=((1.0, 1e6),), cpu_s_per_page=10e-6)
+    curve = ((1.0, 1.5), (16.0, 1.5))
+    pl = Placement("file", cache_fraction=0.1, hit_rate=0.5)
+    rows = 5.6 * 8
+    gather, reads = rows / 1e6, rows * 0.5 * 10e-6
+    spread = predict_point(MODEL, replace(CPU, disk=disk, cores=2, server_step_curve=curve), WL, pl, 2)
+    whole = predict_point(MODEL, replace(CPU, disk=disk, server_step_curve=curve), WL, pl, 2)
+    assert spread.terms["engram cpu"] == pytest.approx(1.5 * gather + reads / 2)
+    assert whole.terms["engram cpu"] == pytest.approx(1.5 * (gather + reads))
+    assert whole.step_s - spread.step_s == pytest.approx(1.5 * reads - reads / 2)
+
+
 def test_prompt_rows_first_waits_for_decode_rows_and_the_read_in_progress() -> None:
     fast = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e4),)))  # 0.1 ms per page, at any depth
     wl = replace(WL, prompt_rows_first=True)

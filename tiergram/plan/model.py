@@ -136,7 +136,9 @@ class HardwareSpec:
     gather_call_s: float = 0.0  # fixed cost of the host tier's lookups in one step (all Engram layers)
     file_gather_rows_s: float = 0.0  # the file tier's all-hit path (cache probe + gather), rows/s; 0: gather_rows_s
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
-    cores: int = 0  # CPU cores (cpu kind: what other host-memory traffic steals its copying time from)
+    # CPU cores (cpu kind: what other host-memory traffic steals its copying time from, and what the page reads'
+    # CPU spreads over beside a step's compute)
+    cores: int = 0
     cpu_speed_ms: float = 0.0  # calibrate's CPU speed probe: the speed its CPU costs were measured at (at_speed)
     # cpu kind: a server's step over the engine's alone, (concurrency, factor) pairs, measured by calibrate
     server_step_curve: tuple[tuple[float, float], ...] = ()
@@ -386,7 +388,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     # Engram rows: where they come from
     hit = None
     dram_bytes = link_bytes = 0.0
-    cpu_fetch = io_wait = waited_cpu = 0.0
+    cpu_fetch = io_wait = waited_cpu = read_cpu = 0.0
     if placement.kind == "device":
         if hw.device_gather_rows_s > 0:
             terms["engram gather"] = rows / hw.device_gather_rows_s
@@ -410,7 +412,8 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         if disk_s > 0:
             terms["disk busy"] = disk_s
         gather = rows / (hw.file_gather_rows_s or hw.gather_rows_s) + (hw.file_call_s or hw.gather_call_s)
-        cpu_fetch = gather + misses * hw.disk.cpu_s_per_page / hw.disk.threads
+        read_cpu = misses * hw.disk.cpu_s_per_page / hw.disk.threads  # the reader threads' CPU for the step's pages
+        cpu_fetch = gather
         # the waited reads' own CPU (submit, complete, verify) runs on the reader's thread before the rows are in
         waited_cpu = waited * hw.disk.cpu_s_per_page / hw.disk.threads
         dram_bytes = rows * g.row_bytes + misses * hw.disk.page_bytes
@@ -446,6 +449,11 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         if stretch != 1.0:
             compute, cpu_fetch = compute * stretch, cpu_fetch * stretch
             terms["compute"], terms["overhead"] = compute, terms["overhead"] * stretch
+        # the page reads run on threads of their own beside a step whose compute keeps every core busy: the step
+        # loses their CPU time spread over the cores, unstretched (session 19: a file server's step over host's in
+        # the same rounds grew by 0.61x its read threads' CPU per step, median of 30 points, where added whole and
+        # stretched they were charged 2-4x that); a spec without its core count adds it whole and stretched
+        cpu_fetch += read_cpu / hw.cores if hw.cores > 0 else read_cpu * stretch
         # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
         # (and behind the fetch's own CPU work); time queued behind other reads hides behind nothing
         terms["engram cpu"] = cpu_fetch
