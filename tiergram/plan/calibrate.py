@@ -104,10 +104,11 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
 
 # the step stretch jumps between 1 and 2 users and is not monotone past 4: measure every level a default sweep runs
 SERVE_CONCURRENCIES = (1, 2, 4, 8, 16)
+SERVE_PASSES = 3  # odd, so that each level's median is one pass's figure, not the mean of two
 
 
 def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
-                output_len: int = 32, requests_per_user: int = 4, passes: int = 2,
+                output_len: int = 32, requests_per_user: int = 4, passes: int = SERVE_PASSES,
                 engine_step: Callable[[float, float], float] | None = None) -> dict[str, Any]:
     """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
 
@@ -123,8 +124,10 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     it at each concurrency is `server_step_curve`: the server's steps run beside its HTTP loop on the same cores
     (measured on 2 cores, alternating server and in-process engine on the same requests at c = 2 and 4:
     1.35-1.45x with torch's 2 threads, 1.1-1.15x with one; about 1.0 at c = 1); the curve is the median over
-    passes. (Scaling each level by the CPU speed probe around it over the probe around the fit was tried: the two
-    passes then agreed less, mean |log ratio| 0.13 against 0.08 as measured, and pair h validated 22/30 within
+    passes, three by default so that one pass in a slow minute of a shared machine does not move it (the median
+    of two is their mean: one pair's two passes read 2.01 / 1.27 at c = 1). (Scaling each level by the CPU speed
+    probe around it over the probe around the fit was tried: the two passes then agreed less, mean |log ratio|
+    0.13 against 0.08 as measured, and pair h validated 22/30 within
     ±15% with it against 23/30 without.)
     """
     import asyncio
@@ -416,8 +419,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
         "server_step_curve": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone "
-                             f"(the fit above) at c = {levels}, the median of two passes up and down the levels "
-                             "(interpolated in log c)"
+                             f"(the fit above) at c = {levels}, the median of {SERVE_PASSES} passes up and down the "
+                             "levels (interpolated in log c)"
                              if serve else "not measured (calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
