@@ -506,7 +506,7 @@ def test_sweep_placement_names() -> None:
 
 def test_calibrate_serve_costs_measures_each_level_in_three_passes(tmp_path: Path) -> None:
     """The HTTP phase on a real server: three passes (up, down, up the levels); each level's step ratio is the
-    server's mean step over the engine's alone, the curve the median of the passes (one pass's own figure)."""
+    server's mean step over the engine's alone, the curve each level's fastest pass."""
     from test_server import make_tiny_model
 
     from tiergram.plan.calibrate import serve_costs
@@ -517,7 +517,7 @@ def test_calibrate_serve_costs_measures_each_level_in_three_passes(tmp_path: Pat
     assert set(srv["server_step_passes"]) == {1, 2}
     for c, ratio in srv["server_step_curve"]:
         passes = srv["server_step_passes"][c]
-        assert len(passes) == 3 and min(passes) > 0 and ratio == pytest.approx(sorted(passes)[1], abs=2e-3)
+        assert len(passes) == 3 and min(passes) > 0 and ratio == pytest.approx(min(passes), abs=2e-3)
     assert [c for c, _ in srv["server_step_curve"]] == [1, 2] and len(srv["gaps_s"]) == 2
     assert srv["request_overhead_s"] >= 0 and srv["per_seq_http_s"] >= 0
     without = serve_costs(str(model_dir), concurrencies=(1,), input_len=8, output_len=4, requests_per_user=1,
