@@ -89,6 +89,26 @@ def test_file_big_is_set_against_the_disk_limit_measured_on_its_own_tables(monke
     assert ck["file-big_vs_host"]["disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
     assert ck["file-big_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 100 * 0.8 * 100 / 200)}
     assert json.loads(sv.to_json(res))["big_disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
+    assert ck["file-big_vs_host"]["above_disk_limit"] == ck["file_vs_host"]["above_disk_limit"] == []
+
+
+def test_a_server_reading_past_the_disks_new_page_limit_is_flagged():
+    """A cache under the disk serves pages an earlier run read far faster than new ones: a file server reading
+    more than 1.25x the higher limit measured on new pages is flagged, and the report says those points are not
+    the disk's."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"))
+    servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2, 4)]
+    for p in points:
+        p.file_pages_per_s = {1: 100.0, 2: 125.0, 4: 126.0}[p.concurrency]  # the limit: 100 before, 80 after
+    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 100.0, "after": 80.0})
+    res.checks = sv.checks(res)
+    assert res.checks["file_vs_host"]["above_disk_limit"] == [4]
+    text = sv.checks_text(res)
+    assert "WARNING: file read faster than 1.25x the disk's limit for new pages at c=4" in text
+    res.disk_pages_per_s = {}
+    assert sv.checks(res)["file_vs_host"]["above_disk_limit"] == []  # no limit measured: nothing claimed
 
 
 def test_default_sweep_starts_no_mooncake_cluster():

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tiergram.bench.common import save_figure
-from tiergram.bench.serve_stats import SweepResult
+from tiergram.bench.serve_stats import ABOVE_LIMIT, SweepResult
 
 
 def rounds_text(check: dict) -> str:
@@ -83,6 +83,11 @@ def checks_text(res: SweepResult) -> str:
         lines.append(f"    noise: {noise_text(f)}")
         lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
         lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
+        if f.get("above_disk_limit"):
+            lines.append(f"    WARNING: {label} read faster than {ABOVE_LIMIT:.2f}x the disk's limit for new pages at "
+                         + ", ".join(f"c={c}" for c in f["above_disk_limit"]) + ": a cache under the disk served "
+                         "pages read before (an earlier run on the same tables?); those points are not the disk's — "
+                         "re-create the tables (init-model) for a figure that is")
         if f.get("disk_share_needed"):
             lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of host at its pages "
                          f"per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")
