@@ -403,6 +403,25 @@ def test_validate_sets_the_servers_step_beside_the_predicted() -> None:
     assert "step within 15% of the predicted step at 6/9 points" in validate_text(res)
 
 
+def test_validate_marks_the_points_the_sweep_saw_read_past_the_disks_limit() -> None:
+    """bench serve flags a file server's points read past the disk's new-page limit (a cache under the disk served
+    them); validate marks them and gives the count within 15% without them."""
+    sweep = _sweep("unused", 1.0)
+    for pt in sweep["points"]:
+        if pt["placement"] == "file" and pt["concurrency"] == 4:
+            pt["throughput_tok_s"] *= 2.0  # the volume's cache: twice the prediction
+    sweep["checks"] = {"file_vs_host": {"above_disk_limit": [4]}}
+    res = validate(sweep, MODEL, CPU)
+    flagged = [(r["placement"], r["concurrency"]) for r in res["points"] if r["past_disk_limit"]]
+    assert flagged == [("file", 4)]
+    s = res["summary"]
+    assert (s["within_15pct"], s["past_disk_limit"], s["within_15pct_on_disk"]) == (8, 1, 8)
+    text = validate_text(res)
+    assert "[read past the disk's new-page limit: a cache under the disk]" in text
+    assert "1 points read past the disk's new-page limit" in text and "without them 8/8 within 15%" in text
+    assert validate(_sweep("unused", 1.0), MODEL, CPU)["summary"]["past_disk_limit"] == 0  # no flag, none marked
+
+
 def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from test_server import make_tiny_model
 
