@@ -169,6 +169,10 @@ def test_the_read_threads_run_at_the_nice_value_asked_for(model_dir):
     assert engine_config(build_parser().parse_args(["serve", "m"])).placement.read_nice == 0
     with pytest.raises(ValueError, match="read_nice must be in -20..19, got 20"):
         TieredTable(model_dir / "unused.tgram", tier="file", read_nice=20)
+    table = next(model_dir.rglob("*.tgram"))  # a table without native read threads refuses the value, not drops it
+    for kw in ({"tier": "host"}, {"tier": "file", "pipeline": "python"}):
+        with pytest.raises(ValueError, match="runs the python pipeline, which has none"):
+            TieredTable(table, read_nice=nice, **kw)
 
 
 def test_file_placement_reads_with_and_without_registered_buffers(model_dir):

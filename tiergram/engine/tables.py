@@ -62,6 +62,9 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
                            cache_policy=placement.cache_policy, host_memory_bytes=budget,
                            remote_options={"low_priority_waits": placement.low_priority_waits})
     if device.type == "cuda":
+        if placement.read_nice:
+            raise ValueError(f"read_nice={placement.read_nice} sets the CPU file tier's native read threads; a "
+                             "table served on a CUDA device does not take it")
         return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
                            cache_policy=placement.cache_policy, file_mode=placement.file_mode)
     if placement.kind == "host":

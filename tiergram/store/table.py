@@ -112,6 +112,10 @@ class TieredTable(ManifestGeometry):
                              f"and the mooncake tier, with a cache policy of {', '.join(NATIVE_POLICIES)} (or no "
                              f"cache), not tier={tier!r} file_mode={file_mode!r} cache_policy={cache_policy!r}")
         self.pipeline = "native" if native_ok and pipeline != "python" else "python"
+        if read_nice and self.pipeline != "native":  # silently ignoring it would misreport a comparison
+            raise ValueError(f"read_nice={read_nice} sets the native pipeline's read threads; this table (tier="
+                             f"{tier!r}, file_mode={file_mode!r}, pipeline={pipeline!r}) runs the python pipeline, "
+                             "which has none")
         if cache_bytes is None and host_memory_bytes is not None and tier != "host":
             cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
         cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
