@@ -180,6 +180,42 @@ def test_compare_engine_process_adds_host_with_its_engine_in_a_process_and_check
         sv.SweepConfig(model_dir="m", placements=("file",), compare_engine_process=True).labels()
 
 
+def test_compare_torch_threads_holds_the_file_server_against_host_at_the_same_threads(tmp_path):
+    """--compare-torch-threads N: host and the first file server again at N torch threads (host-tN, <label>-tN), the
+    file one checked against host-tN, host-tN against host; each -tN server's argv carries --torch-threads N."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
+                         compare_torch_threads=1)
+    assert cfg.labels() == ["host", "host-t1", "file-1%", "file-1%-t1", "file-10%"]
+    assert sv.kind_of("file-1%-t1") == "file" and sv.kind_of("host-t1") == "host"
+    tables = [tmp_path / "a.tgram"]
+    tables[0].write_bytes(b"x" * 1000)
+    caches = sv.cache_budgets(cfg, tables)
+    assert caches["file-1%-t1"] == caches["file-1%"] == 10 and caches["host-t1"] == 0
+    servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 1000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    points = [point("host", 1, 100.0, 2.0), point("host", 2, 200.0, 2.0), point("host-t1", 1, 90.0, 1.5),
+              point("host-t1", 2, 220.0, 1.6), point("file-1%", 1, 80.0), point("file-1%", 2, 160.0),
+              point("file-1%-t1", 1, 81.0, 1.8), point("file-1%-t1", 2, 209.0, 1.6), point("file-10%", 1, 90.0),
+              point("file-10%", 2, 190.0)]
+    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0)
+    ck = sv.checks(res)
+    assert ck["host-t1_vs_host"]["ratios"] == {1: pytest.approx(0.9), 2: pytest.approx(1.1)}
+    assert ck["host-t1_vs_host"]["cpu_per_token"] == {1: pytest.approx(0.75), 2: pytest.approx(0.8)}
+    t1 = ck["file-1%-t1_vs_host-t1"]
+    assert t1["reference"] == "host-t1" and t1["ratios"] == {1: pytest.approx(0.9), 2: pytest.approx(0.95)}
+    assert t1["passed"] and t1["cpu_per_token_vs_host"] == {1: pytest.approx(1.2), 2: pytest.approx(1.0)}
+    assert ck["file-1%_vs_host"]["ratios"] == {1: pytest.approx(0.8), 2: pytest.approx(0.8)}
+    assert "file-1%-t1_vs_host" not in ck
+    res.checks = ck
+    text = sv.checks_text(res)
+    assert "file-1%-t1 on 0.0 MiB tables (host cache" in text and ">= 90% of host-t1 at every concurrency: PASS" in text
+    assert "host-t1 / host (the compute on fewer or more torch threads)" in text
+    with pytest.raises(ValueError, match="needs the host and file placements"):
+        sv.SweepConfig(model_dir="m", placements=("file",), compare_torch_threads=1).labels()
+    with pytest.raises(ValueError, match="compare_torch_threads must be >= 1, got 0"):
+        sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_torch_threads=0).labels()
+
+
 def test_thread_cpu_seconds_names_each_threads_time():
     """The per-thread CPU a sweep records: a thread named by the OS is counted under its name."""
     import os

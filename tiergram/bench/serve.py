@@ -50,6 +50,7 @@ from tiergram.bench.serve_config import (
     file_label,
     kind_of,
     levels,
+    threads_suffix,
 )
 from tiergram.bench.serve_process import (
     ServerProcess,
@@ -151,6 +152,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
                 ("--no-read-ahead-yield",) if placement.endswith(GREEDY) else
                 ("--read-nice", str(cfg.compare_read_nice)) if placement.endswith(NICE) else
+                ("--torch-threads", str(cfg.compare_torch_threads)) if cfg.compare_torch_threads and
+                placement.endswith(threads_suffix(cfg.compare_torch_threads)) else
                 ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
                 hot_rows=cfg.hot_rows and not placement.endswith(COLD)))
             procs[placement] = server.proc.pid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PLACEMENTS = ("device", "host", "file", "mooncake")
@@ -56,6 +57,9 @@ class SweepConfig:
     compare_read_ahead_yield: bool = False
     # also serve the first file placement with --read-nice N (its page-read threads at nice N), labelled <label>-nice
     compare_read_nice: int | None = None
+    # also serve host and the first file placement with --torch-threads N, labelled host-tN and <label>-tN: what the
+    # compute's thread count costs each placement, the file one's page reads needing a core of their own
+    compare_torch_threads: int | None = None
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
@@ -121,9 +125,17 @@ class SweepConfig:
             if not -20 <= self.compare_read_nice <= 19:
                 raise ValueError(f"compare_read_nice must be in -20..19, got {self.compare_read_nice}")
             out.insert(out.index(first) + 1, first + NICE)
+        if self.compare_torch_threads is not None:
+            if self.compare_torch_threads < 1:
+                raise ValueError(f"compare_torch_threads must be >= 1, got {self.compare_torch_threads}")
+            first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
+            if first is None or "host" not in out:
+                raise ValueError("compare_torch_threads needs the host and file placements")
+            suffix = threads_suffix(self.compare_torch_threads)
+            out.insert(out.index("host") + 1, "host" + suffix)
+            out.insert(out.index(first) + 1, first + suffix)
         if self.compare_hot_rows:
-            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN, GREEDY, NICE))),
-                         None)
+            first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
             if (first is None and "mooncake" not in out) or not self.hot_rows:
                 raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
             for label in (first, "mooncake"):
@@ -160,13 +172,18 @@ def file_label(fraction: float) -> str:
 COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE)
 
 
+def threads_suffix(threads: int) -> str:
+    """-t1: the label suffix of a server whose torch compute runs on `threads` threads (compare_torch_threads)."""
+    return f"-t{threads}"
+
+
 def base_label(label: str) -> str:
-    """The server a compared one is named after (file-10%-nowait -> file-10%; host -> host): the same placement
-    and cache."""
+    """The server a compared one is named after (file-10%-nowait -> file-10%; host-t1 -> host; host -> host): the
+    same placement and cache."""
     for suffix in COMPARED:
         if label.endswith(suffix):
             return label.removesuffix(suffix)
-    return label
+    return re.sub(r"-t\d+$", "", label)
 
 
 def kind_of(label: str) -> str:

@@ -67,13 +67,14 @@ def checks_text(res: SweepResult) -> str:
             lines.append(f"  device budget does not bind (both reach c={b['device_limit']}); max throughput host/"
                          f"resident = {b['ratio']:.3f}; pass --device-memory to make it bind")
     for key, f in ck.items():
-        if not key.endswith("_vs_host") or key == "host_vs_device":
+        if "cache_fraction" not in f:  # the file servers' checks
             continue
-        label = key.removesuffix("_vs_host")
+        ref = f.get("reference", "host")
+        label = key.removesuffix(f"_vs_{ref}")
         tb = f.get("table_bytes") or 0
         size = (f" on {tb / 2**30:.1f} GiB tables" if tb >= 2**30 else f" on {tb / 2**20:.1f} MiB tables") if tb else ""
         lines.append(f"  {label}{size} (host cache {f['cache_fraction']:.1%} of the tables, {f['cache_bytes']} B per "
-                     f"layer) >= {f['target']:.0%} of host at every concurrency: {verdict_text(f)} "
+                     f"layer) >= {f['target']:.0%} of {ref} at every concurrency: {verdict_text(f)} "
                      f"[{rs(f['ratios'])}]")
         reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
@@ -82,15 +83,19 @@ def checks_text(res: SweepResult) -> str:
         lines.append(f"    round by round: {rounds_text(f)}")
         lines.append(f"    noise: {noise_text(f)}")
         lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
-        lines.append(f"    server CPU per token, {label} / host: {rs(f['cpu_per_token_vs_host'])}")
+        lines.append(f"    server CPU per token, {label} / {ref}: {rs(f['cpu_per_token_vs_host'])}")
         if f.get("above_disk_limit"):
             lines.append(f"    WARNING: {label} read faster than {ABOVE_LIMIT:.2f}x the disk's limit for new pages at "
                          + ", ".join(f"c={c}" for c in f["above_disk_limit"]) + ": a cache under the disk served "
                          "pages read before (an earlier run on the same tables?); those points are not the disk's — "
                          "re-create the tables (init-model) for a figure that is")
         if f.get("disk_share_needed"):
-            lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of host at its pages "
-                         f"per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")
+            lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of {ref} at its "
+                         f"pages per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")
+    for key, f in ck.items():
+        if key.startswith("host-t") and key.endswith("_vs_host"):
+            lines.append(f"  {key.removesuffix('_vs_host')} / host (the compute on fewer or more torch threads): "
+                         f"throughput [{rs(f['ratios'])}], server CPU per token [{rs(f['cpu_per_token'])}]")
     peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
                       if s_.get("peak_rss_bytes"))
     if peaks:

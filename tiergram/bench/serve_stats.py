@@ -10,7 +10,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
-from tiergram.bench.serve_config import PROCESS, SweepConfig, base_label, kind_of
+from tiergram.bench.serve_config import PROCESS, SweepConfig, base_label, kind_of, threads_suffix
 from tiergram.bench.serve_process import layer_table_bytes
 
 
@@ -273,20 +273,26 @@ def checks(res: SweepResult) -> dict[str, Any]:
     if "host" + PROCESS in limits and "host" in limits:  # the engine in its own process against on a thread
         out["engine_process_vs_thread"] = {"ratios": _ratios(res, "host" + PROCESS, "host"),
                                            "cpu_per_token": _ratios(res, "host" + PROCESS, "host", "cpu_ms_per_token")}
+    threads = threads_suffix(res.config.compare_torch_threads) if res.config.compare_torch_threads else None
+    if threads and "host" + threads in limits and "host" in limits:  # the compute's thread count, host placement
+        out[f"host{threads}_vs_host"] = {"ratios": _ratios(res, "host" + threads, "host"),
+                                         "cpu_per_token": _ratios(res, "host" + threads, "host", "cpu_ms_per_token")}
     for label in (lb for lb in limits if kind_of(lb) == "file" and "host" in limits):
-        r = _ratios(res, label, "host")
-        target = FILE_TARGET if label != "file-big" else BIG_TARGET
-        out[_check_key(label)] = {
-            "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target,
-            **_spread(res, label, "host"), **resolution(res, label, "host", target),
+        # a file server at compare_torch_threads is held against host at the same threads
+        ref = "host" + threads if threads and label.endswith(threads) and "host" + threads in limits else "host"
+        r = _ratios(res, label, ref)
+        target = FILE_TARGET if base_label(label) != "file-big" else BIG_TARGET
+        out[_check_key(label, ref)] = {
+            "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target, "reference": ref,
+            **_spread(res, label, ref), **resolution(res, label, ref, target),
             "cache_fraction": _fraction(res, label),
             "cache_bytes": res.servers[label]["cache_bytes"],
             "file_mode": res.servers[label].get("file_mode"),  # buffered: O_DIRECT refused, reads via the page cache
             "table_bytes": res.servers[label].get("table_bytes"),
             "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
-            "cpu_per_token_vs_host": _ratios(res, label, "host", "cpu_ms_per_token"),
+            "cpu_per_token_vs_host": _ratios(res, label, ref, "cpu_ms_per_token"),
             "disk_pages_per_s": disk_limits(res, label),
-            "disk_share_needed": disk_share_needed(res, label, target),
+            "disk_share_needed": disk_share_needed(res, label, target, ref),
             "above_disk_limit": above_disk_limit(res, label)}
     return out
 
@@ -311,15 +317,15 @@ def above_disk_limit(res: SweepResult, label: str) -> list[int]:
     return [c for c, p in sorted(_by_c(res, label).items()) if p.file_pages_per_s > ABOVE_LIMIT * max(limits)]
 
 
-def disk_share_needed(res: SweepResult, label: str, target: float) -> dict[int, float]:
+def disk_share_needed(res: SweepResult, label: str, target: float, ref: str = "host") -> dict[int, float]:
     """Per concurrency: the share of the disk's limit (mean of the sweep's before/after) that `label` would have
-    to read at to serve target x host's tokens/s, at the pages per token it read. Near or above 1 the disk binds:
+    to read at to serve target x `ref`'s tokens/s, at the pages per token it read. Near or above 1 the disk binds:
     no scheduling reaches the target on this disk at that point."""
     limits = [v for v in disk_limits(res, label).values() if v]
     if not limits:
         return {}
     limit = sum(limits) / len(limits)
-    file, host = _by_c(res, label), _by_c(res, "host")
+    file, host = _by_c(res, label), _by_c(res, ref)
     return {c: file[c].file_pages_per_s / file[c].throughput_tok_s * target * host[c].throughput_tok_s / limit
             for c in sorted(set(file) & set(host)) if file[c].throughput_tok_s > 0}
 
@@ -327,9 +333,10 @@ def disk_share_needed(res: SweepResult, label: str, target: float) -> dict[int, 
 BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller tables
 
 
-def _check_key(label: str) -> str:
-    """file_vs_host for the file placement (its historical key), file-10%_vs_host etc. for the others."""
-    return f"{label}_vs_host"
+def _check_key(label: str, ref: str = "host") -> str:
+    """file_vs_host for the file placement (its historical key), file-10%_vs_host etc. for the others,
+    file-t1_vs_host-t1 for a file server held against host at its own torch threads."""
+    return f"{label}_vs_{ref}"
 
 
 def _fraction(res: SweepResult, label: str) -> float:

@@ -147,6 +147,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--compare-read-nice", type=int, default=None, metavar="N",
                     help="also serve the first file placement with --read-nice N (its page-read threads at nice N; "
                          "below 0 needs CAP_SYS_NICE), as <label>-nice")
+    sv.add_argument("--compare-torch-threads", type=int, default=None, metavar="N",
+                    help="also serve host and the first file placement with --torch-threads N, as host-tN and "
+                         "<label>-tN (the file one held against host-tN)")
     sv.add_argument("--hot-rows", action="store_true",
                     help="file and mooncake servers preload their cache with their model's hot rows at start "
                          "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
@@ -313,7 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
         compare_rows_first=args.compare_rows_first, compare_engine_process=args.compare_engine_process,
         compare_fixed_buffers=args.compare_fixed_buffers, compare_read_ahead_yield=args.compare_read_ahead_yield,
-        compare_read_nice=args.compare_read_nice,
+        compare_read_nice=args.compare_read_nice, compare_torch_threads=args.compare_torch_threads,
         compare_busy_waits=args.compare_busy_waits,
         hot_rows=args.hot_rows, compare_hot_rows=args.compare_hot_rows, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,

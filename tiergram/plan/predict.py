@@ -204,8 +204,7 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     """The placement a sweep point names: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
     file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a
     compared server's suffix (`-nowait`: prompt_rows_first off, `-cold`: no hot-rows preload, `-plain`, `-process`,
-    `-greedy`)
-    names the same placement."""
+    `-greedy`, `-tN`: torch on N threads, which the step model does not tell apart) names the same placement."""
     kind, _, tail = base_label(name).partition("-")
     if kind not in ("device", "host", "file"):
         raise ValueError(f"sweep point placement {name!r}: not device, host or file[-N%|-big]")
@@ -371,7 +370,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
 
 def past_limit(sweep: dict[str, Any], label: str) -> set[int]:
     """The concurrencies at which the sweep flagged `label` as reading past the disk's new-page limit."""
-    return set((sweep.get("checks", {}).get(f"{label}_vs_host") or {}).get("above_disk_limit") or [])
+    return {c for key, check in sweep.get("checks", {}).items() if key.startswith(f"{label}_vs_host")
+            for c in check.get("above_disk_limit") or []}
 
 
 def validate_text(res: dict[str, Any]) -> str:
