@@ -209,11 +209,42 @@ def test_compare_torch_threads_holds_the_file_server_against_host_at_the_same_th
     res.checks = ck
     text = sv.checks_text(res)
     assert "file-1%-t1 on 0.0 MiB tables (host cache" in text and ">= 90% of host-t1 at every concurrency: PASS" in text
-    assert "host-t1 / host (the compute on fewer or more torch threads)" in text
+    assert "host-t1 / host (the same server, its compute run differently)" in text
     with pytest.raises(ValueError, match="needs the host and file placements"):
         sv.SweepConfig(model_dir="m", placements=("file",), compare_torch_threads=1).labels()
     with pytest.raises(ValueError, match="compare_torch_threads must be >= 1, got 0"):
         sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_torch_threads=0).labels()
+
+
+def test_compare_passive_waits_serves_host_and_file_again_with_openmp_waiting_passively(monkeypatch):
+    """--compare-passive-waits: host-passive and <label>-passive, started with OMP_WAIT_POLICY=PASSIVE in their
+    environment (and only theirs), the file one held against host-passive."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_passive_waits=True,
+                         compare_torch_threads=1)
+    assert cfg.labels() == ["host", "host-passive", "host-t1", "file", "file-passive", "file-t1"]
+    assert sv.kind_of("file-passive") == "file" and sv.kind_of("host-passive") == "host"
+    servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    tok = {"host": 100.0, "host-passive": 120.0, "host-t1": 110.0, "file": 80.0, "file-passive": 108.0,
+           "file-t1": 99.0}
+    ck = sv.checks(sv.SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0))
+    assert ck["host-passive_vs_host"]["ratios"] == {1: pytest.approx(1.2)}
+    assert ck["file-passive_vs_host-passive"]["ratios"] == {1: pytest.approx(0.9)}
+    assert ck["file-t1_vs_host-t1"]["ratios"] == {1: pytest.approx(0.9)}
+    assert ck["file_vs_host"]["ratios"] == {1: pytest.approx(0.8)}
+    seen = {}
+
+    class Popen:
+        def __init__(self, cmd, **kw):
+            seen[cmd[cmd.index("--placement") + 1] + str(len(seen))] = kw["env"].get("OMP_WAIT_POLICY")
+            raise OSError("not started in this test")
+
+    monkeypatch.setattr("subprocess.Popen", Popen)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for env in ({"OMP_WAIT_POLICY": "PASSIVE"}, None):
+        with pytest.raises(OSError):
+            sv.ServerProcess(cfg, "host", 0, 16, env=env).start()
+    assert list(seen.values()) == ["PASSIVE", None]
 
 
 def test_thread_cpu_seconds_names_each_threads_time():

@@ -544,6 +544,35 @@ def test_calibrate_serve_costs_measures_each_level_in_three_passes(tmp_path: Pat
     assert without["server_step_curve"] == [] and len(without["gaps_s"]) == 1  # no engine step: no curve
 
 
+def test_calibrate_times_the_engine_on_the_threads_the_server_gives_it(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine fit runs at `serving_torch_threads()` (what `tiergram serve` uses), and torch's setting is put
+    back afterwards."""
+    import torch
+    from test_server import make_tiny_model
+
+    from tiergram.plan import calibrate
+
+    seen: list[int] = []
+    real = calibrate._engine_steps
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate, "_engine_steps", spy)
+    monkeypatch.setattr("tiergram.engine.serving_torch_threads", lambda requested=0: 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        st = calibrate.step_costs(str(make_tiny_model(tmp_path / "m")), batches=(1, 2), input_len=8, output_len=4,
+                                  progress=False)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert st["steps"] > 0 and st["per_token_s"] >= 0
+
+
 def test_calibrate_times_large_tables_with_the_host_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tiergram.plan.calibrate import RESIDENT_STEP_TABLE_BYTES, step_placement
 

@@ -372,6 +372,20 @@ def test_serve_refuses_negative_torch_threads(model_dir):
         main(["serve", str(model_dir), "--torch-threads", "-1"])
 
 
+def test_the_server_leaves_a_core_to_the_http_loop_and_the_reads(monkeypatch):
+    """--torch-threads 0 (the default): the CPUs this process may run on less one, at least one; a number is kept."""
+    from tiergram.engine import serving_torch_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert serving_torch_threads() == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert serving_torch_threads() == 15 and serving_torch_threads(4) == 4
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
+    assert serving_torch_threads() == 1
+    with pytest.raises(ValueError, match="torch threads must be >= 0, got -2"):
+        serving_torch_threads(-2)
+
+
 @contextmanager
 def serve_subprocess(model_dir: Path, *args: str):
     """`tiergram serve MODEL_DIR --port 0 ARGS` in a subprocess, healthy; yields (process, base URL), killed at

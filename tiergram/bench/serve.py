@@ -43,6 +43,7 @@ from tiergram.bench.serve_config import (
     GREEDY,
     NICE,
     NOWAIT,
+    PASSIVE,
     PLACEMENTS,
     PLAIN,
     PROCESS,
@@ -155,7 +156,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 ("--torch-threads", str(cfg.compare_torch_threads)) if cfg.compare_torch_threads and
                 placement.endswith(threads_suffix(cfg.compare_torch_threads)) else
                 ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
-                hot_rows=cfg.hot_rows and not placement.endswith(COLD)))
+                hot_rows=cfg.hot_rows and not placement.endswith(COLD),
+                env={"OMP_WAIT_POLICY": "PASSIVE"} if placement.endswith(PASSIVE) else None))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))

@@ -60,6 +60,9 @@ class SweepConfig:
     # also serve host and the first file placement with --torch-threads N, labelled host-tN and <label>-tN: what the
     # compute's thread count costs each placement, the file one's page reads needing a core of their own
     compare_torch_threads: int | None = None
+    # also serve host and the first file placement with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP workers sleep at once
+    # after each parallel region instead of spinning on a core the HTTP loop and the reads need), labelled -passive
+    compare_passive_waits: bool = False
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
@@ -134,6 +137,12 @@ class SweepConfig:
             suffix = threads_suffix(self.compare_torch_threads)
             out.insert(out.index("host") + 1, "host" + suffix)
             out.insert(out.index(first) + 1, first + suffix)
+        if self.compare_passive_waits:
+            first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
+            if first is None or "host" not in out:
+                raise ValueError("compare_passive_waits needs the host and file placements")
+            out.insert(out.index("host") + 1, "host" + PASSIVE)
+            out.insert(out.index(first) + 1, first + PASSIVE)
         if self.compare_hot_rows:
             first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
             if (first is None and "mooncake" not in out) or not self.hot_rows:
@@ -161,6 +170,7 @@ COLD = "-cold"  # the label suffix of a file or mooncake server that starts with
 BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
 GREEDY = "-greedy"  # the label suffix of a file server whose read-ahead never gives way to a step's reads
 NICE = "-nice"  # the label suffix of a file server whose page-read threads run at compare_read_nice
+PASSIVE = "-passive"  # the label suffix of a server whose torch OpenMP workers wait passively (OMP_WAIT_POLICY)
 
 
 def file_label(fraction: float) -> str:
@@ -169,7 +179,7 @@ def file_label(fraction: float) -> str:
 
 
 # the suffixes of a server compared with the one it is named after
-COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE)
+COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE, PASSIVE)
 
 
 def threads_suffix(threads: int) -> str:

@@ -19,9 +19,11 @@ class ServeSubprocess:
     """`tiergram serve MODEL_DIR ARGS` in a subprocess on a free loopback port, healthy once entered; stopped with
     SIGTERM (drained), SIGKILL if it does not exit within a minute."""
 
-    def __init__(self, model_dir: str | os.PathLike, *args: str, startup_timeout_s: float = 300.0) -> None:
+    def __init__(self, model_dir: str | os.PathLike, *args: str, startup_timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> None:
         self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
                     "--log-level", "warning", *args]
+        self.env = env or {}  # set in the server's environment on top of ours
         self.timeout = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -32,7 +34,7 @@ class ServeSubprocess:
 
         self.log = tempfile.TemporaryFile(mode="w+")  # stderr: a file, so a chatty server never blocks on a pipe
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
         try:
             line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
             if " on http://" not in line:
@@ -85,7 +87,8 @@ class ServerProcess(ServeSubprocess):
     """A sweep's server: `tiergram serve` for one placement with the sweep's engine settings."""
 
     def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
-                 model_dir: str | None = None, extra_args: tuple[str, ...] = (), hot_rows: bool = False) -> None:
+                 model_dir: str | None = None, extra_args: tuple[str, ...] = (), hot_rows: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         args = ["--placement", placement,
                 "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
                 "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
@@ -102,7 +105,8 @@ class ServerProcess(ServeSubprocess):
             args += ["--mooncake-master", cfg.mooncake_master or ""]
         if hot_rows and placement in ("file", "mooncake"):
             args += ["--hot-rows", str(hot_rows_path(model_dir or cfg.model_dir))]
-        super().__init__(model_dir or cfg.model_dir, *args, *extra_args, startup_timeout_s=cfg.startup_timeout_s)
+        super().__init__(model_dir or cfg.model_dir, *args, *extra_args, startup_timeout_s=cfg.startup_timeout_s,
+                         env=env)
 
 
 def hot_rows_path(model_dir: str | os.PathLike) -> Path:

@@ -93,8 +93,8 @@ def checks_text(res: SweepResult) -> str:
             lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of {ref} at its "
                          f"pages per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")
     for key, f in ck.items():
-        if key.startswith("host-t") and key.endswith("_vs_host"):
-            lines.append(f"  {key.removesuffix('_vs_host')} / host (the compute on fewer or more torch threads): "
+        if key.startswith("host-") and key.endswith("_vs_host") and "cpu_per_token" in f:
+            lines.append(f"  {key.removesuffix('_vs_host')} / host (the same server, its compute run differently): "
                          f"throughput [{rs(f['ratios'])}], server CPU per token [{rs(f['cpu_per_token'])}]")
     peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
                       if s_.get("peak_rss_bytes"))

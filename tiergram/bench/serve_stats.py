@@ -10,7 +10,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
-from tiergram.bench.serve_config import PROCESS, SweepConfig, base_label, kind_of, threads_suffix
+from tiergram.bench.serve_config import PASSIVE, PROCESS, SweepConfig, base_label, kind_of, threads_suffix
 from tiergram.bench.serve_process import layer_table_bytes
 
 
@@ -273,13 +273,16 @@ def checks(res: SweepResult) -> dict[str, Any]:
     if "host" + PROCESS in limits and "host" in limits:  # the engine in its own process against on a thread
         out["engine_process_vs_thread"] = {"ratios": _ratios(res, "host" + PROCESS, "host"),
                                            "cpu_per_token": _ratios(res, "host" + PROCESS, "host", "cpu_ms_per_token")}
-    threads = threads_suffix(res.config.compare_torch_threads) if res.config.compare_torch_threads else None
-    if threads and "host" + threads in limits and "host" in limits:  # the compute's thread count, host placement
-        out[f"host{threads}_vs_host"] = {"ratios": _ratios(res, "host" + threads, "host"),
-                                         "cpu_per_token": _ratios(res, "host" + threads, "host", "cpu_ms_per_token")}
+    # servers compared with host and file alike (the compute's threads, its OpenMP waits): host-S against host, and
+    # a file server with suffix S against host-S
+    paired = [sfx for sfx, on in ((threads_suffix(res.config.compare_torch_threads or 1),
+                                   res.config.compare_torch_threads), (PASSIVE, res.config.compare_passive_waits))
+              if on and "host" + sfx in limits and "host" in limits]
+    for sfx in paired:
+        out[f"host{sfx}_vs_host"] = {"ratios": _ratios(res, "host" + sfx, "host"),
+                                     "cpu_per_token": _ratios(res, "host" + sfx, "host", "cpu_ms_per_token")}
     for label in (lb for lb in limits if kind_of(lb) == "file" and "host" in limits):
-        # a file server at compare_torch_threads is held against host at the same threads
-        ref = "host" + threads if threads and label.endswith(threads) and "host" + threads in limits else "host"
+        ref = next(("host" + sfx for sfx in paired if label.endswith(sfx)), "host")
         r = _ratios(res, label, ref)
         target = FILE_TARGET if base_label(label) != "file-big" else BIG_TARGET
         out[_check_key(label, ref)] = {

@@ -150,6 +150,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--compare-torch-threads", type=int, default=None, metavar="N",
                     help="also serve host and the first file placement with --torch-threads N, as host-tN and "
                          "<label>-tN (the file one held against host-tN)")
+    sv.add_argument("--compare-passive-waits", action="store_true",
+                    help="also serve host and the first file placement with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP "
+                         "workers sleep between parallel regions instead of spinning), as host-passive and "
+                         "<label>-passive")
     sv.add_argument("--hot-rows", action="store_true",
                     help="file and mooncake servers preload their cache with their model's hot rows at start "
                          "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
@@ -317,6 +321,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         compare_rows_first=args.compare_rows_first, compare_engine_process=args.compare_engine_process,
         compare_fixed_buffers=args.compare_fixed_buffers, compare_read_ahead_yield=args.compare_read_ahead_yield,
         compare_read_nice=args.compare_read_nice, compare_torch_threads=args.compare_torch_threads,
+        compare_passive_waits=args.compare_passive_waits,
         compare_busy_waits=args.compare_busy_waits,
         hot_rows=args.hot_rows, compare_hot_rows=args.compare_hot_rows, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,

@@ -2,10 +2,10 @@
 per layer on the device, in host DRAM or on SSD, their rows prefetched at step entry (docs/engine.md)."""
 
 from tiergram.engine.budget import Budget
-from tiergram.engine.config import DegradePolicy, EngineConfig, Placement, SamplingParams
+from tiergram.engine.config import DegradePolicy, EngineConfig, Placement, SamplingParams, serving_torch_threads
 from tiergram.engine.llm_engine import LLMEngine, QueueFullError
 from tiergram.engine.metrics import EngineMetrics
 from tiergram.engine.sequence import RequestOutput
 
 __all__ = ["Budget", "DegradePolicy", "EngineConfig", "EngineMetrics", "LLMEngine", "Placement", "QueueFullError",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "SamplingParams", "serving_torch_threads"]

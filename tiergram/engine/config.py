@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,20 @@ from tiergram.format import CODEC_IDS
 from tiergram.tiers.file import FILE_MODES
 
 PLACEMENT_KINDS = ("device", "host", "file", "mooncake")
+
+
+def serving_torch_threads(requested: int = 0) -> int:
+    """torch's CPU threads for an engine that serves: `requested`, or (0) the CPUs this process may run on less one.
+
+    The spare core is the HTTP loop's and the Engram read threads': on 2 cores torch's own default (one thread per
+    core) made every placement's server 1.07-1.29x slower at every concurrency than one thread did, at 0.73-0.81x
+    the CPU per token (docs/benchmarks.md, "Session 21")."""
+    if requested < 0:
+        raise ValueError(f"torch threads must be >= 0, got {requested}")
+    if requested:
+        return requested
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus - 1)
 
 
 @dataclass

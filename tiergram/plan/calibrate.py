@@ -56,19 +56,50 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
     With `placement="host"` each step's host-tier gather (`gather_s_per_step` + rows x `gather_s_per_row`, measured
     beforehand on the same table) is taken off before the fit: the step model adds it back for the host and file
     placements, so it must not be in the backbone's cost too.
+    The engine runs on the torch threads `tiergram serve` gives it (`serving_torch_threads`).
     """
-    from tqdm import tqdm
+    import torch
 
-    from tiergram.engine import EngineConfig, LLMEngine, SamplingParams
+    from tiergram.engine import EngineConfig, serving_torch_threads
     from tiergram.plan.specs import model_from_dir
 
     rows_per_token = model_from_dir(Path(model_dir)).engram.rows_per_token
-    rng = np.random.default_rng(0)
-    rows: list[tuple[float, float, float]] = []  # (tokens, seqs, seconds)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(serving_torch_threads())
     if placement == "device":
         cfg = EngineConfig(model_dir, "device", device_memory_bytes=8 << 30, max_num_seqs=max(batches))
     else:
         cfg = EngineConfig(model_dir, placement, max_num_seqs=max(batches))
+    try:
+        rows = _engine_steps(cfg, batches, input_len, output_len, progress, placement, rows_per_token,
+                             gather_s_per_row, gather_s_per_step)
+    finally:
+        torch.set_num_threads(threads_before)
+    # one sample per batch shape (its median step), weighted by how often it ran: a loaded machine's slow
+    # outliers then move the fit far less than in a fit over every step
+    shapes = sorted({(t, s) for t, s, _ in rows})
+    med = [(t, s, float(np.median([d for tt, ss, d in rows if (tt, ss) == (t, s)])),
+            sum(1 for tt, ss, _ in rows if (tt, ss) == (t, s))) for t, s in shapes]
+    w = np.sqrt([n for *_, n in med])
+    a = np.array([[1.0, t, s] for t, s, _, _ in med])
+    y = np.array([d for _, _, d, _ in med])
+    coef = _nonneg_lstsq(a * w[:, None], y * w)
+    pred = a @ coef
+    return {"step_overhead_s": float(coef[0]), "per_token_s": float(coef[1]), "per_seq_s": float(coef[2]),
+            "steps": len(rows), "samples": rows, "placement": placement,
+            "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
+
+
+def _engine_steps(cfg: Any, batches: tuple[int, ...], input_len: int, output_len: int, progress: bool,
+                  placement: str, rows_per_token: int, gather_s_per_row: float,
+                  gather_s_per_step: float) -> list[tuple[float, float, float]]:
+    """(tokens, sequences, seconds) of each timed engine step, the host gather taken off where there is one."""
+    from tqdm import tqdm
+
+    from tiergram.engine import LLMEngine, SamplingParams
+
+    rng = np.random.default_rng(0)
+    rows: list[tuple[float, float, float]] = []  # (tokens, seqs, seconds)
     with LLMEngine(cfg) as engine:
         vocab = engine.model.config.vocab_size
         for n in tqdm(batches, desc="engine steps", disable=not progress):
@@ -87,19 +118,7 @@ def step_costs(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), inpu
                         if placement != "device":
                             dt -= gather_s_per_step + tok * rows_per_token * gather_s_per_row
                         rows.append((tok, float(len(last)), dt))
-    # one sample per batch shape (its median step), weighted by how often it ran: a loaded machine's slow
-    # outliers then move the fit far less than in a fit over every step
-    shapes = sorted({(t, s) for t, s, _ in rows})
-    med = [(t, s, float(np.median([d for tt, ss, d in rows if (tt, ss) == (t, s)])),
-            sum(1 for tt, ss, _ in rows if (tt, ss) == (t, s))) for t, s in shapes]
-    w = np.sqrt([n for *_, n in med])
-    a = np.array([[1.0, t, s] for t, s, _, _ in med])
-    y = np.array([d for _, _, d, _ in med])
-    coef = _nonneg_lstsq(a * w[:, None], y * w)
-    pred = a @ coef
-    return {"step_overhead_s": float(coef[0]), "per_token_s": float(coef[1]), "per_seq_s": float(coef[2]),
-            "steps": len(rows), "samples": rows, "placement": placement,
-            "r2": float(1 - ((y - pred) ** 2).sum() / max(1e-12, ((y - y.mean()) ** 2).sum()))}
+    return rows
 
 
 # the step stretch jumps between 1 and 2 users and is not monotone past 4: measure every level a default sweep runs
