@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tiergram.bench import serve as sv
 
@@ -340,3 +342,17 @@ def test_pool_gathers_one_checks_rounds_over_runs(tmp_path, capsys):
     assert "c=1     6 rounds  median 1.000" in out
     assert main(["bench", "pool", str(paths[0]), "--check", "host_vs_device"]) == 1
     assert "has no check 'host_vs_device' (it has: file_vs_host)" in capsys.readouterr().err
+
+
+@given(st.integers(min_value=1, max_value=8))
+def test_round_order_balances_who_goes_first_and_who_goes_before_whom(n):
+    """Over 2n rounds every server goes first twice and before each other server in n rounds: a file server reading
+    pages another has just read (a cache under the disk returns them faster) is not always the same one."""
+    members = [f"s{i}" for i in range(n)]
+    orders = [sv.round_order(members, r) for r in range(2 * n)]
+    assert all(sorted(o) == members for o in orders)
+    assert all(sum(o[0] == m for o in orders) == 2 for m in members)
+    for a in members:
+        for b in members:
+            if a != b:
+                assert sum(o.index(a) < o.index(b) for o in orders) == n

@@ -51,6 +51,7 @@ from tiergram.bench.serve_config import (
     file_label,
     kind_of,
     levels,
+    round_order,
     threads_suffix,
 )
 from tiergram.bench.serve_process import (
@@ -71,8 +72,8 @@ __all__ = [
     "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",
     "Timing", "Trace", "TraceRequest", "cache_budgets", "checks", "checks_text", "closed_loop", "concurrency_limit",
     "disk_limit", "file_label", "file_mode", "kind_of", "layer_table_bytes", "layer_tables", "levels", "one_request",
-    "pareto", "peak_rss", "plot", "run", "scrape", "summarize", "thread_cpu_seconds", "to_json", "to_markdown",
-    "to_text", "trace_tokens",
+    "pareto", "peak_rss", "plot", "round_order", "run", "scrape", "summarize", "thread_cpu_seconds", "to_json",
+    "to_markdown", "to_text", "trace_tokens",
 ]
 
 
@@ -202,7 +203,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             for r in range(cfg.rounds):
                 requests = trace.take(cfg.requests_per_user * c)  # every placement serves the same ones
                 speed = speed_probe(cfg.speed_probe_s)
-                for pl in members[r % len(members):] + members[:r % len(members)]:
+                for pl in round_order(members, r):
                     url, model, _ = live[pl]
                     before = scrape(url) | thread_cpu_seconds(procs[pl])
                     timings, wall = asyncio.run(closed_loop(url, model, requests, c))

@@ -208,3 +208,13 @@ def levels(limit: int, max_concurrency: int) -> list[int]:
     while out[-1] * 2 <= cap:
         out.append(out[-1] * 2)
     return out if out[-1] == cap else [*out, cap]
+
+
+def round_order(members: list[str], r: int) -> list[str]:
+    """The servers' turns in round r: forward in even rounds, backward in odd ones, each pair rotated on by one
+    every two rounds, so that over 2 x len(members) rounds every server goes first, and goes before every other,
+    equally often. Two file servers of the same table serve the same requests: the second reads pages the first
+    has just read, which a cache under the disk (this VM's volume keeps what it served) returns many times faster."""
+    base = members if r % 2 == 0 else members[::-1]
+    k = (r // 2) % max(1, len(members))
+    return base[k:] + base[:k]
