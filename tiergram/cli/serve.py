@@ -80,7 +80,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=256, help="waiting requests at most; more are answered 429")
     g.add_argument("--torch-threads", type=int, default=0,
                    help="threads for torch's CPU ops (0: the CPUs less one, which leaves a core to the HTTP server "
-                        "and the Engram reads; on 2 cores that served 1.07-1.29x faster than torch's one per core)")
+                        "and the Engram reads; on 2 cores one thread served 1.02-1.49x what two did at c <= 4)")
 
 
 def engine_config(args: argparse.Namespace):

@@ -17,9 +17,9 @@ PLACEMENT_KINDS = ("device", "host", "file", "mooncake")
 def serving_torch_threads(requested: int = 0) -> int:
     """torch's CPU threads for an engine that serves: `requested`, or (0) the CPUs this process may run on less one.
 
-    The spare core is the HTTP loop's and the Engram read threads': on 2 cores torch's own default (one thread per
-    core) made every placement's server 1.07-1.29x slower at every concurrency than one thread did, at 0.73-0.81x
-    the CPU per token (docs/benchmarks.md, "Session 21")."""
+    The spare core is the HTTP loop's and the Engram read threads': on 2 cores one thread served 1.02-1.49x what
+    torch's own default (one per core) did at c = 1-4 and 0.90-1.16x at c = 8-16, at 0.68-0.92x the CPU per token
+    (docs/benchmarks.md, "Session 21")."""
     if requested < 0:
         raise ValueError(f"torch threads must be >= 0, got {requested}")
     if requested:
