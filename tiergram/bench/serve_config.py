@@ -105,46 +105,33 @@ class SweepConfig:
                 out += [file_label(f) for f in self.fractions]
             else:
                 out.append(p)
-        if self.compare_rows_first:
-            first = next((lb for lb in out if kind_of(lb) == "file"), None)
-            if first is None:
-                raise ValueError("compare_rows_first needs the file placement")
-            out.insert(out.index(first) + 1, first + NOWAIT)
-        if self.compare_fixed_buffers:
-            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith(NOWAIT)), None)
-            if first is None:
-                raise ValueError("compare_fixed_buffers needs the file placement")
-            out.insert(out.index(first) + 1, first + PLAIN)
-        if self.compare_read_ahead_yield:
-            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN))), None)
-            if first is None:
-                raise ValueError("compare_read_ahead_yield needs the file placement")
-            out.insert(out.index(first) + 1, first + GREEDY)
-        if self.compare_read_nice is not None:
-            first = next((lb for lb in out if kind_of(lb) == "file" and not lb.endswith((NOWAIT, PLAIN, GREEDY))),
-                         None)
-            if first is None:
-                raise ValueError("compare_read_nice needs the file placement")
-            if not -20 <= self.compare_read_nice <= 19:
-                raise ValueError(f"compare_read_nice must be in -20..19, got {self.compare_read_nice}")
-            out.insert(out.index(first) + 1, first + NICE)
-        if self.compare_torch_threads is not None:
-            if self.compare_torch_threads < 1:
-                raise ValueError(f"compare_torch_threads must be >= 1, got {self.compare_torch_threads}")
-            first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
-            if first is None or "host" not in out:
-                raise ValueError("compare_torch_threads needs the host and file placements")
-            suffix = threads_suffix(self.compare_torch_threads)
-            out.insert(out.index("host") + 1, "host" + suffix)
-            out.insert(out.index(first) + 1, first + suffix)
-        if self.compare_passive_waits:
-            first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
-            if first is None or "host" not in out:
-                raise ValueError("compare_passive_waits needs the host and file placements")
-            out.insert(out.index("host") + 1, "host" + PASSIVE)
-            out.insert(out.index(first) + 1, first + PASSIVE)
+        def first_file() -> str | None:
+            """The first file server that is not itself a compared one: the one the compare flags copy."""
+            return next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
+
+        for on, suffix, flag in ((self.compare_rows_first, NOWAIT, "compare_rows_first"),
+                                 (self.compare_fixed_buffers, PLAIN, "compare_fixed_buffers"),
+                                 (self.compare_read_ahead_yield, GREEDY, "compare_read_ahead_yield"),
+                                 (self.compare_read_nice is not None, NICE, "compare_read_nice")):
+            if on:
+                if (first := first_file()) is None:
+                    raise ValueError(f"{flag} needs the file placement")
+                out.insert(out.index(first) + 1, first + suffix)
+        if self.compare_read_nice is not None and not -20 <= self.compare_read_nice <= 19:
+            raise ValueError(f"compare_read_nice must be in -20..19, got {self.compare_read_nice}")
+        if self.compare_torch_threads is not None and self.compare_torch_threads < 1:
+            raise ValueError(f"compare_torch_threads must be >= 1, got {self.compare_torch_threads}")
+        # host and the first file server again, the file one held against the host one (serve_stats.checks)
+        for on, suffix, flag in ((self.compare_torch_threads is not None,
+                                  threads_suffix(self.compare_torch_threads or 1), "compare_torch_threads"),
+                                 (self.compare_passive_waits, PASSIVE, "compare_passive_waits")):
+            if on:
+                if (first := first_file()) is None or "host" not in out:
+                    raise ValueError(f"{flag} needs the host and file placements")
+                out.insert(out.index("host") + 1, "host" + suffix)
+                out.insert(out.index(first) + 1, first + suffix)
         if self.compare_hot_rows:
-            first = next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
+            first = first_file()
             if (first is None and "mooncake" not in out) or not self.hot_rows:
                 raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
             for label in (first, "mooncake"):

@@ -153,7 +153,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--compare-passive-waits", action="store_true",
                     help="also serve host and the first file placement with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP "
                          "workers sleep between parallel regions instead of spinning), as host-passive and "
-                         "<label>-passive")
+                         "<label>-passive; it matters only with more than one torch thread (on 2 cores: with "
+                         "--torch-threads 2)")
     sv.add_argument("--hot-rows", action="store_true",
                     help="file and mooncake servers preload their cache with their model's hot rows at start "
                          "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")

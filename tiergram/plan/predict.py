@@ -204,7 +204,8 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     """The placement a sweep point names: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
     file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a
     compared server's suffix (`-nowait`: prompt_rows_first off, `-cold`: no hot-rows preload, `-plain`, `-process`,
-    `-greedy`, `-tN`: torch on N threads, which the step model does not tell apart) names the same placement."""
+    `-greedy`, `-tN` and `-passive`: torch run otherwise, which the step model does not tell apart) names the same
+    placement."""
     kind, _, tail = base_label(name).partition("-")
     if kind not in ("device", "host", "file"):
         raise ValueError(f"sweep point placement {name!r}: not device, host or file[-N%|-big]")
