@@ -538,6 +538,10 @@ def test_calibrate_serve_costs_measures_each_level_in_three_passes(tmp_path: Pat
         passes = srv["server_step_passes"][c]
         assert len(passes) == 3 and min(passes) > 0 and ratio == pytest.approx(min(passes), abs=2e-3)
     assert [c for c, _ in srv["server_step_curve"]] == [1, 2] and len(srv["gaps_s"]) == 2
+    for c, factor in srv["request_steps_curve"]:  # steps x c / requests over the steps needed, at least 1
+        assert len(srv["request_steps_passes"][c]) == 3 and factor >= 1.0
+        assert factor == pytest.approx(max(1.0, sorted(srv["request_steps_passes"][c])[1]), abs=2e-3)
+    assert [c for c, _ in srv["request_steps_curve"]] == [1, 2]
     assert srv["request_overhead_s"] >= 0 and srv["per_seq_http_s"] >= 0
     without = serve_costs(str(model_dir), concurrencies=(1,), input_len=8, output_len=4, requests_per_user=1,
                           passes=1)
@@ -786,3 +790,23 @@ def test_a_point_is_predicted_at_the_cpu_speed_the_sweep_probed_beside_it() -> N
     assert validate(sweep, MODEL, replace(cpu, cpu_speed_ms=0.0))["speed"]["from"] == "spec"
     with pytest.raises(ValueError, match="speed_from"):
         validate(sweep, MODEL, cpu, speed_from="probe")
+
+
+def test_a_request_lives_through_the_steps_run_while_its_user_is_away() -> None:
+    """request_steps_curve: at c = 2 a request lives 1.2 x 5 steps (a seat sits empty a sixth of the time), so each
+    step computes 5.6 / 1.2 tokens and the cycle holds 6 steps; the tokens' gaps are still one step each."""
+    seated = replace(CPU, request_steps_curve=((1.0, 1.0), (2.0, 1.2)))
+    p = predict_point(MODEL, seated, WL, Placement("device"), 2)
+    tokens = 5.6 / 1.2
+    step = 2e-3 + 2 * 1e-4 + tokens * 1e-3
+    assert p.terms["compute"] == pytest.approx(tokens * 1e-3)
+    assert p.step_s == pytest.approx(step)
+    assert p.throughput_tok_s == pytest.approx(2 * 15 / (6 * step))
+    assert p.interactivity == pytest.approx(1 / step)
+    assert predict_point(MODEL, seated, WL, Placement("device"), 1) == predict_point(MODEL, CPU, WL,
+                                                                                      Placement("device"), 1)
+    below = replace(CPU, request_steps_curve=((1.0, 0.9), (2.0, 0.9)))  # fewer steps than needed: noise, not taken
+    assert predict_point(MODEL, below, WL, Placement("device"), 2) == predict_point(MODEL, CPU, WL,
+                                                                                     Placement("device"), 2)
+    gpu = predict_point(MODEL, replace(GPU, request_steps_curve=((1.0, 2.0),)), WL, Placement("device"), 2)
+    assert gpu == predict_point(MODEL, GPU, WL, Placement("device"), 2)  # measured on this machine's server only

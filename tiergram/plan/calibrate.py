@@ -168,6 +168,7 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     wl = Workload(input_len=(lo_in + input_len) / 2, output_len=(lo_out + output_len) / 2)
     gaps: list[tuple[int, float, float]] = []
     ratios: dict[int, list[float]] = {c: [] for c in concurrencies}
+    seats: dict[int, list[float]] = {c: [] for c in concurrencies}  # steps x c / requests over the steps needed
     with sweep.ServerProcess(cfg, "host", 0, max_waiting=256) as server:
         model = httpx.get(f"{server.url}/health", timeout=30).json()["model"]
         for k in range(passes):
@@ -182,6 +183,8 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
                                                                          "tiergram_engine_computed_tokens_total"))
                 # c users each wait out the engine's idle time: per request, idle x c / requests
                 gaps.append((c, steps_per_request(wl, c), max(0.0, wall - busy) * c / max(1, len(timings))))
+                if timings and steps > 0:
+                    seats[c].append(steps * c / len(timings) / steps_per_request(wl, c))
                 if engine_step is not None and steps > 0:
                     ratios[c].append(busy / steps / engine_step(tokens / steps, float(c)))
     # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
@@ -190,7 +193,11 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     return {"request_overhead_s": float(coef[0]), "per_seq_http_s": float(coef[1]),
             "gaps_s": [round(float(np.median([g for cc, _, g in gaps if cc == c])), 5) for c in concurrencies],
             "server_step_curve": [[c, round(min(ratios[c]), 3)] for c in concurrencies if ratios[c]],
-            "server_step_passes": {c: [round(x, 3) for x in ratios[c]] for c in concurrencies if ratios[c]}}
+            "server_step_passes": {c: [round(x, 3) for x in ratios[c]] for c in concurrencies if ratios[c]},
+            # the passes' median, and never below 1: a request needs its steps (fewer is its sampled lengths' noise)
+            "request_steps_curve": [[c, round(max(1.0, float(np.median(seats[c]))), 3)] for c in concurrencies
+                                    if seats[c]],
+            "request_steps_passes": {c: [round(x, 3) for x in seats[c]] for c in concurrencies if seats[c]}}
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -374,7 +381,8 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
     _log(progress, "[4/5] host memory bandwidth and size")
     bw = host_bandwidth()
     mem = host_memory_bytes()
-    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0, "server_step_curve": []}
+    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0, "server_step_curve": [],
+                           "request_steps_curve": []}
     # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
     flops = spec.flops_per_token / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
     if serve:
@@ -397,6 +405,10 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         _log(progress, "      the server's steps over the engine's alone (the fastest of the passes): " + ", ".join(
             f"{r:.2f} at c = {c} ({'/'.join(f'{x:.2f}' for x in srv['server_step_passes'][c])})"
             for c, r in srv["server_step_curve"]))
+        _log(progress, "      the steps a request lived through over the steps it needs (the passes' median; "
+                       "users between requests leave seats empty): " + ", ".join(
+            f"{r:.2f} at c = {c} ({'/'.join(f'{x:.2f}' for x in srv['request_steps_passes'][c])})"
+            for c, r in srv["request_steps_curve"]))
         speed.append(cpu_speed_ms(probe_s))
     _log(progress, "CPU speed probe around the measurements: " + ", ".join(f"{x:.2f}" for x in speed) + " ms")
     if max(speed) > SPEED_SPREAD * min(speed):
@@ -417,6 +429,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
         "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
         "link_gbps": 0.0, "cores": os.cpu_count() or 1, "cpu_speed_ms": round(float(np.median(speed)), 3),
         **({"server_step_curve": srv["server_step_curve"]} if srv["server_step_curve"] else {}),
+        **({"request_steps_curve": srv["request_steps_curve"]} if srv["request_steps_curve"] else {}),
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"], "cache_pages_per_s": d["reread_pages_per_s"]}
@@ -442,6 +455,10 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                              f"(the fit above) at c = {levels}, the fastest of {SERVE_PASSES} passes up and down the "
                              "levels (interpolated in log c)"
                              if serve else "not measured (calibrate --no-serve)",
+        "request_steps_curve": f"{how}: the same closed loop's steps x c / requests (from the server's counters) over "
+                               "the steps a request needs, the passes' median at each level, at least 1: the steps "
+                               "that run while a user is between requests (interpolated in log c)"
+                               if serve else "not measured (calibrate --no-serve)",
         "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
                         + " ms); `plan validate` scales the CPU costs by a sweep's own probes over this figure",

@@ -142,6 +142,10 @@ class HardwareSpec:
     cpu_speed_ms: float = 0.0  # calibrate's CPU speed probe: the speed its CPU costs were measured at (at_speed)
     # cpu kind: a server's step over the engine's alone, (concurrency, factor) pairs, measured by calibrate
     server_step_curve: tuple[tuple[float, float], ...] = ()
+    # cpu kind: the steps a request lives through in a server over the steps it needs, (concurrency, factor) pairs,
+    # measured by calibrate: while one user is between requests (its last token streamed, the next not yet admitted)
+    # the others' steps run with a seat empty
+    request_steps_curve: tuple[tuple[float, float], ...] = ()
 
     def at_speed(self, speed_ms: float) -> HardwareSpec:
         """This CPU machine while its speed probe (`bench.common.cpu_speed_ms`) reads `speed_ms` instead of the
@@ -311,7 +315,7 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
                ) -> tuple[float, dict[str, float], str, float | None]:
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
     context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
-    tokens = tokens_per_step(wl, c)
+    tokens = tokens_per_step(wl, c, hw)
     if not ((wl.prompt_rows_first or wl.read_ahead) and c > 1 and placement.kind == "file"):
         return step_terms_at(model, hw, wl, placement, c, tokens, context)
     waited = tokens * decode_share(wl)  # the prompt tokens' rows were read (or started) before their step
@@ -321,7 +325,7 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
         # A closed-loop user sends its next request as the step that streamed its last token ends, so the prompt's
         # read-ahead starts about one step before the step the prompt joins; that step waits for the rest of the
         # read. c / S prompts join per step.
-        late = max(0.0, prompt_read_s(model, hw, wl, placement) - first[0]) * c / steps_per_request(wl, c)
+        late = max(0.0, prompt_read_s(model, hw, wl, placement) - first[0]) * c / steps_per_request(wl, c, hw)
     # A step's prefetch and the prompt reads of the requests waiting to join run side by side (each on its own
     # queue and io_uring ring): while a prompt read is in flight, a share rho of the time, the disk interleaves
     # the two, and the step's own reads take about twice as long -- rho * (their own read time) more.
@@ -483,16 +487,20 @@ def _binding(terms: dict[str, float], placement: Placement, step: float) -> str:
     return max(candidates, key=lambda k: candidates[k])
 
 
-def steps_per_request(wl: Workload, c: int) -> float:
+def steps_per_request(wl: Workload, c: int, hw: HardwareSpec | None = None) -> float:
     """Steps one request spends in the engine: its prefill plus L_out - 1 decodes, or more when the step token
-    budget cannot take every prompt and decode of a round at once."""
+    budget cannot take every prompt and decode of a round at once; with `hw`, times its `request_steps_curve` at c
+    (the steps that run with this user's seat empty while it is between requests)."""
     lo = max(1.0, wl.output_len)
-    return max(lo, c * (wl.input_len + lo - 1.0) / wl.max_num_batched_tokens)
+    steps = max(lo, c * (wl.input_len + lo - 1.0) / wl.max_num_batched_tokens)
+    if hw is not None and hw.kind == "cpu" and hw.request_steps_curve:
+        steps *= max(1.0, interpolate(hw.request_steps_curve, c, log_x=True))
+    return steps
 
 
-def tokens_per_step(wl: Workload, c: int) -> float:
+def tokens_per_step(wl: Workload, c: int, hw: HardwareSpec | None = None) -> float:
     """Mean tokens one step computes with c closed-loop users: each request's tokens spread over its steps."""
-    return c * (wl.input_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c)
+    return c * (wl.input_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c, hw)
 
 
 def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> Point:
@@ -501,13 +509,13 @@ def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         raise ValueError(f"concurrency must be >= 1, got {c}")
     step, terms, binding, hit = step_terms(model, hw, wl, placement, c)
     lo = max(1.0, wl.output_len)
-    steps = steps_per_request(wl, c)
     wait = prompt_wait_s(model, hw, wl, placement, c)
     if wait > 0:
         terms["prompt rows wait"] = wait  # once per request, not per step
-    cycle = steps * step + hw.request_overhead_s + wait
+    # the steps that pass while the user is away (seats left empty) count in its cycle, not in its tokens' gaps
+    cycle = steps_per_request(wl, c, hw) * step + hw.request_overhead_s + wait
     throughput = c * (wl.input_len + lo) / cycle
-    itl = step * steps / lo  # a sequence gets one token per step, fewer when prefill chunks fill the budget
+    itl = step * steps_per_request(wl, c) / lo  # one token per step, fewer when prefill chunks fill the budget
     return Point(placement.label, c, step, throughput, 1.0 / itl, binding, terms, hit)
 
 

@@ -339,7 +339,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                              float(inter) if inter is not None else None, p.hit_rate, source, runs,
                              binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
                              None if first is None else round(float(first), 4), round(p.step_s * 1e3, 3),
-                             pt.get("server_step_ms"), round(steps_per_request(wl, p.concurrency), 2),
+                             pt.get("server_step_ms"), round(steps_per_request(wl, p.concurrency, hw), 2),
                              pt.get("steps_per_request"), int(pt["concurrency"]) in past_limit(sweep, name)))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit

@@ -59,6 +59,7 @@ HARDWARE_FIELDS = (
     Field("cores", "cores", kind="int", required=False),
     Field("cpu_speed_ms", "cpu_speed_ms", 1.0, required=False),
     Field("server_step_curve", "server_step_curve", kind="curve", required=False),
+    Field("request_steps_curve", "request_steps_curve", kind="curve", required=False),
 )
 DISK_FIELDS = (
     Field("drives", "drives", kind="int", positive=True),
