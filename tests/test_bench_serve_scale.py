@@ -249,6 +249,23 @@ def test_compare_passive_waits_serves_host_and_file_again_with_openmp_waiting_pa
     assert list(seen.values()) == ["PASSIVE", None]
 
 
+def test_compare_engine_core_serves_host_and_file_again_with_the_engine_on_its_own_cpu():
+    """--compare-engine-core: host-core and <label>-core, started with --engine-core, the file one held against
+    host-core."""
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_engine_core=True)
+    assert cfg.labels() == ["host", "host-core", "file", "file-core"]
+    assert sv.kind_of("file-core") == "file" and sv.base_label("host-core") == "host"
+    servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
+               for lb in cfg.labels()}
+    tok = {"host": 100.0, "host-core": 110.0, "file": 80.0, "file-core": 104.5}
+    ck = sv.checks(sv.SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0))
+    assert ck["host-core_vs_host"]["ratios"] == {1: pytest.approx(1.1)}
+    assert ck["file-core_vs_host-core"]["ratios"] == {1: pytest.approx(0.95)}
+    assert ck["file_vs_host"]["ratios"] == {1: pytest.approx(0.8)}
+    with pytest.raises(ValueError, match="compare_engine_core needs the host and file placements"):
+        sv.SweepConfig(model_dir="m", placements=("file",), compare_engine_core=True).labels()
+
+
 def test_thread_cpu_seconds_names_each_threads_time():
     """The per-thread CPU a sweep records: a thread named by the OS is counted under its name."""
     import os

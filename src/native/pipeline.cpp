@@ -4,6 +4,8 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -545,6 +547,10 @@ class FetchQueue {
   // nice: the worker's CPU priority (setpriority on its own thread; 0 leaves it as created).
   explicit FetchQueue(bool background = false, int nice = 0) : background_(background), nice_(nice) {
     if (nice < -20 || nice > 19) throw std::invalid_argument("nice must be in -20..19, got " + std::to_string(nice));
+    // The worker starts at the first submit, from whichever thread submits (a server's step thread, which may have a
+    // CPU of its own): it takes the CPUs of the thread that made the queue instead.
+    CPU_ZERO(&cpus_);
+    has_cpus_ = pthread_getaffinity_np(pthread_self(), sizeof(cpus_), &cpus_) == 0;
   }
 
   // The worker's nice value once it started (kNotStarted before): what the kernel granted, which is the requested
@@ -616,6 +622,7 @@ class FetchQueue {
   void loop() {
     name_this_thread(background_ ? "tiergram-warm" : "tiergram-fetch");
     t_background = background_;
+    if (has_cpus_) pthread_setaffinity_np(pthread_self(), sizeof(cpus_), &cpus_);  // refused: stays as created
     // A page read's completion must be reaped and the next read submitted promptly, or the disk's queue drains
     // while the step's compute threads hold the cores; a refused change leaves the thread as it was.
     const auto tid = static_cast<id_t>(syscall(SYS_gettid));
@@ -665,6 +672,8 @@ class FetchQueue {
 
   bool background_;
   int nice_;
+  cpu_set_t cpus_;  // the creating thread's CPUs, the worker's once it starts
+  bool has_cpus_ = false;
   std::atomic<int> worker_nice_{kNotStarted};
   std::shared_ptr<Orphans> orphans_ = std::make_shared<Orphans>();
   std::mutex mu_;

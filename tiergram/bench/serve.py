@@ -39,6 +39,7 @@ from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_re
 from tiergram.bench.serve_config import (
     BUSY,
     COLD,
+    CORE,
     DEFAULT_PLACEMENTS,
     GREEDY,
     NICE,
@@ -156,7 +157,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 ("--read-nice", str(cfg.compare_read_nice)) if placement.endswith(NICE) else
                 ("--torch-threads", str(cfg.compare_torch_threads)) if cfg.compare_torch_threads and
                 placement.endswith(threads_suffix(cfg.compare_torch_threads)) else
-                ("--mooncake-busy-waits",) if placement.endswith(BUSY) else (),
+                ("--mooncake-busy-waits",) if placement.endswith(BUSY) else
+                ("--engine-core",) if placement.endswith(CORE) else (),
                 hot_rows=cfg.hot_rows and not placement.endswith(COLD),
                 env={"OMP_WAIT_POLICY": "PASSIVE"} if placement.endswith(PASSIVE) else None))
             procs[placement] = server.proc.pid

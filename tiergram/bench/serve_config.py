@@ -63,6 +63,9 @@ class SweepConfig:
     # also serve host and the first file placement with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP workers sleep at once
     # after each parallel region instead of spinning on a core the HTTP loop and the reads need), labelled -passive
     compare_passive_waits: bool = False
+    # also serve host and the first file placement with --engine-core (the step thread alone on one CPU, the HTTP loop
+    # and the read threads on the rest), labelled -core, the file one held against host-core
+    compare_engine_core: bool = False
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
@@ -124,7 +127,8 @@ class SweepConfig:
         # host and the first file server again, the file one held against the host one (serve_stats.checks)
         for on, suffix, flag in ((self.compare_torch_threads is not None,
                                   threads_suffix(self.compare_torch_threads or 1), "compare_torch_threads"),
-                                 (self.compare_passive_waits, PASSIVE, "compare_passive_waits")):
+                                 (self.compare_passive_waits, PASSIVE, "compare_passive_waits"),
+                                 (self.compare_engine_core, CORE, "compare_engine_core")):
             if on:
                 if (first := first_file()) is None or "host" not in out:
                     raise ValueError(f"{flag} needs the host and file placements")
@@ -158,6 +162,7 @@ BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins
 GREEDY = "-greedy"  # the label suffix of a file server whose read-ahead never gives way to a step's reads
 NICE = "-nice"  # the label suffix of a file server whose page-read threads run at compare_read_nice
 PASSIVE = "-passive"  # the label suffix of a server whose torch OpenMP workers wait passively (OMP_WAIT_POLICY)
+CORE = "-core"  # the label suffix of a server whose engine thread has a CPU of its own (--engine-core)
 
 
 def file_label(fraction: float) -> str:
@@ -166,7 +171,7 @@ def file_label(fraction: float) -> str:
 
 
 # the suffixes of a server compared with the one it is named after
-COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE, PASSIVE)
+COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE, PASSIVE, CORE)
 
 
 def threads_suffix(threads: int) -> str:

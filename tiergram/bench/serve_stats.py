@@ -10,7 +10,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
-from tiergram.bench.serve_config import PASSIVE, PROCESS, SweepConfig, base_label, kind_of, threads_suffix
+from tiergram.bench.serve_config import CORE, PASSIVE, PROCESS, SweepConfig, base_label, kind_of, threads_suffix
 from tiergram.bench.serve_process import layer_table_bytes
 
 
@@ -273,10 +273,12 @@ def checks(res: SweepResult) -> dict[str, Any]:
     if "host" + PROCESS in limits and "host" in limits:  # the engine in its own process against on a thread
         out["engine_process_vs_thread"] = {"ratios": _ratios(res, "host" + PROCESS, "host"),
                                            "cpu_per_token": _ratios(res, "host" + PROCESS, "host", "cpu_ms_per_token")}
-    # servers compared with host and file alike (the compute's threads, its OpenMP waits): host-S against host, and
+    # servers compared with host and file alike (the compute's threads, its OpenMP waits, the engine's own core):
+    # host-S against host, and
     # a file server with suffix S against host-S
     paired = [sfx for sfx, on in ((threads_suffix(res.config.compare_torch_threads or 1),
-                                   res.config.compare_torch_threads), (PASSIVE, res.config.compare_passive_waits))
+                                   res.config.compare_torch_threads), (PASSIVE, res.config.compare_passive_waits),
+                                  (CORE, res.config.compare_engine_core))
               if on and "host" + sfx in limits and "host" in limits]
     for sfx in paired:
         out[f"host{sfx}_vs_host"] = {"ratios": _ratios(res, "host" + sfx, "host"),

@@ -155,6 +155,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "workers sleep between parallel regions instead of spinning), as host-passive and "
                          "<label>-passive; it matters only with more than one torch thread (on 2 cores: with "
                          "--torch-threads 2)")
+    sv.add_argument("--compare-engine-core", action="store_true",
+                    help="also serve host and the first file placement with --engine-core (the engine's step thread "
+                         "alone on one CPU, the HTTP loop and the read threads on the rest), as host-core and "
+                         "<label>-core; the -core file server is held against host-core")
     sv.add_argument("--hot-rows", action="store_true",
                     help="file and mooncake servers preload their cache with their model's hot rows at start "
                          "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
@@ -323,6 +327,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         compare_fixed_buffers=args.compare_fixed_buffers, compare_read_ahead_yield=args.compare_read_ahead_yield,
         compare_read_nice=args.compare_read_nice, compare_torch_threads=args.compare_torch_threads,
         compare_passive_waits=args.compare_passive_waits,
+        compare_engine_core=args.compare_engine_core,
         compare_busy_waits=args.compare_busy_waits,
         hot_rows=args.hot_rows, compare_hot_rows=args.compare_hot_rows, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 # mirror engine.config.PLACEMENT_KINDS and cache.POLICIES (kept here so that `tiergram --help` imports no torch;
@@ -54,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="let the file placement's read-ahead keep its whole queue depth at the disk while a step's "
                         "rows are read (by default it keeps 8 reads there meanwhile, so the step's reads do not queue "
                         "behind it)")
+    g.add_argument("--engine-core", action="store_true",
+                   help="run the engine's step thread alone on the first CPU this process may use and every other "
+                        "thread (the HTTP loop, the file placement's page reads) on the rest, so that neither takes "
+                        "the step's core (needs 2 CPUs; not with --engine-process; docs/serving.md)")
     g.add_argument("--read-nice", type=int, default=0, metavar="N",
                    help="run the file placement's page-read threads at nice N (-20..19; below 0 needs CAP_SYS_NICE): "
                         "on a machine whose cores the step's compute fills, a read completion then gets a core at "
@@ -152,6 +157,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"tiergram serve: error: --{name.replace('_', '-')} must be >= 1, got {value}")
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                     max_stop=args.max_stop, max_stop_chars=args.max_stop_chars)
+    engine_cpu = None
+    if getattr(args, "engine_core", False):
+        from tiergram.server.affinity import keep_off_engine_core, split_cpus
+
+        if args.engine_process:
+            raise SystemExit("tiergram serve: error: --engine-core pins this process's engine thread; "
+                             "--engine-process runs the engine elsewhere")
+        if threads > 1:  # OpenMP starts its workers from the step thread: they would share its one CPU
+            raise SystemExit(f"tiergram serve: error: --engine-core needs torch on one thread (the step thread's "
+                             f"CPU), got --torch-threads {threads}")
+        try:
+            engine_cpu, others = split_cpus()
+        except ValueError as e:
+            raise SystemExit(f"tiergram serve: error: {e}") from None
+        keep_off_engine_core(others)  # before the engine starts its read threads
     try:
         if args.engine_process:
             engine = EngineProcess(engine_config(args), torch_threads=threads)
@@ -161,8 +181,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (EngineStartError, RuntimeError, ImportError, KeyError) as e:  # e.g. CUDA asked for without one: one
         raise SystemExit(f"tiergram serve: error: {e}") from None                 # line, no traceback
     print(f"tiergram serve: torch on {threads} CPU thread{'s' * (threads > 1)}"  # once started: an error stays one line
-          + ("" if args.torch_threads else " (the CPUs less one; --torch-threads to change)"), file=sys.stderr,
-          flush=True)
+          + ("" if args.torch_threads else " (the CPUs less one; --torch-threads to change)")
+          + ("" if engine_cpu is None else f"; the engine thread alone on CPU {engine_cpu}, the rest on "
+             f"{sorted(os.sched_getaffinity(0))}"), file=sys.stderr, flush=True)
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level,
                  drain_timeout_s=args.drain_timeout, model_name=args.served_model_name, limits=limits,
-                 unhealthy_after=args.unhealthy_after)
+                 unhealthy_after=args.unhealthy_after, engine_cpu=engine_cpu)
