@@ -254,7 +254,7 @@ def test_compare_engine_core_serves_host_and_file_again_with_the_engine_on_its_o
     host-core."""
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_engine_core=True)
     assert cfg.labels() == ["host", "host-core", "file", "file-core"]
-    assert sv.kind_of("file-core") == "file" and sv.base_label("host-core") == "host"
+    assert sv.kind_of("file-core") == "file" and sv.kind_of("host-core") == "host"
     servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
                for lb in cfg.labels()}
     tok = {"host": 100.0, "host-core": 110.0, "file": 80.0, "file-core": 104.5}
