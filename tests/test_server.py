@@ -418,7 +418,7 @@ def thread_cpus(pid: int) -> dict[str, set[frozenset[int]]]:
     return out
 
 
-def test_engine_core_gives_the_step_thread_a_cpu_and_the_reads_the_rest(model_dir, tmp_path):
+def test_engine_core_gives_the_step_thread_a_cpu_and_the_reads_the_rest(model_dir):
     """--engine-core: the step thread alone on the process's first CPU; the file placement's read threads (started
     by the step thread's first fetch) and the HTTP loop on the others; refused with one CPU, and with
     --engine-process."""

@@ -274,8 +274,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
         out["engine_process_vs_thread"] = {"ratios": _ratios(res, "host" + PROCESS, "host"),
                                            "cpu_per_token": _ratios(res, "host" + PROCESS, "host", "cpu_ms_per_token")}
     # servers compared with host and file alike (the compute's threads, its OpenMP waits, the engine's own core):
-    # host-S against host, and
-    # a file server with suffix S against host-S
+    # host-S against host, and a file server with suffix S against host-S
     paired = [sfx for sfx, on in ((threads_suffix(res.config.compare_torch_threads or 1),
                                    res.config.compare_torch_threads), (PASSIVE, res.config.compare_passive_waits),
                                   (CORE, res.config.compare_engine_core))

@@ -168,7 +168,7 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     wl = Workload(input_len=(lo_in + input_len) / 2, output_len=(lo_out + output_len) / 2)
     gaps: list[tuple[int, float, float]] = []
     ratios: dict[int, list[float]] = {c: [] for c in concurrencies}
-    seats: dict[int, list[float]] = {c: [] for c in concurrencies}  # steps x c / requests over the steps needed
+    lived: dict[int, list[float]] = {c: [] for c in concurrencies}  # steps x c / requests over the steps needed
     with sweep.ServerProcess(cfg, "host", 0, max_waiting=256) as server:
         model = httpx.get(f"{server.url}/health", timeout=30).json()["model"]
         for k in range(passes):
@@ -184,7 +184,7 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
                 # c users each wait out the engine's idle time: per request, idle x c / requests
                 gaps.append((c, steps_per_request(wl, c), max(0.0, wall - busy) * c / max(1, len(timings))))
                 if timings and steps > 0:
-                    seats[c].append(steps * c / len(timings) / steps_per_request(wl, c))
+                    lived[c].append(steps * c / len(timings) / steps_per_request(wl, c))
                 if engine_step is not None and steps > 0:
                     ratios[c].append(busy / steps / engine_step(tokens / steps, float(c)))
     # g = t_req + S·c·t_http at every concurrency (least squares over them, both terms >= 0)
@@ -195,9 +195,9 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
             "server_step_curve": [[c, round(min(ratios[c]), 3)] for c in concurrencies if ratios[c]],
             "server_step_passes": {c: [round(x, 3) for x in ratios[c]] for c in concurrencies if ratios[c]},
             # the passes' median, and never below 1: a request needs its steps (fewer is its sampled lengths' noise)
-            "request_steps_curve": [[c, round(max(1.0, float(np.median(seats[c]))), 3)] for c in concurrencies
-                                    if seats[c]],
-            "request_steps_passes": {c: [round(x, 3) for x in seats[c]] for c in concurrencies if seats[c]}}
+            "request_steps_curve": [[c, round(max(1.0, float(np.median(lived[c]))), 3)] for c in concurrencies
+                                    if lived[c]],
+            "request_steps_passes": {c: [round(x, 3) for x in lived[c]] for c in concurrencies if lived[c]}}
 
 
 def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
