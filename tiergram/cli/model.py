@@ -1,4 +1,4 @@
-"""`tiergram train | eval | export | generate`: the reference Engram LM (docs/model.md)."""
+"""`tiergram train | eval | export | init-model | import | hot-rows | generate`: the reference Engram LM."""
 
 from __future__ import annotations
 
@@ -78,6 +78,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--quiet", action="store_true", help="no progress bars")
     i.set_defaults(func=cmd_init_model)
+
+    m = sub.add_parser("import", help="a released checkpoint's Engram tables (DeepSeek-V4.1) -> table files, byte for "
+                                      "byte, in a servable directory with a random backbone")
+    m.add_argument("ckpt", help="checkpoint directory: config.json, model.safetensors.index.json (or "
+                                "model.safetensors) and its shards, tokenizer.json")
+    m.add_argument("out", help="output model directory (serve, bench serve, table verify, hot-rows, plan take it)")
+    m.add_argument("--tokenizer", help="tokenizer.json to hash with (default: the checkpoint's)")
+    m.add_argument("--backbone", default="small", choices=["small", "tiny"],
+                   help="the random backbone the tables are served with (the checkpoint's is not imported)")
+    m.add_argument("--quiet", action="store_true", help="no progress bars")
+    m.set_defaults(func=cmd_import)
 
     h = sub.add_parser("hot-rows", help="rank each Engram layer's rows by how often a corpus reads them, for the "
                                         "engine to preload into a cold cache (serve --hot-rows)")
@@ -162,6 +173,14 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     print(f"wrote {out}: {info['geometry']} Engram, {info['rows_per_head']:,} rows per head, tables "
           f"{info['table_bytes'] / 2**30:.2f} GiB written in {info['tables_write_s']:.1f} s "
           f"({info['table_bytes'] / max(info['tables_write_s'], 1e-9) / 2**30:.2f} GiB/s); random weights")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from tiergram.model.import_checkpoint import import_checkpoint
+
+    import_checkpoint(args.ckpt, args.out, tokenizer=args.tokenizer, backbone=args.backbone, progress=not args.quiet,
+                      log=lambda line: print(line, file=sys.stderr))
     return 0
 
 

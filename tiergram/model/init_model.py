@@ -20,8 +20,9 @@ import torch
 from tiergram.engram import RowSourceTable
 from tiergram.format import TableManifest, create_random_table
 from tiergram.format.writer import free_bytes
+from tiergram.hashing import NgramHasher
 from tiergram.model.checkpoint import CONFIG, read_config, save_pretrained, write_json
-from tiergram.model.config import EngramSettings, preset
+from tiergram.model.config import EngramSettings, ModelConfig, preset
 from tiergram.model.export import table_filename
 from tiergram.model.model import EngramLM, make_hasher
 
@@ -88,6 +89,21 @@ def engram_settings(geo: EngramGeometry, rows_per_head: int, layers: list[int], 
                           conv_kernel=geo.conv_kernel, seed=seed, pad_id=pad_id)
 
 
+def write_servable_dir(out: Path, mconfig: ModelConfig, hasher: NgramHasher, tokenizer: Path,
+                       tables: dict[int, str], extra: dict[str, Any], *, seed: int = 0) -> None:
+    """Beside table files already in out: a random backbone (model.safetensors without the tables), tokenizer.json,
+    and config.json naming the tables (layer -> file name); extra goes into config.json."""
+    torch.manual_seed(seed)
+    layers = mconfig.engram.layers if mconfig.engram is not None else []
+    model = EngramLM(mconfig, hasher, {layer: RowSourceTable(_NoRows()) for layer in layers}).eval()
+    if tokenizer.resolve() != (out / "tokenizer.json").resolve():
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+    save_pretrained(model, out, include_tables=False, extra=extra)
+    config = read_config(out)
+    config.update(tables={str(layer): name for layer, name in tables.items()}, table_codec=CODEC)
+    write_json(out / CONFIG, config)
+
+
 def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1", table_gib: float,
                backbone: str = "small", tokenizer: str | os.PathLike | None = None, seed: int = 0,
                table_std: float = 0.02, progress: bool = True) -> Path:
@@ -136,22 +152,15 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     if need > free:
         raise OSError(f"{out}: the {len(layers)} tables need {need:,} bytes ({need / 2**30:.2f} GiB) but the disk "
                       f"has {free:,} bytes ({free / 2**30:.2f} GiB) free; nothing was written")
-    torch.manual_seed(seed)
-    model = EngramLM(mconfig, hasher, {layer: RowSourceTable(_NoRows()) for layer in layers}).eval()
     t0 = time.perf_counter()
     files = {}
     for layer, m in manifests.items():
         name = table_filename(layer, CODEC)
         create_random_table(out / name, m, seed=seed + layer, std=table_std, progress=progress)
-        files[str(layer)] = name
+        files[layer] = name
     write_s = time.perf_counter() - t0
-    if tok_path.resolve() != (out / "tokenizer.json").resolve():
-        shutil.copyfile(tok_path, out / "tokenizer.json")
     info: dict[str, Any] = {"geometry": geo.name, "backbone": backbone, "random_weights": True,
                             "table_gib": table_gib, "rows_per_head": rows, "table_bytes": need,
                             "tables_write_s": round(write_s, 3), "seed": seed}
-    save_pretrained(model, out, include_tables=False, extra={"init": info})
-    config = read_config(out)
-    config.update(tables=files, table_codec=CODEC)
-    write_json(out / CONFIG, config)
+    write_servable_dir(out, mconfig, hasher, tok_path, files, {"init": info}, seed=seed)
     return out
