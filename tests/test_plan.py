@@ -18,6 +18,7 @@ from tiergram.plan.model import (
     EngramGeometry,
     HardwareSpec,
     ModelSpec,
+    MoeGeometry,
     Placement,
     Workload,
     _shared,
@@ -238,8 +239,55 @@ def test_shipped_specs_load() -> None:
         assert hw.kind == "gpu" and hw.link_bw > 0 and hw.device_memory_bytes > 1e11
     m = load_model("deepseek-v4.1-flash")
     assert m.engram.rows_per_token == 48
-    assert m.engram.table_bytes / 2**30 == pytest.approx(189, rel=0.01)
-    assert m.hide_fraction == pytest.approx(1 / 43)
+    assert m.engram.table_bytes == (384_006_168 + 384_016_682) * 264  # the released tables, 188.83 GiB
+    assert m.hide_fraction == pytest.approx(1 / 40)
+    # a one-token step reads the spec's active weights; a huge batch every expert, i.e. all the weights
+    assert m.step_weight_bytes(1, 1) == pytest.approx(m.active_weight_bytes)
+    assert m.step_weight_bytes(1e6, 1e6) == pytest.approx(m.weight_bytes, rel=0.01)
+    assert m.prefill_flops_per_token / m.flops_per_token == pytest.approx(7.89 / 16.13)
+
+
+def test_the_released_engram_rows_are_the_head_primes() -> None:
+    from tiergram.hashing import engram_head_table_sizes
+
+    sizes = engram_head_table_sizes([16_000_000] * 3, 4, 8, [1, 14])
+    rows = tuple(sum(sum(order) for order in sizes[layer]) for layer in (1, 14))
+    assert load_model("deepseek-v4.1-flash").engram.rows_per_layer == rows
+
+
+def test_a_fixed_kv_state_per_sequence_counts_in_memory_and_in_the_step() -> None:
+    # the same 1600 B of K/V per sequence plus 400 B that does not grow with the context (a sliding window)
+    m = replace(MODEL, kv_state_bytes_per_seq=400.0)
+    table = 2 * 1000 * 40
+    dev = concurrency_limit(m, CPU, WL, Placement("device"))
+    assert dev.concurrency == (10**6 - 2e5 - table) // 2000 and dev.device_bytes_per_seq == 2000
+    hw = replace(GPU, compute_flops=1e18)  # the step reads memory: weights + K/V
+    base = predict_point(MODEL, hw, WL, Placement("device"), 2).terms["compute"]
+    got = predict_point(m, hw, WL, Placement("device"), 2).terms["compute"]
+    assert got == pytest.approx(base + 2 * 400 / 1e12)  # each sequence reads its state once per step
+
+
+def test_prompt_tokens_cost_the_prefill_flops() -> None:
+    # a step of 5.6 tokens, 4/14 of them decode: prompt tokens multiply a quarter of the parameters
+    m = replace(MODEL, prefill_active_params=0.25e6)
+    p = predict_point(m, CPU, WL, Placement("device"), 2)
+    decode = 5.6 * 4 / 14
+    assert p.terms["compute"] == pytest.approx((decode * 2e6 + (5.6 - decode) * 0.5e6) / 2e9)
+    assert m.step_flops(10, 10) == MODEL.step_flops(10, 10)  # decode tokens as before
+
+
+def test_a_moe_step_reads_its_distinct_experts() -> None:
+    # 4 of 16 experts in 2 blocks of 100 B each: 400 B of non-expert weights + 8 x 100 B a token = 1200 B active
+    moe = MoeGeometry(experts=16, experts_per_token=4, layers=2, expert_bytes=100.0, prefill_layers=1)
+    m = replace(MODEL, weight_bytes=400 + 16 * 2 * 100, active_weight_bytes=1200.0, moe=moe)
+    assert m.step_weight_bytes(1, 1) == pytest.approx(1200)
+    two = 16 * (1 - (12 / 16) ** 2)  # distinct experts 2 tokens touch per block: 7
+    assert two == pytest.approx(7) and m.step_weight_bytes(2, 2) == pytest.approx(400 + 2 * 7 * 100)
+    # prompt tokens touch only the prefill block: 2 prompt tokens and 0 decode read 7 + 0 experts
+    assert m.step_weight_bytes(2, 0) == pytest.approx(400 + 7 * 100)
+    assert m.step_weight_bytes(1e4, 1e4) == pytest.approx(m.weight_bytes)
+    # the dense rule would read min(W, N x W_act) = all 3600 B at 3 tokens; the MoE one much less
+    assert m.step_weight_bytes(3, 3) < replace(m, moe=None).step_weight_bytes(3, 3)
 
 
 GOOD = """
@@ -314,7 +362,21 @@ def test_bad_model_specs_and_names(tmp_path: Path) -> None:
     src = (Path(load_model.__code__.co_filename).parent / "specs" / "deepseek-v4.1-flash.toml").read_text()
     bad = tmp_path / "m.toml"
     bad.write_text(src.replace("layers = [1, 14]", "layers = [1, 44]"))
-    with pytest.raises(SpecError, match=r"m\.toml.*`layers`.*must lie in 0\.\.42"):
+    with pytest.raises(SpecError, match=r"m\.toml.*`layers`.*must lie in 0\.\.39"):
+        load_model(bad)
+    bad.write_text(src.replace("rows_per_layer = [384006168, 384016682]", "rows_per_layer = [384006168]"))
+    with pytest.raises(SpecError, match="`rows_per_layer`: 1 counts for 2 layers"):
+        load_model(bad)
+    bad.write_text(src.replace("rows_per_layer = [384006168, 384016682]", "rows_per_layer = 384000000"))
+    assert load_model(bad).engram.table_bytes == 2 * 384_000_000 * 264  # one count for every layer
+    bad.write_text(src.replace("prefill_layers = 20", "prefill_layers = 41"))
+    with pytest.raises(SpecError, match=r"\[model.moe\].*prefill_layers <= layers <= n_layers"):
+        load_model(bad)
+    bad.write_text(src.replace("expert_mb = 18.80", "expert_mb = 188"))
+    with pytest.raises(SpecError, match="`expert_mb`: a token's experts outweigh active_weight_gb"):
+        load_model(bad)
+    bad.write_text(src.replace('"moe.experts" = ', '"moe.nope" = '))
+    with pytest.raises(SpecError, match="no entry for `moe.experts`"):
         load_model(bad)
     bad.write_text(src.replace("[[0.0001, 0.1553]", "[[0.0001, 1.20]"))
     with pytest.raises(SpecError, match="`hit_rate_curve`: hit rate 1.2 .* above 1"):
@@ -335,10 +397,11 @@ def test_bad_model_specs_and_names(tmp_path: Path) -> None:
 
 def test_plan_prints_the_fronts_and_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "front.png"
-    assert main(["plan", "deepseek-v4.1-flash", "h200", "--input-len", "131072", "--plot", str(png)]) == 0
+    assert main(["plan", "deepseek-v4.1-flash", "h200", "--input-len", "131072", "--max-num-seqs", "16384",
+                 "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "PREDICTION" in out and "limits" in out and "file 10% cache" in out and "host + KV offload" in out
-    assert "device memory" in out  # at 128K-token contexts the resident tables' HBM binds concurrency
+    assert "device memory" in out  # past 4,096 sequences of 128K tokens the resident tables' HBM binds
     assert png.stat().st_size > 10_000
     assert main(["plan", "deepseek-v4.1-flash", "h200", "--json", "--plot", str(png)]) == 0
     obj = json.loads(capsys.readouterr().out)

@@ -7,6 +7,7 @@ from tiergram.plan.model import (
     HardwareSpec,
     Limit,
     ModelSpec,
+    MoeGeometry,
     Placement,
     Point,
     Workload,
@@ -16,6 +17,6 @@ from tiergram.plan.model import (
 )
 from tiergram.plan.specs import SpecError, load_hardware, load_model
 
-__all__ = ["DiskSpec", "EngramGeometry", "Front", "HardwareSpec", "Limit", "ModelSpec", "Placement", "Point",
-           "SpecError", "Workload", "concurrency_limit", "load_hardware", "load_model", "predict_front",
+__all__ = ["DiskSpec", "EngramGeometry", "Front", "HardwareSpec", "Limit", "ModelSpec", "MoeGeometry", "Placement",
+           "Point", "SpecError", "Workload", "concurrency_limit", "load_hardware", "load_model", "predict_front",
            "predict_point"]

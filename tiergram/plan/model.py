@@ -22,7 +22,7 @@ class EngramGeometry:
     layers: tuple[int, ...]  # block indices (0-based) with an Engram layer
     heads: int  # rows each token reads per Engram layer (all n-gram orders together)
     row_bytes: int  # one encoded row on disk / in memory
-    rows_per_layer: int  # rows of one layer's table
+    rows_per_layer: int | tuple[int, ...]  # rows of one layer's table, or one count per layer in `layers` order
     dim: int  # values per row once dequantized
     out_bytes: int = 4  # bytes per dequantized value handed to the layer (fp32 on a CPU, bf16 on a GPU)
 
@@ -31,9 +31,31 @@ class EngramGeometry:
         return len(self.layers) * self.heads
 
     @property
+    def table_rows(self) -> int:
+        """Rows of all layers' tables."""
+        rows = self.rows_per_layer
+        return sum(rows) if isinstance(rows, tuple) else len(self.layers) * rows
+
+    @property
     def table_bytes(self) -> int:
         """All layers' tables, encoded."""
-        return len(self.layers) * self.rows_per_layer * self.row_bytes
+        return self.table_rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class MoeGeometry:
+    """Routed experts, for the weight bytes a step reads: each token picks `experts_per_token` of `experts` in
+    each of `layers` blocks, and a step reads every distinct expert its tokens picked once."""
+
+    experts: int  # routed experts per MoE block
+    experts_per_token: int  # routed experts each token activates per block
+    layers: int  # MoE blocks a decode token runs through
+    expert_bytes: float  # one routed expert's weights
+    prefill_layers: int = 0  # MoE blocks a prompt token runs through (0: all `layers`)
+
+    def distinct(self, tokens: float) -> float:
+        """Expected distinct experts per block that `tokens` uniformly routed tokens touch."""
+        return self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** max(0.0, tokens))
 
 
 @dataclass(frozen=True)
@@ -51,11 +73,38 @@ class ModelSpec:
     hit_rate_curve: tuple[tuple[float, float], ...] = ()  # (host cache fraction of the table, hit rate)
     # the same with the cache preloaded at start with the rows a corpus reads most (the engine's --hot-rows)
     hot_hit_rate_curve: tuple[tuple[float, float], ...] = ()
+    # parameters a prompt token multiplies when prefill runs fewer blocks than decode (a causal encoder-decoder
+    # runs only its encoder for the prompt); 0: active_params
+    prefill_active_params: float = 0.0
+    # K/V bytes every running sequence holds whatever its length (sliding-window attention's last tokens)
+    kv_state_bytes_per_seq: float = 0.0
+    moe: MoeGeometry | None = None  # routed experts: a step reads its distinct experts, not min(W, N·W_act)
 
     @property
     def flops_per_token(self) -> float:
-        """2 FLOPs (multiply + add) per active parameter."""
+        """2 FLOPs (multiply + add) per active parameter (a decode token's)."""
         return 2.0 * self.active_params
+
+    @property
+    def prefill_flops_per_token(self) -> float:
+        """2 FLOPs per parameter a prompt token multiplies."""
+        return 2.0 * (self.prefill_active_params or self.active_params)
+
+    def step_flops(self, tokens: float, decode_tokens: float) -> float:
+        """FLOPs of a step of `tokens` tokens, `decode_tokens` of them decode and the rest prompt tokens."""
+        decode = min(tokens, decode_tokens)
+        return decode * self.flops_per_token + (tokens - decode) * self.prefill_flops_per_token
+
+    def step_weight_bytes(self, tokens: float, decode_tokens: float) -> float:
+        """Weight bytes a step reads: dense min(W, N·W_act); MoE the non-expert weights plus each block's
+        distinct experts (prompt tokens only in the blocks prefill runs)."""
+        if self.moe is None:
+            return min(self.weight_bytes, tokens * self.active_weight_bytes)
+        m = self.moe
+        dense = self.active_weight_bytes - m.experts_per_token * m.layers * m.expert_bytes
+        pre = m.prefill_layers or m.layers
+        experts = pre * m.distinct(tokens) + (m.layers - pre) * m.distinct(min(tokens, decode_tokens))
+        return min(self.weight_bytes, dense + experts * m.expert_bytes)
 
     @property
     def hide_fraction(self) -> float:
@@ -265,8 +314,9 @@ def interpolate(curve: tuple[tuple[float, float], ...], x: float, log_x: bool = 
 # ----------------------------------------------------------------------------------------------- memory
 
 def kv_bytes_per_seq(model: ModelSpec, wl: Workload) -> float:
-    """K/V bytes one running sequence holds at its end (rounded up to whole blocks)."""
-    return math.ceil(wl.seq_tokens / wl.block_size) * wl.block_size * model.kv_bytes_per_token
+    """K/V bytes one running sequence holds at its end (rounded up to whole blocks), with its fixed state."""
+    blocks = math.ceil(wl.seq_tokens / wl.block_size)
+    return blocks * wl.block_size * model.kv_bytes_per_token + model.kv_state_bytes_per_seq
 
 
 def fixed_memory(model: ModelSpec, placement: Placement) -> tuple[float, float]:
@@ -365,27 +415,31 @@ def prompt_read_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 
 def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int, tokens: float,
-                  context: float, waited_tokens: float | None = None, queue_s: float = 0.0, late_s: float = 0.0
-                  ) -> tuple[float, dict[str, float], str, float | None]:
+                  context: float, waited_tokens: float | None = None, queue_s: float = 0.0, late_s: float = 0.0,
+                  decode_tokens: float | None = None) -> tuple[float, dict[str, float], str, float | None]:
     """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c).
 
     `waited_tokens`: the tokens whose missed rows the step waits for (None: all; with prompt_rows_first, the
     decode tokens); the rest are read beside the step: they load the disk and the reader's CPU, not the wait.
     `queue_s`: time the step's reads wait in the read queue behind other reads before their own start.
-    `late_s`: time the step waits for prompt rows whose read-ahead has not finished (without prompt_rows_first)."""
+    `late_s`: time the step waits for prompt rows whose read-ahead has not finished (without prompt_rows_first).
+    `decode_tokens`: the step's decode tokens (None: the workload's decode share of `tokens`); the rest are
+    prompt tokens, which cost the model's prefill FLOPs."""
     g = model.engram
     rows = tokens * g.rows_per_token
     waited_rows = rows if waited_tokens is None else waited_tokens * g.rows_per_token
+    decode = tokens * decode_share(wl) if decode_tokens is None else decode_tokens
     terms: dict[str, float] = {}
     # backbone compute
     if hw.kind == "cpu":
         # calibrate measured seconds per token on one model and wrote compute_flops = its FLOPs per token / that:
         # the same model gets back exactly the measured cost, another model its FLOPs' share of it
-        compute = tokens * model.flops_per_token / hw.compute_flops
+        compute = model.step_flops(tokens, decode) / hw.compute_flops
     else:
-        flops = tokens * model.flops_per_token / hw.compute_flops
-        weights = min(model.weight_bytes, tokens * model.active_weight_bytes) / hw.device_bw
-        kv_read = c * context * model.kv_bytes_per_token / hw.device_bw  # offloaded K/V is copied in, then read
+        flops = model.step_flops(tokens, decode) / hw.compute_flops
+        weights = model.step_weight_bytes(tokens, decode) / hw.device_bw
+        # offloaded K/V is copied in, then read; every sequence also reads its fixed (sliding-window) state
+        kv_read = c * (context * model.kv_bytes_per_token + model.kv_state_bytes_per_seq) / hw.device_bw
         compute = max(flops, weights + kv_read)
     terms["compute"] = compute
     terms["overhead"] = hw.step_overhead_s + c * hw.per_seq_s
@@ -428,7 +482,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     if placement.kv_offload:  # the sequences past the device's K/V room stream their K/V in every step
         dev_room = kv_room(model, hw, wl, placement)[0]
         spilled = max(0.0, c - dev_room // kv_bytes_per_seq(model, wl))
-        kv_link = spilled * context * model.kv_bytes_per_token
+        kv_link = spilled * (context * model.kv_bytes_per_token + model.kv_state_bytes_per_seq)
     kv_dram = kv_link
     hide = model.hide_fraction * compute
     if hw.kind == "gpu":

@@ -15,7 +15,7 @@ from typing import Any
 
 import tomllib
 
-from tiergram.plan.model import DiskSpec, EngramGeometry, HardwareSpec, ModelSpec
+from tiergram.plan.model import DiskSpec, EngramGeometry, HardwareSpec, ModelSpec, MoeGeometry
 
 SPEC_DIR = Path(__file__).parent / "specs"
 GB = 1e9
@@ -33,7 +33,7 @@ class Field:
     attr: str  # dataclass attribute
     scale: float = 1.0  # file unit -> dataclass unit
     required: bool = True
-    kind: str = "number"  # number | int | str | curve | ints
+    kind: str = "number"  # number | int | str | curve | ints | counts (an integer > 0, or a list of them)
     minimum: float = 0.0  # numbers must be >= this (and > 0 when positive)
     positive: bool = False
 
@@ -79,12 +79,21 @@ MODEL_FIELDS = (
     Field("activation_gb", "activation_bytes", GB, required=False),
     Field("hit_rate_curve", "hit_rate_curve", kind="curve", required=False),
     Field("hot_hit_rate_curve", "hot_hit_rate_curve", kind="curve", required=False),
+    Field("prefill_active_params_b", "prefill_active_params", 1e9, positive=True, required=False),
+    Field("kv_state_bytes_per_seq", "kv_state_bytes_per_seq", required=False),
+)
+MOE_FIELDS = (
+    Field("experts", "experts", kind="int", positive=True),
+    Field("experts_per_token", "experts_per_token", kind="int", positive=True),
+    Field("layers", "layers", kind="int", positive=True),
+    Field("expert_mb", "expert_bytes", 1e6, positive=True),
+    Field("prefill_layers", "prefill_layers", kind="int", positive=True, required=False),
 )
 ENGRAM_FIELDS = (
     Field("layers", "layers", kind="ints"),
     Field("heads", "heads", kind="int", positive=True),
     Field("row_bytes", "row_bytes", kind="int", positive=True),
-    Field("rows_per_layer", "rows_per_layer", kind="int", positive=True),
+    Field("rows_per_layer", "rows_per_layer", kind="counts", positive=True),
     Field("dim", "dim", kind="int", positive=True),
     Field("out_bytes", "out_bytes", kind="int", positive=True, required=False),
 )
@@ -110,6 +119,10 @@ def _value(path: Path, table: str, f: Field, raw: Any) -> Any:
                                                             for x in raw):
             raise SpecError(f"{where}: expected a non-empty list of integers >= 0, got {raw!r}")
         return tuple(raw)
+    if f.kind == "counts" and isinstance(raw, list):
+        if not raw or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw):
+            raise SpecError(f"{where}: expected an integer > 0 or a non-empty list of them, got {raw!r}")
+        return tuple(raw)
     if f.kind == "curve":
         ok = isinstance(raw, list) and raw and all(
             isinstance(p, list) and len(p) == 2 and all(_is_number(x) for x in p) for p in raw)
@@ -121,13 +134,14 @@ def _value(path: Path, table: str, f: Field, raw: Any) -> Any:
         if [x for x, _ in pts] != sorted({x for x, _ in pts}):
             raise SpecError(f"{where}: x must increase strictly from pair to pair, got {raw!r}")
         return pts
-    if not _is_number(raw) or (f.kind == "int" and not float(raw).is_integer()):
-        what = "an integer" if f.kind == "int" else "a number"
+    integer = f.kind in ("int", "counts")
+    if not _is_number(raw) or (integer and not float(raw).is_integer()):
+        what = "an integer" if integer else "a number"
         raise SpecError(f"{where}: expected {what}, got {raw!r}")
     v = float(raw)
     if not math.isfinite(v) or v < f.minimum or (f.positive and v <= 0):
         raise SpecError(f"{where}: must be {'> 0' if f.positive else '>= 0'} and finite, got {raw!r}")
-    return int(v) if f.kind == "int" else v * f.scale
+    return int(v) if integer else v * f.scale
 
 
 def _is_number(x: Any) -> bool:
@@ -190,20 +204,43 @@ def load_model(spec: str | Path) -> ModelSpec:
     if "model" not in data:
         raise SpecError(f"{path}: no [model] table (is this a hardware spec?)")
     sources = _sources(path, data)
-    m = _fields(path, "model", data["model"], MODEL_FIELDS, sources, sub=("engram",))
+    m = _fields(path, "model", data["model"], MODEL_FIELDS, sources, sub=("engram", "moe"))
     if "engram" not in data["model"]:
         raise SpecError(f"{path}: [model] misses the [model.engram] table")
     e = _fields(path, "model.engram", data["model"]["engram"], ENGRAM_FIELDS, sources, prefix="engram.")
     if max(e["layers"]) >= m["n_layers"]:
         raise SpecError(f"{path}: [model.engram] field `layers`: {list(e['layers'])} must lie in "
                         f"0..{m['n_layers'] - 1} (n_layers = {m['n_layers']})")
+    rows = e["rows_per_layer"]
+    if isinstance(rows, tuple) and len(rows) != len(e["layers"]):
+        raise SpecError(f"{path}: [model.engram] field `rows_per_layer`: {len(rows)} counts for "
+                        f"{len(e['layers'])} layers {list(e['layers'])}")
     if m["active_weight_bytes"] > m["weight_bytes"]:
         raise SpecError(f"{path}: [model] field `active_weight_gb`: larger than weight_gb")
+    if "moe" in data["model"]:
+        m["moe"] = _moe(path, _fields(path, "model.moe", data["model"]["moe"], MOE_FIELDS, sources, prefix="moe."),
+                        m)
     for field in ("hit_rate_curve", "hot_hit_rate_curve"):
         for name, v in m.get(field, ()):
             if v > 1:
                 raise SpecError(f"{path}: [model] field `{field}`: hit rate {v} at {name} is above 1")
     return ModelSpec(**m, engram=EngramGeometry(**e))
+
+
+def _moe(path: Path, f: dict[str, Any], m: dict[str, Any]) -> MoeGeometry:
+    """The [model.moe] table, checked against the model's blocks and weights."""
+    moe = MoeGeometry(**f)
+    where = f"{path}: [model.moe]"
+    if moe.experts_per_token > moe.experts:
+        raise SpecError(f"{where} field `experts_per_token`: {moe.experts_per_token} of {moe.experts} experts")
+    if moe.layers > m["n_layers"] or moe.prefill_layers > moe.layers:
+        raise SpecError(f"{where} field `layers`/`prefill_layers`: need prefill_layers <= layers <= n_layers, got "
+                        f"{moe.prefill_layers}, {moe.layers}, {m['n_layers']}")
+    if moe.experts_per_token * moe.layers * moe.expert_bytes > m["active_weight_bytes"]:
+        raise SpecError(f"{where} field `expert_mb`: a token's experts outweigh active_weight_gb")
+    if moe.experts * moe.layers * moe.expert_bytes > m["weight_bytes"]:
+        raise SpecError(f"{where} field `expert_mb`: all experts outweigh weight_gb")
+    return moe
 
 
 def resolve(spec: str | Path, what: str) -> Path:
