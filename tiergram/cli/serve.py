@@ -138,6 +138,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-stop-chars", type=int, default=256, help="characters of one stop string")
     lim.add_argument("--unhealthy-after", type=int, default=8,
                      help="engine steps failing in a row before /health answers 503 unhealthy")
+    lim.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                     help="seconds a request's headers may take from its first byte; beyond: 408 and closed")
+    lim.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds a request's whole body may take after its headers; beyond: 408 and closed")
+    lim.add_argument("--max-connections", type=int, default=1024,
+                     help="open connections; more are answered 503 (Retry-After) and closed at once")
+    lim.add_argument("--max-reading", type=int, default=256,
+                     help="requests still reading their body or being tokenized; more are answered 429 (Retry-After)")
+    acc = p.add_argument_group("access (docs/serving.md, \"Access\")")
+    acc.add_argument("--api-key", default=os.environ.get("TIERGRAM_API_KEY"),
+                     help="a Bearer token every endpoint but --public-paths needs (default: $TIERGRAM_API_KEY; "
+                          "none: no key needed)")
+    acc.add_argument("--public-paths", default="/health,/metrics",
+                     help="comma-separated paths served without the API key")
+    acc.add_argument("--allowed-hosts", default=None,
+                     help="comma-separated Host header names the server answers to, * for any (default: on a "
+                          "loopback bind localhost and loopback addresses only, so DNS rebinding is refused; on any "
+                          "other bind any)")
+    acc.add_argument("--cors-origins", default="",
+                     help="comma-separated origins a browser page may call the API from, * for any (default: none; "
+                          "a request from any other origin is refused 403)")
+    acc.add_argument("--debug", action="store_true",
+                     help="error bodies carry exception text, file paths and tracebacks (else only the log does)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -146,17 +169,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tiergram.engine import LLMEngine, serving_torch_threads
     from tiergram.server import EngineProcess, EngineStartError, serve
+    from tiergram.server.edge import Edge
     from tiergram.server.protocol import Limits
 
     if args.torch_threads < 0:
         raise SystemExit(f"tiergram serve: error: --torch-threads must be >= 0, got {args.torch_threads}")
     threads = serving_torch_threads(args.torch_threads)
-    for name in ("max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "unhealthy_after"):
+    for name in ("max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "unhealthy_after",
+                 "header_timeout", "body_timeout", "max_connections", "max_reading"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"tiergram serve: error: --{name.replace('_', '-')} must be >= 1, got {value}")
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                     max_stop=args.max_stop, max_stop_chars=args.max_stop_chars)
+    edge = Edge(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                max_connections=args.max_connections, max_reading=args.max_reading, api_key=args.api_key or None,
+                public_paths=_names(args.public_paths), allowed_hosts=_names(args.allowed_hosts),
+                cors_origins=_names(args.cors_origins), debug=args.debug)
     engine_cpu = None
     if getattr(args, "engine_core", False):
         from tiergram.server.affinity import keep_off_engine_core, split_cpus
@@ -186,4 +215,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
              f"{sorted(os.sched_getaffinity(0))}"), file=sys.stderr, flush=True)
     return serve(engine, host=args.host, port=args.port, log_level=args.log_level,
                  drain_timeout_s=args.drain_timeout, model_name=args.served_model_name, limits=limits,
-                 unhealthy_after=args.unhealthy_after, engine_cpu=engine_cpu)
+                 unhealthy_after=args.unhealthy_after, engine_cpu=engine_cpu, edge=edge)
+
+
+def _names(text: str | None) -> tuple[str, ...] | None:
+    """'a, b,' -> ('a', 'b'); None stays None."""
+    return None if text is None else tuple(n.strip() for n in text.split(",") if n.strip())

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import resource
 import signal
 import socket
 import sys
@@ -17,9 +19,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from tiergram.engine import LLMEngine, QueueFullError
-from tiergram.server.async_engine import AsyncEngine, EngineDeadError
+from tiergram.server.async_engine import AsyncEngine, EngineDeadError, EngineLoopError
+from tiergram.server.edge import REFUSED, RETRY_AFTER_S, Edge, Guard, edge_protocol, is_loopback
 from tiergram.server.engine_process import EngineProcess
 from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergram.server.openapi import openapi_schema
@@ -30,6 +35,7 @@ from tiergram.server.protocol import (
     Limits,
     bad,
     chunk,
+    redact,
     response,
     tokenize,
     validate_request,
@@ -40,10 +46,16 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client has gone
 INLINE_TOKENIZE_CHARS = 2048  # longer prompts are tokenized on a worker thread, off the event loop
 UNHEALTHY_AFTER = 8  # engine steps failing in a row before /health says unhealthy
+FD_RESERVE = 256  # file descriptors kept beside the connection cap: tables, pipes, the engine's own
+log = logging.getLogger("uvicorn.error")  # uvicorn's: it follows --log-level
 
 
 class RequestFailed(RuntimeError):
     """The engine ended this request with an error (its step failed, or its own sampling); the message says why."""
+
+
+class _ClientGone(Exception):
+    """The client closed the connection (or the edge's deadline closed it) before its request was read."""
 
 
 def _reject_constant(name: str) -> Any:
@@ -61,10 +73,26 @@ class ServerState:
     vocab_size: int
     tokenizer: Any
     limits: Limits = field(default_factory=Limits)
+    edge: Edge = field(default_factory=Edge)
     unhealthy_after: int = UNHEALTHY_AFTER
     draining: bool = False
     in_flight: int = 0
+    reading: int = 0  # requests reading their body or being tokenized
+    connections: int = 0  # open HTTP connections
     started: float = 0.0
+
+    def shown(self, text: str) -> str:
+        """An error's text as a client sees it: paths cut to their names, unless --debug."""
+        return text if self.edge.debug else redact(text)
+
+    def internal(self, e: BaseException, what: str) -> str:
+        """Log an unexpected exception with its traceback; the message a client gets (the text only with --debug)."""
+        log.error("%s: %s: %s", what, type(e).__name__, e, exc_info=e)
+        if self.edge.debug:
+            import traceback
+
+            return f"{what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}"
+        return f"{what}: an internal error (the server log has the details)"
 
 
 class _CountStatus:
@@ -77,7 +105,7 @@ class _CountStatus:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status = 500  # what uvicorn answers an app that sent nothing
 
         async def send_counting(message: dict) -> None:
             nonlocal status
@@ -88,6 +116,7 @@ class _CountStatus:
         try:
             await self.app(scope, receive, send_counting)
         finally:
+            status = scope.get(REFUSED, status)  # the edge answered it (a deadline), the app saw a disconnect
             path = scope.get("path", "")
             self.metrics.count_request(path if path in ENDPOINTS else "other", status)
 
@@ -136,7 +165,7 @@ class _Generation:
         self.token_ids += new
         if out.finished and out.finish_reason == "error":
             self.finish_reason = "error"
-            raise RequestFailed(f"the request failed in the engine: {out.error}")
+            raise RequestFailed(f"the request failed in the engine: {self.state.shown(out.error or '')}")
         text = self.detok.push(new, final=out.finished)
         if out.finished:
             self.finish_reason = out.finish_reason or "stop"
@@ -183,12 +212,12 @@ async def _stream(gen: _Generation, q: asyncio.Queue) -> AsyncIterator[str]:
                 first = False
         if gen.req.include_usage:
             yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids)))
-    except (EngineDeadError, RequestFailed) as e:
+    except (EngineDeadError, EngineLoopError, RequestFailed) as e:
         gen.finish_reason = "error"
-        yield sse(APIError(500, str(e), "server_error").body())
+        yield sse(APIError(500, gen.state.shown(str(e)), "server_error").body())
     except Exception as e:  # noqa: BLE001 - this request's own failure (e.g. detokenizing): it alone ends
         gen.finish_reason = "error"
-        yield sse(APIError(500, f"the request failed: {type(e).__name__}: {e}", "server_error").body())
+        yield sse(APIError(500, gen.state.internal(e, "the request failed"), "server_error").body())
     finally:
         gen.close()
     yield "data: [DONE]\n\n"
@@ -211,14 +240,14 @@ async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict
                     return None
                 check_at = time.monotonic() + DISCONNECT_POLL_S
         return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens)
-    except (EngineDeadError, RequestFailed) as e:
+    except (EngineDeadError, EngineLoopError, RequestFailed) as e:
         gen.finish_reason = "error"
-        raise APIError(500, str(e), "server_error") from None
+        raise APIError(500, gen.state.shown(str(e)), "server_error") from None
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - this request's own failure: a 500 for it alone
         gen.finish_reason = "error"
-        raise APIError(500, f"the request failed: {type(e).__name__}: {e}", "server_error") from None
+        raise APIError(500, gen.state.internal(e, "the request failed"), "server_error") from None
     finally:
         if getter is not None:
             getter.cancel()
@@ -232,13 +261,21 @@ async def _read_body(request: Request, limit: int) -> bytes:
         raise APIError(413, f"the request body has {declared} bytes, more than the {limit} this server takes",
                        "invalid_request_error", None, "request_too_large")
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise APIError(413, f"the request body exceeds the {limit} bytes this server takes",
-                           "invalid_request_error", None, "request_too_large")
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the {limit} bytes this server takes",
+                               "invalid_request_error", None, "request_too_large")
+            parts.append(part)
+    except ClientDisconnect:
+        raise _ClientGone from None
     return b"".join(parts)
+
+
+def _overloaded(message: str, code: str) -> APIError:
+    """A 429 telling the client when to retry."""
+    return APIError(429, message, "rate_limit_error", code=code, headers={"retry-after": str(RETRY_AFTER_S)})
 
 
 def _json(raw: bytes) -> Any:
@@ -254,9 +291,11 @@ def _json(raw: bytes) -> Any:
 
 
 def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = None, limits: Limits | None = None,
-               unhealthy_after: int = UNHEALTHY_AFTER, engine_cpu: int | None = None) -> FastAPI:
+               unhealthy_after: int = UNHEALTHY_AFTER, engine_cpu: int | None = None, edge: Edge | None = None
+               ) -> FastAPI:
     """The FastAPI app serving an engine: an LLMEngine stepped by a thread of this process (on `engine_cpu` alone,
-    if given), or an EngineProcess (either starts and stops with the app's lifespan)."""
+    if given), or an EngineProcess (either starts and stops with the app's lifespan); `edge`: its deadlines, caps
+    and access rules (run it with serve or serve_in_thread, which apply the connection ones)."""
     if engine_cpu is not None and isinstance(engine, EngineProcess):
         raise ValueError("engine_cpu pins the engine thread of this process; an EngineProcess has none")
     aengine = engine if isinstance(engine, EngineProcess) else AsyncEngine(engine, engine_cpu=engine_cpu)
@@ -264,8 +303,9 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
     state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=model_name or engine.model_name,
                         max_model_len=int(engine.max_model_len),
                         vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok,
-                        limits=limits or Limits(), unhealthy_after=unhealthy_after)
-    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts),
+                        limits=limits or Limits(), edge=edge or Edge(), unhealthy_after=unhealthy_after)
+    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts,
+                                           (state.connections, state.reading, aengine.open_requests)),
                                   engine_cpu=(lambda: aengine.engine_cpu_seconds)
                                   if isinstance(aengine, EngineProcess) else None)
 
@@ -280,16 +320,23 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
 
     app = FastAPI(title="tiergram", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tiergram = state
+    app.add_middleware(Guard, edge=state.edge)  # (the last added runs first: count, CORS, then the guard)
+    if state.edge.cors_origins:  # a browser's preflight is answered before the guard asks for a key
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.edge.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
     app.add_middleware(_CountStatus, metrics=state.metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(request: Request, _: _ClientGone) -> Response:
+        return Response(status_code=request.scope.get(REFUSED, 499))  # nobody reads it; counted as what it was
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error").body(),
-                            status_code=500)
+        return JSONResponse(APIError(500, state.internal(e, "internal error"), "server_error").body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -300,13 +347,15 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
     @app.get("/health")
     async def health() -> JSONResponse:
         if not aengine.alive:
-            return JSONResponse({"status": "error", "error": repr(aengine.error)}, status_code=503)
+            return JSONResponse({"status": "error", "error": state.shown(str(aengine.error or "the engine stopped"))},
+                                status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         m = aengine.snapshot
         body = {"status": "ok", "model": state.model_name, "max_model_len": state.max_model_len,
                 "kv_blocks_total": m.kv_blocks_total, "num_running": m.num_running, "num_waiting": m.num_waiting,
-                "faults": m.faults, "consecutive_faults": m.consecutive_faults, "last_fault": m.last_fault,
+                "faults": m.faults, "consecutive_faults": m.consecutive_faults,
+                "last_fault": m.last_fault and state.shown(m.last_fault),
                 "failed_requests": m.failed_requests}
         if m.consecutive_faults >= state.unhealthy_after:  # every step fails: a fault that does not go away
             return JSONResponse({**body, "status": "unhealthy"}, status_code=503)
@@ -325,17 +374,8 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def generate(kind: str, request: Request) -> Response:
-        arrival = time.perf_counter()
-        if state.draining:
-            raise APIError(503, "the server is shutting down and accepts no new requests", "server_error",
-                           code="draining")
-        try:
-            aengine.check_capacity()  # a request that will get 429 costs nothing: not even its body is parsed
-        except QueueFullError as e:
-            state.metrics.finished.labels(reason="rejected").inc()
-            raise APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
-                           code="queue_full") from None
+    async def _admit(kind: str, request: Request) -> GenerationRequest:
+        """Read, validate and tokenize a generation request."""
         body = _json(await _read_body(request, state.limits.max_body_bytes))
         req = validate_request(kind, body, model_name=state.model_name, max_model_len=state.max_model_len,
                                vocab_size=state.vocab_size, limits=state.limits)
@@ -346,20 +386,40 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
                 await asyncio.to_thread(tokenize, *args, **kw)
             else:
                 tokenize(*args, **kw)
+        return req
+
+    async def generate(kind: str, request: Request) -> Response:
+        arrival = time.perf_counter()
+        if state.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests", "server_error",
+                           code="draining")
+        try:
+            aengine.check_capacity()  # a request that will get 429 costs nothing: not even its body is parsed
+        except QueueFullError as e:
+            state.metrics.finished.labels(reason="rejected").inc()
+            raise _overloaded(f"the server is at capacity ({e}); retry later", "queue_full") from None
+        if state.reading >= state.edge.max_reading:  # bodies held in memory, prompts waiting for a tokenizer
+            state.metrics.finished.labels(reason="rejected").inc()
+            raise _overloaded(f"{state.reading} requests are being read or tokenized, this server's limit; retry "
+                              "later", "too_many_reading")
+        state.reading += 1
+        try:
+            req = await _admit(kind, request)
+        finally:
+            state.reading -= 1
         state.in_flight += 1
         gen = _Generation(state, req, arrival)
         try:
             q = await aengine.add(req.request_id, req.prompt_token_ids, req.params)
         except QueueFullError as e:
             gen.fail("rejected")
-            raise APIError(429, f"the server is at capacity ({e}); retry later", "rate_limit_error",
-                           code="queue_full") from None
+            raise _overloaded(f"the server is at capacity ({e}); retry later", "queue_full") from None
         except ValueError as e:
             gen.fail("rejected")
             raise bad(str(e)) from None
         except EngineDeadError as e:
             gen.fail("rejected")
-            raise APIError(503, str(e), "server_error") from None
+            raise APIError(503, state.shown(str(e)), "server_error") from None
         except BaseException:
             gen.fail("abort")
             raise
@@ -408,6 +468,30 @@ def _draining_server_class() -> type:
     return DrainingServer
 
 
+def uvicorn_config(app: FastAPI, **kw: Any) -> Any:
+    """uvicorn's Config for an app of create_app's: its own h11 protocol keeps the edge's deadlines and caps."""
+    import uvicorn
+
+    state: ServerState = app.state.tiergram
+
+    def count(delta: int) -> None:
+        state.connections += delta
+
+    protocol = edge_protocol(state.edge, lambda status: state.metrics.count_request("other", status), count)
+    return uvicorn.Config(app, http=protocol, lifespan="on", **kw)
+
+
+def open_files_for(max_connections: int) -> int:
+    """Raise this process's open-file limit (up to the hard one) to hold max_connections and FD_RESERVE more;
+    the connections it holds then (fewer when the hard limit is lower)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return max_connections if soft == resource.RLIM_INFINITY else max(1, min(max_connections, soft - FD_RESERVE))
+
+
 @contextmanager
 def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[str]:
     """An app (create_app's) served by uvicorn in a daemon thread of this process on a free loopback port; yields
@@ -416,7 +500,7 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -434,12 +518,20 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
 
 def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           drain_timeout_s: float = 60.0, model_name: str | None = None, limits: Limits | None = None,
-          unhealthy_after: int = UNHEALTHY_AFTER, engine_cpu: int | None = None) -> int:
-    """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening)."""
-    import uvicorn
-
+          unhealthy_after: int = UNHEALTHY_AFTER, engine_cpu: int | None = None, edge: Edge | None = None) -> int:
+    """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening). Hosts
+    not named in edge.allowed_hosts are refused; left unset, a loopback bind answers loopback names only and any
+    other bind any name."""
+    edge = edge or Edge()
+    if edge.allowed_hosts is None and not is_loopback(host):
+        edge.allowed_hosts = ("*",)
+    held = open_files_for(edge.max_connections)
+    if held < edge.max_connections:
+        print(f"tiergram serve: the open-file limit holds {held} connections, not --max-connections "
+              f"{edge.max_connections}", file=sys.stderr, flush=True)
+        edge.max_connections = held
     app = create_app(engine, model_name=model_name, limits=limits, unhealthy_after=unhealthy_after,
-                     engine_cpu=engine_cpu)
+                     engine_cpu=engine_cpu, edge=edge)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on such sockets, and without it Nagle holds
     # each streamed chunk for the client's delayed ACK (~40 ms) on keep-alive connections
@@ -448,7 +540,7 @@ def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: i
     sock.bind((host, port))
     sock.listen(2048)  # connections queue from now on, answered once the app has started
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, lifespan="on")
+    config = uvicorn_config(app, log_level=log_level, timeout_keep_alive=30)
     server = _draining_server_class()(config, app.state.tiergram, drain_timeout_s)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"tiergram serve: {app.state.tiergram.model_name} on http://{shown}:{bound}", flush=True)

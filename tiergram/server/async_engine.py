@@ -20,10 +20,15 @@ from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
 from tiergram.server.affinity import pin_this_thread
 
 SNAPSHOT_EVERY_S = 0.02  # engine metrics are snapshotted at most this often while busy (always when idle)
+RESTART_PAUSE_S = 0.1  # the engine loop waits this long after a failure outside a step before it goes on
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shutdown, or a failure outside any step); no more outputs will come."""
+    """The engine thread stopped (shutdown); no more outputs will come."""
+
+
+class EngineLoopError(RuntimeError):
+    """The engine loop failed outside a step (a snapshot, an abort): the requests open then failed; it went on."""
 
 
 class Stream(Protocol):
@@ -120,6 +125,11 @@ class AsyncEngine:
         """Whether the engine thread is running."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def open_requests(self) -> int:
+        """Requests this side holds a stream for (0 once every request has finished or been aborted)."""
+        return len(self._streams)
+
     def start(self) -> None:
         """Start the engine thread."""
         if self._thread is None:
@@ -204,25 +214,46 @@ class AsyncEngine:
             pin_this_thread(self.engine_cpu)
         try:
             while not self._stopping:
-                changed = self._handle_inbox()
-                if self.engine.has_unfinished():
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as e:  # noqa: BLE001 - outside the engine's own isolation: fail what is open
-                        self.engine.record_fault(e)
-                        outputs = self.engine.fail_all(e)
-                    self._deliver(outputs)
-                    self._take_snapshot(force=changed)
-                    self._updated()
-                else:
-                    self._take_snapshot(force=True)
-                    self._updated()
-                    self._wake.wait(self.idle_wait_s)
-                    self._wake.clear()
-        except BaseException as e:  # a failed step: every waiting request gets the error
+                try:
+                    self._turn()
+                except Exception as e:  # noqa: BLE001 - the supervisor: fail what is open, then go on
+                    self._recover(e)
+        except BaseException as e:  # (KeyboardInterrupt, SystemExit): every waiting request gets the error
             self.error = e
         finally:
             self._fail_all(self.error)
+
+    def _turn(self) -> None:
+        """One round of the loop: the inbox, then a step (or an idle wait)."""
+        changed = self._handle_inbox()
+        if self.engine.has_unfinished():
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - outside the engine's own isolation: fail what is open
+                self.engine.record_fault(e)
+                outputs = self.engine.fail_all(e)
+            self._deliver(outputs)
+            self._take_snapshot(force=changed)
+            self._updated()
+        else:
+            self._take_snapshot(force=True)
+            self._updated()
+            self._wake.wait(self.idle_wait_s)
+            self._wake.clear()
+
+    def _recover(self, error: Exception) -> None:
+        """After an exception outside a step: count a fault, fail every open request naming it, pause, go on."""
+        err = EngineLoopError(f"the engine loop failed and restarted: {type(error).__name__}: {error}")
+        try:
+            self.engine.record_fault(error)
+            self._deliver(self.engine.fail_all(err))
+        except Exception:  # noqa: BLE001, S110 - the engine itself is broken: its streams still get the error
+            pass
+        for stream in self._streams.values():
+            stream.put(err)
+        self._streams.clear()
+        self._updated()
+        time.sleep(RESTART_PAUSE_S)  # a failure that repeats does not spin
 
     def _deliver(self, outputs: list[Any]) -> None:
         """Hand each RequestOutput to its request's queue (a finished request's stream is dropped)."""

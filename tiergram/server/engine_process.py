@@ -152,7 +152,7 @@ def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
                 stream = _PipeStream(rid, outbox)
                 try:
                     core.submit(rid, ids, params, stream)
-                except (QueueFullError, EngineDeadError) as e:
+                except Exception as e:  # noqa: BLE001 - refused (a full queue, a read-ahead that failed): say why
                     stream.accept(e)
             elif msg[0] == "abort":
                 core.abort(msg[1])
@@ -266,8 +266,16 @@ class EngineProcess:
         self._send(("add", request_id, list(prompt_token_ids), params))
         return await accepted(stream, lambda: self.abort(request_id))
 
+    @property
+    def open_requests(self) -> int:
+        """Requests this side holds a stream for (0 once every request has finished or been aborted)."""
+        return len(self._streams)
+
     def abort(self, request_id: str) -> None:
-        """Abort a request; no-op when it has finished."""
+        """Abort a request and forget its stream (the engine sends nothing more for it); no-op when it has
+        finished."""
+        with self._lock:
+            self._streams.pop(request_id, None)
         self._send(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:

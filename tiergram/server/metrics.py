@@ -28,11 +28,13 @@ class ServerMetrics:
     """Request-level metrics of the HTTP server (thread-safe) and the rendering of /metrics.
 
     Each ServerMetrics has its own registry, so several servers in one process (tests) do not share counters.
-    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, cache_counts);
+    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, cache_counts,
+    (open connections, requests reading, requests holding engine state));
     `engine_cpu()`, when the engine runs in a process of its own, that process's CPU seconds.
     """
 
-    def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int] | None]] | None = None,
+    def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int] | None, tuple[int, int, int]]]
+                 | None = None,
                  engine_cpu: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -88,8 +90,11 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Any]:
         if self.metrics._state is None:
             return
-        engine, in_flight, draining, cache_counts = self.metrics._state()
+        engine, in_flight, draining, cache_counts, (connections, reading, streams) = self.metrics._state()
         yield _gauge("tiergram_requests_in_flight", "HTTP generation requests being served.", in_flight)
+        yield _gauge("tiergram_http_connections", "Open HTTP connections.", connections)
+        yield _gauge("tiergram_requests_reading", "Requests reading their body or being tokenized.", reading)
+        yield _gauge("tiergram_requests_tracked", "Requests the HTTP side holds engine state for.", streams)
         yield _gauge("tiergram_draining", "1 while the server drains before exiting.", int(draining))
         if engine is not None:
             yield from engine_metrics(engine)

@@ -18,10 +18,13 @@ def _ids(max_items: int, vocab_size: int, min_items: int = 0) -> dict[str, Any]:
 def _error_responses() -> dict[str, Any]:
     ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     return {str(code): {"description": what, **ref} for code, what in (
-        (400, "invalid request: a field, a limit, the prompt's length"), (404, "unknown model"),
-        (413, "the request body is too large"), (429, "the waiting queue is full"),
+        (400, "invalid request: a field, a limit, the prompt's length, a Host not allowed"),
+        (401, "an API key is needed (serve --api-key)"), (403, "a browser request from an origin not allowed"),
+        (404, "unknown model"), (408, "the request's headers or body did not arrive in time"),
+        (413, "the request body is too large"),
+        (429, "the waiting queue is full, or too many requests are being read (Retry-After)"),
         (500, "the request failed in the engine (a table read, its sampling)"),
-        (503, "draining, or the engine stopped"))}
+        (503, "draining, too many connections (Retry-After), or the engine stopped"))}
 
 
 def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits: Limits | None = None

@@ -12,6 +12,7 @@ Responses carry `token_ids` in each choice (and each streamed chunk) besides the
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,16 +26,32 @@ CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 
 
 class APIError(Exception):
-    """An error answered with an HTTP status and the OpenAI error object."""
+    """An error answered with an HTTP status and the OpenAI error object (and `headers`, e.g. Retry-After)."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        # a value echoed from the request may hold a lone surrogate, which no UTF-8 encoder takes: escape it
+        message, param = _printable(message), None if param is None else _printable(param)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    """text, its lone surrogates written as escapes (\\ud800)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_PATH = re.compile(r"(?<![\w.~])(?:/[^\s/'\"():,]+)+/([^\s/'\"():,]+)")
+
+
+def redact(text: str) -> str:
+    """An error message for a client: each absolute path cut to its last name (the log keeps the whole text)."""
+    return _PATH.sub(r"\1", text)
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -130,7 +147,11 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}], got an integer too large "
+                  "for a number", name) from None
     if not (lo < value <= hi if open_lo else lo <= value <= hi):
         raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {value!r}", name)
     return value

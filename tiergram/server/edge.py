@@ -1,0 +1,218 @@
+"""The server's edge: deadlines and caps on connections (an h11 protocol for uvicorn), and who may call (API key,
+Host and Origin checks, as ASGI middleware).
+
+A connection's request must send its headers within `header_timeout_s` of its first byte (or of the connection's
+opening) and its body within `body_timeout_s` of its headers, a total deadline however the bytes trickle in; past
+either it is answered 408 and closed. Beyond `max_connections` open connections a new one is answered 503 with
+Retry-After and closed at once. The app caps the requests still reading their body or being tokenized
+(`max_reading`, 429 with Retry-After).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import h11
+from starlette.responses import Response
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+REFUSE_GRACE_S = 1.0  # a refused connection is read (and dropped) this long before closing, so the answer is not
+# lost to a reset from the client's unread bytes
+RETRY_AFTER_S = 1  # what a client refused for overload is told to wait
+REFUSED = "tiergram.refused"  # scope key: the status the edge answered for a request whose app then saw a disconnect
+
+
+@dataclass
+class Edge:
+    """What the server's edge allows: deadlines, caps, who may call, what errors show."""
+
+    header_timeout_s: float = 10.0  # a request's headers, from its first byte (408 beyond)
+    body_timeout_s: float = 30.0  # a request's whole body, from its headers (408 beyond)
+    max_connections: int = 1024  # open connections; more are answered 503 at once
+    max_reading: int = 256  # requests reading their body or being tokenized; more are answered 429 at once
+    api_key: str | None = None  # Bearer token every path but public_paths needs
+    public_paths: tuple[str, ...] = ("/health", "/metrics")
+    allowed_hosts: tuple[str, ...] | None = None  # Host header values; None: loopback names only; "*": any
+    cors_origins: tuple[str, ...] = ()  # origins a browser page may call from ("*": any)
+    debug: bool = False  # error bodies carry exception text and tracebacks (else only the log does)
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    """An OpenAI-shaped error object as JSON bytes."""
+    type_ = "server_error" if status >= 500 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+
+
+def raw_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, written past h11 (no request was parsed)."""
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json",
+             f"content-length: {len(body)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Callable[[int], None]) -> type:
+    """uvicorn's h11 protocol with the edge's deadlines and connection cap; on_refused(status) counts a request
+    the edge answered itself, on_count(delta) the open connections."""
+
+    class EdgeProtocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            on_count(1)
+            self._deadline: Any = None
+            self._phase: Any = None  # the h11 state the deadline was armed for
+            self._refused = False
+            if len(self.connections) > edge.max_connections:
+                self._refuse(503, f"the server holds {edge.max_connections} connections, its limit; retry later",
+                             "too_many_connections", (("retry-after", str(RETRY_AFTER_S)),))
+                return
+            self._arm(h11.IDLE)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel()
+            on_count(-1)
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # read and dropped until the connection closes
+            super().data_received(data)
+            self._track()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._track()
+
+        def _track(self) -> None:
+            """Keep the deadline of the phase the request is in: its headers, its body, or none (the app has it)."""
+            if self._refused or self.transport.is_closing():
+                return
+            state = self.conn.their_state
+            if state is h11.IDLE and self.timeout_keep_alive_task is not None:
+                state = None  # between requests: the keep-alive timeout holds the connection, not a deadline
+            if state in (h11.IDLE, h11.SEND_BODY):
+                if self._phase is not state:
+                    self._arm(state)
+            else:
+                self._cancel()
+
+        def _arm(self, state: Any) -> None:
+            self._cancel()
+            self._phase = state
+            delay = edge.header_timeout_s if state is h11.IDLE else edge.body_timeout_s
+            self._deadline = self.loop.call_later(delay, self._expired)
+
+        def _cancel(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline, self._phase = None, None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self._refused or self.transport.is_closing():
+                return
+            if self.cycle is not None and self.cycle.response_started:  # answered; the body never came: just close
+                self.transport.close()
+                return
+            what = "headers" if self._phase is h11.IDLE else "body"
+            limit = edge.header_timeout_s if self._phase is h11.IDLE else edge.body_timeout_s
+            self._refuse(408, f"the request's {what} did not arrive within {limit:g} s", "request_timeout")
+
+        def _refuse(self, status: int, message: str, code: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
+            """Answer `status` past h11, stop listening to the client, close after a grace."""
+            self._refused = True
+            self._cancel()
+            if self.cycle is not None and not self.cycle.response_complete:  # the app waits for a body: release it
+                self.cycle.scope[REFUSED] = status  # type: ignore[literal-required]
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            else:
+                on_refused(status)  # no app saw it: count it here
+            self.transport.write(raw_response(status, error_body(status, message, code), headers))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(REFUSE_GRACE_S, self.transport.close)
+
+    return EdgeProtocol
+
+
+# ------------------------------------------------------------------------------------------------ who may call
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name is this machine: localhost, *.localhost, 127.0.0.0/8, ::1."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(value: str) -> str:
+    """The name of a Host header or an origin's authority, without port or brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _digest(text: str | bytes) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text).digest()
+
+
+class Guard:
+    """ASGI middleware: Host header in the allowed hosts (no DNS rebinding), Origin allowed (no cross-site
+    request from a browser), and the API key on every path but the public ones (compared in constant time)."""
+
+    def __init__(self, app: Any, edge: Edge) -> None:
+        self.app, self.edge = app, edge
+        self.key = _digest(edge.api_key) if edge.api_key else None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            refusal = self.check(scope)
+            if refusal is not None:
+                status, message, code, headers = refusal
+                await Response(error_body(status, message, code), status, headers, "application/json")(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def check(self, scope: dict) -> tuple[int, str, str, dict[str, str]] | None:
+        """(status, message, code, headers) of a refusal, or None when the request may go on."""
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host", "")
+        if not self.host_allowed(host):
+            return 400, "the Host header names no host this server answers to (--allowed-hosts)", "invalid_host", {}
+        origin = headers.get("origin")
+        if origin is not None and not self.origin_allowed(origin, host):
+            return 403, "requests from this origin are not allowed (--cors-origins)", "origin_not_allowed", {}
+        if self.key is not None and scope["path"] not in self.edge.public_paths:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if not (scheme.lower() == "bearer" and hmac.compare_digest(_digest(token.strip()), self.key)):
+                return 401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key", \
+                    {"www-authenticate": "Bearer"}
+        return None
+
+    def host_allowed(self, host: str) -> bool:
+        allowed = self.edge.allowed_hosts
+        if allowed is not None and "*" in allowed:
+            return True
+        name = _host_name(host)
+        if not name:
+            return False
+        return is_loopback(name) if allowed is None else name in {_host_name(h) for h in allowed}
+
+    def origin_allowed(self, origin: str, host: str) -> bool:
+        cors = self.edge.cors_origins
+        if "*" in cors or origin in cors:
+            return True
+        authority = origin.partition("://")[2]
+        return bool(authority) and authority.lower() == host.strip().lower()  # same origin
