@@ -258,3 +258,16 @@ def test_rerun_after_kill_9_works_and_leaves_no_temp(ckpt, tmp_path):
     assert sorted(p.name for p in out.glob("*.tgram*")) == ["engram_layer1.fp8_e4m3.tgram",
                                                           "engram_layer14.fp8_e4m3.tgram"]
     assert all(TableFile.open(p).verify() == [] for p in out.glob("*.tgram"))
+
+
+def test_benchmark_parts_copy_and_import_for_real(ckpt, tmp_path):
+    """`bench import`'s two measured operations: the disk copy of the Engram tensors and the import in a child."""
+    from tiergram.bench.import_bench import copy_limit, import_once
+    from tiergram.format.safetensors_index import locate_tensors
+
+    tensors = list(locate_tensors(ckpt, ["layers.1.engram.embed.weight", "layers.14.engram.embed.scale"]).values())
+    assert copy_limit(tensors, tmp_path) > 0
+    assert not list(tmp_path.iterdir())  # the copy is removed
+    got = import_once(ckpt, tmp_path / "model")
+    assert got["peak_rss_bytes"] > 50 << 20 and got["wall_s"] >= got["tables_s"] > 0
+    assert got["table_bytes"] == sum(p.stat().st_size for p in (tmp_path / "model").glob("*.tgram"))

@@ -102,6 +102,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     tb.add_argument("--json", action="store_true", help="print one JSON object")
     tb.set_defaults(func=cmd_table)
 
+    im = bsub.add_parser("import", help="`tiergram import` of a synthetic DeepSeek-V4.1-layout checkpoint against this "
+                                        "disk's copy rate measured in the same run, and its peak memory")
+    im.add_argument("--gib", type=float, default=16.0, help="checkpoint size in GiB (both Engram tables)")
+    im.add_argument("--dir", default=None, help="folder on the disk to measure (default: the bench cache folder)")
+    im.add_argument("--rounds", type=int, default=2, help="rounds of copy and import, order alternating")
+    im.add_argument("--json", action="store_true", help="print one JSON object")
+    im.set_defaults(func=cmd_import)
+
     sv = bsub.add_parser("serve", help="throughput vs interactivity of the real HTTP server per table placement "
                                        "(closed-loop streaming clients, pareto fronts, acceptance ratios)")
     sv.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (its tables are exported on first use)")
@@ -303,6 +311,16 @@ def cmd_table(args: argparse.Namespace) -> int:
 
     directory = Path(args.dir) if args.dir else cache_dir("bench")
     return table_io.main(args.table_gib, directory, as_json=args.json, keep=args.keep)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tiergram.bench import import_bench
+    from tiergram.bench.common import cache_dir
+
+    directory = Path(args.dir) if args.dir else cache_dir("bench-import")
+    return import_bench.main(args.gib, directory, rounds=args.rounds, as_json=args.json)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
