@@ -21,9 +21,12 @@ from tiergram.tiers.mooncake import (
     MooncakeTier,
     PageReadError,
     connect,
+    ensure_pushed,
+    manifest_blob,
     manifest_key,
     page_key,
     push_table,
+    pushed_name,
     remove_table,
 )
 
@@ -130,6 +133,19 @@ def test_a_push_without_its_marker_is_invisible_and_a_new_push_cleans_it(cluster
     t = TieredTable(f"mooncake://{cluster.master_addr}/c", tier="mooncake")
     t.close()
     assert remove_table(client, "c") and not remove_table(client, "c")
+
+
+def test_a_foreign_table_under_the_pushed_name_is_refused_not_served(cluster, client, tmp_path):
+    """Someone who can write to the store put another table (same geometry) under the name ensure_pushed gives
+    ours: it is refused naming both; pushed again with --replace, it is reused."""
+    ours, foreign = _table(tmp_path / "ours.tgram", seed=5), _table(tmp_path / "foreign.tgram", seed=6)
+    name = pushed_name(ours, manifest_blob(TableFile.open(ours)))
+    push_table(foreign, cluster.master_addr, name, progress=False, store=client)
+    with pytest.raises(ValueError, match=f"holds table '{name}' .* which is not .*ours.tgram"):
+        ensure_pushed(ours, cluster.master_addr)
+    push_table(ours, cluster.master_addr, name, replace=True, progress=False, store=client)
+    assert ensure_pushed(ours, cluster.master_addr) == f"mooncake://{cluster.master_addr}/{name}"
+    assert remove_table(client, name)
 
 
 def test_missing_page_raises_naming_table_page_and_code(cluster, client, tmp_path):

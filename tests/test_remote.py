@@ -12,13 +12,17 @@ import pytest
 
 from tiergram.bench.remote import LocalCluster, private_netns, run_in_netns
 from tiergram.format import TableFile, TableFormatError, TableManifest, create_table, random_values
+from tiergram.tiers import mooncake
 from tiergram.tiers.mooncake import (
     _Caller,
     error_name,
     lower_thread_priority,
     manifest_blob,
+    manifest_key,
+    page_digest,
     parse_manifest_blob,
     parse_uri,
+    pushed_name,
 )
 
 HERE = Path(__file__).parent
@@ -77,6 +81,62 @@ def test_manifest_object_round_trips_and_is_checked(tmp_path):
         parse_manifest_blob(bytes(bad), "mooncake:t")
     with pytest.raises(TableFormatError, match="too short"):
         parse_manifest_blob(b"abc", "mooncake:t")
+
+
+def test_the_manifest_object_ends_with_a_digest_of_the_pages(tmp_path):
+    """Two tables of one manifest (same geometry, other values) differ in their manifest objects; an object pushed
+    before the digest (none at its end) still opens."""
+    m = TableManifest(codec="int8", dim=32, head_rows=(100, 7))
+    a = TableFile.open(create_table(tmp_path / "a.tgram", m, random_values(32, seed=0), progress=False))
+    b = TableFile.open(create_table(tmp_path / "b.tgram", m, random_values(32, seed=1), progress=False))
+    blob_a, blob_b = manifest_blob(a), manifest_blob(b)
+    assert blob_a[-32:] == page_digest(a) and page_digest(a) != page_digest(b) and blob_a[:-32] == blob_b[:-32]
+    assert parse_manifest_blob(blob_a[:-32], "old") == parse_manifest_blob(blob_a, "new") == (m, a.data_offset)
+    with pytest.raises(TableFormatError, match="header bytes"):
+        parse_manifest_blob(blob_a + b"x", "mooncake:a")
+
+
+class FakeStore:
+    """The two calls fetch_manifest_blob makes, over a dict."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def get_size(self, key: str) -> int:
+        return len(self.objects[key]) if key in self.objects else -704
+
+    def get(self, key: str) -> bytes:
+        return self.objects[key]
+
+
+def test_a_stored_table_is_reused_only_when_it_is_the_local_one(tmp_path, monkeypatch):
+    """ensure_pushed finds a table under the name it would give the file: the same manifest object is reused, a
+    foreign one (same geometry, other rows) is refused naming both, before any row is served."""
+    m = TableManifest(codec="int8", dim=32, head_rows=(100, 7))
+    ours = create_table(tmp_path / "layer.tgram", m, random_values(32, seed=0), progress=False)
+    foreign = create_table(tmp_path / "other.tgram", m, random_values(32, seed=1), progress=False)
+    store, pushes = FakeStore(), []
+    monkeypatch.setattr(mooncake, "shared_client", lambda master: store)
+    monkeypatch.setattr(mooncake, "release_client", lambda s: None)
+
+    def push(path, master, name, *, progress, store):
+        pushes.append(name)
+        store.objects[manifest_key(name)] = manifest_blob(TableFile.open(path))
+
+    monkeypatch.setattr(mooncake, "push_table", push)
+    name = pushed_name(ours, manifest_blob(TableFile.open(ours)))
+    store.objects[manifest_key(name)] = manifest_blob(TableFile.open(foreign))
+    with pytest.raises(ValueError, match=rf"holds table '{name}' \(\d+ bytes, pages digest "
+                                         rf"{page_digest(TableFile.open(foreign)).hex()[:16]}\), which is not "
+                                         rf".*layer.tgram \(\d+ bytes, pages digest "
+                                         rf"{page_digest(TableFile.open(ours)).hex()[:16]}\)"):
+        mooncake.ensure_pushed(ours, "127.0.0.1:1")
+    store.objects[manifest_key(name)] = b"\0" * 40
+    with pytest.raises(ValueError, match="no table's manifest"):
+        mooncake.ensure_pushed(ours, "127.0.0.1:1")
+    del store.objects[manifest_key(name)]
+    assert mooncake.ensure_pushed(ours, "127.0.0.1:1") == f"mooncake://127.0.0.1:1/{name}" and pushes == [name]
+    assert mooncake.ensure_pushed(ours, "127.0.0.1:1") == f"mooncake://127.0.0.1:1/{name}" and pushes == [name]
 
 
 def test_a_cluster_refuses_to_start_on_a_shared_network(tmp_path):

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from tiergram import _native
 from tiergram.format import TableFile, TableFormatError
 from tiergram.format.header import unpack_header
+from tiergram.format.manifest import PAGE_TRAILER_BYTES
 from tiergram.tiers.aligned import aligned_empty
 from tiergram.tiers.file import FileTier
 
@@ -40,6 +41,8 @@ KEY_PREFIX = "tiergram"
 DEFAULT_TIMEOUT_S = 10.0  # a dead master blocks a call ~4.3 s before Mooncake answers -900
 MAX_KEYS_PER_CALL = 4096  # keys per batch call (bounds one call's time and its buffer)
 PUSH_CHUNK_PAGES = 1024
+DIGEST_BYTES = 32  # the page digest ending a manifest object (SHA-256 of every page's trailer)
+DIGEST_CHUNK_PAGES = 1 << 16  # pages whose trailers are hashed at a time
 ABANDON_GRACE_S = 300.0  # a buffer a failed transfer may still write is reused only after this long
 _UNSAFE_BUFFERS: list[np.ndarray] = []  # abandoned buffers of closed tiers: never freed (see MooncakeTier.close)
 # Set in this process (unless already set) before a client is created. The first two: without them a batch of more
@@ -305,6 +308,11 @@ class _Worker:
 
 def fetch_manifest(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Any, int]:
     """(TableManifest, data_offset) of the table `name` in the store; FileNotFoundError when it is not there."""
+    return parse_manifest_blob(fetch_manifest_blob(store, name, timeout_s=timeout_s), f"mooncake:{name}")
+
+
+def fetch_manifest_blob(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> bytes:
+    """The manifest object of the table `name` in the store, as stored; FileNotFoundError when it is not there."""
     caller = _Caller(timeout_s)
     try:
         key = manifest_key(name)
@@ -320,14 +328,35 @@ def fetch_manifest(store: Any, name: str, *, timeout_s: float = DEFAULT_TIMEOUT_
         blob = caller(store.get, key)
     finally:
         caller.close()
-    return parse_manifest_blob(bytes(blob), f"mooncake:{name}")
+    return bytes(blob)
+
+
+def page_digest(table: TableFile) -> bytes:
+    """SHA-256 of every page's trailer (its index and CRC-32C) in page order: the pages' contents in 32 bytes."""
+    m = table.manifest
+    digest = hashlib.sha256()
+    pages = np.memmap(table.path, np.uint8, "r", offset=table.data_offset, shape=(m.n_pages, m.page_size))
+    for lo in range(0, m.n_pages, DIGEST_CHUNK_PAGES):
+        digest.update(np.ascontiguousarray(pages[lo:lo + DIGEST_CHUNK_PAGES, -PAGE_TRAILER_BYTES:]).tobytes())
+    return digest.digest()
 
 
 def manifest_blob(table: TableFile) -> bytes:
-    """The manifest object of a table: its file size (u64 LE), then the file's bytes up to data_offset."""
+    """The manifest object of a table: its file size (u64 LE), the file's bytes up to data_offset, its
+    page_digest."""
     with open(table.path, "rb") as f:
         head = f.read(table.data_offset)
-    return struct.pack("<Q", table.data_offset + table.manifest.data_bytes) + head
+    return struct.pack("<Q", table.data_offset + table.manifest.data_bytes) + head + page_digest(table)
+
+
+def describe_blob(blob: bytes) -> str:
+    """'N bytes, pages digest HEX' of a manifest object (what tells two tables of one manifest apart)."""
+    try:
+        _, data_offset = parse_manifest_blob(blob, "manifest object")
+    except TableFormatError:
+        return f"a {len(blob)}-byte object that is no table's manifest"
+    digest = blob[8 + data_offset:]
+    return f"{struct.unpack_from('<Q', blob)[0]} bytes, pages digest {digest.hex()[:16] if digest else 'none'}"
 
 
 def parse_manifest_blob(blob: bytes, where: str) -> tuple[Any, int]:
@@ -341,7 +370,7 @@ def parse_manifest_blob(blob: bytes, where: str) -> tuple[Any, int]:
         manifest, data_offset = unpack_header(fd, where, file_bytes)
     finally:
         os.close(fd)
-    if len(blob) - 8 != data_offset:
+    if len(blob) - 8 - data_offset not in (0, DIGEST_BYTES):  # (a push before the digest has none)
         raise TableFormatError(f"{where}: manifest object holds {len(blob) - 8} header bytes, data_offset "
                                f"says {data_offset}")
     return manifest, data_offset
@@ -705,23 +734,35 @@ def push_table(path: str | os.PathLike, master: str, name: str | None = None, *,
     return table_uri(master, name)
 
 
+def pushed_name(path: str | os.PathLike, blob: bytes) -> str:
+    """The name ensure_pushed gives table file `path` of manifest object `blob`: its stem and a digest of the
+    object, its size and modification time (a re-exported table gets a new name instead of the old copy)."""
+    st = Path(path).stat()
+    return f"{Path(path).stem}-{hashlib.sha256(blob + f'{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:12]}"
+
+
 def ensure_pushed(path: str | os.PathLike, master: str, *, progress: bool = False) -> str:
     """The URI of table file `path` in the store at master, pushing it first when the store lacks it.
 
-    The name is the file's stem and a digest of its manifest, size and modification time, so a re-exported table
-    gets a new name instead of the old copy. Push before starting several engines on one table: two first pushes
-    of the same name at once would race.
+    A table already stored under its name (pushed_name) is reused only when its manifest object -- size, header,
+    pages digest -- equals the file's; ValueError names both otherwise (anyone who can write to the store can put
+    a table under a name that is easy to guess). Push before starting several engines on one table: two first
+    pushes of the same name at once would race.
     """
     table = TableFile.open(path)
-    st = Path(path).stat()
-    digest = hashlib.sha256(manifest_blob(table) + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    name = f"{Path(path).stem}-{digest}"
+    local = manifest_blob(table)
+    name = pushed_name(path, local)
     store = shared_client(master)  # the table opened next reuses it
     try:
         try:
-            fetch_manifest(store, name)
+            stored = fetch_manifest_blob(store, name)
         except FileNotFoundError:
             push_table(path, master, name, progress=progress, store=store)
+        else:
+            if stored != local:
+                raise ValueError(f"Mooncake at {master} holds table {name!r} ({describe_blob(stored)}), which is not "
+                                 f"{path} ({describe_blob(local)}): not reused; replace it with `tiergram table push "
+                                 f"{path} --master {master} --name {name} --replace`")
     finally:
         release_client(store)
     return table_uri(master, name)
