@@ -83,6 +83,20 @@ def test_a_disconnect_storm_gives_every_kv_block_back(model_dir):
         assert soak.serves_normally(base)
 
 
+def test_slow_clients_meet_their_deadlines_and_normal_requests_are_served(model_dir):
+    """The soak's slow-client phase, small: 40 clients of every kind against 1-s deadlines for 4 s."""
+    from tiergram.server.edge import Edge
+
+    edge = Edge(header_timeout_s=1.0, body_timeout_s=1.0)
+    with running(model_dir, app_kw={"edge": edge}, max_model_len=CTX) as base:
+        slow = soak.slow_clients(base, clients=40, seconds=4.0, baseline_s=1.0)
+        slow["served_after"] = soak.serves_normally(base)
+    assert all(soak.slow_checks(slow, header_s=1.0, body_s=1.0).values()), slow
+    assert all("408" in v["statuses"] and v["opened"] >= 10 for v in slow["kinds"].values()), slow["kinds"]
+    assert slow["connections"]["peak"] >= 20 and slow["normal_beside_slow"]["requests"] > 0, slow
+    assert soak.slow_text(slow)[0].startswith("slow clients: 40 for 4 s")
+
+
 def test_injected_read_faults_fail_requests_cleanly_and_nothing_wrong_is_served(model_dir):
     prompts = soak.fault_prompts(12, seed=2)
     out = soak.storage_faults(model_dir, prompts, rates=(0.01, 1.0))

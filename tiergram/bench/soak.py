@@ -5,6 +5,8 @@ Each phase is also a function the test suite runs in its short form (tests/test_
   send_hostile     hand-written hostile requests: every one must get a 4xx, never a 5xx
   overload         streaming clients over the engine's capacity: bounded queue, 429s, nothing lost, TTFT
   disconnect_storm clients that drop mid-stream: the K/V blocks all come back
+  slow_clients     clients that hold connections (a lying Content-Length, half headers, a trickled body, idle):
+                   the sockets and memory they hold, their deadlines, normal requests' latency meanwhile
   storage_faults   page-read faults injected (1% of pages, every page) or a page corrupted on disk: the requests
                    that touch them fail cleanly, the others get exactly the fault-free tokens
   crash_restart    kill -9 under load, restart on the same tables: serves again, tables verify, no stale shm copy
@@ -12,6 +14,7 @@ Each phase is also a function the test suite runs in its short form (tests/test_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -362,6 +365,120 @@ def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, tim
             "aborted": after.get('tiergram_request_finished_total{reason="abort"}', 0.0)}
 
 
+# ------------------------------------------------------------------------------------------ slow clients
+
+SLOW_KINDS = ("lying_length", "half_header", "trickled_body", "idle")
+_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+_SENT = {"lying_length": _HEAD + b'Content-Length: 1000\r\n\r\n{"prompt": ',
+         "half_header": b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n",
+         "trickled_body": _HEAD + b"Content-Length: 100000\r\n\r\n", "idle": b""}
+TRICKLE_EVERY_S = 0.5  # a trickled body's byte interval
+
+
+async def _slow_client(kind: str, port: int, stop: asyncio.Event, seen: dict[str, Any]) -> None:
+    """One slow client of `kind`, connecting again each time the server closes it, until stop."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            seen["connect_failed"] += 1
+            await asyncio.sleep(0.1)
+            continue
+        seen["opened"] += 1
+        try:
+            writer.write(_SENT[kind])
+            while True:
+                try:
+                    got = await asyncio.wait_for(reader.read(4096), TRICKLE_EVERY_S)
+                    break
+                except asyncio.TimeoutError:
+                    if kind == "trickled_body":
+                        writer.write(b" ")
+            status = got.split(b" ", 2)[1].decode() if got.startswith(b"HTTP/1.1 ") else "closed"
+        except OSError:
+            status = "reset"
+        finally:
+            writer.close()
+        seen["statuses"][status] += 1
+        seen["held_max_s"] = max(seen["held_max_s"], time.monotonic() - t0)
+
+
+def _normal_requests(url: str, seconds: float) -> dict[str, Any]:
+    """Greedy 8-token requests one after the other for `seconds`: how many, their latency p50/p90, failures."""
+    latencies, failures = [], 0
+    end = time.monotonic() + seconds
+    with httpx.Client(timeout=60) as client:
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            try:
+                r = client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                               "ignore_eos": True})
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                latencies.append(time.perf_counter() - t0)
+            failures += not ok
+    return {"requests": len(latencies) + failures, "failures": failures,
+            "p50_ms": percentile(latencies, 50) * 1e3, "p90_ms": percentile(latencies, 90) * 1e3}
+
+
+def slow_clients(url: str, *, clients: int, seconds: float, baseline_s: float) -> dict[str, Any]:
+    """Normal requests alone for baseline_s, then beside `clients` slow clients (SLOW_KINDS in equal shares) for
+    `seconds`: the slow clients' answers and longest hold per kind, the server's open connections, file
+    descriptors and RSS (start, peak, after), and the normal requests' latency both times."""
+    port = int(url.rsplit(":", 1)[1])
+    baseline = _normal_requests(url, baseline_s)
+    start = scrape(url)
+    seen = {k: {"opened": 0, "connect_failed": 0, "statuses": Counter(), "held_max_s": 0.0} for k in SLOW_KINDS}
+    samples: list[dict[str, float]] = []
+    stop_thread = threading.Event()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def crowd() -> None:
+        tasks = [asyncio.ensure_future(_slow_client(SLOW_KINDS[i % len(SLOW_KINDS)], port, stop,
+                                                    seen[SLOW_KINDS[i % len(SLOW_KINDS)]])) for i in range(clients)]
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def monitor() -> None:
+        while not stop_thread.wait(0.5):
+            try:
+                samples.append(scrape(url))
+            except httpx.HTTPError:
+                pass
+
+    crowd_thread = threading.Thread(target=loop.run_until_complete, args=(crowd(),), daemon=True)
+    crowd_thread.start()
+    mon = threading.Thread(target=monitor, daemon=True)
+    mon.start()
+    time.sleep(1.0)  # every slow client has connected
+    loaded = _normal_requests(url, seconds)
+    stop_thread.set()
+    mon.join()
+    loop.call_soon_threadsafe(stop.set)
+    crowd_thread.join(60)
+    loop.close()
+    deadline = time.monotonic() + 30
+    while scrape(url)["tiergram_http_connections"] > start["tiergram_http_connections"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = scrape(url)
+
+    def figures(name: str) -> dict[str, float]:
+        return {"start": start[name], "peak": max([s[name] for s in samples] or [start[name]]), "after": after[name]}
+
+    return {"clients": clients, "seconds": seconds,
+            "kinds": {k: {**v, "statuses": dict(v["statuses"])} for k, v in seen.items()},
+            "connections": figures("tiergram_http_connections"), "open_fds": figures("process_open_fds"),
+            "rss_mib": {k: v / 2**20 for k, v in figures("process_resident_memory_bytes").items()},
+            "normal_alone": baseline, "normal_beside_slow": loaded}
+
+
 # ------------------------------------------------------------------------------------------ storage faults
 
 def greedy_tokens(url: str, prompts: list[str], max_tokens: int) -> list[tuple[int, list[int] | str]]:
@@ -459,6 +576,10 @@ class SoakConfig:
     fuzz_timeout_s: float = 180.0
     disconnect_clients: int = 32
     fault_prompts: int = 40
+    slow_clients: int = 500  # clients holding connections beside normal requests (0: the phase is skipped)
+    slow_seconds: float = 45.0  # beyond the 30-s body deadline, so every kind meets its deadline
+    slow_baseline_seconds: float = 20.0  # normal requests alone first
+    slow_only: bool = False  # only the slow-client phase
     torch_threads: int = 1
     seed: int = 0
 
@@ -475,12 +596,23 @@ class SoakResult:
     disconnects: dict[str, Any] = field(default_factory=dict)
     faults: dict[str, Any] = field(default_factory=dict)
     crash: dict[str, Any] = field(default_factory=dict)
+    slow: dict[str, Any] = field(default_factory=dict)
     served_after_all: bool = False
 
 
 def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
     """Every phase, against `tiergram serve` subprocesses on loopback."""
     res = SoakResult(config=asdict(cfg))
+    if cfg.slow_clients:
+        log(progress, f"slow clients: {cfg.slow_clients} holding connections ({', '.join(SLOW_KINDS)}) beside "
+                       f"normal requests, {cfg.slow_seconds:g} s (file placement)")
+        with ServeSubprocess(cfg.model_dir, "--placement", "file", "--torch-threads",
+                             str(cfg.torch_threads or 1)) as server:
+            res.slow = slow_clients(server.url, clients=cfg.slow_clients, seconds=cfg.slow_seconds,
+                                    baseline_s=cfg.slow_baseline_seconds)
+            res.slow["served_after"] = serves_normally(server.url)
+    if cfg.slow_only:
+        return res
     # a short context bounds every request the fuzzer may send (max_tokens up to the context)
     common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
               "--max-model-len", str(cfg.max_model_len)]
@@ -610,10 +742,28 @@ def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
             "tables_with_bad_pages": sorted(k for k, v in bad.items() if v), "stale_shm_files": stale}
 
 
+def slow_checks(slow: dict[str, Any], header_s: float = 10.0, body_s: float = 30.0, slack_s: float = 5.0
+                ) -> dict[str, bool]:
+    """The pass/fail lines of the slow-client phase (deadlines: the server's, by default serve's)."""
+    kinds = slow["kinds"]
+    held = {k: body_s if k in ("lying_length", "trickled_body") else header_s for k in kinds}
+    return {
+        "slow clients: each answered 408 or closed within its deadline": all(
+            v["held_max_s"] <= held[k] + slack_s and set(v["statuses"]) <= {"408", "closed"} for k, v in kinds.items()),
+        "slow clients: every normal request served meanwhile": slow["normal_beside_slow"]["failures"] == 0
+        and slow["normal_beside_slow"]["requests"] > 0,
+        "slow clients: connections back to start after": slow["connections"]["after"] <= slow["connections"]["start"],
+        "slow clients: served a normal request after": bool(slow.get("served_after")),
+    }
+
+
 def checks(res: SoakResult) -> dict[str, bool]:
     """The pass/fail lines of the soak."""
+    if res.config.get("slow_only"):
+        return slow_checks(res.slow)
     faults = res.faults
     return {
+        **(slow_checks(res.slow) if res.slow else {}),
         "fuzz: no check failed, no 5xx": not res.fuzz.get("failures") and not any(
             s.startswith("5") for s in res.fuzz.get("statuses", {})),
         "hostile: every one 4xx": not res.hostile.get("failures"),
@@ -634,10 +784,31 @@ def checks(res: SoakResult) -> dict[str, bool]:
     }
 
 
+def slow_text(slow: dict[str, Any]) -> list[str]:
+    """The slow-client phase's figures as lines."""
+    alone, beside, c, fds, rss = (slow["normal_alone"], slow["normal_beside_slow"], slow["connections"],
+                                  slow["open_fds"], slow["rss_mib"])
+    lines = [f"slow clients: {slow['clients']} for {slow['seconds']:g} s; server connections {c['start']:.0f} at "
+             f"start, {c['peak']:.0f} at the peak, {c['after']:.0f} after; open fds {fds['start']:.0f} / "
+             f"{fds['peak']:.0f} / {fds['after']:.0f}; RSS {rss['start']:.1f} / {rss['peak']:.1f} / {rss['after']:.1f} "
+             f"MiB"]
+    for kind, v in slow["kinds"].items():
+        lines.append(f"  {kind}: {v['opened']} connections, answers {v['statuses']}, longest held "
+                     f"{v['held_max_s']:.1f} s")
+    lines.append(f"  normal requests alone: {alone['requests']} (failed {alone['failures']}), latency p50 "
+                 f"{alone['p50_ms']:.1f} ms, p90 {alone['p90_ms']:.1f} ms; beside the slow clients: "
+                 f"{beside['requests']} (failed {beside['failures']}), p50 {beside['p50_ms']:.1f} ms, p90 "
+                 f"{beside['p90_ms']:.1f} ms")
+    return lines
+
+
 def to_text(res: SoakResult) -> str:
     """The soak's figures as a report."""
+    if res.config.get("slow_only"):
+        return "\n".join(slow_text(res.slow) + [""] + [f"  [{'ok' if ok else 'FAIL'}] {name}"
+                                                        for name, ok in checks(res).items()])
     ld, rss, fz, hs = res.load, res.rss, res.fuzz, res.hostile
-    lines = [
+    lines = [*(slow_text(res.slow) if res.slow else []),
         f"fuzzing (schemathesis, /openapi.json): {fz.get('cases', 0)} cases, statuses {fz.get('statuses')}, "
         f"{len(fz.get('failures', []))} failed checks",
         f"hostile requests: {hs.get('tried', 0)} tried, statuses {hs.get('statuses')}, "

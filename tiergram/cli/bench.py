@@ -208,6 +208,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("--fuzz-examples", type=int, default=50, help="schemathesis cases per operation and mode")
     sk.add_argument("--disconnect-clients", type=int, default=32)
     sk.add_argument("--fault-prompts", type=int, default=40, help="requests per storage-fault case")
+    sk.add_argument("--slow-clients", type=int, default=500,
+                    help="clients holding connections (lying Content-Length, half headers, trickled bodies, idle) "
+                         "beside normal requests (0: skip that phase)")
+    sk.add_argument("--slow-only", action="store_true", help="run the slow-client phase alone")
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--json", action="store_true", help="print one JSON object")
     sk.set_defaults(func=cmd_soak)
@@ -405,9 +409,12 @@ def cmd_soak(args: argparse.Namespace) -> int:
     model_dir = args.model_dir or str(cache_dir("models") / "demo-small")
     if not Path(model_dir, "config.json").is_file():
         raise ValueError(f"no model at {model_dir}: give MODEL_DIR (or run `tiergram demo` first)")
+    if args.slow_only and args.slow_clients < 1:
+        raise ValueError(f"--slow-only measures slow clients: give --slow-clients >= 1, got {args.slow_clients}")
     cfg = soak.SoakConfig(model_dir=model_dir, requests=args.requests, max_num_seqs=args.max_num_seqs,
                           max_waiting=args.max_waiting, overload_factor=args.overload, fuzz_examples=args.fuzz_examples,
-                          disconnect_clients=args.disconnect_clients, fault_prompts=args.fault_prompts, seed=args.seed)
+                          disconnect_clients=args.disconnect_clients, fault_prompts=args.fault_prompts, seed=args.seed,
+                          slow_clients=args.slow_clients, slow_only=args.slow_only)
     try:
         res = soak.run(cfg, progress=not args.json)
     except RuntimeError as e:  # a server that did not start: say which, no traceback
