@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import PROMPT, complete, make_tiny_model, metrics, running, stream, wait_for
+from test_server import PROMPT, complete, make_tiny_model, metrics, running, serve_subprocess, stream, wait_for
 from test_server_limits import assert_openai_error
 
 from tiergram.server.edge import Edge, is_loopback
@@ -235,6 +235,19 @@ def test_the_cli_takes_the_api_key_from_the_environment(monkeypatch, model_dir):
     assert args.api_key == "from-env" and args.public_paths == "/health,/metrics" and not args.debug
     args = build_parser().parse_args(["serve", str(model_dir), "--api-key", "flag", "--allowed-hosts", "a, b"])
     assert args.api_key == "flag" and args.allowed_hosts == "a, b"
+
+
+def test_serve_takes_the_edge_flags(model_dir, monkeypatch):
+    """`tiergram serve` end to end: the key from the environment, a 1-s header deadline, loopback hosts only."""
+    monkeypatch.setenv("TIERGRAM_API_KEY", "env-key")
+    with serve_subprocess(model_dir, "--header-timeout", "1", "--max-connections", "64") as (_, base):
+        assert_openai_error(httpx.get(f"{base}/v1/models"), 401)
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer env-key"}).status_code == 200
+        with connect(base) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: loc")
+            raw, took = answer(sock)
+        assert status_of(raw) == 408 and took < 1 + SLACK
+        assert raw_request(base, b"GET /health HTTP/1.1\r\nHost: evil.example\r\n")[0] == 400
 
 
 def raw_request(base: str, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
