@@ -171,6 +171,15 @@ def test_import_one_tensor_with_heads(tmp_path, capsys, codec):
         assert np.array_equal(all_rows(path), src)
 
 
+def test_fp8_tensor_is_refused_and_points_to_tiergram_import(tmp_path, capsys):
+    st = tmp_path / "ckpt.safetensors"
+    save_file({"layers.1.engram.embed.weight": torch.zeros(64, 32).to(torch.float8_e4m3fn)}, str(st))
+    rc, _, err = run(capsys, "create", str(tmp_path / "t.tgram"), "--from-safetensors", str(st), "--tensor",
+                     "layers.1.engram.embed.weight", "--heads", "2", "--quiet")
+    assert rc == 2 and "is F8_E4M3, whose values need their block scales" in err and "tiergram import" in err
+    assert not list(tmp_path.glob("t.tgram*"))
+
+
 def test_import_one_tensor_with_uneven_rows_per_head(tmp_path, capsys):
     src = source_matrix(100, 32, seed=1)
     st = tmp_path / "ckpt.safetensors"

@@ -271,3 +271,13 @@ def test_benchmark_parts_copy_and_import_for_real(ckpt, tmp_path):
     got = import_once(ckpt, tmp_path / "model")
     assert got["peak_rss_bytes"] > 50 << 20 and got["wall_s"] >= got["tables_s"] > 0
     assert got["table_bytes"] == sum(p.stat().st_size for p in (tmp_path / "model").glob("*.tgram"))
+
+
+def test_only_the_shards_holding_engram_tensors_are_needed(ckpt, tmp_path):
+    """A user downloads config, tokenizer, index and the Engram shards; the index may name shards not present."""
+    part = copy_ckpt(ckpt, tmp_path)
+    expert = {"layers.0.ffn.experts.0.w1.weight": "model-00009-of-00009.safetensors"}  # a shard not downloaded
+    edit_json(part / "model.safetensors.index.json", lambda c: c["weight_map"].update(expert))
+    plan = import_checkpoint(part, tmp_path / "out", backbone="tiny", progress=False, log=lambda s: None)
+    assert [li.layer_id for li in plan.layers] == [1, 14]
+    assert all(TableFile.open(tmp_path / "out" / li.file_name).verify() == [] for li in plan.layers)

@@ -67,6 +67,11 @@ def open_safetensors(path: str | os.PathLike, tensor: str, head_rows: tuple[int,
         else:
             raise ValueError(f"{path}: no tensor named {tensor!r} (has: {', '.join(sorted(keys)[:10])})")
         shapes = [f.get_slice(n).get_shape() for n in names]
+        dtypes = {n: f.get_slice(n).get_dtype() for n in names}
+    fp8 = [n for n, d in dtypes.items() if d.startswith("F8")]
+    if fp8:  # values of block-scaled FP8 mean nothing without their scale tensor
+        raise ValueError(f"{path}: tensor {fp8[0]!r} is {dtypes[fp8[0]]}, whose values need their block scales; "
+                         "import a checkpoint's FP8 Engram tables with `tiergram import CKPT_DIR OUT_DIR`")
     for name, shape in zip(names, shapes, strict=True):
         if len(shape) != 2:
             raise ValueError(f"{path}: tensor {name!r} has shape {list(shape)}, expected [rows, D]")
