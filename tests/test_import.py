@@ -281,3 +281,13 @@ def test_only_the_shards_holding_engram_tensors_are_needed(ckpt, tmp_path):
     plan = import_checkpoint(part, tmp_path / "out", backbone="tiny", progress=False, log=lambda s: None)
     assert [li.layer_id for li in plan.layers] == [1, 14]
     assert all(TableFile.open(tmp_path / "out" / li.file_name).verify() == [] for li in plan.layers)
+
+
+def test_planner_takes_the_imported_directory(imported):
+    from tiergram.plan.specs import model_from_dir
+
+    spec = model_from_dir(imported)
+    config = read_config(imported)
+    rows = tuple(TableFile.open(imported / config["tables"][str(layer)]).manifest.total_rows for layer in (1, 14))
+    assert (spec.engram.layers, spec.engram.heads, spec.engram.row_bytes, spec.engram.dim) == ((1, 14), 24, 264, 256)
+    assert spec.engram.rows_per_layer == rows and rows[0] != rows[1]

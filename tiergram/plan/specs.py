@@ -15,6 +15,7 @@ from typing import Any
 
 import tomllib
 
+from tiergram.hashing import engram_head_table_sizes
 from tiergram.plan.model import DiskSpec, EngramGeometry, HardwareSpec, ModelSpec, MoeGeometry
 
 SPEC_DIR = Path(__file__).parent / "specs"
@@ -296,7 +297,8 @@ def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 1
     params = _backbone_params(cfg)
     act = activation_bytes(cfg, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                            max_model_len=cfg.max_seq, dtype=torch.float32)
-    rows = params["rows"]
+    sizes = engram_head_table_sizes(e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram, e.layers)
+    rows = tuple(sum(map(sum, sizes[layer])) for layer in sorted(e.layers))  # each layer's heads end to end
     row_bytes = e.dim + e.dim // 32 if codec == "fp8_e4m3" else e.dim * 4
     hit = _hit_curve(model_dir)
     return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(params["active"]),
@@ -307,17 +309,16 @@ def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 1
 
 
 def _backbone_params(cfg: Any) -> dict[str, int]:
-    """Weights the engine holds on the device (tables excluded), the parameters a token multiplies, table rows."""
+    """Weights the engine holds on the device (tables excluded) and the parameters a token multiplies."""
     import torch
 
     from tiergram.model.model import EngramLM
 
     with torch.device("meta"):
         model = EngramLM(cfg)
-    total = active = rows = 0
+    total = active = 0
     for name, p in model.named_parameters():
         if ".table." in name:
-            rows = max(rows, p.shape[0])  # one layer's table: every head's rows stacked
             continue
         total += p.numel()
         if name.startswith("tok_emb"):
@@ -328,7 +329,7 @@ def _backbone_params(cfg: Any) -> dict[str, int]:
     if cfg.moe is not None:
         m = cfg.moe
         active -= len(m.layers) * (m.n_experts - m.top_k) * 3 * cfg.d_model * m.expert_ffn
-    return {"bytes": total * 4, "active": active, "rows": rows}
+    return {"bytes": total * 4, "active": active}
 
 
 def _hit_curve(model_dir: Path) -> tuple[tuple[float, float], ...]:
