@@ -161,6 +161,9 @@ def hostile_requests(max_model_len: int) -> list[tuple[str, bytes]]:
         json.dumps({"prompt": PROMPT, "surprise": {"a": [1]}}).encode(),
         json.dumps({"prompt": {"nested": True}}).encode(),
         json.dumps({"prompt": PROMPT, "stream_options": []}).encode(),
+        *(b'{"prompt": "hi", "%s": %s}' % (name, b"9" * 400) for name in (b"temperature", b"top_p",
+                                                                          b"presence_penalty")),
+        b'{"prompt": "hi", "model": "\\ud800"}', b'{"prompt": "hi", "\\udfff": 1}',
     ]
     chats = [
         json.dumps({"messages": [{"role": "user", "content": {"x": 1}}]}).encode(),
