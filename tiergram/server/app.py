@@ -11,9 +11,10 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -89,8 +90,6 @@ class ServerState:
         """Log an unexpected exception with its traceback; the message a client gets (the text only with --debug)."""
         log.error("%s: %s: %s", what, type(e).__name__, e, exc_info=e)
         if self.edge.debug:
-            import traceback
-
             return f"{what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}"
         return f"{what}: an internal error (the server log has the details)"
 
@@ -336,7 +335,8 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(500, state.internal(e, "internal error"), "server_error").body(), status_code=500)
+        error = APIError(500, state.internal(e, "the request failed"), "server_error")
+        return JSONResponse(error.body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -524,12 +524,12 @@ def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: i
     other bind any name."""
     edge = edge or Edge()
     if edge.allowed_hosts is None and not is_loopback(host):
-        edge.allowed_hosts = ("*",)
+        edge = replace(edge, allowed_hosts=("*",))
     held = open_files_for(edge.max_connections)
     if held < edge.max_connections:
         print(f"tiergram serve: the open-file limit holds {held} connections, not --max-connections "
               f"{edge.max_connections}", file=sys.stderr, flush=True)
-        edge.max_connections = held
+        edge = replace(edge, max_connections=held)
     app = create_app(engine, model_name=model_name, limits=limits, unhealthy_after=unhealthy_after,
                      engine_cpu=engine_cpu, edge=edge)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
