@@ -297,9 +297,12 @@ def test_allowed_hosts_and_cors_origins_when_asked_for(model_dir):
         assert raw_request(base, b"GET /v1/models HTTP/1.1\r\nHost: anything.example\r\n")[0] == 200
 
 
-def test_what_counts_as_loopback():
+def test_what_counts_as_loopback_and_the_default_hosts_of_a_bind():
     assert all(is_loopback(h) for h in ("localhost", "127.0.0.1", "127.1.2.3", "::1", "[::1]", "a.localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "evil.example", "localhost.evil.example"))
+    assert Edge().for_bind("127.0.0.1").allowed_hosts is None and Edge().for_bind("::1").allowed_hosts is None
+    assert Edge().for_bind("0.0.0.0").allowed_hosts == ("*",)
+    assert Edge(allowed_hosts=("api.example",)).for_bind("0.0.0.0").allowed_hosts == ("api.example",)
 
 
 # ------------------------------------------------------------------------------------ errors show no internals

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from tiergram.engine import LLMEngine, QueueFullError
 from tiergram.server.async_engine import AsyncEngine, EngineDeadError, EngineLoopError
-from tiergram.server.edge import REFUSED, RETRY_AFTER_S, Edge, Guard, edge_protocol, is_loopback
+from tiergram.server.edge import REFUSED, RETRY_AFTER_S, Edge, Guard, edge_protocol
 from tiergram.server.engine_process import EngineProcess
 from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergram.server.openapi import openapi_schema
@@ -522,9 +522,7 @@ def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: i
     """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening). Hosts
     not named in edge.allowed_hosts are refused; left unset, a loopback bind answers loopback names only and any
     other bind any name."""
-    edge = edge or Edge()
-    if edge.allowed_hosts is None and not is_loopback(host):
-        edge = replace(edge, allowed_hosts=("*",))
+    edge = (edge or Edge()).for_bind(host)
     held = open_files_for(edge.max_connections)
     if held < edge.max_connections:
         print(f"tiergram serve: the open-file limit holds {held} connections, not --max-connections "

@@ -15,7 +15,7 @@ import hmac
 import ipaddress
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -42,6 +42,11 @@ class Edge:
     allowed_hosts: tuple[str, ...] | None = None  # Host header values; None: loopback names only; "*": any
     cors_origins: tuple[str, ...] = ()  # origins a browser page may call from ("*": any)
     debug: bool = False  # error bodies carry exception text and tracebacks (else only the log does)
+
+    def for_bind(self, host: str) -> Edge:
+        """This edge for a server bound to `host`: unset allowed hosts are loopback names on a loopback bind (no
+        DNS rebinding), any name on another (the names it is reached by are the deployment's to give)."""
+        return self if self.allowed_hosts is not None or is_loopback(host) else replace(self, allowed_hosts=("*",))
 
 
 def error_body(status: int, message: str, code: str) -> bytes:
