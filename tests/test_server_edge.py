@@ -72,6 +72,14 @@ def test_a_stalled_request_is_answered_408_within_its_deadline(url, sent):
     assert took < DEADLINE + SLACK
 
 
+def test_the_next_request_on_a_kept_alive_connection_has_a_header_deadline_too(url):
+    with connect(url) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\nGET /health HTTP/1.1\r\nHost: loc")
+        raw, took = answer(sock)
+    assert raw.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408 Request Timeout" in raw, raw
+    assert took < DEADLINE + SLACK
+
+
 def test_a_trickled_body_meets_a_total_deadline_not_an_idle_timeout(url):
     """A byte every 0.2 s never lets an idle timeout fire; the body's deadline counts from its headers."""
     with connect(url) as sock:

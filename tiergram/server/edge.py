@@ -99,7 +99,9 @@ def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Calla
             if self._refused or self.transport.is_closing():
                 return
             state = self.conn.their_state
-            if state is h11.IDLE and self.timeout_keep_alive_task is not None:
+            if state is h11.IDLE and self.conn.trailing_data[0]:  # the next request's first bytes: its deadline
+                self._unset_keepalive_if_required()
+            elif state is h11.IDLE and self.timeout_keep_alive_task is not None:
                 state = None  # between requests: the keep-alive timeout holds the connection, not a deadline
             if state in (h11.IDLE, h11.SEND_BODY):
                 if self._phase is not state:
@@ -122,7 +124,7 @@ def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Calla
             self._deadline = None
             if self._refused or self.transport.is_closing():
                 return
-            if self.cycle is not None and self.cycle.response_started:  # answered; the body never came: just close
+            if self._phase is h11.SEND_BODY and self.cycle.response_started:  # answered, the body never came: close
                 self.transport.close()
                 return
             what = "headers" if self._phase is h11.IDLE else "body"
