@@ -176,17 +176,8 @@ def test_readers_draw_pages_no_earlier_probe_or_round_chose(bench_home):
 
 
 def test_reread_probe_reads_new_pages_then_the_same_ones(bench_home):
-    """The probe behind `scripts/reread_probe.py` and `plan calibrate`: both passes read the same pages (O_DIRECT),
-    and the script prints both rates and their ratio."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+    """The probe behind `plan calibrate`: both passes read the same pages (O_DIRECT) and give a rate each."""
     cfg = file_lookup.FileLookupBenchConfig(heads=2, dim=64, rows_per_head=3000)
     table = file_lookup.bench_file_table(cfg, progress=False)
     fresh, again = file_lookup.reread_rates(table, pages=300, qd=8)
     assert fresh > 0 and again > 0
-    script = Path(__file__).resolve().parents[1] / "scripts" / "reread_probe.py"
-    out = subprocess.run([sys.executable, str(script), str(table.path), "--pages", "200", "--rounds", "2"],
-                         capture_output=True, text=True, check=True).stdout
-    assert out.count("new pages") == 2 and "re-read / new, median of 2:" in out

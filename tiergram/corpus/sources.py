@@ -104,11 +104,6 @@ def _walk(root: Path, keep: Callable[[str], bool], strip_gz: bool = False) -> li
     return out
 
 
-def _tree_bytes(files: list[SourceFile]) -> int:
-    """Total on-disk size of the files."""
-    return sum(f.file.stat().st_size for f in files)
-
-
 def _apt_candidate(package: str) -> str | None:
     """The candidate version apt would download for `package`, or None."""
     try:

@@ -12,7 +12,6 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -416,9 +415,3 @@ def check_hasher(hasher: NgramHasher, config: ModelConfig) -> None:
     bad = [f"{k} {have[k]} != {want[k]}" for k in want if have[k] != want[k]]
     if bad:
         raise ValueError(f"hasher does not match the model config: {'; '.join(bad)}")
-
-
-def as_tensor_ids(ids: np.ndarray | list[int] | torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Token ids as an int64 [1, T] or [B, T] tensor on device."""
-    x = torch.as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids, dtype=torch.int64)
-    return (x[None] if x.ndim == 1 else x).to(device)

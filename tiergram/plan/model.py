@@ -602,8 +602,3 @@ def predict_front(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     limit = concurrency_limit(model, hw, wl, placement)
     pts = [predict_point(model, hw, wl, placement, c) for c in levels(limit.concurrency, max_concurrency)]
     return Front(placement, limit, pts)
-
-
-def with_hit_rate(placement: Placement, hit_rate: float) -> Placement:
-    """The same placement with its cache hit rate given."""
-    return replace(placement, hit_rate=hit_rate)
