@@ -756,7 +756,7 @@ def test_topk_hit_rate_builds_a_missing_corpus(tmp_path: Path, monkeypatch: pyte
 
 
 def test_the_cpu_speed_probe_times_a_fixed_workload() -> None:
-    from tiergram.bench.common import cpu_speed_ms
+    from tiergram.machine import cpu_speed_ms
 
     assert 0 < cpu_speed_ms(0.05) < 10_000
 

@@ -36,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import cache_dir, save_figure, stdlib_files
+from tiergram.bench.common import stdlib_files
 from tiergram.cache.native import NativeRowCache
 from tiergram.cache.policies import POLICIES, belady_hit_rate
 from tiergram.hashing import NgramHasher, build_compression
+from tiergram.paths import cache_dir
+from tiergram.plots import save_figure
 
 ONLINE = tuple(POLICIES)  # every policy a cache can run (Belady needs the whole future: offline)
 # LRU whose cache starts full of the rows the corpus's train split reads most (the engine's --hot-rows): opt-in, it

@@ -1,8 +1,7 @@
-"""Shared benchmark helpers: timing, id distributions, the benchmark cache folder."""
+"""Shared benchmark helpers: timing, id distributions, progress lines, acceptance targets."""
 
 from __future__ import annotations
 
-import os
 import sys
 import sysconfig
 import time
@@ -31,14 +30,6 @@ def stdlib_files(exclude: Collection[str] = ("site-packages", "dist-packages")) 
     """The Python standard library's .py files, sorted, leaving out those under a folder named in `exclude`."""
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if not set(exclude) & set(p.relative_to(root).parts) and p.is_file())
-
-
-def cache_dir(sub: str = "") -> Path:
-    """tiergram's cache folder ($TIERGRAM_CACHE or ~/.cache/tiergram), created on demand."""
-    root = Path(os.environ.get("TIERGRAM_CACHE", Path.home() / ".cache" / "tiergram"))
-    path = root / sub if sub else root
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def rate(fn: Callable[[], object], items: int, *, min_time: float = 0.5, warmup: int = 1) -> float:
@@ -99,42 +90,3 @@ def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random
         # scatter ranks over the table so hot rows are not adjacent (n-gram hashes are spread out)
         return ((ranks * 2654435761 + 12345) % rows).astype(np.int64)
     raise ValueError(f"unknown id distribution {dist!r} (valid: uniform, zipf)")
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Lay out, write (creating the folder) and close a matplotlib figure; returns path."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def cpu_speed_ms(seconds: float = 1.0) -> float:
-    """Milliseconds of one fixed CPU workload shaped like an engine step (48 small torch matmuls + GELUs at torch's
-    thread count, Python between them): the median of repeats over `seconds`. Taken around a measurement it says
-    whether this machine's speed moved meanwhile (a shared VM's drifts by tens of percent within an hour; a probe
-    is a moment, not the measurement's average: `plan calibrate` only warns with it)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(512, 512, generator=gen) / 23 for _ in range(4)]
-    x0 = torch.randn(16, 512, generator=gen)
-
-    def once() -> torch.Tensor:
-        x = x0
-        for _ in range(12):
-            for w in weights:
-                x = torch.nn.functional.gelu(x @ w)
-        return x
-
-    once()
-    times: list[float] = []
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 5:
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))

@@ -49,9 +49,10 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.bench.common import cache_dir, draw_ids, python_calls
+from tiergram.bench.common import draw_ids, python_calls
 from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
+from tiergram.paths import cache_dir
 from tiergram.store import TieredTable
 from tiergram.tiers.aligned import aligned_empty
 

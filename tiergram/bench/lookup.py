@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.bench.common import cache_dir, draw_ids, rates_interleaved
+from tiergram.bench.common import draw_ids, rates_interleaved
 from tiergram.codecs import FP8_E4M3FN_VALUES, get_codec
 from tiergram.format import TableFile, TableManifest, create_random_table, create_table, random_values
+from tiergram.paths import cache_dir
 from tiergram.store import TieredTable
 
 

@@ -257,8 +257,8 @@ class RemoteLookupConfig:
 
 def _bench_file(cfg: RemoteLookupConfig, progress: bool) -> tuple[Path, np.ndarray]:
     """The benchmark table file (fp32, one head, N(0,1) values) in the bench cache and its values [rows, D]."""
-    from tiergram.bench.common import cache_dir
     from tiergram.format import TableFile, TableManifest, create_table
+    from tiergram.paths import cache_dir
 
     values = np.random.default_rng(cfg.seed).standard_normal((cfg.rows, cfg.dim)).astype(np.float32)
     path = cache_dir("bench") / f"bench-remote-fp32-{cfg.rows}x{cfg.dim}-s{cfg.seed}.tgram"

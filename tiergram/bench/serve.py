@@ -34,7 +34,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.common import cache_dir, cpu_speed_ms, log
+from tiergram.bench.common import log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
     BUSY,
@@ -68,6 +68,8 @@ from tiergram.bench.serve_process import (
 )
 from tiergram.bench.serve_report import checks_text, plot, to_json, to_markdown, to_text
 from tiergram.bench.serve_stats import BIG_TARGET, Point, Round, SweepResult, checks, pareto, summarize
+from tiergram.machine import cpu_speed_ms
+from tiergram.paths import cache_dir
 
 __all__ = [
     "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiergram.bench.common import save_figure
 from tiergram.bench.serve_stats import ABOVE_LIMIT, SweepResult
+from tiergram.plots import save_figure
 
 
 def rounds_text(check: dict) -> str:

@@ -311,7 +311,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tiergram.bench import table_io
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
 
     directory = Path(args.dir) if args.dir else cache_dir("bench")
     return table_io.main(args.table_gib, directory, as_json=args.json, keep=args.keep)
@@ -321,7 +321,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tiergram.bench import import_bench
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
 
     directory = Path(args.dir) if args.dir else cache_dir("bench-import")
     return import_bench.main(args.gib, directory, rounds=args.rounds, as_json=args.json)
@@ -404,7 +404,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tiergram.bench import soak
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
 
     model_dir = args.model_dir or str(cache_dir("models") / "demo-small")
     if not Path(model_dir, "config.json").is_file():

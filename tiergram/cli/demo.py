@@ -86,8 +86,8 @@ def binding_budget(model_dir: Path, seqs: int, seq_tokens: int, max_num_seqs: in
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from tiergram.bench import serve as sweep
-    from tiergram.bench.common import cache_dir
     from tiergram.corpus import ensure_corpus
+    from tiergram.paths import cache_dir
 
     t0 = time.perf_counter()
     minutes = args.minutes_train if args.minutes_train is not None else (1.0 if args.quick else 4.0)

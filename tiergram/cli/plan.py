@@ -108,7 +108,7 @@ def _studies_parser() -> argparse.ArgumentParser:
 
 
 def _studies(a: argparse.Namespace) -> int:
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
     from tiergram.plan.studies import run
 
     out = Path(a.out) if a.out else cache_dir("plan") / "studies"
@@ -139,7 +139,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _predict(a: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
     from tiergram.plan import predict
     from tiergram.plan.model import Workload
     from tiergram.plan.specs import load_hardware, load_model
@@ -170,7 +170,7 @@ def _predict(a: argparse.Namespace) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
     from tiergram.plan.calibrate import calibrate, to_toml
     from tiergram.plan.specs import calibrated_path, load_hardware
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from tiergram import paths
 from tiergram.corpus.clean import CATEGORIES, SPLITS, categorise, clean_text, content_hash, split_for
 from tiergram.corpus.sources import (
     DEFAULT_SOURCES,
@@ -62,15 +63,9 @@ class Document:
     text: str
 
 
-def default_cache_dir() -> Path:
-    """`$TIERGRAM_CACHE`, else `~/.cache/tiergram`."""
-    env = os.environ.get("TIERGRAM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tiergram"
-
-
 def corpus_dir(cache_dir: str | Path | None = None) -> Path:
-    """Where the corpus of a cache lives."""
-    return Path(cache_dir).expanduser() / "corpus" if cache_dir else default_cache_dir() / "corpus"
+    """Where the corpus of a cache folder lives (default: tiergram's, `paths.cache_dir`)."""
+    return Path(cache_dir).expanduser() / "corpus" if cache_dir else paths.cache_dir("corpus")
 
 
 def read_manifest(corpus: str | Path) -> dict:

@@ -336,9 +336,10 @@ def host_memory_bytes() -> int:
 def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, gather_seconds: float = 0.5,
               batches: tuple[int, ...] = (1, 2, 4, 8, 16), serve: bool = True) -> Calibration:
     """Run the measurements over model_dir (its exported FP8 tables) and return them as spec fields."""
-    from tiergram.bench.common import cache_dir, cpu_speed_ms
     from tiergram.bench.serve import layer_tables
+    from tiergram.machine import cpu_speed_ms
     from tiergram.model.checkpoint import read_config
+    from tiergram.paths import cache_dir
     from tiergram.plan.specs import model_from_dir
 
     when = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -459,7 +460,7 @@ def calibrate(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, 
                                "the steps a request needs, the passes' median at each level, at least 1: the steps "
                                "that run while a user is between requests (interpolated in log c)"
                                if serve else "not measured (calibrate --no-serve)",
-        "cpu_speed_ms": f"{how}: the median of `bench.common.cpu_speed_ms` before the host lookups and after the "
+        "cpu_speed_ms": f"{how}: the median of `machine.cpu_speed_ms` before the host lookups and after the "
                         "engine steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in speed)
                         + " ms); `plan validate` scales the CPU costs by a sweep's own probes over this figure",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {spec.engram.heads}] ids, "

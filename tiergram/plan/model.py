@@ -197,7 +197,7 @@ class HardwareSpec:
     request_steps_curve: tuple[tuple[float, float], ...] = ()
 
     def at_speed(self, speed_ms: float) -> HardwareSpec:
-        """This CPU machine while its speed probe (`bench.common.cpu_speed_ms`) reads `speed_ms` instead of the
+        """This CPU machine while its speed probe (`machine.cpu_speed_ms`) reads `speed_ms` instead of the
         calibration's `cpu_speed_ms`: every CPU cost scaled by their ratio (times up, rates down), memory, link and
         the disk's page rates unchanged. A shared VM's speed drifts by tens of percent within minutes; a sweep
         that probed it beside its rounds is predicted at its probes' median. A GPU machine is returned as it is."""

@@ -88,7 +88,7 @@ def plot(fronts: list[Front], path: Path, title: str, measured: dict[str, list[t
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tiergram.bench.common import save_figure
+    from tiergram.plots import save_figure
 
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=110)
     colors: dict[str, Any] = {}

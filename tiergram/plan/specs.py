@@ -262,7 +262,7 @@ def resolve(spec: str | Path, what: str) -> Path:
 
 def calibrated_path() -> Path:
     """Where `tiergram plan calibrate` writes this machine's spec by default."""
-    from tiergram.bench.common import cache_dir
+    from tiergram.paths import cache_dir
 
     return cache_dir("plan") / "this-machine.toml"
 

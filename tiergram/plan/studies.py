@@ -26,6 +26,7 @@ from tiergram.plan.model import (
     predict_point,
     step_terms_at,
 )
+from tiergram.plots import save_figure
 
 QD_PER_DRIVE, READER_THREADS_PER_DRIVE = 128, 4
 WORKLOADS = {"8K/1K": (8192, 1024), "1K/8K": (1024, 8192), "128K/4K": (131072, 4096)}
@@ -198,7 +199,6 @@ def _plt():
 
 def plot_offload(res: dict[str, Any], path: Path) -> Path:
     """(1) device vs host fronts, one panel per machine and workload."""
-    from tiergram.bench.common import save_figure
 
     plt = _plt()
     keys = list(res)
@@ -224,7 +224,6 @@ def plot_offload(res: dict[str, Any], path: Path) -> Path:
 
 def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
     """(2) file / host best throughput against drive count."""
-    from tiergram.bench.common import save_figure
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=100)
@@ -245,7 +244,6 @@ def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
 
 def plot_contention(res: dict[Any, Any], path: Path) -> Path:
     """(3) throughput against concurrency with K/V offload, tables in HBM or in host DRAM."""
-    from tiergram.bench.common import save_figure
 
     plt = _plt()
     hnames = sorted({h for h, _ in res})
@@ -270,7 +268,6 @@ def plot_contention(res: dict[Any, Any], path: Path) -> Path:
 
 def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> Path:
     """(4) exposed stall per decode step, without and with speculative top-k prefetch."""
-    from tiergram.bench.common import save_figure
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)

@@ -1,0 +1,16 @@
+"""Writing a matplotlib figure (imported only where a plot is drawn: matplotlib is the `bench` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
