@@ -36,6 +36,17 @@ def fixture_corpus(cache: Path, vocab_size: int | None = 512) -> Path:
     return corpus
 
 
+def word_tokenizer(path: Path, words: list[str]) -> Path:
+    """A whitespace WordLevel tokenizer over <|endoftext|>, <|pad|> (ids 0, 1) and words, saved at path."""
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(["<|endoftext|>", PAD, *words])}, unk_token=PAD))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
 def tiny_config_for(tok: Tokenizer) -> ModelConfig:
     """tiny_config sized to a tokenizer's vocabulary, Engram padding with its <|pad|> id."""
     cfg = tiny_config(tok.get_vocab_size())

@@ -15,9 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support import word_tokenizer
 from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from tiergram.bench.v41_checkpoint import write_v41_checkpoint
 from tiergram.cli import main
@@ -36,12 +35,7 @@ VOCAB = 60  # engram_vocab_size: each head's prime search starts here (V4.1: 16,
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<|pad|>", *WORDS])}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<|pad|>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return word_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support import offline_default_sources
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
+from support import offline_default_sources, word_tokenizer
 
 from tiergram.cli import main
 from tiergram.engine import EngineConfig, LLMEngine, SamplingParams
@@ -22,12 +19,7 @@ WORDS = "the a of and to in is it that for on with as was at by an be this from 
 
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory):
-    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<|pad|>", *WORDS])}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<|pad|>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return word_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -80,14 +80,19 @@ def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool 
     return path
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A saved tokenizer, from its `tokenizer.json` or the corpus folder holding it."""
+def tokenizer_file(path: str | Path, hint: str = "run `tiergram corpus tokenizer` first") -> Path:
+    """The `tokenizer.json` that path names (the file, or a folder holding it); CorpusError with the hint if none."""
     path = Path(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise CorpusError(f"no tokenizer at {path} (run `tiergram corpus tokenizer` first)")
-    return Tokenizer.from_file(str(path))
+        raise CorpusError(f"no tokenizer at {path} ({hint})")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A saved tokenizer, from its `tokenizer.json` or the corpus folder holding it."""
+    return Tokenizer.from_file(str(tokenizer_file(path)))
 
 
 def ensure_corpus(corpus: str | Path | None = None, *, tokenizer: bool = True, progress: bool = True) -> Path:

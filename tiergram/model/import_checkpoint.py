@@ -140,7 +140,7 @@ def plan_import(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, toke
     """Read config, index and headers, rebuild the hashing, and check every table against them (no writes)."""
     import dataclasses
 
-    from tiergram.corpus import load_tokenizer
+    from tiergram.corpus.tokenizer import load_tokenizer, tokenizer_file
     from tiergram.model.config import EngramSettings, preset
     from tiergram.model.model import make_hasher
 
@@ -149,12 +149,8 @@ def plan_import(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, toke
     names = [n.format(layer=layer) for layer in cfg.layer_ids for n in (WEIGHT, SCALE)]
     tensors = locate_tensors(ckpt, names)
 
-    tok_path = Path(tokenizer) if tokenizer is not None else ckpt / "tokenizer.json"
-    if tok_path.is_dir():
-        tok_path = tok_path / "tokenizer.json"
-    if not tok_path.is_file():
-        raise ValueError(f"no tokenizer at {tok_path}: the hashing compresses the checkpoint's own tokenizer "
-                         "(give --tokenizer a tokenizer.json)")
+    tok_path = tokenizer_file(tokenizer if tokenizer is not None else ckpt,
+                              "the hashing compresses the checkpoint's own: give --tokenizer a tokenizer.json")
     tok = load_tokenizer(tok_path)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if not 0 <= cfg.pad_token_id < vocab:

@@ -114,17 +114,14 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     when missing, as `demo` does. OSError before anything is written when the tables would not fit the disk's free
     space.
     """
-    from tiergram.corpus import PAD, ensure_corpus, load_tokenizer
+    from tiergram.corpus import PAD, ensure_corpus
+    from tiergram.corpus.tokenizer import load_tokenizer, tokenizer_file
 
     geo = geometry(engram_geometry)
     if not table_gib > 0:
         raise ValueError(f"--table-gib must be > 0, got {table_gib}")
-    tok_path = Path(tokenizer) if tokenizer is not None else ensure_corpus(progress=progress) / "tokenizer.json"
-    if tok_path.is_dir():
-        tok_path = tok_path / "tokenizer.json"
-    if not tok_path.is_file():
-        raise FileNotFoundError(f"no tokenizer at {tok_path}: give --tokenizer a tokenizer.json (or leave it out "
-                                "for the cache corpus's, built if missing)")
+    tok_path = tokenizer_file(tokenizer if tokenizer is not None else ensure_corpus(progress=progress),
+                              "give --tokenizer a tokenizer.json, or leave it out for the cache corpus's")
     tok = load_tokenizer(tok_path)
     pad = tok.token_to_id(PAD)
     if pad is None:
