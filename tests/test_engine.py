@@ -3,8 +3,8 @@ prefill, mixed steps, preemption, abort), budget arithmetic, replay, queue bound
 
 from __future__ import annotations
 
-import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,6 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from tiergram.cli import build_parser
-from tiergram.cli.serve import engine_config
 from tiergram.engine import EngineConfig, LLMEngine, Placement, QueueFullError, RequestOutput, SamplingParams
 from tiergram.engram import RowSourceTable
 from tiergram.model import EngramLM, tiny_config
@@ -141,60 +140,19 @@ def test_greedy_matches_model_generate(model_dir, name):
             assert set(engram["bytes_read"]) == {"host"} and m.budget["device_table_bytes"] == 0
 
 
-def test_the_read_ahead_gives_way_unless_told_not_to(model_dir):
-    """Placement.read_ahead_yields (serve --no-read-ahead-yield) reaches the file table's reader: its yield_depth is
-    the reader's default (a few reads) or 0 (never gives way); tokens are the same."""
-    want = expected(model_dir, PROMPTS)
-    for yields in (True, False):
-        with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096, read_ahead_yields=yields)) as eng:
-            assert eng.generate(PROMPTS, GREEDY) == want
-            depths = {src.tier.reader.yield_depth for src in eng.sources.values()}
-            assert depths == ({8} if yields else {0})
-    args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-read-ahead-yield"])
-    assert engine_config(args).placement.read_ahead_yields is False
-
-
-def test_the_read_threads_run_at_the_nice_value_asked_for(model_dir):
-    """Placement.read_nice (serve --read-nice N) reaches the file table's native fetch and read-ahead threads: each
-    runs at N once started (a nice value above the test's own is always granted); tokens are the same."""
-    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
-    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096, read_nice=nice)) as eng:
+def test_the_file_placement_reads_into_registered_buffers_and_the_read_ahead_gives_way(model_dir):
+    """The file table's reader reads into io_uring-registered buffers and its read-ahead gives way to a step's
+    fetch (yield_depth 8), with no option to turn either off; the mooncake placement's waits run at low priority."""
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096)) as eng:
         assert eng.generate(PROMPTS, GREEDY) == expected(model_dir, PROMPTS)
-        for src in eng.sources.values():  # a read-ahead, so that its worker starts too
-            src.warm(torch.zeros((1, src.num_heads), dtype=torch.int64)).wait()
-        got = [src.stats()["read_nice"] for src in eng.sources.values()]
-    assert got and all(g == {"requested": nice, "fetch": nice, "read_ahead": nice} for g in got)
-    args = build_parser().parse_args(["serve", "m", "--placement", "file", "--read-nice", "-5"])
-    assert engine_config(args).placement.read_nice == -5
-    assert engine_config(build_parser().parse_args(["serve", "m"])).placement.read_nice == 0
-    with pytest.raises(ValueError, match="read_nice must be in -20..19, got 20"):
-        TieredTable(model_dir / "unused.tgram", tier="file", read_nice=20)
-    table = next(model_dir.rglob("*.tgram"))  # a table without native read threads refuses the value, not drops it
-    for kw in ({"tier": "host"}, {"tier": "file", "pipeline": "python"}):
-        with pytest.raises(ValueError, match="runs the python pipeline, which has none"):
-            TieredTable(table, read_nice=nice, **kw)
-
-
-def test_file_placement_reads_with_and_without_registered_buffers(model_dir):
-    """Placement.fixed_buffers (serve --no-fixed-buffers) reaches the file table's reader; tokens are the same."""
-    want = expected(model_dir, PROMPTS)
-    for fixed in (True, False):
-        with engine(model_dir, Placement("file", codec="fp32", cache_bytes=4096, fixed_buffers=fixed)) as eng:
-            assert eng.generate(PROMPTS, GREEDY) == want
-            readers = [src.tier.reader for src in eng.sources.values()]
-            assert all(r.fixed_buffers == fixed for r in readers)
-            if not fixed:
-                assert all(r.fixed_reads == 0 for r in readers)
-            elif all(r.buffer_refused == 0 and r.backend == "io_uring" for r in readers):
-                assert all(r.fixed_reads > 0 for r in readers)
-    args = build_parser().parse_args(["serve", "m", "--placement", "file", "--no-fixed-buffers"])
-    assert engine_config(args).placement.fixed_buffers is False
-    assert engine_config(args).placement.read_ahead_yields is True
-    assert engine_config(build_parser().parse_args(["serve", "m"])).placement.fixed_buffers is True
-    busy = build_parser().parse_args([
-        "serve", "m", "--placement", "mooncake", "--mooncake-master", "127.0.0.1:1", "--mooncake-busy-waits"])
-    assert engine_config(busy).placement.low_priority_waits is False
-    assert engine_config(build_parser().parse_args(["serve", "m"])).placement.low_priority_waits is True
+        readers = [src.tier.reader for src in eng.sources.values()]
+        assert {r.yield_depth for r in readers} == {8} and all(r.fixed_buffers for r in readers)
+        if all(r.buffer_refused == 0 and r.backend == "io_uring" for r in readers):
+            assert all(r.fixed_reads > 0 for r in readers)
+    for gone in ("--no-read-ahead-yield", "--no-fixed-buffers", "--read-nice", "--mooncake-busy-waits",
+                 "--engine-core", "--no-early-decode-reads", "--no-prompt-rows-first"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", gone])
 
 
 @pytest.mark.parametrize("kind", ["device", "host", "file"])
@@ -246,20 +204,21 @@ def test_decode_and_prefill_share_a_step(model_dir):
 
 def test_prefill_ahead_guesses_the_next_steps_prompt_chunks(model_dir):
     a, b, c = prompts_of(5, 30, 12, seed=13)
-    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=8192), max_num_batched_tokens=8,
-                prompt_rows_first=False) as eng:
+    with engine(model_dir, Placement("file", codec="fp32", cache_bytes=8192), max_num_batched_tokens=8) as eng:
         eng.add_request("a", a, SamplingParams(max_tokens=10, ignore_eos=True))
         eng.step()  # a's prompt is in: it decodes from now on
         for rid, p in (("b", b), ("c", c)):
             eng.add_request(rid, p, SamplingParams(max_tokens=2, ignore_eos=True))
         sched, seqs = eng.scheduler, eng._seqs
-        assert sched.prefill_ahead({}) == [(seqs["b"], 0, 7)]  # the next step: a's decode and 7 tokens of b
-        assert sched.prefill_ahead({}) == []  # a window is handed out once
-        eng.step()  # runs that step, and reads b's next window (7..14) behind it
+        assert seqs["b"].warmed_to == seqs["c"].warmed_to == 8  # each first chunk is read as it arrives
+        for source in eng.sources.values():
+            source.drain_warm()
+        assert sched.prefill_ahead({}) == []  # the next step: a's decode and 7 tokens of b, read already
+        eng.step()  # runs that step (b's rows are in), and reads b's next window (7..14) behind it, from 8 on
         assert seqs["b"].num_computed == 7 and seqs["b"].warmed_to == 14
-        assert sched.prefill_ahead({}) == []
+        assert sched.prefill_ahead({}) == []  # a window is handed out once
         assert sched.prefill_ahead({"a": 1, "b": 7}) == [(seqs["b"], 14, 21)]  # after a step that runs 7..14
-        assert sched.prefill_ahead({"a": 1, "b": 19}) == [(seqs["b"], 26, 30), (seqs["c"], 0, 3)]  # c fills the rest
+        assert sched.prefill_ahead({"a": 1, "b": 19}) == [(seqs["b"], 26, 30)]  # c's 0..3 was read on arrival
         seqs["b"].reset()  # a preempted sequence is warmed again from its start
         assert seqs["b"].warmed_to == 0
 
@@ -278,7 +237,7 @@ def test_read_ahead_fills_the_cache_and_changes_no_token(model_dir):
     want = expected(model_dir, PROMPTS)
     stats = {}
     for read_ahead in (True, False):
-        with engine(model_dir, placement, max_num_batched_tokens=16, read_ahead=read_ahead) as eng:
+        with engine(model_dir, replace(placement, read_ahead=read_ahead), max_num_batched_tokens=16) as eng:
             for i, p in enumerate(PROMPTS):
                 eng.add_request(str(i), p, GREEDY)
             got: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
@@ -295,22 +254,20 @@ def test_read_ahead_fills_the_cache_and_changes_no_token(model_dir):
 
 
 def test_early_decode_reads_are_hits_at_their_step_and_change_no_token(model_dir):
-    """With early_decode_reads a step's sampled tokens' next rows are read before the next step starts, on the
-    prefetch worker in front of its prefetch: that step finds them cached. Tokens are the same either way."""
-    placement = Placement("file", codec="fp32", cache_bytes=1 << 20)  # holds every row: no eviction in the way
+    """With read-ahead a step's sampled tokens' next rows are read before the next step starts, on the prefetch
+    worker in front of its prefetch: that step finds them cached (every prompt here is in the first step, so the
+    read-ahead reads only decode rows). Tokens are the same either way."""
     want = expected(model_dir, PROMPTS)
     stats = {}
-    for early in (True, False):
-        with engine(model_dir, placement, early_decode_reads=early, prompt_rows_first=False) as eng:
+    for early in (True, False):  # holds every row: no eviction in the way
+        placement = Placement("file", codec="fp32", cache_bytes=1 << 20, read_ahead=early)
+        with engine(model_dir, placement) as eng:
             assert eng.generate(PROMPTS, GREEDY) == want
             stats[early] = eng.metrics().engram
     on, off = stats[True], stats[False]
     miss = {k: v["cache_probes"] - v["cache_hits"] for k, v in stats.items()}
     e = eng.runner.model.config.engram
     decode_rows = len(PROMPTS) * (GREEDY.max_tokens - 1) * len(e.layers) * e.n_head_per_ngram * (e.max_ngram_size - 1)
-    assert engine_config(build_parser().parse_args(["serve", "m"])).early_decode_reads is True
-    assert engine_config(build_parser().parse_args(["serve", "m", "--no-early-decode-reads"])).early_decode_reads \
-        is False
     assert on["cache_probes"] == off["cache_probes"]  # the same steps probed the same rows
     assert on["warmed_rows"] > off["warmed_rows"]
     # the decode rows were read before their step probed: at most that many fewer misses, and most of them

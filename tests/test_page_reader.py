@@ -69,12 +69,10 @@ def read(reader, ids, verify=True, background=False):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qd", [1, 32, 128])
-@pytest.mark.parametrize(("batch_wait", "fixed_files"), [(True, False), (False, False), (True, True)])
-def test_reads_exact_pages(table_dir, backend, qd, batch_wait, fixed_files):
+def test_reads_exact_pages(table_dir, backend, qd):
     path = os.path.join(table_dir, "t.bin")
     pages = write_table(path, 200, seed=qd)
-    with _native.PageReader(path, OFFSET, PS, 200, queue_depth=qd, backend=backend, batch_wait=batch_wait,
-                            fixed_files=fixed_files) as r:
+    with _native.PageReader(path, OFFSET, PS, 200, queue_depth=qd, backend=backend) as r:
         assert r.backend == backend and r.queue_depth == qd
         rng = np.random.default_rng(1)
         ids = np.concatenate([rng.integers(0, 200, 300), [5, 5, 5, 0, 199], np.arange(200)])
@@ -220,12 +218,11 @@ def test_misdirected_page_detected(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fixed_files", [False, True])
-def test_truncated_file(tmp_path, backend, fixed_files):
+def test_truncated_file(tmp_path, backend):
     path = str(tmp_path / "short.bin")
     pages = write_table(path, 8)
     os.truncate(path, OFFSET + 6 * PS + PS // 2)  # page 6 half there, page 7 gone
-    with _native.PageReader(path, OFFSET, PS, 8, backend=backend, fixed_files=fixed_files) as r:
+    with _native.PageReader(path, OFFSET, PS, 8, backend=backend) as r:
         np.testing.assert_array_equal(read(r, [0, 5]), pages[[0, 5]])
         with pytest.raises(OSError, match="page 7 .*short read: got 0 of 4096 bytes"):
             read(r, [0, 7])
@@ -234,13 +231,12 @@ def test_truncated_file(tmp_path, backend, fixed_files):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fixed_files", [False, True])
-def test_concurrent_callers(tmp_path, backend, fixed_files):
-    """Several threads at once (each call takes a ring of its own; with fixed_files each ring registers the file)."""
+def test_concurrent_callers(tmp_path, backend):
+    """Several threads at once (each call takes a ring of its own)."""
     path = str(tmp_path / "conc.bin")
     pages = write_table(path, 256)
     errors = []
-    with _native.PageReader(path, OFFSET, PS, 256, queue_depth=32, backend=backend, fixed_files=fixed_files) as r:
+    with _native.PageReader(path, OFFSET, PS, 256, queue_depth=32, backend=backend) as r:
 
         def worker(seed):
             try:
@@ -311,15 +307,14 @@ def test_io_uring_blocked_falls_back_to_threads(table):
 
 
 @pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here")
-@pytest.mark.parametrize(("qd", "fixed_files"), [(1, False), (32, False), (32, True)])
-def test_a_stalled_read_is_cancelled_and_read_again(table, qd, fixed_files):
+@pytest.mark.parametrize("qd", [1, 32])
+def test_a_stalled_read_is_cancelled_and_read_again(table, qd):
     """A read the kernel never completes (the 'stall' fault: a real io_uring read of an empty pipe) does not hang the
     call: once no read has completed for stall_timeout_s the ring cancels the reads in flight and the call reads
     them with pread. The ring stays healthy for the next call."""
     path, pages = table
     ids = np.array([1, 30, 2, 30, 63, *range(20)], np.int64)
-    with _native.PageReader(path, OFFSET, PS, 64, queue_depth=qd, backend="io_uring", fixed_files=fixed_files,
-                            stall_timeout_s=0.5) as r:
+    with _native.PageReader(path, OFFSET, PS, 64, queue_depth=qd, backend="io_uring", stall_timeout_s=0.5) as r:
         assert r.stall_timeout_s == 0.5
         r.inject_fault("stall", 2, times=1)
         np.testing.assert_array_equal(read(r, ids), pages[ids])

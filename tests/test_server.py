@@ -406,54 +406,6 @@ def serve_subprocess(model_dir: Path, *args: str):
             proc.wait()
 
 
-def thread_cpus(pid: int) -> dict[str, set[frozenset[int]]]:
-    """{thread name: the CPU sets its threads may run on} of a process, from /proc."""
-    out: dict[str, set[frozenset[int]]] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            out.setdefault(name, set()).add(frozenset(os.sched_getaffinity(int(task.name))))
-        except OSError:  # the thread ended meanwhile
-            pass
-    return out
-
-
-def test_engine_core_gives_the_step_thread_a_cpu_and_the_reads_the_rest(model_dir):
-    """--engine-core: the step thread alone on the process's first CPU; the file placement's read threads (started
-    by the step thread's first fetch) and the HTTP loop on the others; refused with one CPU, and with
-    --engine-process."""
-    from tiergram.cli import main
-
-    with pytest.raises(SystemExit, match="--engine-core pins this process's engine thread"):
-        main(["serve", str(model_dir), "--engine-core", "--engine-process"])
-    with pytest.raises(SystemExit, match="--engine-core needs torch on one thread .*, got --torch-threads 2"):
-        main(["serve", str(model_dir), "--engine-core", "--torch-threads", "2"])
-    cpus = sorted(os.sched_getaffinity(0))
-    args = ("--engine-core", "--placement", "file", "--cache-bytes", "1M")
-    if len(cpus) < 2:
-        proc = subprocess.run([sys.executable, "-m", "tiergram", "serve", str(model_dir), "--port", "0", *args],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode != 0 and "--engine-core needs at least 2 CPUs to split" in proc.stderr
-        return
-    with serve_subprocess(model_dir, *args) as (proc, base):
-        r = complete(base, prompt=PROMPT, max_tokens=4)
-        assert r.status_code == 200, r.text
-        threads = thread_cpus(proc.pid)
-        assert threads["tiergram-engine"] == {frozenset(cpus[:1])}
-        assert threads["tiergram-fetch"] == {frozenset(cpus[1:])}  # not the step thread's, which started them
-        assert frozenset(cpus[:1]) not in threads.get("python", set()) | threads.get("tiergram", set())
-
-
-def test_engine_core_splits_the_cpus_the_process_may_use(monkeypatch):
-    from tiergram.server.affinity import split_cpus
-
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {5, 2, 7})
-    assert split_cpus() == (2, {5, 7})
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
-    with pytest.raises(ValueError, match=r"at least 2 CPUs to split, this process may use 1 \(\[3\]\)"):
-        split_cpus()
-
-
 @pytest.mark.parametrize("engine_args", [(), ("--engine-process",)], ids=["thread", "process"])
 def test_sigterm_drains_then_exits_zero(model_dir, engine_args):
     """The first SIGTERM drains: /health 503, new requests 503, the one in flight runs to its end, exit 0 (with the

@@ -237,18 +237,22 @@ def test_the_api_key_guards_every_endpoint_but_the_public_ones(model_dir):
 
 def test_the_cli_takes_the_api_key_from_the_environment(monkeypatch, model_dir):
     from tiergram.cli import build_parser
+    from tiergram.cli.serve import settings_of
 
     monkeypatch.setenv("TIERGRAM_API_KEY", "from-env")
-    args = build_parser().parse_args(["serve", str(model_dir)])
-    assert args.api_key == "from-env" and args.public_paths == "/health,/metrics" and not args.debug
+    server = settings_of(build_parser().parse_args(["serve", str(model_dir)])).server
+    assert server.api_key == "from-env" and server.public_paths == ["/health", "/metrics"] and not server.debug
     args = build_parser().parse_args(["serve", str(model_dir), "--api-key", "flag", "--allowed-hosts", "a, b"])
-    assert args.api_key == "flag" and args.allowed_hosts == "a, b"
+    assert settings_of(args).server.api_key == "flag" and settings_of(args).server.allowed_hosts == ["a", "b"]
 
 
-def test_serve_takes_the_edge_flags(model_dir, monkeypatch):
-    """`tiergram serve` end to end: the key from the environment, a 1-s header deadline, loopback hosts only."""
+def test_serve_takes_the_edge_from_its_config_file(model_dir, monkeypatch, tmp_path):
+    """`tiergram serve` end to end: the key from the environment, a 1-s header deadline from the --config file's
+    [server], loopback hosts only."""
     monkeypatch.setenv("TIERGRAM_API_KEY", "env-key")
-    with serve_subprocess(model_dir, "--header-timeout", "1", "--max-connections", "64") as (_, base):
+    config = tmp_path / "serve.toml"
+    config.write_text("[server]\nheader_timeout = 1\nmax_connections = 64\n")
+    with serve_subprocess(model_dir, "--config", str(config)) as (_, base):
         assert_openai_error(httpx.get(f"{base}/v1/models"), 401)
         assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer env-key"}).status_code == 200
         with connect(base) as sock:

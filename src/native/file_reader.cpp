@@ -91,9 +91,8 @@ class ReadBackend {
 
 class UringBackend : public ReadBackend {
  public:
-  UringBackend(unsigned depth, bool batch_wait, bool fixed_files, bool fixed_buffers, int64_t stall_ns)
-      : depth_(depth), batch_wait_(batch_wait), fixed_files_(fixed_files), fixed_buffers_(fixed_buffers),
-        stall_ns_(stall_ns) {
+  UringBackend(unsigned depth, bool fixed_buffers, int64_t stall_ns)
+      : depth_(depth), fixed_buffers_(fixed_buffers), stall_ns_(stall_ns) {
     idle_.push_back(std::make_unique<Ring>(depth));
   }
   const char *name() const override { return "io_uring"; }
@@ -102,8 +101,7 @@ class UringBackend : public ReadBackend {
     if (!fixed_buffers_) area = nullptr;
     std::unique_ptr<Ring> ring = acquire(area ? area->serial : 0);
     BackendReads got;
-    got.fixed = ring->run(fd, ops, n, depth_, batch_wait_, fixed_files_, area, stall_ns_.load(), give_way.foreground,
-                          give_way.depth);
+    got.fixed = ring->run(fd, ops, n, depth_, area, stall_ns_.load(), give_way.foreground, give_way.depth);
     got.yielded = ring->yielded();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -151,8 +149,6 @@ class UringBackend : public ReadBackend {
   }
 
   unsigned depth_;
-  bool batch_wait_;
-  bool fixed_files_;
   bool fixed_buffers_;
   std::atomic<int64_t> stall_ns_;
   std::atomic<int> buffer_refused_{0};
@@ -224,8 +220,8 @@ enum class Fault { kEio, kShort, kFlip, kStall };
 class PageReader : public PageSource {
  public:
   PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
-             unsigned queue_depth, const std::string &backend, bool direct, bool batch_wait, bool fixed_files,
-             bool fixed_buffers, double stall_timeout_s)
+             unsigned queue_depth, const std::string &backend, bool direct, bool fixed_buffers,
+             double stall_timeout_s)
       : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
         queue_depth_(queue_depth), want_direct_(direct), fixed_buffers_(fixed_buffers),
         seen_(new std::atomic<uint64_t>[(n_pages + 63) / 64]()) {
@@ -259,7 +255,7 @@ class PageReader : public PageSource {
     try {
       if (backend != "threads") {
         try {
-          backend_ = std::make_unique<UringBackend>(queue_depth, batch_wait, fixed_files, fixed_buffers, stall_ns);
+          backend_ = std::make_unique<UringBackend>(queue_depth, fixed_buffers, stall_ns);
         } catch (const UringUnavailable &e) {
           const std::string why =
               "io_uring unavailable (errno " + std::to_string(e.err) + ": " + std::strerror(e.err) + ")";
@@ -581,14 +577,11 @@ void register_file_reader(nb::module_ &m) {
                          "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
                          "pread thread pool), verifying each page's trailer.")
       .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,
-                    bool, bool, bool, bool, double>(),
+                    bool, bool, double>(),
            nb::arg("path"), nb::arg("data_offset"), nb::arg("page_size"), nb::arg("n_pages"),
            nb::arg("queue_depth") = 128, nb::arg("backend") = "auto", nb::arg("direct") = true,
-           nb::arg("batch_wait") = true, nb::arg("fixed_files") = false, nb::arg("fixed_buffers") = true,
-           nb::arg("stall_timeout_s") = 10.0,
-           "batch_wait (io_uring): each io_uring_enter waits for a quarter of the reads in flight instead of one "
-           "(fewer syscalls per page; False is the earlier behaviour, kept for comparison). fixed_files (io_uring): "
-           "the file is registered with each ring (IORING_REGISTER_FILES) and reads name its slot. fixed_buffers "
+           nb::arg("fixed_buffers") = true, nb::arg("stall_timeout_s") = 10.0,
+           "fixed_buffers "
            "(io_uring): the fetch pipeline's per-thread staging buffers are registered with the rings "
            "(IORING_REGISTER_BUFFERS) and its reads are READ_FIXED (the kernel pins each buffer once, not per read); "
            "read_pages into a caller's buffer always reads plainly. stall_timeout_s (io_uring, Linux 5.11+): when no "

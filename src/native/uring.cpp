@@ -193,23 +193,6 @@ void Ring::cancel(ReadOp *ops, size_t offered) {
   }
 }
 
-bool Ring::use_fixed_file(int fd) {
-  if (registered_fd_ == fd) return true;
-  if (register_refused_) return false;
-  if (registered_fd_ >= 0 && syscall(__NR_io_uring_register, fd_, IORING_UNREGISTER_FILES, nullptr, 0) < 0) {
-    register_refused_ = true;
-    return false;
-  }
-  registered_fd_ = -1;
-  int fds[1] = {fd};
-  if (syscall(__NR_io_uring_register, fd_, IORING_REGISTER_FILES, fds, 1) < 0) {
-    register_refused_ = true;
-    return false;
-  }
-  registered_fd_ = fd;
-  return true;
-}
-
 bool Ring::use_fixed_buffer(const StagingArea &area) {
   if (buffer_serial_ == area.serial) return true;
   if (buffer_refused_) return false;
@@ -228,13 +211,11 @@ bool Ring::use_fixed_buffer(const StagingArea &area) {
   return true;
 }
 
-size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait, bool fixed_file,
-                 const StagingArea *fixed_buffer, int64_t stall_ns, const std::atomic<int> *yield_to,
+size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, const StagingArea *fixed_buffer, int64_t stall_ns, const std::atomic<int> *yield_to,
                  unsigned yield_depth) {
   depth = std::max(1u, std::min(depth, sq_entries_));
   if (yield_depth == 0 || yield_depth >= depth) yield_to = nullptr;
   yielded_ = 0;
-  const bool fixed = fixed_file && use_fixed_file(fd);
   const bool fixed_buf = fixed_buffer && fixed_buffer->serial != 0 && use_fixed_buffer(*fixed_buffer);
   size_t n_fixed = 0;
   for (size_t i = 0; i < n; ++i) ops[i].res = kPending;
@@ -264,8 +245,7 @@ size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait,
       s.opcode = in_buf ? IORING_OP_READ_FIXED : IORING_OP_READ;
       s.buf_index = 0;
       n_fixed += in_buf;
-      s.fd = own_fd ? op.fd : fixed ? 0 : fd;  // registered slot 0, or the fd itself
-      if (fixed && !own_fd) s.flags = IOSQE_FIXED_FILE;
+      s.fd = own_fd ? op.fd : fd;
       s.off = op.offset;
       s.addr = reinterpret_cast<uintptr_t>(op.dst);
       s.len = op.len;
@@ -286,7 +266,7 @@ size_t Ring::run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait,
     // than after the first: each io_uring_enter then reaps a batch (fewer syscalls per page) while the rest keep
     // the queue busy. Once all are offered, wait for every known read. Only reads the kernel already holds are
     // counted: it may take fewer of this call's SQEs than offered, and waiting for more than exist would block.
-    const unsigned want = !batch_wait ? 1u : next < n ? std::max(1u, inflight / 4) : std::max(1u, inflight);
+    const unsigned want = next < n ? std::max(1u, inflight / 4) : std::max(1u, inflight);
     int64_t timeout = -1;
     if (bounded) {
       timeout = stall_ns - (now_ns() - progress_at);

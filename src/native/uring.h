@@ -51,11 +51,8 @@ class Ring {
 
   // Reads every op from `fd` keeping at most `depth` in flight, and sets each op's `res`. If the ring
   // itself fails (io_uring_enter error), the ops not completed get -errno: the caller sees them as failed
-  // reads. Returns only once the kernel holds no reference to any `dst`. batch_wait: each io_uring_enter waits for
-  // a quarter of the reads in flight (fewer syscalls per page) instead of one.
-  // fixed_file: the fd is registered with the ring once (IORING_REGISTER_FILES) and each read names its slot
-  // (IOSQE_FIXED_FILE), which spares the kernel a file lookup and reference per read; if the kernel refuses the
-  // registration the ring reads through the plain fd.
+  // reads. Returns only once the kernel holds no reference to any `dst`. Each io_uring_enter waits for a quarter of
+  // the reads in flight, not the first: 3.6 against 4.2 us of CPU per page at QD 128 (docs/decisions.md).
   // fixed_buffer: the staging area to register with the ring (IORING_REGISTER_BUFFERS, kept until another area
   // comes); reads whose dst lies inside it are READ_FIXED, which spares the kernel pinning the page per read.
   // If the kernel refuses the registration (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the ring reads plainly.
@@ -66,8 +63,7 @@ class Ring {
   // yield_to: while it is > 0 (another caller's reads are in flight on this file), keep at most yield_depth reads in
   // flight instead of depth, so that theirs do not queue behind ours at the device. Returns the reads offered while
   // yielding in yielded().
-  size_t run(int fd, ReadOp *ops, size_t n, unsigned depth, bool batch_wait = true, bool fixed_file = false,
-             const StagingArea *fixed_buffer = nullptr, int64_t stall_ns = -1,
+  size_t run(int fd, ReadOp *ops, size_t n, unsigned depth, const StagingArea *fixed_buffer = nullptr, int64_t stall_ns = -1,
              const std::atomic<int> *yield_to = nullptr, unsigned yield_depth = 0);
   size_t yielded() const { return yielded_; }
 
@@ -85,12 +81,9 @@ class Ring {
   bool settle(ReadOp *ops, size_t n, size_t offered, unsigned &inflight, int64_t stall_ns, bool stalled);
   void cancel(ReadOp *ops, size_t offered);
 
-  bool use_fixed_file(int fd);
   bool use_fixed_buffer(const StagingArea &area);
 
   int fd_ = -1;
-  int registered_fd_ = -1;         // the fd in registered slot 0 (-1: none)
-  bool register_refused_ = false;  // the kernel refused a registration: do not ask again
   uint64_t buffer_serial_ = 0;     // the staging area registered as buffer 0 (0: none)
   uint8_t *buffer_base_ = nullptr;
   size_t buffer_bytes_ = 0;

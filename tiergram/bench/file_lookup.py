@@ -2,8 +2,7 @@
 
 All in one run, on one table file in the bench cache folder (a few GiB, created once):
 
-- limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128; the
-  deepest again with io_uring_enter returning at the first completion, and with the file registered with the ring;
+- limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128;
 - python threads: 8 and 16 Python threads calling `os.preadv` on an O_DIRECT descriptor (best of);
 - tiergram: `TieredTable(tier="file", file_mode="direct")` without a cache, `lookup` of `positions` x heads
   ids per call, uniform and Zipfian, rows decoded to float32 — dedup, page reads, checksums, decode, all of it;
@@ -101,10 +100,6 @@ class FileLookupBenchResult:
     tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution -> figures
     mmap: dict[str, float] = field(default_factory=dict)
     all_hits: dict[str, dict[str, float]] = field(default_factory=dict)  # positions -> file cache vs host figures
-    # the deepest limit reader again with io_uring_enter returning at the first completion (the earlier behaviour)
-    limit_wait_one: dict[str, dict[str, float]] = field(default_factory=dict)
-    # the deepest limit reader again with the file registered with its ring (IORING_REGISTER_FILES)
-    limit_fixed_files: dict[str, dict[str, float]] = field(default_factory=dict)
     # one step's rows of 1 table (one prefetch) or 2 tables (one prefetch each, as the engine does two layers)
     layers: dict[str, dict[str, float]] = field(default_factory=dict)
     file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
@@ -239,15 +234,13 @@ class LimitReader:
     `seed` None (the default) draws pages no earlier probe chose: the volume under this VM caches the blocks it
     served, so a probe repeating an earlier one's pages would measure that cache."""
 
-    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int | None = None,
-                 batch_wait: bool = True, fixed_files: bool = False) -> None:
+    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int | None = None) -> None:
         m = self.manifest = table.manifest
         self.batch = max(1024, 48 * qd)  # 6144 pages at QD128: as many as a 256-position lookup reads
         self.out = aligned_empty(self.batch * m.page_size)
         self.rng = np.random.default_rng(None if seed is None else [seed, qd])
         self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
-                                         queue_depth=qd, backend=backend, direct=True, batch_wait=batch_wait,
-                                         fixed_files=fixed_files)
+                                         queue_depth=qd, backend=backend, direct=True)
         self.reader.read_pages(self.rng.integers(0, m.n_pages, self.batch), self.out, verify=False)  # warm-up
 
     def segment(self, seconds: float) -> Segment:
@@ -486,11 +479,6 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     try:
         for qd in cfg.queue_depths:
             readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.read_seed)
-        deepest = max(cfg.queue_depths)
-        readers["limit_wait_one", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.read_seed,
-                                                                  batch_wait=False)
-        readers["limit_fixed_files", str(deepest)] = LimitReader(table, deepest, cfg.backend, cfg.read_seed,
-                                                                 fixed_files=True)
         for n in cfg.py_threads:
             readers["python_threads", str(n)] = PythonThreads(table, n, cfg.read_seed)
         for i, dist in enumerate(cfg.dists):
@@ -677,8 +665,8 @@ def to_dict(res: FileLookupBenchResult) -> dict:
             "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
             **res.ratios, "targets": res.targets, "backend": res.backend,
             "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
-            "all_hits": res.all_hits, "file_mode": res.file_mode, "limit_wait_one": res.limit_wait_one,
-            "limit_fixed_files": res.limit_fixed_files, "layers": res.layers,
+            "all_hits": res.all_hits, "file_mode": res.file_mode,
+            "layers": res.layers,
             "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
 
 
@@ -707,10 +695,6 @@ def to_text(res: FileLookupBenchResult) -> str:
 
     for qd, d in res.limit.items():
         row(f"limit: native reader QD{qd}", d)
-    for qd, d in res.limit_wait_one.items():
-        row(f"  (QD{qd}, enter waits for 1)", d)
-    for qd, d in res.limit_fixed_files.items():
-        row(f"  (QD{qd}, registered file)", d)
     for n, d in res.python_threads.items():
         row(f"python threads os.preadv x{n}", d)
     for dist, d in res.tiergram.items():

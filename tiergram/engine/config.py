@@ -80,12 +80,10 @@ class Placement:
     cache_policy: str = "lru"  # file only: lru | lfu | lookahead (the engine announces one step ahead only)
     codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
-    fixed_buffers: bool = True  # file only: page reads into io_uring-registered staging buffers (READ_FIXED)
-    read_ahead_yields: bool = True  # file only: the read-ahead gives way to a step's fetch at the device
-    read_nice: int = 0  # file only: nice value of the fetch and read-ahead threads (< 0 needs CAP_SYS_NICE)
     master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
-    # mooncake only: the store client's busy-poll for a batch's transfers runs at the lowest CPU priority (SCHED_IDLE)
-    low_priority_waits: bool = True
+    # file / mooncake: read the rows of prompts about to be computed (and of each going-on sequence's next decode
+    # position) into the cache ahead of their step; off only to measure what it gives (docs/engine.md)
+    read_ahead: bool = True
     # host memory this layer's table may use (None: no limit): host, the whole table must fit; file / mooncake, the
     # cache (sized from it unless cache_bytes is given), staging and index. EngineConfig.host_memory_bytes splits a
     # server-wide budget evenly over the layers into this field.
@@ -179,16 +177,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
     eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
     degrade: DegradePolicy = field(default_factory=DegradePolicy)  # off unless degrade.stall_bound_s is set
-    # read the rows of the next step's prompt chunks into the file tier's cache during this step (and a new
-    # request's while the step it arrived in runs): prefill rows are known before their step is scheduled
-    read_ahead: bool = True
-    # with read_ahead: a new prompt joins the batch only once its first chunk's rows are in the cache (read while
-    # other sequences decode), so its compulsory reads do not stall their steps; alone it starts at once
-    prompt_rows_first: bool = True
-    # with read_ahead: as soon as a step samples, read the rows of each going-on sequence's next decode position
-    # (known from its new token) in front of the next step's prefetch, while outputs are handed out and the next
-    # step is scheduled, instead of from that step's entry
-    early_decode_reads: bool = True
     # host memory the Engram tables may use in all (None: no limit), split evenly over the Engram layers: a host
     # placement must fit its share whole; a file placement's cache, staging and index are sized to fit it
     host_memory_bytes: int | None = None

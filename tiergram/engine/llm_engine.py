@@ -81,7 +81,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.sources, self.budget.kv_blocks, config.block_size, self.device,
-                                  self.degrader)
+                                  self.degrader, read_ahead={layer for layer, p in self.placements.items()
+                                                             if p.read_ahead})
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
         # aborted while the step computing them ran: their blocks are freed when that step ends, never under it
@@ -92,9 +93,7 @@ class LLMEngine:
                                     hot_rows_preloaded=sum(self.hot_rows_preloaded.values()),
                                     hot_rows_preload_s=preload_s)
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
-        self._read_ahead = config.read_ahead and self.runner.can_warm
-        self._early_decode_reads = config.early_decode_reads
-        self._rows_first = self._read_ahead and config.prompt_rows_first
+        self._read_ahead = self.runner.can_warm
         # read_ahead()'s tickets by first-chunk tokens, claimed by the add_request of that prompt
         self._ahead: dict[tuple[int, ...], list[Any]] = {}
 
@@ -147,7 +146,7 @@ class LLMEngine:
             seq = Sequence(request_id, prompt, len(prompt), params, next(self._arrivals),
                            min(params.max_tokens, room), generator)
             self._seqs[request_id] = seq
-            if self._rows_first and self._reading_ahead() and self._busy():
+            if self._reading_ahead() and self._busy():
                 # others are decoding: read this prompt's first chunk now, and let it join once the rows are in
                 chunk = prompt[:self.config.max_num_batched_tokens]
                 tickets = self._ahead.pop(tuple(chunk), None)
@@ -175,11 +174,10 @@ class LLMEngine:
         if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
             chunk = ids[:self.config.max_num_batched_tokens]
             tickets = self.runner.warm([(chunk, 0, len(chunk))])
-            if self._rows_first:
-                with self._lock:  # add_request claims them (the rows are not read twice)
-                    self._ahead[tuple(chunk)] = tickets
-                    while len(self._ahead) > AHEAD_KEPT:
-                        del self._ahead[next(iter(self._ahead))]
+            with self._lock:  # add_request claims them (the rows are not read twice)
+                self._ahead[tuple(chunk)] = tickets
+                while len(self._ahead) > AHEAD_KEPT:
+                    del self._ahead[next(iter(self._ahead))]
 
     def _reading_ahead(self) -> bool:
         """Read-ahead is on and the degrade policy is at level 0: under stall pressure no speculative reads."""
@@ -262,7 +260,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self._lock:
             outputs, self._aborted = self._aborted, []
-            batch = self.scheduler.schedule(self._rows_ready if self._rows_first else None)
+            batch = self.scheduler.schedule(self._rows_ready if self._read_ahead else None)
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
             ahead = [(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)] \
                 if self._reading_ahead() and batch.seqs else []
@@ -286,7 +284,7 @@ class LLMEngine:
                         outputs.append(self._fail(seq, e))
                 self._finish_deferred(outputs)
             return outputs
-        if self._early_decode_reads and self._reading_ahead():
+        if self._reading_ahead():
             self._warm_next(to_sample, sampled)
         tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
         # a step with prompt tokens (a prefill chunk, or a recomputation after preemption) reads rows that no

@@ -43,8 +43,10 @@ class ModelRunner:
     """Owns the KV pool [n_layers, blocks * block_size, n_kv, hd] and runs steps with a model's modules."""
 
     def __init__(self, model: EngramLM, sources: dict[int, RowStore], num_blocks: int, block_size: int,
-                 device: torch.device, degrader: Degrader | None = None) -> None:
+                 device: torch.device, degrader: Degrader | None = None, read_ahead: set[int] | None = None) -> None:
         self.model = model
+        # the layers whose rows are read into their cache ahead of their step (None: every layer with a cache)
+        self.read_ahead = read_ahead
         self.degrader = degrader  # the degrade policy: which positions skip their reads (None: none)
         self.sources = sources  # {layer: a RowStore (TieredTable, DeviceTable)}: prefetch(row ids [N, H]) -> Ticket
         self.block_size = block_size
@@ -64,7 +66,8 @@ class ModelRunner:
         return self.model.hasher is not None and bool(self._warmable())
 
     def _warmable(self) -> dict[int, RowStore]:
-        return {layer: src for layer, src in self.sources.items() if src.cache is not None}
+        return {layer: src for layer, src in self.sources.items()
+                if src.cache is not None and (self.read_ahead is None or layer in self.read_ahead)}
 
     def warm(self, windows: list[tuple[list[int], int, int]]) -> list[Any]:
         """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (on each

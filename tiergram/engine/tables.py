@@ -60,19 +60,14 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
 
         return TieredTable(ensure_pushed(path, placement.master), tier="mooncake", cache_bytes=cache_bytes,
                            cache_policy=placement.cache_policy, host_memory_bytes=budget,
-                           remote_options={"low_priority_waits": placement.low_priority_waits})
+                           remote_options={"low_priority_waits": True})
     if device.type == "cuda":
-        if placement.read_nice:
-            raise ValueError(f"read_nice={placement.read_nice} sets the CPU file tier's native read threads; a "
-                             "table served on a CUDA device does not take it")
         return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
                            cache_policy=placement.cache_policy, file_mode=placement.file_mode)
     if placement.kind == "host":
         return TieredTable(path, tier="host", host_memory_bytes=budget)
     return TieredTable(path, tier="file", cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
-                       file_mode=placement.file_mode, host_memory_bytes=budget,
-                       fixed_buffers=placement.fixed_buffers, read_ahead_yields=placement.read_ahead_yields,
-                       read_nice=placement.read_nice)
+                       file_mode=placement.file_mode, host_memory_bytes=budget)
 
 
 # a DeviceTable's preload is warm-up calls coldest part first (they set the cache's recency order), each gathering

@@ -290,14 +290,11 @@ def _json(raw: bytes) -> Any:
 
 
 def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = None, limits: Limits | None = None,
-               unhealthy_after: int = UNHEALTHY_AFTER, engine_cpu: int | None = None, edge: Edge | None = None
-               ) -> FastAPI:
-    """The FastAPI app serving an engine: an LLMEngine stepped by a thread of this process (on `engine_cpu` alone,
-    if given), or an EngineProcess (either starts and stops with the app's lifespan); `edge`: its deadlines, caps
-    and access rules (run it with serve or serve_in_thread, which apply the connection ones)."""
-    if engine_cpu is not None and isinstance(engine, EngineProcess):
-        raise ValueError("engine_cpu pins the engine thread of this process; an EngineProcess has none")
-    aengine = engine if isinstance(engine, EngineProcess) else AsyncEngine(engine, engine_cpu=engine_cpu)
+               unhealthy_after: int = UNHEALTHY_AFTER, edge: Edge | None = None) -> FastAPI:
+    """The FastAPI app serving an engine: an LLMEngine stepped by a thread of this process, or an EngineProcess
+    (either starts and stops with the app's lifespan); `edge`: its deadlines, caps and access rules (run it with
+    serve or serve_in_thread, which apply the connection ones)."""
+    aengine = engine if isinstance(engine, EngineProcess) else AsyncEngine(engine)
     tok = engine.tokenizer
     state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=model_name or engine.model_name,
                         max_model_len=int(engine.max_model_len),
@@ -518,7 +515,7 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
 
 def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           drain_timeout_s: float = 60.0, model_name: str | None = None, limits: Limits | None = None,
-          unhealthy_after: int = UNHEALTHY_AFTER, engine_cpu: int | None = None, edge: Edge | None = None) -> int:
+          unhealthy_after: int = UNHEALTHY_AFTER, edge: Edge | None = None) -> int:
     """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening). Hosts
     not named in edge.allowed_hosts are refused; left unset, a loopback bind answers loopback names only and any
     other bind any name."""
@@ -529,7 +526,7 @@ def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: i
               f"{edge.max_connections}", file=sys.stderr, flush=True)
         edge = replace(edge, max_connections=held)
     app = create_app(engine, model_name=model_name, limits=limits, unhealthy_after=unhealthy_after,
-                     engine_cpu=engine_cpu, edge=edge)
+                     edge=edge)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on such sockets, and without it Nagle holds
     # each streamed chunk for the client's delayed ACK (~40 ms) on keep-alive connections

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 from tiergram import _native
 from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
-from tiergram.server.affinity import pin_this_thread
 
 SNAPSHOT_EVERY_S = 0.02  # engine metrics are snapshotted at most this often while busy (always when idle)
 RESTART_PAUSE_S = 0.1  # the engine loop waits this long after a failure outside a step before it goes on
@@ -102,9 +101,8 @@ class AsyncEngine:
     """An LLMEngine driven by a background thread, for asyncio callers."""
 
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
-                 on_update: Callable[[], None] | None = None, engine_cpu: int | None = None) -> None:
+                 on_update: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.engine_cpu = engine_cpu  # the one CPU the engine thread runs on (None: wherever the OS puts it)
         self.on_update = on_update  # called on the engine thread after each round of deliveries (and at the end)
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -210,8 +208,6 @@ class AsyncEngine:
 
     def _run(self) -> None:
         _native.name_thread("tiergram-engine")  # the OS's name too: top -H and perf tell the step thread apart
-        if self.engine_cpu is not None:
-            pin_this_thread(self.engine_cpu)
         try:
             while not self._stopping:
                 try:

@@ -1,0 +1,317 @@
+"""`tiergram serve`'s whole configuration as typed sections, from a TOML or JSON file, flags on top (docs/serving.md).
+
+[engine]: the engine and its table placement (every EngineConfig setting, and the process it runs in);
+[engram]: per-layer placement (`layers.N`: tier, cache bytes, policy, read-ahead), the same object `--engram-config`
+takes; [server]: the HTTP server, its edge and its request limits. Every key is checked against its type and range
+here, once, and an error names the file, the section and the key. Imports nothing heavy: `tiergram --help` and the
+`bench serve` client build these too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+PLACEMENTS = ("device", "host", "file", "mooncake")
+CACHE_POLICIES = ("lru", "lookahead", "lfu")
+CODECS = ("fp8_e4m3", "bf16", "fp32", "int8")
+FILE_MODES = ("direct", "buffered", "mmap")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+# keys whose value is a byte count: an integer, or a size string like "512M"
+SIZE_KEYS = {"cache_bytes", "device_memory", "host_memory", "max_body_bytes"}
+# keys that take one of a few names
+CHOICES = {"placement": PLACEMENTS, "tier": PLACEMENTS, "cache_policy": CACHE_POLICIES, "codec": CODECS,
+           "file_mode": FILE_MODES, "log_level": LOG_LEVELS}
+
+
+class ConfigError(ValueError):
+    """A configuration value that is not allowed; the message names where it came from."""
+
+
+def byte_size(text: str | int) -> int:
+    """1048576, '1048576', '512M', '1.5G', '64KiB' -> bytes (K, M, G, T are powers of 1024); ValueError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value: float = text
+    else:
+        t = str(text).strip().lower().removesuffix("ib").removesuffix("b")
+        unit = t[-1:] if t[-1:] in UNITS else ""
+        try:
+            value = float(t[: len(t) - len(unit)]) * UNITS[unit]
+        except ValueError:
+            raise ValueError(f"expected a size like 1048576, 512M or 2G, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"expected a non-negative size, got {text!r}")
+    return int(value)
+
+
+@dataclass
+class EngineSettings:
+    """[engine]: the engine, the one placement of every Engram layer (unless [engram] names each), its process."""
+
+    placement: str = "host"  # device | host | file | mooncake
+    cache_bytes: int = 0  # file / mooncake: hot-row cache per layer
+    cache_policy: str = "lru"
+    read_ahead: bool = True  # file / mooncake: rows read into the cache before their step (docs/engine.md)
+    codec: str = "fp8_e4m3"  # table file codec (exported on first use)
+    file_mode: str = "direct"  # file: direct (O_DIRECT) | buffered | mmap
+    mooncake_master: str = ""  # mooncake: HOST:PORT of the mooncake_master
+    hot_rows: str | None = None  # a hot-rows file: fill each cache with its table's most read rows at start
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto
+    device_memory: int | None = None  # the device budget (None: CUDA's free memory; CPU: $TIERGRAM_DEVICE_BYTES, 2G)
+    host_memory: int | None = None  # host memory all tables may use, split evenly over the layers (None: no limit)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's
+    max_waiting: int = 256
+    torch_threads: int = 0  # 0: the CPUs less one
+    engine_process: bool = False  # the engine in a process of its own
+
+    def check(self) -> None:
+        _at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        _at_least(self, 0, "max_waiting", "torch_threads")
+        _at_least(self, 1, "host_memory")
+        if self.placement == "mooncake" and not self.mooncake_master:
+            raise ValueError("placement 'mooncake' needs mooncake_master (HOST:PORT of the mooncake_master)")
+
+
+@dataclass
+class LayerSettings:
+    """One Engram layer's placement (`[engram.layers.N]`); what it leaves out comes from [engine]."""
+
+    tier: str  # device | host | file | mooncake
+    cache_bytes: int | None = None
+    cache_policy: str | None = None
+    read_ahead: bool | None = None
+    # room for per-head-group placement: a later `head_groups` key will split one layer's heads over tiers
+
+    def check(self) -> None:
+        if self.cache_bytes and self.tier not in ("file", "mooncake"):
+            raise ValueError(f"a {self.tier} layer holds its whole table: cache_bytes is for tiers file and mooncake")
+
+
+@dataclass
+class EngramSettings:
+    """[engram]: per-layer placement, {layer index: LayerSettings}."""
+
+    layers: dict[int, LayerSettings] = field(default_factory=dict)
+
+
+@dataclass
+class ServerSettings:
+    """[server]: the HTTP server, its edge (deadlines, caps, access) and what one request may ask for."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free one, printed when listening
+    served_model_name: str | None = None
+    log_level: str = "info"
+    drain_timeout: float = 60.0  # seconds SIGTERM waits for in-flight requests
+    api_key: str | None = None  # default: $TIERGRAM_API_KEY
+    public_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"])
+    allowed_hosts: list[str] | None = None  # None: loopback names on a loopback bind, any on another
+    cors_origins: list[str] = field(default_factory=list)
+    debug: bool = False
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int | None = None  # None: 32 x the context length
+    max_stop: int = 4
+    max_stop_chars: int = 256
+    unhealthy_after: int = 8
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 1024
+    max_reading: int = 256
+
+    def check(self) -> None:
+        _at_least(self, 1, "max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "unhealthy_after",
+                  "max_connections", "max_reading")
+        _at_least(self, 0, "port")
+        for name in ("drain_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"must be > 0, got {getattr(self, name)!r}", name)
+
+
+@dataclass
+class ServeSettings:
+    """Everything `tiergram serve` runs with."""
+
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    engram: EngramSettings = field(default_factory=EngramSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able object `load` reads back (None values left out: a TOML file cannot say None)."""
+        return _drop_none({"engine": dataclasses.asdict(self.engine), "server": dataclasses.asdict(self.server),
+                           "engram": {"layers": {str(k): dataclasses.asdict(v)
+                                                 for k, v in self.engram.layers.items()}}})
+
+    def engine_config(self, model_dir: str | os.PathLike, device: str | None = None):
+        """The EngineConfig these settings describe (`device`: the resolved compute device)."""
+        from tiergram.engine import EngineConfig, Placement
+
+        e = self.engine
+
+        def placement(kind: str, cache_bytes: int | None = None, cache_policy: str | None = None,
+                      read_ahead: bool | None = None) -> Placement:
+            if cache_bytes is None:  # a layer's own cache, else [engine]'s where the layer's tier has one
+                cache_bytes = e.cache_bytes if kind in ("file", "mooncake") else 0
+            return Placement(kind=kind, cache_bytes=cache_bytes, cache_policy=cache_policy or e.cache_policy,
+                             codec=e.codec,
+                             file_mode=e.file_mode, master=e.mooncake_master if kind == "mooncake" else "",
+                             read_ahead=e.read_ahead if read_ahead is None else read_ahead)
+
+        layers = self.engram.layers
+        chosen = {k: placement(v.tier, v.cache_bytes, v.cache_policy, v.read_ahead) for k, v in layers.items()} \
+            if layers else placement(e.placement, e.cache_bytes)
+        return EngineConfig(model_dir=str(model_dir), placement=chosen, device=device or e.device,
+                            device_memory_bytes=e.device_memory, block_size=e.block_size,
+                            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                            max_model_len=e.max_model_len, max_waiting=e.max_waiting,
+                            host_memory_bytes=e.host_memory, hot_rows=e.hot_rows)
+
+
+SECTIONS = {"engine": EngineSettings, "server": ServerSettings}
+
+
+def load(path: str | os.PathLike) -> ServeSettings:
+    """A serve configuration file (TOML, or JSON by its .json suffix); ConfigError naming file, section and key."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, ValueError) as e:  # tomllib.TOMLDecodeError and json's errors are ValueErrors
+        raise ConfigError(f"{path}: not a readable TOML or JSON configuration ({e})") from None
+    return from_dict(raw, str(path))
+
+
+def from_dict(raw: Any, where: str = "the configuration") -> ServeSettings:
+    """ServeSettings from a file's object: only [engine], [engram] and [server], each key checked."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table of sections, got {type(raw).__name__}")
+    unknown = set(raw) - {*SECTIONS, "engram"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown sections {sorted(unknown)} (valid: engine, engram, server)")
+    out = ServeSettings(engram=engram_from(raw.get("engram", {}), f"{where}: [engram]"))
+    for name, cls in SECTIONS.items():
+        setattr(out, name, section(cls, raw.get(name, {}), f"{where}: [{name}]"))
+    return out
+
+
+def engram_from(raw: Any, where: str) -> EngramSettings:
+    """[engram] (or --engram-config): {"layers": {"N": {"tier": ..., ...}}}."""
+    if not isinstance(raw, dict) or set(raw) - {"layers"}:
+        raise ConfigError(f"{where}: expected {{\"layers\": {{\"N\": {{\"tier\": ...}}}}}}, got {raw!r}")
+    layers = raw.get("layers", {})
+    if not isinstance(layers, dict):
+        raise ConfigError(f"{where}: layers must map a layer index to its placement, got {layers!r}")
+    out = {}
+    for key, value in layers.items():
+        try:
+            index = int(key)
+        except ValueError:
+            raise ConfigError(f"{where}: layer {key!r} is not a layer index") from None
+        out[index] = section(LayerSettings, value, f"{where} layer {index}")
+    return EngramSettings(layers=out)
+
+
+def engram_config(text: str) -> EngramSettings:
+    """`--engram-config`: inline JSON, or the path of a JSON or TOML file holding the same object."""
+    if text.lstrip().startswith("{"):
+        try:
+            return engram_from(json.loads(text), "--engram-config")
+        except ValueError as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"--engram-config: not valid JSON ({e})") from None
+    path = Path(text)
+    try:
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--engram-config {path}: not a readable JSON or TOML file ({e})") from None
+    return engram_from(raw.get("engram", raw), f"{path}")
+
+
+def section(cls: type, raw: Any, where: str, partial: bool = False) -> Any:
+    """An instance of a settings dataclass from a dict, every key converted and checked (partial: the checked
+    dict of the keys given, for overrides)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table of keys, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(fields)})")
+        try:
+            values[key] = convert(key, hints[key], value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {key}: {e}") from None
+    if partial:
+        return values
+    try:
+        obj = cls(**values)
+    except TypeError as e:  # a required key left out
+        raise ConfigError(f"{where}: {e}") from None
+    try:
+        obj.check()
+    except ValueError as e:
+        key = e.args[1] if len(e.args) > 1 else None
+        raise ConfigError(f"{where}: {key + ': ' if key else ''}{e.args[0]}") from None
+    return obj
+
+
+def convert(key: str, hint: Any, value: Any) -> Any:
+    """One value to its field's type (size strings for byte counts; names checked against their choices)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if key in SIZE_KEYS:
+        return byte_size(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        if key in CHOICES and value not in CHOICES[key]:
+            raise ValueError(f"{value!r} is not one of {', '.join(CHOICES[key])}")
+        return value
+    if typing.get_origin(hint) is list:
+        if isinstance(value, str):  # "a, b" as from a flag
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"expected a list of strings, got {value!r}")
+        return list(value)
+    raise ValueError(f"no conversion to {hint}")  # a field type this module does not know: a bug here
+
+
+def _at_least(obj: Any, low: int, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            raise ValueError(f"must be >= {low}, got {value!r}", name)
+
+
+def _drop_none(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    return obj
