@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiergram.bench.remote import LocalCluster, private_netns
+from tiergram.bench.mooncake_cluster import LocalCluster, private_netns
 from tiergram.format import TableFile, TableManifest, create_table, random_values
 from tiergram.store import TieredTable
 from tiergram.tiers.mooncake import (
@@ -382,7 +382,7 @@ def test_side_by_side_bench_runs_on_a_tiny_table(tmp_path, monkeypatch):
 
 
 def test_an_unreachable_master_fails_fast(tmp_path):
-    from tiergram.bench.remote import free_port
+    from tiergram.bench.mooncake_cluster import free_port
 
     addr = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tiergram.bench.remote import LocalCluster, private_netns, run_in_netns
+from tiergram.bench.mooncake_cluster import LocalCluster, private_netns, run_in_netns
 from tiergram.format import TableFile, TableFormatError, TableManifest, create_table, random_values
 from tiergram.tiers import mooncake
 from tiergram.tiers.mooncake import (

@@ -138,7 +138,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
         if "mooncake" in labels and not cfg.mooncake_master:
             from dataclasses import replace
 
-            from tiergram.bench.remote import LocalCluster
+            from tiergram.bench.mooncake_cluster import LocalCluster
 
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tiergram-serve-mooncake-")))
             segment = 2 * sum(path.stat().st_size for path in tables) + (64 << 20)  # pages + per-object room

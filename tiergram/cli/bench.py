@@ -333,7 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if "mooncake" in args.placements and not args.mooncake_master:
         import sys
 
-        from tiergram.bench.remote import private_netns, run_in_netns
+        from tiergram.bench.mooncake_cluster import private_netns, run_in_netns
 
         if not private_netns():  # Mooncake's clients listen on every interface: fence the local cluster
             return run_in_netns([sys.executable, "-m", "tiergram", *sys.argv[1:]]).returncode
