@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ def point(label: str, c: int, tok_s: float, cpu: float = 1.0) -> sv.Point:
 def test_labels_expand_the_file_placement_per_cache_fraction():
     cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), big_model_dir="b")
     assert cfg.labels() == ["host", "file-1%", "file-10%", "file-big"]
-    assert [sv.kind_of(lb) for lb in cfg.labels()] == ["host", "file", "file", "file"]
+    assert [cfg.kind_of(lb) for lb in cfg.labels()] == ["host", "file", "file", "file"]
     assert sv.SweepConfig(model_dir="m", placements=("host", "file")).labels() == ["host", "file"]
     with pytest.raises(ValueError, match="cache_fractions"):
         sv.SweepConfig(model_dir="m", cache_fractions=(0.5, 1.5))
@@ -118,152 +119,91 @@ def test_default_sweep_starts_no_mooncake_cluster():
     assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()
 
 
-@pytest.mark.parametrize(("flag", "value", "suffix"), [("compare_rows_first", True, "-nowait"),
-                                                       ("compare_fixed_buffers", True, "-plain"),
-                                                       ("compare_read_ahead_yield", True, "-greedy"),
-                                                       ("compare_read_nice", -10, "-nice")])
-def test_a_compare_flag_adds_the_same_file_server_once_more(tmp_path, flag, value, suffix):
-    """--compare-rows-first (-nowait: prompts join at once), --compare-fixed-buffers (-plain: no registered
-    buffers), --compare-read-ahead-yield (-greedy: the read-ahead never gives way) and --compare-read-nice N (-nice:
-    its read threads at nice N): the first file server again, right after it, with its cache and fraction."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), **{flag: value})
-    assert cfg.labels() == ["host", "file-1%", "file-1%" + suffix, "file-10%"]
-    assert sv.kind_of("file-1%" + suffix) == "file"
-    tables = [tmp_path / "a.tgram", tmp_path / "b.tgram"]
-    for t in tables:
-        t.write_bytes(b"x" * 1000)
-    caches = sv.cache_budgets(cfg, tables)
-    assert caches["file-1%" + suffix] == caches["file-1%"] == 10
-    servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 2000, "peak_rss_bytes": 1}
-               for lb in cfg.labels()}
-    points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2)]
-    ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
-    assert ck[f"file-1%{suffix}_vs_host"]["cache_fraction"] == 0.01
-    assert ck["file-1%_vs_host"]["disk_share_needed"] == {}  # no disk limit measured: no share claimed
-    with pytest.raises(ValueError, match="needs the file placement"):
-        sv.SweepConfig(model_dir="m", placements=("host",), **{flag: value}).labels()
-    if flag == "compare_read_nice":
-        with pytest.raises(ValueError, match="compare_read_nice must be in -20..19, got -21"):
-            sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_read_nice=-21).labels()
+VARIANTS = Path(__file__).parent.parent / "docs" / "variants.toml"
 
 
-def test_compare_busy_waits_adds_the_mooncake_server_spinning_at_normal_priority(tmp_path):
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file", "mooncake"), compare_busy_waits=True)
-    assert cfg.labels() == ["host", "file", "mooncake", "mooncake-busy"]
-    assert sv.kind_of("mooncake-busy") == "mooncake"
+def test_the_example_variants_file_adds_each_server_after_its_base(tmp_path):
+    """docs/variants.toml: each [variants.NAME] is a server right after the one it copies, with its base's cache
+    and kind; its [engine] changes reach the server's typed configuration, nothing else does."""
+    variants = sv.load_variants(VARIANTS)
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), hot_rows=True, variants=variants)
+    assert cfg.labels() == ["host", "host-process", "host-t1", "file", "file-cold", "file-no-read-ahead", "file-t1"]
+    assert [cfg.kind_of(lb) for lb in cfg.labels()] == ["host"] * 3 + ["file"] * 4
     tables = [tmp_path / "a.tgram"]
     tables[0].write_bytes(b"x" * 1000)
     caches = sv.cache_budgets(cfg, tables)
-    assert caches["mooncake-busy"] == caches["mooncake"] == caches["file"] == 100
-    with pytest.raises(ValueError, match="needs the mooncake placement"):
-        sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_busy_waits=True).labels()
-
-
-def test_both_compare_flags_follow_their_server_in_order():
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
-                         compare_rows_first=True, compare_fixed_buffers=True)
-    assert cfg.labels() == ["host", "file-1%", "file-1%-plain", "file-1%-nowait", "file-10%"]
-
-
-def test_compare_engine_process_adds_host_with_its_engine_in_a_process_and_checks_it():
-    """--compare-engine-process: host again with --engine-process, labelled host-process, and its ratio check."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_engine_process=True)
-    assert cfg.labels() == ["host", "host-process", "file"]
-    assert sv.kind_of("host-process") == "host"
-    servers = {lb: {"concurrency_limit": 2, "cache_bytes": 0, "table_bytes": 2000, "peak_rss_bytes": 1}
-               for lb in cfg.labels()}
-    points = [point("host-process", 1, 120.0, 1.0), point("host-process", 2, 300.0, 0.9), point("host", 1, 100.0, 1.0),
-              point("host", 2, 200.0, 1.2), point("file", 1, 100.0), point("file", 2, 200.0)]
-    ck = sv.checks(sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0))
-    assert ck["engine_process_vs_thread"]["ratios"] == {1: pytest.approx(1.2), 2: pytest.approx(1.5)}
-    assert ck["engine_process_vs_thread"]["cpu_per_token"] == {1: pytest.approx(1.0), 2: pytest.approx(0.75)}
-    assert "host-process_vs_host" not in ck and "file_vs_host" in ck
-    with pytest.raises(ValueError, match="needs the host placement"):
-        sv.SweepConfig(model_dir="m", placements=("file",), compare_engine_process=True).labels()
-
-
-def test_compare_torch_threads_holds_the_file_server_against_host_at_the_same_threads(tmp_path):
-    """--compare-torch-threads N: host and the first file server again at N torch threads (host-tN, <label>-tN), the
-    file one checked against host-tN, host-tN against host; each -tN server's argv carries --torch-threads N."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1),
-                         compare_torch_threads=1)
-    assert cfg.labels() == ["host", "host-t1", "file-1%", "file-1%-t1", "file-10%"]
-    assert sv.kind_of("file-1%-t1") == "file" and sv.kind_of("host-t1") == "host"
-    tables = [tmp_path / "a.tgram"]
-    tables[0].write_bytes(b"x" * 1000)
-    caches = sv.cache_budgets(cfg, tables)
-    assert caches["file-1%-t1"] == caches["file-1%"] == 10 and caches["host-t1"] == 0
+    assert caches["file-t1"] == caches["file-cold"] == caches["file"] == 100 and caches["host-t1"] == 0
+    (tmp_path / "hot_rows.npz").write_bytes(b"")
+    cfg.model_dir = str(tmp_path)
+    settings = {lb: sv.server_settings(cfg, lb, caches[lb], 16).engine for lb in cfg.labels()}
+    assert settings["host-process"].engine_process and not settings["host"].engine_process
+    assert settings["file"].hot_rows == str(tmp_path / "hot_rows.npz") and settings["file-cold"].hot_rows is None
+    assert settings["host"].hot_rows is None  # a host server has no cache to preload
+    assert not settings["file-no-read-ahead"].read_ahead and settings["file"].read_ahead
+    assert settings["file-t1"].torch_threads == 1 and settings["file"].torch_threads == 0
+    assert settings["file-t1"].cache_bytes == 100 and settings["file-t1"].placement == "file"
     servers = {lb: {"concurrency_limit": 2, "cache_bytes": caches[lb], "table_bytes": 1000, "peak_rss_bytes": 1}
                for lb in cfg.labels()}
-    points = [point("host", 1, 100.0, 2.0), point("host", 2, 200.0, 2.0), point("host-t1", 1, 90.0, 1.5),
-              point("host-t1", 2, 220.0, 1.6), point("file-1%", 1, 80.0), point("file-1%", 2, 160.0),
-              point("file-1%-t1", 1, 81.0, 1.8), point("file-1%-t1", 2, 209.0, 1.6), point("file-10%", 1, 90.0),
-              point("file-10%", 2, 190.0)]
-    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0)
+    tok = {"host": 100.0, "host-process": 120.0, "host-t1": 110.0, "file": 80.0, "file-cold": 72.0,
+           "file-no-read-ahead": 60.0, "file-t1": 99.0}
+    res = sv.SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0)
     ck = sv.checks(res)
-    assert ck["host-t1_vs_host"]["ratios"] == {1: pytest.approx(0.9), 2: pytest.approx(1.1)}
-    assert ck["host-t1_vs_host"]["cpu_per_token"] == {1: pytest.approx(0.75), 2: pytest.approx(0.8)}
-    t1 = ck["file-1%-t1_vs_host-t1"]
-    assert t1["reference"] == "host-t1" and t1["ratios"] == {1: pytest.approx(0.9), 2: pytest.approx(0.95)}
-    assert t1["passed"] and t1["cpu_per_token_vs_host"] == {1: pytest.approx(1.2), 2: pytest.approx(1.0)}
-    assert ck["file-1%_vs_host"]["ratios"] == {1: pytest.approx(0.8), 2: pytest.approx(0.8)}
-    assert "file-1%-t1_vs_host" not in ck
+    assert ck["host-process_vs_host"]["ratios"] == {1: pytest.approx(1.2)}
+    assert ck["file-cold_vs_file"]["ratios"] == {1: pytest.approx(0.9)}
+    assert ck["file-t1_vs_host-t1"]["ratios"] == {1: pytest.approx(0.9)} and "file-t1_vs_host" not in ck
+    assert ck["file-cold_vs_host"]["ratios"] == {1: pytest.approx(0.72)}
+    assert ck["file-cold_vs_host"]["cache_fraction"] == 0.1
     res.checks = ck
     text = sv.checks_text(res)
-    assert "file-1%-t1 on 0.0 MiB tables (host cache" in text and ">= 90% of host-t1 at every concurrency: PASS" in text
-    assert "host-t1 / host (the same server, its compute run differently)" in text
-    with pytest.raises(ValueError, match="needs the host and file placements"):
-        sv.SweepConfig(model_dir="m", placements=("file",), compare_torch_threads=1).labels()
-    with pytest.raises(ValueError, match="compare_torch_threads must be >= 1, got 0"):
-        sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_torch_threads=0).labels()
+    assert "host-process / host (the same server, engine_process True changed)" in text
+    assert ">= 90% of host-t1 at every concurrency" in text
 
 
-def test_compare_passive_waits_serves_host_and_file_again_with_openmp_waiting_passively(monkeypatch):
-    """--compare-passive-waits: host-passive and <label>-passive, started with OMP_WAIT_POLICY=PASSIVE in their
-    environment (and only theirs), the file one held against host-passive."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_passive_waits=True,
-                         compare_torch_threads=1)
-    assert cfg.labels() == ["host", "host-passive", "host-t1", "file", "file-passive", "file-t1"]
-    assert sv.kind_of("file-passive") == "file" and sv.kind_of("host-passive") == "host"
-    servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
-               for lb in cfg.labels()}
-    tok = {"host": 100.0, "host-passive": 120.0, "host-t1": 110.0, "file": 80.0, "file-passive": 108.0,
-           "file-t1": 99.0}
-    ck = sv.checks(sv.SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0))
-    assert ck["host-passive_vs_host"]["ratios"] == {1: pytest.approx(1.2)}
-    assert ck["file-passive_vs_host-passive"]["ratios"] == {1: pytest.approx(0.9)}
-    assert ck["file-t1_vs_host-t1"]["ratios"] == {1: pytest.approx(0.9)}
-    assert ck["file_vs_host"]["ratios"] == {1: pytest.approx(0.8)}
+def test_a_server_runs_from_a_typed_config_file(monkeypatch, tmp_path):
+    """A sweep's server gets its settings as a --config file (no flags for its engine), the sweep's [engine]
+    settings under its variant's."""
     seen = {}
 
     class Popen:
         def __init__(self, cmd, **kw):
-            seen[cmd[cmd.index("--placement") + 1] + str(len(seen))] = kw["env"].get("OMP_WAIT_POLICY")
+            seen["cmd"] = cmd
+            seen["config"] = json.loads(Path(cmd[cmd.index("--config") + 1]).read_text())
             raise OSError("not started in this test")
 
     monkeypatch.setattr("subprocess.Popen", Popen)
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    for env in ({"OMP_WAIT_POLICY": "PASSIVE"}, None):
-        with pytest.raises(OSError):
-            sv.ServerProcess(cfg, "host", 0, 16, env=env).start()
-    assert list(seen.values()) == ["PASSIVE", None]
+    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), max_num_seqs=8, engine={"codec": "fp32"},
+                         variants={"file-lfu": sv.Variant("file", {"cache_policy": "lfu"})})
+    with pytest.raises(OSError):
+        sv.ServerProcess(cfg, "file-lfu", 4096, 16).start()
+    assert "--placement" not in seen["cmd"] and "--max-num-seqs" not in seen["cmd"]
+    engine = seen["config"]["engine"]
+    assert (engine["placement"], engine["cache_bytes"], engine["cache_policy"], engine["codec"]) == \
+        ("file", 4096, "lfu", "fp32")
+    assert (engine["max_num_seqs"], engine["max_waiting"]) == (8, 16)
 
 
-def test_compare_engine_core_serves_host_and_file_again_with_the_engine_on_its_own_cpu():
-    """--compare-engine-core: host-core and <label>-core, started with --engine-core, the file one held against
-    host-core."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), compare_engine_core=True)
-    assert cfg.labels() == ["host", "host-core", "file", "file-core"]
-    assert sv.kind_of("file-core") == "file" and sv.kind_of("host-core") == "host"
-    servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
-               for lb in cfg.labels()}
-    tok = {"host": 100.0, "host-core": 110.0, "file": 80.0, "file-core": 104.5}
-    ck = sv.checks(sv.SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0))
-    assert ck["host-core_vs_host"]["ratios"] == {1: pytest.approx(1.1)}
-    assert ck["file-core_vs_host-core"]["ratios"] == {1: pytest.approx(0.95)}
-    assert ck["file_vs_host"]["ratios"] == {1: pytest.approx(0.8)}
-    with pytest.raises(ValueError, match="compare_engine_core needs the host and file placements"):
-        sv.SweepConfig(model_dir="m", placements=("file",), compare_engine_core=True).labels()
+@pytest.mark.parametrize(("text", "error"), [
+    ('[variants.x]\nbase = "file"\ntorch_threads = "two"', r"\[variants.x\]: torch_threads: expected an integer"),
+    ('[variants.x]\nbase = "file"\nspeed = 3', r"\[variants.x\]: unknown key 'speed'"),
+    ('[variants.x]\ntorch_threads = 1', r"\[variants.x\]: needs base"),
+    ('[variants.x]\nbase = "file"\nplacement = "host"', r"placement is the base server's"),
+    ('[variants."a b"]\nbase = "file"', r"a name is letters"),
+    ('[other]\nx = 1', r"expected only \[variants.NAME\] tables"),
+])
+def test_a_variants_file_is_checked_key_by_key(tmp_path, text, error):
+    path = tmp_path / "v.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        sv.load_variants(path)
+
+
+def test_a_variant_of_a_server_the_sweep_does_not_run_is_refused():
+    with pytest.raises(ValueError, match="base 'mooncake' is not a server of this sweep"):
+        sv.SweepConfig(model_dir="m", placements=("host", "file"), variants={"m2": sv.Variant("mooncake")}).labels()
+    with pytest.raises(ValueError, match="reference 'host-t1' is not a server"):
+        sv.SweepConfig(model_dir="m", variants={"f": sv.Variant("file", reference="host-t1")}).labels()
+    with pytest.raises(ValueError, match="has the name of another server"):
+        sv.SweepConfig(model_dir="m", variants={"host": sv.Variant("file")}).labels()
 
 
 def test_thread_cpu_seconds_names_each_threads_time():

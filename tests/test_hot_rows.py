@@ -188,28 +188,27 @@ def test_the_cli_counts_a_corpus_split_into_the_model_directory(model_dir, tmp_p
 
 
 def test_the_sweep_preloads_its_file_servers_and_compares_one_cold(model_dir, tmp_path):
-    from tiergram.bench.serve_config import SweepConfig, kind_of
-    from tiergram.bench.serve_process import ServerProcess, cache_budgets
+    """--hot-rows: the file and mooncake servers' configurations name the model's hot-rows file; a variant with
+    hot_rows = false is the same server started cold."""
+    from tiergram.bench.serve_config import SweepConfig, Variant
+    from tiergram.bench.serve_process import cache_budgets, server_settings
     from tiergram.model.export import export_model
 
-    cfg = SweepConfig(str(model_dir), placements=("host", "file"), hot_rows=True, compare_hot_rows=True)
+    cold = {"file-cold": Variant("file", {"hot_rows": False})}
+    cfg = SweepConfig(str(model_dir), placements=("host", "file"), hot_rows=True, variants=cold)
     assert cfg.labels() == ["host", "file", "file-cold"]
-    remote = SweepConfig(str(model_dir), placements=("host", "file", "mooncake"), hot_rows=True, compare_hot_rows=True)
+    remote = SweepConfig(str(model_dir), placements=("host", "file", "mooncake"), hot_rows=True,
+                         variants={**cold, "mooncake-cold": Variant("mooncake", {"hot_rows": False})})
     assert remote.labels() == ["host", "file", "file-cold", "mooncake", "mooncake-cold"]
-    assert kind_of("mooncake-cold") == "mooncake" and kind_of("file-cold") == "file"
+    assert remote.kind_of("mooncake-cold") == "mooncake" and remote.kind_of("file-cold") == "file"
     with pytest.raises(FileNotFoundError, match="tiergram hot-rows"):  # no MODEL_DIR/hot_rows.npz yet
-        ServerProcess(cfg, "file", 4096, 256, hot_rows=True)
+        server_settings(cfg, "file", 4096, 256)
     tables = sorted(export_model(model_dir, "fp8_e4m3", tmp_path / "export", progress=False).glob("*.tgram"))
     caches = cache_budgets(cfg, tables)
     assert caches["file-cold"] == caches["file"] > 0  # the same cache, only not preloaded
     (model_dir / "hot_rows.npz").write_bytes(b"")  # the sweep passes the path; the server checks the file
     try:
-        cmds = {label: ServerProcess(cfg, label.removesuffix("-cold"), 4096, 256,
-                                     hot_rows=not label.endswith("-cold")).cmd for label in ("file", "file-cold")}
-        cmds["host"] = ServerProcess(cfg, "host", 0, 256, hot_rows=True).cmd
+        hot = {label: server_settings(cfg, label, caches[label], 256).engine.hot_rows for label in cfg.labels()}
     finally:
         (model_dir / "hot_rows.npz").unlink()
-    assert cmds["file"][cmds["file"].index("--hot-rows") + 1] == str(model_dir / "hot_rows.npz")
-    assert "--hot-rows" not in cmds["file-cold"] and "--hot-rows" not in cmds["host"]
-    with pytest.raises(ValueError, match="compare_hot_rows needs"):
-        SweepConfig(str(model_dir), placements=("host", "file"), compare_hot_rows=True).labels()
+    assert hot == {"file": str(model_dir / "hot_rows.npz"), "file-cold": None, "host": None}

@@ -119,7 +119,6 @@ PLAN_USES_BENCH = {
     ("tiergram/plan/calibrate.py", "tiergram.bench.file_lookup", ("LimitReader", "reread_rates")),
     ("tiergram/plan/calibrate.py", "tiergram.bench.serve", ("layer_tables",)),
     ("tiergram/plan/model.py", "tiergram.bench.serve_config", ("levels",)),
-    ("tiergram/plan/predict.py", "tiergram.bench.serve_config", ("base_label",)),
 }
 
 

@@ -506,18 +506,18 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
                  "--plot", str(tmp_path / "v.png")]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert len(obj["points"]) == 9 and (tmp_path / "v.png").is_file()
-    # a sweep with servers the planner does not model (mooncake) and two servers of one placement (file and
-    # file-nowait): the plot names each server and skips what is not modelled
+    # a sweep with servers the planner does not model (mooncake) and two servers of one placement (file and its
+    # variant file-cold): the plot names each server and skips what is not modelled
     both = _sweep(str(model_dir), 1.0)
     extra = [dict(p, placement=name) for p in both["points"] if p["placement"] == "file"
-             for name in ("file-nowait", "mooncake")]
+             for name in ("file-cold", "mooncake")]
     both["points"] += extra
-    both["config"]["compare_rows_first"] = True
+    both["config"]["variants"] = {"file-cold": {"base": "file", "engine": {"hot_rows": False}, "reference": None}}
     sweep.write_text(json.dumps(both))
     assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
                  "--plot", str(tmp_path / "v2.png")]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert {p["placement"] for p in obj["points"]} == {"device", "host", "file", "file-nowait"}
+    assert {p["placement"] for p in obj["points"]} == {"device", "host", "file", "file-cold"}
     assert obj["skipped_placements"] == ["mooncake"] and (tmp_path / "v2.png").is_file()
     # the file servers predicted (and plotted) on the limit the sweep measured, here half the spec's (the default)
     both["disk_pages_per_s"] = {"before": hw.disk.pages_per_s(128) / 2}
@@ -525,14 +525,14 @@ def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pyte
     assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
                  "--plot", str(tmp_path / "v3.png")]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert obj["disk"] == {"from": {"file": "sweep", "file-nowait": "sweep"},
+    assert obj["disk"] == {"from": {"file": "sweep", "file-cold": "sweep"},
                            "pages_per_s": {"file": pytest.approx(hw.disk.pages_per_s(128) / 2),
-                                           "file-nowait": pytest.approx(hw.disk.pages_per_s(128) / 2)}}
+                                           "file-cold": pytest.approx(hw.disk.pages_per_s(128) / 2)}}
     assert (tmp_path / "v3.png").is_file()
     # --disk spec: the spec's disk, whatever the sweep measured
     assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json", "--disk", "spec"]) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert obj["disk"]["from"] == {"file": "spec", "file-nowait": "spec"}
+    assert obj["disk"]["from"] == {"file": "spec", "file-cold": "spec"}
     assert obj["disk"]["pages_per_s"]["file"] == pytest.approx(hw.disk.pages_per_s(128))
     assert main(["plan", "validate", str(tmp_path / "none.json"), "--hardware", str(spec)]) == 2
     assert "cannot read the sweep JSON" in capsys.readouterr().err
@@ -578,10 +578,13 @@ def test_sweep_placement_names() -> None:
     assert sweep_placement("file-1%", cfg).cache_fraction == pytest.approx(0.01)
     assert sweep_placement("file-big", cfg).cache_fraction == pytest.approx(0.01)
     assert sweep_placement("host", cfg) == Placement("host")
-    # a compared server names the placement it is compared with
-    one = sweep_placement("file-1%", cfg)
-    assert sweep_placement("file-1%-cold", cfg) == sweep_placement("file-1%-plain", cfg) == one
+    # a variant runs its base's placement; a label is not parsed for one
+    cfg["variants"] = {"cold": {"base": "file-1%", "engine": {"hot_rows": False}},
+                       "host-process": {"base": "host", "engine": {"engine_process": True}}}
+    assert sweep_placement("cold", cfg) == sweep_placement("file-1%", cfg)
     assert sweep_placement("host-process", cfg) == Placement("host")
+    with pytest.raises(ValueError, match="'file-1%-plain'"):
+        sweep_placement("file-1%-plain", cfg)
     with pytest.raises(ValueError, match="'mooncake'"):
         sweep_placement("mooncake", cfg)
 

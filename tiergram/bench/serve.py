@@ -37,23 +37,14 @@ from typing import Any
 from tiergram.bench.common import log
 from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
-    BUSY,
-    COLD,
-    CORE,
     DEFAULT_PLACEMENTS,
-    GREEDY,
-    NICE,
-    NOWAIT,
-    PASSIVE,
     PLACEMENTS,
-    PLAIN,
-    PROCESS,
     SweepConfig,
+    Variant,
     file_label,
-    kind_of,
     levels,
+    load_variants,
     round_order,
-    threads_suffix,
 )
 from tiergram.bench.serve_process import (
     ServerProcess,
@@ -64,6 +55,7 @@ from tiergram.bench.serve_process import (
     layer_tables,
     peak_rss,
     scrape,
+    server_settings,
     thread_cpu_seconds,
 )
 from tiergram.bench.serve_report import checks_text, plot, to_json, to_markdown, to_text
@@ -73,10 +65,10 @@ from tiergram.paths import cache_dir
 
 __all__ = [
     "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",
-    "Timing", "Trace", "TraceRequest", "cache_budgets", "checks", "checks_text", "closed_loop", "concurrency_limit",
-    "disk_limit", "file_label", "file_mode", "kind_of", "layer_table_bytes", "layer_tables", "levels", "one_request",
-    "pareto", "peak_rss", "plot", "round_order", "run", "scrape", "summarize", "thread_cpu_seconds", "to_json",
-    "to_markdown", "to_text", "trace_tokens",
+    "Timing", "Trace", "TraceRequest", "Variant", "cache_budgets", "checks", "checks_text", "closed_loop",
+    "concurrency_limit", "disk_limit", "file_label", "file_mode", "layer_table_bytes", "layer_tables", "levels",
+    "load_variants", "one_request", "pareto", "peak_rss", "plot", "round_order", "run", "scrape", "server_settings",
+    "summarize", "thread_cpu_seconds", "to_json", "to_markdown", "to_text", "trace_tokens",
 ]
 
 
@@ -128,7 +120,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     disk: dict[str, float] = {}
     big_disk: dict[str, float] = {}
     limit_tables = {"": tables[0]}
-    if cfg.big_model_dir and any(kind_of(lb) == "file" for lb in labels):
+    if cfg.big_model_dir and any(cfg.kind_of(lb) == "file" for lb in labels):
         limit_tables["big"] = layer_tables(cfg.big_model_dir)[0]
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
@@ -150,29 +142,19 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
             waiting = max(256, 2 * cfg.max_concurrency)
             server = stack.enter_context(ServerProcess(
-                cfg, kind_of(placement), cb, max_waiting=waiting,
-                model_dir=cfg.big_model_dir if placement == "file-big" else None,
-                extra_args=("--no-prompt-rows-first",) if placement.endswith(NOWAIT) else
-                ("--engine-process",) if placement.endswith(PROCESS) else
-                ("--no-fixed-buffers",) if placement.endswith(PLAIN) else
-                ("--no-read-ahead-yield",) if placement.endswith(GREEDY) else
-                ("--read-nice", str(cfg.compare_read_nice)) if placement.endswith(NICE) else
-                ("--torch-threads", str(cfg.compare_torch_threads)) if cfg.compare_torch_threads and
-                placement.endswith(threads_suffix(cfg.compare_torch_threads)) else
-                ("--mooncake-busy-waits",) if placement.endswith(BUSY) else
-                ("--engine-core",) if placement.endswith(CORE) else (),
-                hot_rows=cfg.hot_rows and not placement.endswith(COLD),
-                env={"OMP_WAIT_POLICY": "PASSIVE"} if placement.endswith(PASSIVE) else None))
+                cfg, placement, cb, max_waiting=waiting,
+                model_dir=cfg.big_model_dir if placement == "file-big" else None))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))
             servers[placement] = {"kv_blocks_total": health["kv_blocks_total"], "concurrency_limit": limit,
-                                  "cache_bytes": cb, "model": health["model"],
+                                  "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
+                                  "base": cfg.base_of(placement), "settings": server.settings.to_dict(),
                                   "model_dir": cfg.big_model_dir if placement == "file-big" else cfg.model_dir,
                                   "table_bytes": sum(layer_table_bytes(cfg.big_model_dir if placement == "file-big"
                                                                        else cfg.model_dir)),
                                   "peak_rss_bytes_at_start": peak_rss(server.proc.pid)}
-            if kind_of(placement) == "file":
+            if cfg.kind_of(placement) == "file":
                 servers[placement]["file_mode"] = file_mode(layer_tables(servers[placement]["model_dir"])[0])
             started = scrape(server.url)
             if started.get("tiergram_engram_hot_rows_preloaded"):  # the start's cost of the preload
@@ -187,7 +169,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             live[placement] = (server.url, health["model"], levels(limit, cfg.max_concurrency))
         # measured once the servers have started: a hot-rows preload that read a table whole leaves it in whatever
         # cache sits under the disk (this VM's volume has one), and the rounds then read it as it is now
-        if any(kind_of(lb) == "file" for lb in labels):
+        if any(cfg.kind_of(lb) == "file" for lb in labels):
             for which, table in limit_tables.items():
                 before = disk_limit(table)
                 if before is None:
@@ -221,7 +203,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 p.server_peak_rss_bytes = peak_rss(procs[pl])
                 points.append(p)
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
-                reads = f", {p.file_pages_per_s:.0f} pages/s" if kind_of(pl) == "file" else ""
+                reads = f", {p.file_pages_per_s:.0f} pages/s" if cfg.kind_of(pl) == "file" else ""
                 reads += "" if p.cpu_speed_ms is None else f", speed probe {p.cpu_speed_ms:.2f} ms"
                 reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
                 log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 PLACEMENTS = ("device", "host", "file", "mooncake")
 DEFAULT_PLACEMENTS = ("device", "host", "file")  # mooncake needs a master or a private network namespace
@@ -24,7 +27,6 @@ class SweepConfig:
     device_memory: int | None = None  # device memory budget of the engine (bytes)
     cache_fraction: float = 0.10  # file placement: host cache per layer, as a fraction of that layer's table
     cache_policy: str = "lru"  # the engine announces one step ahead: lookahead adds cost, not hits
-    read_ahead: bool = True  # file placement: prompt rows read into the cache before their step
     torch_threads: int = 0  # each server's torch CPU threads (0: torch's default)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -46,33 +48,13 @@ class SweepConfig:
     # mooncake placement: the mooncake_master's HOST:PORT (None: a local cluster started for the sweep, which needs
     # a private network namespace: docs/remote.md); its cache is the file placement's first fraction
     mooncake_master: str | None = None
-    # also serve the first file placement with the engine's prompt_rows_first off, labelled <label>-nowait
-    compare_rows_first: bool = False
-    # also serve the host placement with the engine in a process of its own, labelled host-process
-    compare_engine_process: bool = False
-    # also serve the first file placement with --no-fixed-buffers (plain page reads), labelled <label>-plain
-    compare_fixed_buffers: bool = False
-    # also serve the first file placement with --no-read-ahead-yield (its read-ahead never gives way to a step's
-    # reads at the disk), labelled <label>-greedy
-    compare_read_ahead_yield: bool = False
-    # also serve the first file placement with --read-nice N (its page-read threads at nice N), labelled <label>-nice
-    compare_read_nice: int | None = None
-    # also serve host and the first file placement with --torch-threads N, labelled host-tN and <label>-tN: what the
-    # compute's thread count costs each placement, the file one's page reads needing a core of their own
-    compare_torch_threads: int | None = None
-    # also serve host and the first file placement with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP workers sleep at once
-    # after each parallel region instead of spinning on a core the HTTP loop and the reads need), labelled -passive
-    compare_passive_waits: bool = False
-    # also serve host and the first file placement with --engine-core (the step thread alone on one CPU, the HTTP loop
-    # and the read threads on the rest), labelled -core, the file one held against host-core
-    compare_engine_core: bool = False
     # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
     # `tiergram hot-rows`) at start
     hot_rows: bool = False
-    # with hot_rows: also serve the first file placement (and mooncake) without the preload, labelled <label>-cold
-    compare_hot_rows: bool = False
-    # also serve the mooncake placement with --mooncake-busy-waits (its client spins at normal priority), mooncake-busy
-    compare_busy_waits: bool = False
+    # [engine] settings every server runs with beyond the fields above (`bench serve --config`), checked
+    engine: dict[str, Any] = field(default_factory=dict)
+    # servers of the sweep beyond the placements: {name: Variant} (`bench serve --variants FILE`)
+    variants: dict[str, Variant] = field(default_factory=dict)
     # seconds of the CPU speed probe (`bench.common.cpu_speed_ms`) before and after each placement's round, while
     # the servers idle: `plan validate` predicts the sweep at its probes' median speed (0: no probes)
     speed_probe_s: float = 0.25
@@ -101,96 +83,96 @@ class SweepConfig:
         return self.cache_fractions or (self.cache_fraction,)
 
     def labels(self) -> list[str]:
-        """Every server of the sweep: the placements, the file one once per cache fraction, then file-big."""
+        """Every server of the sweep: the placements (file once per cache fraction), each variant after the server
+        it copies, then file-big."""
         out = []
         for p in self.placements:
             if p == "file" and len(self.fractions) > 1:
                 out += [file_label(f) for f in self.fractions]
             else:
                 out.append(p)
-        def first_file() -> str | None:
-            """The first file server that is not itself a compared one: the one the compare flags copy."""
-            return next((lb for lb in out if kind_of(lb) == "file" and base_label(lb) == lb), None)
-
-        for on, suffix, flag in ((self.compare_rows_first, NOWAIT, "compare_rows_first"),
-                                 (self.compare_fixed_buffers, PLAIN, "compare_fixed_buffers"),
-                                 (self.compare_read_ahead_yield, GREEDY, "compare_read_ahead_yield"),
-                                 (self.compare_read_nice is not None, NICE, "compare_read_nice")):
-            if on:
-                if (first := first_file()) is None:
-                    raise ValueError(f"{flag} needs the file placement")
-                out.insert(out.index(first) + 1, first + suffix)
-        if self.compare_read_nice is not None and not -20 <= self.compare_read_nice <= 19:
-            raise ValueError(f"compare_read_nice must be in -20..19, got {self.compare_read_nice}")
-        if self.compare_torch_threads is not None and self.compare_torch_threads < 1:
-            raise ValueError(f"compare_torch_threads must be >= 1, got {self.compare_torch_threads}")
-        # host and the first file server again, the file one held against the host one (serve_stats.checks)
-        for on, suffix, flag in ((self.compare_torch_threads is not None,
-                                  threads_suffix(self.compare_torch_threads or 1), "compare_torch_threads"),
-                                 (self.compare_passive_waits, PASSIVE, "compare_passive_waits"),
-                                 (self.compare_engine_core, CORE, "compare_engine_core")):
-            if on:
-                if (first := first_file()) is None or "host" not in out:
-                    raise ValueError(f"{flag} needs the host and file placements")
-                out.insert(out.index("host") + 1, "host" + suffix)
-                out.insert(out.index(first) + 1, first + suffix)
-        if self.compare_hot_rows:
-            first = first_file()
-            if (first is None and "mooncake" not in out) or not self.hot_rows:
-                raise ValueError("compare_hot_rows needs hot_rows and the file or mooncake placement")
-            for label in (first, "mooncake"):
-                if label in out:
-                    out.insert(out.index(label) + 1, label + COLD)
-        if self.compare_busy_waits:
-            if "mooncake" not in out:
-                raise ValueError("compare_busy_waits needs the mooncake placement")
-            out.insert(out.index("mooncake") + 1, "mooncake" + BUSY)
-        if self.compare_engine_process:
-            if "host" not in out:
-                raise ValueError("compare_engine_process needs the host placement")
-            out.insert(out.index("host") + 1, "host" + PROCESS)
+        for name, v in self.variants.items():
+            if v.base not in out:
+                raise ValueError(f"variant {name!r}: base {v.base!r} is not a server of this sweep ({', '.join(out)})")
+            if name in out or name == "file-big":
+                raise ValueError(f"variant {name!r} has the name of another server of the sweep")
+            at = out.index(v.base) + 1
+            while at < len(out) and out[at] in self.variants:  # after the variants of the same base before it
+                at += 1
+            out.insert(at, name)
+        for name, v in self.variants.items():
+            if v.reference is not None and v.reference not in out:
+                raise ValueError(f"variant {name!r}: reference {v.reference!r} is not a server of this sweep")
         if self.big_model_dir:
             out.append("file-big")
         return out
 
+    def base_of(self, label: str) -> str:
+        """The placement server a label runs: a variant's base, else the label itself."""
+        return self.variants[label].base if label in self.variants else label
 
-NOWAIT = "-nowait"  # the label suffix of a file server whose new prompts join at once (prompt_rows_first off)
-PROCESS = "-process"  # the label suffix of a server whose engine runs in a process of its own
-PLAIN = "-plain"  # the label suffix of a file server that reads pages without registered buffers
-COLD = "-cold"  # the label suffix of a file or mooncake server that starts with an empty cache (no hot-rows preload)
-BUSY = "-busy"  # the label suffix of a mooncake server whose store client spins at normal priority
-GREEDY = "-greedy"  # the label suffix of a file server whose read-ahead never gives way to a step's reads
-NICE = "-nice"  # the label suffix of a file server whose page-read threads run at compare_read_nice
-PASSIVE = "-passive"  # the label suffix of a server whose torch OpenMP workers wait passively (OMP_WAIT_POLICY)
-CORE = "-core"  # the label suffix of a server whose engine thread has a CPU of its own (--engine-core)
+    def kind_of(self, label: str) -> str:
+        """The placement kind a server runs (file-10% and file-big are file; a variant its base's kind)."""
+        base = self.base_of(label)
+        return "file" if base.startswith("file") else base
+
+
+@dataclass
+class Variant:
+    """A server of the sweep that copies another (`base`) with some [engine] settings changed."""
+
+    base: str  # the server it copies: device, host, file, file-N%, mooncake
+    engine: dict[str, Any] = field(default_factory=dict)  # [engine] keys and values, checked (settings.py)
+    # the server a file variant's throughput check is held against (None: host), e.g. a host variant at the same
+    # torch threads
+    reference: str | None = None
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]*")
+
+
+def load_variants(path: str | os.PathLike) -> dict[str, Variant]:
+    """A variants file (TOML, or JSON by its .json suffix): [variants.NAME] with `base`, an optional `reference`,
+    and [engine] settings to change (`hot_rows` there is true or false: the sweep's hot-rows file, or none)."""
+    import json
+
+    import tomllib
+
+    from tiergram.settings import ConfigError, EngineSettings, section
+
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable TOML or JSON variants file ({e})") from None
+    if set(raw) != {"variants"} or not isinstance(raw["variants"], dict):
+        raise ConfigError(f"{path}: expected only [variants.NAME] tables, got {sorted(raw)}")
+    out = {}
+    for name, body in raw["variants"].items():
+        where = f"{path}: [variants.{name}]"
+        if not NAME.fullmatch(name):
+            raise ConfigError(f"{where}: a name is letters, digits and _.%-")
+        if not isinstance(body, dict) or not isinstance(body.get("base"), str):
+            raise ConfigError(f"{where}: needs base = the server it copies (device, host, file, file-N%, mooncake)")
+        body = dict(body)
+        base, reference, hot = body.pop("base"), body.pop("reference", None), body.pop("hot_rows", None)
+        if reference is not None and not isinstance(reference, str):
+            raise ConfigError(f"{where}: reference: expected a server's name, got {reference!r}")
+        if hot is not None and not isinstance(hot, bool):
+            raise ConfigError(f"{where}: hot_rows: expected true or false (the sweep's hot-rows file), got {hot!r}")
+        for key in ("placement", "mooncake_master", "device"):  # the base's, or the sweep's
+            if key in body:
+                raise ConfigError(f"{where}: {key} is the base server's; make a variant of another base instead")
+        engine = section(EngineSettings, body, where, partial=True)
+        if hot is not None:
+            engine["hot_rows"] = hot
+        out[name] = Variant(base=base, engine=engine, reference=reference)
+    return out
 
 
 def file_label(fraction: float) -> str:
     """file-10% for a cache of 10% of the table."""
     return f"file-{100 * fraction:g}%"
-
-
-# the suffixes of a server compared with the one it is named after
-COMPARED = (NOWAIT, PROCESS, PLAIN, COLD, BUSY, GREEDY, NICE, PASSIVE, CORE)
-
-
-def threads_suffix(threads: int) -> str:
-    """-t1: the label suffix of a server whose torch compute runs on `threads` threads (compare_torch_threads)."""
-    return f"-t{threads}"
-
-
-def base_label(label: str) -> str:
-    """The server a compared one is named after (file-10%-nowait -> file-10%; host-t1 -> host; host -> host): the
-    same placement and cache."""
-    for suffix in COMPARED:
-        if label.endswith(suffix):
-            return label.removesuffix(suffix)
-    return re.sub(r"-t\d+$", "", label)
-
-
-def kind_of(label: str) -> str:
-    """The placement kind a server label runs (file-10% and file-big are file, host-process is host)."""
-    return "file" if label.startswith("file") else base_label(label)
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:

@@ -12,15 +12,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.serve_config import SweepConfig, base_label, file_label, kind_of
+from tiergram.bench.serve_config import SweepConfig, file_label
 
 
 class ServeSubprocess:
     """`tiergram serve MODEL_DIR ARGS` in a subprocess on a free loopback port, healthy once entered; stopped with
-    SIGTERM (drained), SIGKILL if it does not exit within a minute."""
+    SIGTERM (drained), SIGKILL if it does not exit within a minute. `config`: a serve configuration
+    (ServeSettings.to_dict's shape), handed to the server as its --config file."""
 
     def __init__(self, model_dir: str | os.PathLike, *args: str, startup_timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, config: dict[str, Any] | None = None) -> None:
+        self.config_file = None
+        if config is not None:
+            import json
+
+            self.config_file = tempfile.NamedTemporaryFile("w", prefix="tiergram-serve-", suffix=".json")
+            json.dump(config, self.config_file)
+            self.config_file.flush()
+            args = ("--config", self.config_file.name, *args)
         self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
                     "--log-level", "warning", *args]
         self.env = env or {}  # set in the server's environment on top of ours
@@ -81,32 +90,43 @@ class ServeSubprocess:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
         self.log.close()
+        if self.config_file is not None:
+            self.config_file.close()
 
 
 class ServerProcess(ServeSubprocess):
-    """A sweep's server: `tiergram serve` for one placement with the sweep's engine settings."""
+    """A sweep's server: `tiergram serve --config` with the sweep's engine settings for one of its servers."""
 
-    def __init__(self, cfg: SweepConfig, placement: str, cache_bytes: int, max_waiting: int,
-                 model_dir: str | None = None, extra_args: tuple[str, ...] = (), hot_rows: bool = False,
-                 env: dict[str, str] | None = None) -> None:
-        args = ["--placement", placement,
-                "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-                "--block-size", str(cfg.block_size), "--max-waiting", str(max_waiting),
-                "--cache-policy", cfg.cache_policy, "--cache-bytes", str(cache_bytes)]
-        if not cfg.read_ahead:
-            args.append("--no-read-ahead")
-        if cfg.torch_threads:
-            args += ["--torch-threads", str(cfg.torch_threads)]
-        if cfg.device_memory is not None:
-            args += ["--device-memory", str(cfg.device_memory)]
-        if cfg.host_memory is not None:
-            args += ["--host-memory", str(cfg.host_memory)]
-        if placement == "mooncake":
-            args += ["--mooncake-master", cfg.mooncake_master or ""]
-        if hot_rows and placement in ("file", "mooncake"):
-            args += ["--hot-rows", str(hot_rows_path(model_dir or cfg.model_dir))]
-        super().__init__(model_dir or cfg.model_dir, *args, *extra_args, startup_timeout_s=cfg.startup_timeout_s,
-                         env=env)
+    def __init__(self, cfg: SweepConfig, label: str, cache_bytes: int, max_waiting: int,
+                 model_dir: str | None = None) -> None:
+        self.settings = server_settings(cfg, label, cache_bytes, max_waiting, model_dir)
+        super().__init__(model_dir or cfg.model_dir, startup_timeout_s=cfg.startup_timeout_s,
+                         config=self.settings.to_dict())
+
+
+def server_settings(cfg: SweepConfig, label: str, cache_bytes: int, max_waiting: int, model_dir: str | None = None):
+    """The typed configuration one server of the sweep runs: the sweep's engine settings, its placement and cache,
+    then its variant's changes."""
+    from dataclasses import replace
+
+    from tiergram.settings import EngineSettings, ServerSettings, ServeSettings
+
+    kind = cfg.kind_of(label)
+    cached = kind in ("file", "mooncake")
+    engine = EngineSettings(placement=kind, cache_bytes=cache_bytes if cached else 0, cache_policy=cfg.cache_policy,
+                            mooncake_master=cfg.mooncake_master or "" if kind == "mooncake" else "",
+                            device_memory=cfg.device_memory, host_memory=cfg.host_memory, block_size=cfg.block_size,
+                            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            max_waiting=max_waiting, torch_threads=cfg.torch_threads)
+    changes = {**cfg.engine, **(cfg.variants[label].engine if label in cfg.variants else {})}
+    hot = changes.pop("hot_rows", cfg.hot_rows)  # true: the model's own file; a path: that file
+    if hot and cached:
+        engine.hot_rows = hot if isinstance(hot, str) else str(hot_rows_path(model_dir or cfg.model_dir))
+    engine = replace(engine, **changes)
+    if not cached:  # the sweep's cache settings are the file and mooncake servers'
+        engine.cache_bytes = 0
+    engine.check()
+    return ServeSettings(engine=engine, server=ServerSettings(host="127.0.0.1", port=0, log_level="warning"))
 
 
 def hot_rows_path(model_dir: str | os.PathLike) -> Path:
@@ -211,10 +231,10 @@ def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
     if "mooncake" in caches:  # the same host cache as the file placement
         caches["mooncake"] = int(cfg.fractions[0] * smallest)
     for label in labels:
-        if base_label(label) != label:  # the same cache as the server it is compared with
-            caches[label] = caches[base_label(label)]
+        if cfg.base_of(label) != label:  # a variant: its base's cache, unless it sets its own
+            caches[label] = cfg.variants[label].engine.get("cache_bytes", caches[cfg.base_of(label)])
     if cfg.big_model_dir:
-        first_file = next((caches[lb] for lb in labels if lb != "file-big" and kind_of(lb) == "file"),
+        first_file = next((caches[lb] for lb in labels if lb != "file-big" and cfg.kind_of(lb) == "file"),
                           int(cfg.fractions[0] * smallest))
         caches["file-big"] = cfg.big_cache_bytes if cfg.big_cache_bytes is not None else first_file
     return caches

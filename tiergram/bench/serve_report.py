@@ -92,9 +92,10 @@ def checks_text(res: SweepResult) -> str:
         if f.get("disk_share_needed"):
             lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of {ref} at its "
                          f"pages per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")
-    for key, f in ck.items():
-        if key.startswith("host-") and key.endswith("_vs_host") and "cpu_per_token" in f:
-            lines.append(f"  {key.removesuffix('_vs_host')} / host (the same server, its compute run differently): "
+    for name, v in res.config.variants.items():
+        if (f := ck.get(f"{name}_vs_{v.base}")) is not None:
+            changed = ", ".join(f"{k} {val}" for k, val in v.engine.items())
+            lines.append(f"  {name} / {v.base} (the same server, {changed or 'nothing'} changed): "
                          f"throughput [{rs(f['ratios'])}], server CPU per token [{rs(f['cpu_per_token'])}]")
     peaks = ", ".join(f"{pl} {s_['peak_rss_bytes'] / 2**30:.2f} GiB" for pl, s_ in res.servers.items()
                       if s_.get("peak_rss_bytes"))

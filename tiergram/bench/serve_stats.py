@@ -10,7 +10,7 @@ import numpy as np
 
 from tiergram.bench.common import FILE_TARGET, HOST_TARGET, percentile
 from tiergram.bench.load import Timing
-from tiergram.bench.serve_config import CORE, PASSIVE, PROCESS, SweepConfig, base_label, kind_of, threads_suffix
+from tiergram.bench.serve_config import SweepConfig
 from tiergram.bench.serve_process import layer_table_bytes
 
 
@@ -270,22 +270,18 @@ def checks(res: SweepResult) -> dict[str, Any]:
             out["budget"] = {"binds": limits["device"] < limits["host"], "device_limit": limits["device"],
                              "host_limit": limits["host"], "host_max_tok_s": max(offloaded),
                              "device_max_tok_s": max(resident), "ratio": max(offloaded) / max(resident)}
-    if "host" + PROCESS in limits and "host" in limits:  # the engine in its own process against on a thread
-        out["engine_process_vs_thread"] = {"ratios": _ratios(res, "host" + PROCESS, "host"),
-                                           "cpu_per_token": _ratios(res, "host" + PROCESS, "host", "cpu_ms_per_token")}
-    # servers compared with host and file alike (the compute's threads, its OpenMP waits, the engine's own core):
-    # host-S against host, and a file server with suffix S against host-S
-    paired = [sfx for sfx, on in ((threads_suffix(res.config.compare_torch_threads or 1),
-                                   res.config.compare_torch_threads), (PASSIVE, res.config.compare_passive_waits),
-                                  (CORE, res.config.compare_engine_core))
-              if on and "host" + sfx in limits and "host" in limits]
-    for sfx in paired:
-        out[f"host{sfx}_vs_host"] = {"ratios": _ratios(res, "host" + sfx, "host"),
-                                     "cpu_per_token": _ratios(res, "host" + sfx, "host", "cpu_ms_per_token")}
-    for label in (lb for lb in limits if kind_of(lb) == "file" and "host" in limits):
-        ref = next(("host" + sfx for sfx in paired if label.endswith(sfx)), "host")
+    cfg = res.config
+    for name, variant in cfg.variants.items():  # each variant against the server it copies
+        if name in limits and variant.base in limits:
+            out[f"{name}_vs_{variant.base}"] = {"ratios": _ratios(res, name, variant.base),
+                                                "cpu_per_token": _ratios(res, name, variant.base, "cpu_ms_per_token")}
+    for label in (lb for lb in limits if cfg.kind_of(lb) == "file"):
+        variant = cfg.variants.get(label)
+        ref = variant.reference if variant is not None and variant.reference else "host"
+        if ref not in limits:
+            continue
         r = _ratios(res, label, ref)
-        target = FILE_TARGET if base_label(label) != "file-big" else BIG_TARGET
+        target = FILE_TARGET if cfg.base_of(label) != "file-big" else BIG_TARGET
         out[_check_key(label, ref)] = {
             "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target, "reference": ref,
             **_spread(res, label, ref), **resolution(res, label, ref, target),
@@ -303,7 +299,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
 
 def disk_limits(res: SweepResult, label: str) -> dict[str, float]:
     """The disk's limit before/after the sweep on the tables `label` read (file-big: the big model's)."""
-    big = base_label(label) == "file-big" and res.big_disk_pages_per_s
+    big = res.config.base_of(label) == "file-big" and res.big_disk_pages_per_s
     return res.big_disk_pages_per_s if big else res.disk_pages_per_s
 
 
@@ -345,7 +341,7 @@ def _check_key(label: str, ref: str = "host") -> str:
 
 def _fraction(res: SweepResult, label: str) -> float:
     """The cache of a file server as a fraction of its tables (file-big: its cache bytes over its tables)."""
-    label = base_label(label)  # the same cache as the server it is compared with
+    label = res.config.base_of(label)  # a variant: its base's cache
     if label == "file":
         return res.config.cache_fraction
     if label != "file-big":

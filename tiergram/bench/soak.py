@@ -617,11 +617,11 @@ def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
     if cfg.slow_only:
         return res
     # a short context bounds every request the fuzzer may send (max_tokens up to the context)
-    common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-waiting", str(cfg.max_waiting),
-              "--max-model-len", str(cfg.max_model_len)]
+    common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len", str(cfg.max_model_len)]
     if cfg.torch_threads:
         common += ["--torch-threads", str(cfg.torch_threads)]
-    with ServeSubprocess(cfg.model_dir, "--placement", "host", *common) as server:
+    with ServeSubprocess(cfg.model_dir, "--placement", "host", *common,
+                         config={"engine": {"max_waiting": cfg.max_waiting}}) as server:
         url = server.url
         max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
         reference = greedy_tokens(url, [PROMPT], 4)[0][1]

@@ -113,11 +113,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv = bsub.add_parser("serve", help="throughput vs interactivity of the real HTTP server per table placement "
                                        "(closed-loop streaming clients, pareto fronts, acceptance ratios)")
     sv.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (its tables are exported on first use)")
+    sv.add_argument("--config", default=None, metavar="FILE",
+                    help="a serve configuration (TOML or JSON, docs/serving.md) whose [engine] every server runs with: "
+                         "device_memory, host_memory, cache_policy, torch_threads, max_num_seqs, ...; its placement "
+                         "is each server's own")
+    sv.add_argument("--variants", default=None, metavar="FILE",
+                    help="more servers: [variants.NAME] copies server `base` with [engine] settings changed, e.g. "
+                         "base = \"file\", hot_rows = false (docs/serving.md, \"Comparing settings\"; an example: "
+                         "docs/variants.toml)")
     sv.add_argument("--placements", type=_names, default=("device", "host", "file"),
-                    help="comma-separated: device, host, file, mooncake (docs/remote.md)")
-    sv.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
-                    help="the mooncake placement's master (default: a local cluster in a private network namespace, "
-                         "the command re-running itself in one)")
+                    help="comma-separated: device, host, file, mooncake (docs/remote.md; without the --config file's "
+                         "mooncake_master a local cluster in a private network namespace)")
     sv.add_argument("--input-len", type=int, default=128, help="prompt tokens: uniform in [0.8 L, L]")
     sv.add_argument("--output-len", type=int, default=32, help="output tokens: uniform in [0.8 L, L]")
     sv.add_argument("--max-concurrency", type=int, default=64, help="highest concurrency (also capped by the engine)")
@@ -125,65 +131,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="measured requests per point and round: this x concurrency")
     sv.add_argument("--warmup-per-user", type=int, default=2, help="warm-up requests per point = this x concurrency")
     sv.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds per point: the placements take turns on the same requests; a "
-                         "check's ratio is the median of the ratios within a round")
-    sv.add_argument("--device-memory", type=_size, default=None,
-                    help="device memory budget of every server, e.g. 64M (a small one makes resident tables bind)")
-    sv.add_argument("--cache-fraction", type=float, default=0.10,
-                    help="file placement: host cache per layer as a fraction of that layer's table")
-    sv.add_argument("--cache-fractions", type=_fractions, default=None,
-                    help="file placement at several cache sizes, each a server of its own (file-1%%, file-10%%, ...), "
-                         "e.g. 0.01,0.1")
+                    help="interleaved rounds per point: the servers take turns on the same requests; a check's "
+                         "ratio is the median of the ratios within a round")
+    sv.add_argument("--cache-fractions", type=_fractions, default=(0.10,),
+                    help="file placement: host cache per layer as a fraction of that layer's table; several make a "
+                         "server each (file-1%%, file-10%%, ...), e.g. 0.01,0.1 (default 0.1)")
     sv.add_argument("--big-model", default=None, metavar="DIR",
                     help="also serve this model (same backbone, larger tables, e.g. larger than RAM) with the file "
                          "placement, as file-big")
     sv.add_argument("--big-cache-bytes", type=_size, default=None,
                     help="file-big's host cache per layer (default: the same bytes as the first file placement's)")
-    sv.add_argument("--host-memory", type=_size, default=None, help="every server's --host-memory, e.g. 12G")
-    sv.add_argument("--cache-policy", default="lru", choices=["lru", "lookahead", "lfu"])
-    sv.add_argument("--torch-threads", type=int, default=0, help="each server's torch CPU threads (0: default)")
-    sv.add_argument("--no-read-ahead", dest="read_ahead", action="store_false",
-                    help="file placement: no read-ahead of prompt rows into the cache (to measure what it gives)")
-    sv.add_argument("--compare-rows-first", action="store_true",
-                    help="also serve the first file placement with --no-prompt-rows-first, as <label>-nowait")
-    sv.add_argument("--compare-fixed-buffers", action="store_true",
-                    help="also serve the first file placement with --no-fixed-buffers (plain page reads), as "
-                         "<label>-plain")
-    sv.add_argument("--compare-read-ahead-yield", action="store_true",
-                    help="also serve the first file placement with --no-read-ahead-yield (its read-ahead keeps its "
-                         "whole queue depth beside a step's reads), as <label>-greedy")
-    sv.add_argument("--compare-read-nice", type=int, default=None, metavar="N",
-                    help="also serve the first file placement with --read-nice N (its page-read threads at nice N; "
-                         "below 0 needs CAP_SYS_NICE), as <label>-nice")
-    sv.add_argument("--compare-torch-threads", type=int, default=None, metavar="N",
-                    help="also serve host and the first file placement with --torch-threads N, as host-tN and "
-                         "<label>-tN (the file one held against host-tN)")
-    sv.add_argument("--compare-passive-waits", action="store_true",
-                    help="also serve host and the first file placement with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP "
-                         "workers sleep between parallel regions instead of spinning), as host-passive and "
-                         "<label>-passive; it matters only with more than one torch thread (on 2 cores: with "
-                         "--torch-threads 2)")
-    sv.add_argument("--compare-engine-core", action="store_true",
-                    help="also serve host and the first file placement with --engine-core (the engine's step thread "
-                         "alone on one CPU, the HTTP loop and the read threads on the rest), as host-core and "
-                         "<label>-core; the -core file server is held against host-core")
     sv.add_argument("--hot-rows", action="store_true",
                     help="file and mooncake servers preload their cache with their model's hot rows at start "
                          "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
-    sv.add_argument("--compare-hot-rows", action="store_true",
-                    help="with --hot-rows: also serve the first file placement (and mooncake) starting with an empty "
-                         "cache, as <label>-cold")
-    sv.add_argument("--compare-busy-waits", action="store_true",
-                    help="also serve the mooncake placement with --mooncake-busy-waits (its store client spinning at "
-                         "normal priority), as mooncake-busy")
-    sv.add_argument("--compare-engine-process", action="store_true",
-                    help="also serve the host placement with the engine in a process of its own (the server's "
-                         "--engine-process), as host-process")
-    sv.add_argument("--max-num-seqs", type=int, default=64)
-    sv.add_argument("--max-num-batched-tokens", type=int, default=512)
-    sv.add_argument("--source", default="auto", choices=["auto", "corpus", "stdlib"],
-                    help="replayed text: the corpus test split (auto: when built), or the Python stdlib source")
-    sv.add_argument("--corpus", default=None, help="corpus folder (default: the cache's corpus)")
+    sv.add_argument("--source", default="auto",
+                    help="replayed text: auto (the corpus test split when built, else stdlib), corpus, stdlib (the "
+                         "Python stdlib source), or a corpus folder")
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")
     sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
@@ -327,38 +290,68 @@ def cmd_import(args: argparse.Namespace) -> int:
     return import_bench.main(args.gib, directory, rounds=args.rounds, as_json=args.json)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+# the [engine] keys of `bench serve --config` that are SweepConfig fields (the planner reads them from the sweep)
+SWEEP_ENGINE_KEYS = ("device_memory", "host_memory", "cache_policy", "torch_threads", "max_num_seqs",
+                     "max_num_batched_tokens", "block_size", "mooncake_master")
+
+
+def sweep_config(args: argparse.Namespace):
+    """The SweepConfig `bench serve`'s options and files describe."""
+    import json
+
+    import tomllib
+
     from tiergram.bench import serve
+    from tiergram.settings import ConfigError, EngineSettings, section
 
-    if "mooncake" in args.placements and not args.mooncake_master:
-        import sys
+    engine: dict = {}
+    if args.config:
+        path = Path(args.config)
+        try:
+            raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: not a readable TOML or JSON configuration ({e})") from None
+        if set(raw) - {"engine"}:
+            raise ConfigError(f"{path}: bench serve takes [engine] alone (the servers' placements are the sweep's), "
+                              f"got {sorted(raw)}")
+        engine = section(EngineSettings, raw.get("engine", {}), f"{path}: [engine]", partial=True)
+        if "placement" in engine:
+            raise ConfigError(f"{path}: [engine] placement: each server's is the sweep's (--placements)")
+    fields = {k: engine.pop(k) for k in SWEEP_ENGINE_KEYS if k in engine}
+    fields["mooncake_master"] = fields.get("mooncake_master") or None
+    known = args.source in ("auto", "corpus", "stdlib")
+    fractions = args.cache_fractions
+    return serve.SweepConfig(
+        model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
+        max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
+        warmup_per_user=args.warmup_per_user, rounds=args.rounds, cache_fraction=fractions[0],
+        cache_fractions=fractions if len(fractions) > 1 else None, big_model_dir=args.big_model,
+        big_cache_bytes=args.big_cache_bytes, hot_rows=args.hot_rows, engine=engine,
+        variants=serve.load_variants(args.variants) if args.variants else {},
+        source=args.source if known else "corpus", corpus=None if known else args.source, seed=args.seed,
+        plot=args.plot, markdown=args.markdown, **fields)
 
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import sys
+
+    from tiergram.bench import serve
+    from tiergram.settings import ConfigError
+
+    try:
+        cfg = sweep_config(args)
+        cfg.labels()  # a variant of a server the sweep does not run: said before any server starts
+    except (ConfigError, ValueError) as e:
+        print(f"tiergram: error: {e}", file=sys.stderr)
+        return 2
+    if "mooncake" in cfg.placements and not cfg.mooncake_master:
         from tiergram.bench.mooncake_cluster import private_netns, run_in_netns
 
         if not private_netns():  # Mooncake's clients listen on every interface: fence the local cluster
             return run_in_netns([sys.executable, "-m", "tiergram", *sys.argv[1:]]).returncode
-
-    cfg = serve.SweepConfig(
-        model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
-        max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
-        warmup_per_user=args.warmup_per_user, rounds=args.rounds, device_memory=args.device_memory,
-        cache_fraction=args.cache_fraction, cache_fractions=args.cache_fractions, big_model_dir=args.big_model,
-        big_cache_bytes=args.big_cache_bytes, host_memory=args.host_memory,
-        cache_policy=args.cache_policy, read_ahead=args.read_ahead, torch_threads=args.torch_threads,
-        compare_rows_first=args.compare_rows_first, compare_engine_process=args.compare_engine_process,
-        compare_fixed_buffers=args.compare_fixed_buffers, compare_read_ahead_yield=args.compare_read_ahead_yield,
-        compare_read_nice=args.compare_read_nice, compare_torch_threads=args.compare_torch_threads,
-        compare_passive_waits=args.compare_passive_waits,
-        compare_engine_core=args.compare_engine_core,
-        compare_busy_waits=args.compare_busy_waits,
-        hot_rows=args.hot_rows, compare_hot_rows=args.compare_hot_rows, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, source=args.source, corpus=args.corpus, seed=args.seed,
-        plot=args.plot, markdown=args.markdown, mooncake_master=args.mooncake_master)
     try:
         res = serve.run(cfg, progress=not args.json)
     except RuntimeError as e:  # a server that did not start, or a request that failed: say which, no traceback
-        import sys
-
         print(f"tiergram: error: {e}", file=sys.stderr)
         return 1
     print(serve.to_json(res) if args.json else serve.to_text(res))

@@ -82,7 +82,7 @@ def _validate_parser() -> argparse.ArgumentParser:
                         "`python -m tiergram.plan.stream`)")
     p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
                    help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
-                        "config; `-nowait` servers never)")
+                        "config; a server without read-ahead never)")
     p.add_argument("--disk", choices=("sweep", "spec"), default="sweep",
                    help="the disk each file server is predicted on: the limit the sweep measured on its own tables "
                         "(default; the spec's curve scaled to it, the spec's where the sweep measured none), or the "

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.serve_config import base_label
 from tiergram.plan.model import (
     Front,
     HardwareSpec,
@@ -200,14 +199,19 @@ def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -
     return out
 
 
+def sweep_base(cfg: dict[str, Any], label: str) -> str:
+    """The placement server a sweep's server runs: a variant's base (the sweep's config names it), else itself."""
+    return ((cfg.get("variants") or {}).get(label) or {}).get("base", label)
+
+
 def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
-    """The placement a sweep point names: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
-    file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a
-    compared server's suffix (`-nowait`: prompt_rows_first off, `-cold`: no hot-rows preload, `-plain`, `-process`,
-    `-greedy`, `-tN` and `-passive`: torch run otherwise, which the step model does not tell apart) names the same
-    placement."""
-    kind, _, tail = base_label(name).partition("-")
-    if kind not in ("device", "host", "file"):
+    """The placement a sweep server runs: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
+    file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a variant
+    (`bench serve --variants`) runs its base's placement, whatever else it changes (torch's threads, the engine's
+    process, the preload), which the step model does not tell apart."""
+    base = sweep_base(cfg, name)
+    kind, _, tail = base.partition("-")
+    if base not in ("device", "host", "file", "file-big") and not (kind == "file" and tail.endswith("%")):
         raise ValueError(f"sweep point placement {name!r}: not device, host or file[-N%|-big]")
     if kind != "file":
         return Placement(kind)
@@ -220,19 +224,25 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     return Placement("file", cache_fraction=float(min(fractions)))
 
 
+def sweep_read_ahead(cfg: dict[str, Any], label: str) -> bool:
+    """Whether a sweep's server read rows ahead: its variant's read_ahead, else the sweep's [engine] one, else on."""
+    variant = ((cfg.get("variants") or {}).get(label) or {}).get("engine") or {}
+    return bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", cfg.get("read_ahead", True))))
+
+
 def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
-    """Whether a sweep's file server ran with the engine's prompt_rows_first: read-ahead on, a `bench serve` that
-    knows the setting (its config has `compare_rows_first`; earlier engines had no such wait), and not a
-    `-nowait` server."""
-    return bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not label.endswith("-nowait")
+    """Whether a sweep's file server ran with the engine's prompt_rows_first: with read-ahead, in a sweep whose
+    engine always waits for a new prompt's rows (its config has `variants`; `compare_rows_first` in sweeps before
+    them; earlier engines had no such wait)."""
+    return sweep_read_ahead(cfg, label) and ("variants" in cfg or "compare_rows_first" in cfg)
 
 
 def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first: bool | None = None) -> Workload:
-    """The sweep's workload as one server ran it: prompt_rows_first (None: from the sweep, `sweep_rows_first`;
-    never for a `-nowait` server), and the read-ahead of a server without that wait (engines that know the setting
-    still read a joining prompt's rows from its arrival on)."""
-    first = sweep_rows_first(cfg, label) if rows_first is None else rows_first and not label.endswith("-nowait")
-    ahead = bool(cfg.get("read_ahead", True)) and "compare_rows_first" in cfg and not first
+    """The sweep's workload as one server ran it: prompt_rows_first (None: from the sweep, `sweep_rows_first`), and
+    the read-ahead of a server without that wait (an engine that reads a joining prompt's rows from its arrival
+    on, yet lets it join at once)."""
+    first = sweep_rows_first(cfg, label) if rows_first is None else rows_first and sweep_read_ahead(cfg, label)
+    ahead = sweep_read_ahead(cfg, label) and "compare_rows_first" in cfg and not first
     return replace(base, prompt_rows_first=first, read_ahead=ahead)
 
 
@@ -240,7 +250,8 @@ def sweep_disk_limit(sweep: dict[str, Any], label: str) -> float:
     """The disk's limit (pages/s, QD 128) the sweep measured on the tables `label` read, the slower of its
     before/after figures (0: none measured). file-big read the big model's tables, measured apart since sweeps
     recorded `big_disk_pages_per_s` (earlier sweeps measured only the big model's when they had one)."""
-    key = "big_disk_pages_per_s" if base_label(label) == "file-big" and sweep.get("big_disk_pages_per_s") else \
+    key = "big_disk_pages_per_s" if sweep_base(sweep["config"], label) == "file-big" and \
+        sweep.get("big_disk_pages_per_s") else \
         "disk_pages_per_s"
     return min((sweep.get(key) or {}).values(), default=0.0)
 
