@@ -14,7 +14,7 @@ from tiergram.bench.mooncake_cluster import LocalCluster, private_netns, run_in_
 from tiergram.format import TableFile, TableFormatError, TableManifest, create_table, random_values
 from tiergram.tiers import mooncake
 from tiergram.tiers.mooncake import (
-    _Caller,
+    Caller,
     error_name,
     lower_thread_priority,
     manifest_blob,
@@ -40,7 +40,7 @@ def test_a_low_priority_worker_runs_at_sched_idle_and_leaves_the_caller_alone():
     """The waiter for Mooncake's busy-polling calls: its own thread goes to SCHED_IDLE (else nice 19), the calling
     thread keeps its policy, and calls still return their values and raise their errors."""
     before = os.sched_getscheduler(0)
-    caller = _Caller(5.0, low_priority=True)
+    caller = Caller(5.0, low_priority=True)
     try:
         policy = caller(lambda: os.sched_getscheduler(threading.get_native_id()))
         nice = caller(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -51,7 +51,7 @@ def test_a_low_priority_worker_runs_at_sched_idle_and_leaves_the_caller_alone():
     finally:
         caller.close()
     assert os.sched_getscheduler(0) == before
-    normal = _Caller(5.0)
+    normal = Caller(5.0)
     try:
         assert normal(lambda: os.sched_getscheduler(threading.get_native_id())) == before
         assert normal.priority() == "normal"
@@ -116,14 +116,14 @@ def test_a_stored_table_is_reused_only_when_it_is_the_local_one(tmp_path, monkey
     ours = create_table(tmp_path / "layer.tgram", m, random_values(32, seed=0), progress=False)
     foreign = create_table(tmp_path / "other.tgram", m, random_values(32, seed=1), progress=False)
     store, pushes = FakeStore(), []
-    monkeypatch.setattr(mooncake, "shared_client", lambda master: store)
-    monkeypatch.setattr(mooncake, "release_client", lambda s: None)
+    monkeypatch.setattr(mooncake.push, "shared_client", lambda master: store)
+    monkeypatch.setattr(mooncake.push, "release_client", lambda s: None)
 
     def push(path, master, name, *, progress, store):
         pushes.append(name)
         store.objects[manifest_key(name)] = manifest_blob(TableFile.open(path))
 
-    monkeypatch.setattr(mooncake, "push_table", push)
+    monkeypatch.setattr(mooncake.push, "push_table", push)
     name = pushed_name(ours, manifest_blob(TableFile.open(ours)))
     store.objects[manifest_key(name)] = manifest_blob(TableFile.open(foreign))
     with pytest.raises(ValueError, match=rf"holds table '{name}' \(\d+ bytes, pages digest "

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from tiergram.format import TableManifest
 from tiergram.format.ids import RowIds
+
+if TYPE_CHECKING:
+    from tiergram.cache import RowCache
+    from tiergram.cache.native import NativeRowCache
 
 
 @runtime_checkable
@@ -39,7 +44,7 @@ class RowStore(Protocol):
     the engine, the model's row tables and the benchmarks program against it instead of probing attributes.
     """
 
-    cache: Any  # the hot-row cache (RowCache, DeviceRowCache) or None
+    cache: RowCache | NativeRowCache | None  # the hot-row cache (DeviceRowCache is a RowCache), or None
 
     @property
     def num_heads(self) -> int:
@@ -64,7 +69,7 @@ class RowStore(Protocol):
         step needs them, so they queue on the prefetch worker, in front of that step's prefetch."""
         ...
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         """Counters since open: ids, unique ids, hits, misses per head, bytes per tier, cache occupancy."""
         ...
 
@@ -76,7 +81,7 @@ class RowStore(Protocol):
 class ManifestGeometry:
     """`num_heads` and `dim` of a table that keeps its TableManifest as `self.manifest` (TieredTable, DeviceTable)."""
 
-    manifest: Any
+    manifest: TableManifest
 
     @property
     def num_heads(self) -> int:

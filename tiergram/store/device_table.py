@@ -287,9 +287,7 @@ class DeviceTable(ManifestGeometry):
         allocator keeps the buffer until that copy has finished.
         """
         m = self.manifest
-        got = self.tier.read_rows(keys)
-        buf, offsets = got[0], got[1]
-        pages = int(got[2]) if len(got) > 2 else 0
+        buf, offsets, pages = self.tier.read_rows(keys)
         host = torch.empty(keys.size * m.row_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         _native.decode_at(buf, offsets, m.codec_id, m.dim, host.numpy().reshape(keys.size, m.row_bytes))
         return (host.to(self.device, non_blocking=True) if self._cuda else host), pages

@@ -18,7 +18,7 @@ from tiergram.format.ids import check_row_ids
 from tiergram.store.contract import ManifestGeometry
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import NativeTicket, Ticket
-from tiergram.tiers import FileTier, HostTier
+from tiergram.tiers import FileTier, HostTier, Tier
 from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
@@ -95,17 +95,17 @@ class TieredTable(ManifestGeometry):
             if host_memory_bytes is not None and m.data_bytes > host_memory_bytes:
                 raise ValueError(f"{path}: a host-tier table needs {m.data_bytes} bytes of host memory, more than "
                                  f"the budget of {host_memory_bytes} bytes (use tier='file')")
-            self.tier: HostTier | FileTier = HostTier(self.table, shared=shared, progress=progress)
+            self.tier: Tier = HostTier(self.table, shared=shared, progress=progress)
         elif tier == "file":
             self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend,
                                  fixed_buffers=fixed_buffers, read_ahead_yields=read_ahead_yields)
         elif remote is not None:
-            self.tier = remote  # the FileTier interface: check_ids, read_rows, gather, close
+            self.tier = remote
         else:
             raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
         wants_cache = bool(cache_bytes) or (cache_bytes is None and host_memory_bytes is not None and tier != "host")
         # a tier with a native page source: the file tier's reads (not mmap) and the remote tier's
-        native_ok = (getattr(self.tier, "reader", None) is not None
+        native_ok = (self.tier.reader is not None
                      and (cache_policy in NATIVE_POLICIES or not wants_cache))
         if pipeline == "native" and not native_ok:
             raise ValueError(f"the native fetch pipeline serves tier='file' with file_mode 'direct' or 'buffered', "
@@ -286,16 +286,8 @@ class TieredTable(ManifestGeometry):
         snap = self.stats_.snapshot()
         snap["tier"] = self.tier.name
         snap["pipeline"] = self.pipeline
-        if isinstance(self.tier, FileTier):
-            snap["backend"] = self.tier.backend
-            snap["file_mode"] = self.tier.mode  # the mode in use: 'buffered' where O_DIRECT was refused
-            if self.tier.reader is not None:  # reads into io_uring-registered staging buffers (READ_FIXED)
-                snap["registered_buffer_reads"] = self.tier.reader.fixed_reads
-                # pages its reader had never read before: a cache under the disk may hold the others
-                snap["pages_first_read"] = self.tier.reader.first_reads
-                # reads a stalled io_uring call cancelled and re-read with pread (a lost completion, not an error)
-                snap["pages_stalled"] = self.tier.reader.stalled_reads
-                snap["buffer_registration_errno"] = self.tier.reader.buffer_refused
+        if isinstance(self.tier, FileTier):  # its mode in use ('buffered' where O_DIRECT was refused), its reads
+            snap.update(self.tier.stats())
         snap["host_memory_bytes"] = self.host_memory_bytes
         if self.pipeline == "native":  # the read threads' nice value asked for, and what each got (None: not started)
             snap["read_nice"] = {"requested": self.read_nice, "fetch": self._queue.worker_nice,
@@ -375,13 +367,12 @@ class TieredTable(ManifestGeometry):
             return
         m = self.manifest
         per_head_ids = np.full(self.num_heads, flat.shape[0], dtype=np.int64)
-        if self.cache is None and isinstance(self.tier, HostTier):
-            # DRAM gather: duplicates cost a cache-hot re-read, cheaper than deduplicating first
-            self.tier.gather(flat, out)
-            self.stats_.record(ids=per_head_ids, tier_bytes={"host": flat.size * m.row_bytes})
-            return
-        if self.cache is None:  # every distinct row is a miss of the (absent) cache
+        if self.cache is None:
             uniq, pages = self.tier.gather(flat, out)
+            if isinstance(self.tier, HostTier):  # it reads every id as it comes: no distinct rows to count
+                self.stats_.record(ids=per_head_ids, tier_bytes={"host": uniq.size * m.row_bytes})
+                return
+            # every distinct row is a miss of the (absent) cache
             counts = per_head_counts(uniq, self._offsets)
             self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
                                tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)

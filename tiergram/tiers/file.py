@@ -12,6 +12,7 @@ import torch
 from tiergram import _native
 from tiergram.format import TableFile
 from tiergram.tiers.aligned import aligned_empty
+from tiergram.tiers.base import gather_distinct, row_offsets
 
 FILE_MODES = ("direct", "buffered", "mmap")
 # Staging a reading thread keeps between calls (4,096 pages of 4 KiB: a 170-position x 24-head lookup that misses
@@ -90,11 +91,11 @@ class FileTier:
         """
         m = self.manifest
         rows = np.asarray(rows, dtype=np.int64)
-        page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
         if self.reader is None:
             with self._lock:
                 self._counters.rows += rows.size
-            return self.data, page_of_row * m.page_size + slot_in_page * m.row_bytes, 0
+            return self.data, row_offsets(m, rows), 0
+        page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
         pages, which = np.unique(page_of_row, return_inverse=True)
         buf = self._staging(pages.size * m.page_size)
         self.reader.read_pages(pages, buf)
@@ -134,17 +135,19 @@ class FileTier:
         return buf[:nbytes]
 
     def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes].
+        """Rows of ids int64 [N, H] into out; (the sorted distinct global rows read, pages read)."""
+        return gather_distinct(self, ids, out)
 
-        Returns (the sorted distinct global rows read, pages read).
-        """
-        self.check_ids(ids)
-        glob = (ids + self.head_offsets).reshape(-1)
-        uniq, inverse = np.unique(glob, return_inverse=True)
-        buf, offsets, pages = self.read_rows(uniq)
-        m = self.manifest
-        _native.decode_at(buf, offsets[inverse.reshape(-1)], m.codec_id, m.dim, out)
-        return uniq, pages
+    def stats(self) -> dict[str, object]:
+        """How pages are read: backend, mode, and the reader's counts of its kinds of reads."""
+        out: dict[str, object] = {"backend": self.backend, "file_mode": self.mode}
+        if self.reader is not None:
+            out.update(registered_buffer_reads=self.reader.fixed_reads,  # into io_uring-registered staging buffers
+                       # pages its reader had never read before: a cache under the disk may hold the others
+                       pages_first_read=self.reader.first_reads,
+                       # reads a stalled io_uring call cancelled and re-read with pread (a lost completion, no error)
+                       pages_stalled=self.reader.stalled_reads, buffer_registration_errno=self.reader.buffer_refused)
+        return out
 
     def close(self) -> None:
         """Close the reader or the mapping."""

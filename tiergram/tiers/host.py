@@ -15,6 +15,7 @@ import torch
 
 from tiergram import _native
 from tiergram.format import TableFile
+from tiergram.tiers.base import row_offsets
 
 SHM_DIR = Path("/dev/shm")
 
@@ -30,6 +31,8 @@ class HostTier:
         self.head_offsets = table.head_offsets
         self.head_rows = table.head_rows
         self.shm_path: Path | None = None
+        self.reader = None  # rows are gathered in memory: the native fetch pipeline has no pages to read here
+        self.native_counts = np.zeros(2, dtype=np.int64)
         self._mmap: mmap.mmap | None = None
         self._private: mmap.mmap | None = None
         if shared:
@@ -44,7 +47,7 @@ class HostTier:
         """Bytes of host memory the table occupies."""
         return int(self.data.nbytes)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         """Where the rows live: bytes, shared or private, and how many of them sit on transparent huge pages
         (a random row read from a table of many GiB is bound by TLB misses; 2 MiB pages take most of them away)."""
         huge = huge_page_bytes(self.data.ctypes.data, self.data.nbytes) if self.data.nbytes else 0
@@ -55,8 +58,14 @@ class HostTier:
         """IndexError naming head and id for any id of int64 [N, H] outside its head."""
         _native.check_ids(ids, self.head_rows)
 
-    def gather(self, ids: np.ndarray | torch.Tensor, out: np.ndarray | torch.Tensor) -> None:
-        """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16, or uint8 [N, H, row_bytes] raw."""
+    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(the table's rows in memory, int64 byte offsets [n], 0 pages read) of the global rows [n]."""
+        return self.data, row_offsets(self.manifest, np.asarray(rows, dtype=np.int64)), 0
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+        """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16, or uint8 [N, H, row_bytes] raw; returns
+        (the global rows read [N * H], 0 pages): every id as it comes, as a cache-hot re-read of a duplicate costs
+        less than finding the duplicates first."""
         m = self.manifest
         if isinstance(out, torch.Tensor) and out.device.type == "cpu":
             # a numpy view crosses into the native call ~4 us faster than a tensor through DLPack (the whole
@@ -64,6 +73,7 @@ class HostTier:
             out = (out.view(torch.uint16) if out.dtype == torch.bfloat16 else out).numpy()
         _native.gather(self.data, ids, self.head_offsets, self.head_rows, m.page_size, m.rows_per_page,
                        m.codec_id, m.dim, out)
+        return (ids + self.head_offsets).reshape(-1), 0
 
     def _map_shared(self, path: Path) -> np.ndarray:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the copy just verified, not a link put in its place

@@ -1,0 +1,65 @@
+"""The tier contract: what the host, file and Mooncake tiers offer the table that reads rows through them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from tiergram import _native
+from tiergram.format import TableFile, TableManifest
+
+if TYPE_CHECKING:
+    PageSource = _native.PageReader | _native.CallbackPageSource
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """Rows of one table file's geometry, wherever they live; every tier is read through these members alone."""
+
+    name: str  # its key in the table's bytes_read: 'host', 'file' or 'mooncake'
+    table: TableFile
+    manifest: TableManifest
+    # the native fetch pipeline's page source (file reads, Mooncake's read_pages); None where it has none (host, mmap)
+    reader: PageSource | None
+    native_counts: np.ndarray  # int64 [2]: rows and pages the native pipeline read through `reader`
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
+        ...
+
+    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(source buffer, int64 byte offsets [n], pages read) of the encoded global rows [n] (ids checked)."""
+        ...
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes]; returns (the
+        global rows read int64 [n], pages read)."""
+        ...
+
+    def stats(self) -> dict[str, object]:
+        """What this tier reports of itself (memory, read mode, remote calls)."""
+        ...
+
+    def close(self) -> None:
+        """Release the memory, file or client."""
+        ...
+
+
+def gather_distinct(tier: Tier, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+    """`Tier.gather` of a tier that reads pages: each distinct row read once by `read_rows`, then decoded into out.
+
+    Returns (the sorted distinct global rows read, pages read)."""
+    tier.check_ids(ids)
+    uniq, inverse = np.unique((ids + tier.table.head_offsets).reshape(-1), return_inverse=True)
+    buf, offsets, pages = tier.read_rows(uniq)
+    m = tier.manifest
+    _native.decode_at(buf, offsets[inverse.reshape(-1)], m.codec_id, m.dim, out)
+    return uniq, pages
+
+
+def row_offsets(manifest: TableManifest, rows: np.ndarray) -> np.ndarray:
+    """int64 byte offsets [n], in the table's data region, of the global rows [n]."""
+    page, slot = np.divmod(rows, manifest.rows_per_page)
+    return page * manifest.page_size + slot * manifest.row_bytes
