@@ -83,7 +83,7 @@ def test_file_bench_text(bench_home, capsys):
     out = capsys.readouterr().out
     for needle in ("limit: native reader QD8", "python threads os.preadv x3", "tiergram lookup, uniform",
                    "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads",
-                   "(QD8, registered file)", "one step's rows, prefetch, 2 tables",
+                   "one step's rows, prefetch, 2 tables",
                    "uniform native +10% cache / no cache:", "x CPU per row (median of the rounds' ratios: ",
                    "x CPU per page read, i.e. per miss (median of the rounds' ratios: "):
         assert needle in out, needle

@@ -148,9 +148,10 @@ def test_a_gpu_tables_hbm_cache_is_preloaded_too(model_dir, tmp_path):
     from tiergram.engine.tables import export_dir_for, preload_hot_rows
     from tiergram.model.checkpoint import hasher_of, load_tokenizer_of
     from tiergram.model.export import table_path
+    from tiergram.model.model_dir import ModelDir
     from tiergram.store.device_table import DeviceTable
 
-    src = export_dir_for(model_dir, [0, 1], {"fp32"})
+    src = export_dir_for(ModelDir.open(model_dir), [0, 1], {"fp32"}).path
     h = hasher_of(json.loads((model_dir / "config.json").read_text()), load_tokenizer_of(model_dir))
     stream = np.concatenate([np.asarray(p) for p in PROMPTS] * 2)
     path = save_hot_rows(count_hot_rows(h, stream, max_fraction=1.0, progress=False), tmp_path / "h.npz")

@@ -4,6 +4,8 @@ placement from --engram-config, served end to end."""
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -142,3 +144,26 @@ def test_serve_lists_at_most_25_options():
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     sweep = bench._subparsers._group_actions[0].choices["serve"].format_help()
     assert len([line for line in sweep.splitlines() if line.lstrip().startswith("-")]) <= 20
+
+
+def test_an_engine_start_reads_each_config_json_once(model_dir, monkeypatch):
+    """A ModelDir is read once and passed down: a serve start reads the trained directory's config.json once and
+    its export's once (tables, tokenizer, hashing from the same object)."""
+    cfg = engine_config(args(str(model_dir), "--engram-config", TWO_TIERS))
+    LLMEngine(cfg).close()  # exports the tables first, if no earlier test did
+    reads: Counter[str] = Counter()
+    read_text = Path.read_text
+
+    def counted(self: Path, *a, **kw) -> str:
+        if self.name == "config.json":
+            reads[str(self)] += 1
+        return read_text(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    with LLMEngine(engine_config(args(str(model_dir), "--engram-config", TWO_TIERS))) as eng:
+        assert eng.model_dir.path == model_dir / "export" and eng.tokenizer is eng.model_dir.tokenizer
+    assert reads == {str(model_dir / "config.json"): 1, str(model_dir / "export" / "config.json"): 1}
+    reads.clear()
+    with LLMEngine(replace(cfg, model_dir=str(model_dir / "export"))):  # an exported directory: one file, once
+        pass
+    assert reads == {str(model_dir / "export" / "config.json"): 1}

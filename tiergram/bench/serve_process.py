@@ -202,14 +202,13 @@ def scrape(url: str) -> dict[str, float]:
 def layer_tables(model_dir: str, codec: str = "fp8_e4m3") -> list[Path]:
     """Each Engram layer's table file (exported first, as the engine would, when missing)."""
     from tiergram.engine.tables import export_dir_for
-    from tiergram.model.checkpoint import read_config
-    from tiergram.model.export import table_path
+    from tiergram.model.model_dir import ModelDir
 
-    engram = read_config(model_dir)["model"].get("engram")
-    if not engram:
+    model = ModelDir.open(model_dir)
+    if not model.engram_layers:
         raise ValueError(f"{model_dir} has no Engram layers: there is no table to place")
-    src = export_dir_for(Path(model_dir), sorted(engram["layers"]), {codec})
-    return [table_path(src, layer, codec) for layer in sorted(engram["layers"])]
+    src = export_dir_for(model, model.engram_layers, {codec})
+    return [src.table_path(layer, codec) for layer in model.engram_layers]
 
 
 def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:

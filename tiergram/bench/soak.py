@@ -552,11 +552,10 @@ def page_read_by(model_dir: Path, prompt: str, codec: str = "fp8_e4m3") -> tuple
 def copy_export(model_dir: Path, out: Path, codec: str = "fp8_e4m3") -> Path:
     """An exported copy of a model (its tables can then be damaged without touching the original)."""
     from tiergram.engine.tables import export_dir_for
-    from tiergram.model.checkpoint import read_config
+    from tiergram.model.model_dir import ModelDir
 
-    config = read_config(model_dir)
-    layers = sorted((config["model"].get("engram") or {}).get("layers") or [])
-    src = export_dir_for(model_dir, layers, {codec}) if layers else model_dir
+    model = ModelDir.open(model_dir)
+    src = export_dir_for(model, model.engram_layers, {codec}).path if model.engram_layers else model_dir
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.lock", ".engine-export.lock"))
     return out
 

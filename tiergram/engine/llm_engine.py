@@ -7,7 +7,6 @@ import itertools
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,10 +24,10 @@ from tiergram.engine.sequence import RequestOutput, Sequence
 from tiergram.engine.tables import device_bytes, export_dir_for, open_table, preload_hot_rows, table_stats
 from tiergram.engine.validate import RequestError, check_prompt
 from tiergram.engram import RowSourceTable
-from tiergram.model.checkpoint import WEIGHTS, check_table, hasher_of, load_tokenizer_of, read_config
+from tiergram.model.checkpoint import WEIGHTS, check_table
 from tiergram.model.config import ModelConfig
-from tiergram.model.export import table_path
 from tiergram.model.model import EngramLM
+from tiergram.model.model_dir import ModelDir
 from tiergram.tiers.device import resolve_device
 
 EOS_TOKEN = "<|endoftext|>"
@@ -48,13 +47,13 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         total = budget_bytes(self.device, config.device_memory_bytes)  # before anything lands on the device
-        model_dir = Path(config.model_dir)
-        mconfig = ModelConfig.from_dict(read_config(model_dir)["model"])
+        model_dir = ModelDir.open(config.model_dir)  # config.json read once, passed down
+        mconfig = model_dir.model_config
         if config.max_model_len is not None and config.max_model_len > mconfig.max_seq:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_seq {mconfig.max_seq}")
         self.max_model_len = config.max_model_len or mconfig.max_seq
         self.vocab_size = mconfig.vocab_size
-        self.model_name = model_dir.resolve().name
+        self.model_name = model_dir.path.resolve().name
         layers = [] if mconfig.engram is None else sorted(mconfig.engram.layers)
         self.placements: dict[int, Placement] = config.placements_for(layers) if layers else {}
         self.sources: dict[int, Any] = {}
@@ -67,7 +66,7 @@ class LLMEngine:
             preload_s = 0.0
             if config.hot_rows is not None:
                 if self.model.hasher is None:
-                    raise ValueError(f"hot_rows {config.hot_rows}: {model_dir} has no Engram layers to preload")
+                    raise ValueError(f"hot_rows {config.hot_rows}: {model_dir.path} has no Engram layers to preload")
                 t0 = time.perf_counter()
                 self.hot_rows_preloaded = preload_hot_rows(self.sources, config.hot_rows, self.model.hasher)
                 preload_s = time.perf_counter() - t0
@@ -97,17 +96,18 @@ class LLMEngine:
         # read_ahead()'s tickets by first-chunk tokens, claimed by the add_request of that prompt
         self._ahead: dict[tuple[int, ...], list[Any]] = {}
 
-    def _load(self, model_dir: Path, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
+    def _load(self, model_dir: ModelDir, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
         src = export_dir_for(model_dir, layers, {p.codec for p in self.placements.values()}) if layers else model_dir
-        self.tokenizer = load_tokenizer_of(src)
-        hasher = hasher_of(read_config(src), self.tokenizer)
+        self.model_dir = src  # the directory served: its config, tables, tokenizer and hashing, read once
+        self.tokenizer = src.tokenizer
+        hasher = src.hasher
         for layer, p in self.placements.items():
-            path = table_path(src, layer, p.codec)
+            path = src.table_path(layer, p.codec)
             self.sources[layer] = open_table(path, p, self.device)
             check_table(self.sources[layer].manifest, hasher, layer, mconfig.engram.dim, path)
         model = EngramLM(mconfig, hasher, {layer: RowSourceTable(s) for layer, s in self.sources.items()})
-        model.load_state_dict(load_file(str(src / WEIGHTS)), strict=True)
+        model.load_state_dict(load_file(str(src.path / WEIGHTS)), strict=True)
         return model.to(self.device).eval()
 
     def _plan(self, total: int, mconfig: ModelConfig) -> Budget:

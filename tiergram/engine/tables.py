@@ -12,28 +12,29 @@ from tqdm import tqdm
 
 from tiergram.engine.config import Placement
 from tiergram.hashing import NgramHasher
-from tiergram.model.checkpoint import CONFIG, EXPORT_SUBDIR, WEIGHTS, read_config
-from tiergram.model.export import export_model, table_filename, table_path
+from tiergram.model.checkpoint import CONFIG, EXPORT_SUBDIR, WEIGHTS
+from tiergram.model.export import export_model, table_filename
 from tiergram.model.hot_rows import load_hot_rows
+from tiergram.model.model_dir import ModelDir
 from tiergram.store import TieredTable
 from tiergram.store.device_table import DeviceTable
 from tiergram.store.table import PRELOAD_PARTS
 
 
-def export_dir_for(model_dir: Path, layers: list[int], codecs: set[str]) -> Path:
+def export_dir_for(model: ModelDir, layers: list[int], codecs: set[str]) -> ModelDir:
     """The directory holding the weights and a table file per layer and codec, exporting what is missing.
 
     An exported directory is used as it is; a training directory gets DIR/export, (re)exported under a lock
-    when a codec's files are missing or older than the trained weights.
+    when a codec's files are missing or older than the trained weights (its config.json read once, after).
     """
-    config = read_config(model_dir)
-    if config.get("tables") is not None:
-        missing = [table_path(model_dir, layer, c).name for c in sorted(codecs) for layer in layers
-                   if not table_path(model_dir, layer, c).is_file()]
+    if model.exported:
+        missing = [model.table_path(layer, c).name for c in sorted(codecs) for layer in layers
+                   if not model.table_path(layer, c).is_file()]
         if missing:
-            raise ValueError(f"{model_dir} is an exported model without {', '.join(missing)}: export its training "
+            raise ValueError(f"{model.path} is an exported model without {', '.join(missing)}: export its training "
                              "directory with that codec, or pick a placement codec it has")
-        return model_dir
+        return model
+    model_dir = model.path
     out = model_dir / EXPORT_SUBDIR
     out.mkdir(exist_ok=True)
     trained = (model_dir / WEIGHTS).stat().st_mtime_ns
@@ -43,7 +44,7 @@ def export_dir_for(model_dir: Path, layers: list[int], codecs: set[str]) -> Path
             files = [out / table_filename(layer, codec) for layer in layers] + [out / WEIGHTS, out / CONFIG]
             if not all(f.is_file() and f.stat().st_mtime_ns >= trained for f in files):
                 export_model(model_dir, codec, out, progress=False)
-    return out
+    return ModelDir.open(out)
 
 
 def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
