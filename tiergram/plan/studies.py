@@ -188,6 +188,15 @@ def topk_hit_rate(model_dir: str, ks: tuple[int, ...] = (1, 4, 16), max_tokens: 
 
 # --------------------------------------------------------------------------------------------- output
 
+def _label(ax, x: str, y: str, title: str, *, legend: int = 7) -> None:
+    """Axis labels, title, a light grid and the legend of one study panel."""
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=legend)
+
+
 def _plt():
     import matplotlib
 
@@ -218,7 +227,6 @@ def plot_offload(res: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=6)
         ax.set_xlabel("tok/s per user", fontsize=7)
         ax.set_ylabel("tok/s", fontsize=7)
-    fig.tight_layout()
     return save_figure(fig, path)
 
 
@@ -234,11 +242,8 @@ def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
     ax.axhline(52 / 121, color="grey", ls="--", lw=1,
                label="SemiAnalysis mmap path, tokens/$ (52M vs 121M)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("NVMe drives")
-    ax.set_ylabel("file / host, best throughput (= tokens per $)")
-    ax.set_title("PREDICTED: DeepSeek-V4.1-Flash 8K/1K, NVMe vs DRAM tables", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    _label(ax, "NVMe drives", "file / host, best throughput (= tokens per $)",
+           "PREDICTED: DeepSeek-V4.1-Flash 8K/1K, NVMe vs DRAM tables")
     return save_figure(fig, path)
 
 
@@ -257,12 +262,7 @@ def plot_contention(res: dict[Any, Any], path: Path) -> Path:
                     label=f"{label} (c<={r['limit']:,})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel("tok/s")
-        ax.set_title(f"PREDICTED {h}: 128K in / 4K out", fontsize=9)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
+        _label(ax, "concurrency", "tok/s", f"PREDICTED {h}: 128K in / 4K out", legend=6)
     return save_figure(fig, path)
 
 
@@ -280,12 +280,7 @@ def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> 
         ax.plot(cs, [r["step_ms"] for r in rs], color="grey", ls=":", label="step")
         ax.set_xscale("log", base=2)
         ax.set_yscale("symlog", linthresh=1e-3)
-        ax.set_xlabel("decode batch (sequences)")
-        ax.set_ylabel("ms per step")
-        ax.set_title(f"PREDICTED H200 decode, {pl}", fontsize=9)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        _label(ax, "decode batch (sequences)", "ms per step", f"PREDICTED H200 decode, {pl}")
     return save_figure(fig, path)
 
 

@@ -88,18 +88,13 @@ class HostTier:
     def close(self) -> None:
         """Drop this process's mapping (the /dev/shm file stays for other processes)."""
         self.data = np.empty(0, dtype=np.uint8)
-        if self._private is not None:
+        for mapping in (self._private, self._mmap):
             try:
-                self._private.close()
+                if mapping is not None:
+                    mapping.close()
             except BufferError:  # a caller still holds a view; the memory goes when it does
                 pass
-            self._private = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:  # a caller still holds a view; the mapping goes when it does
-                pass
-            self._mmap = None
+        self._private = self._mmap = None
 
 
 HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size
