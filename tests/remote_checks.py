@@ -350,14 +350,14 @@ def test_engine_serves_a_layer_from_mooncake_with_the_same_tokens(cluster, tmp_p
 
     model_dir = make_model_dir(tmp_path / "model")
     placement = {0: Placement("mooncake", codec="fp32", master=cluster.master_addr, cache_bytes=4096),
-                 1: Placement("mooncake", codec="fp32", master=cluster.master_addr, low_priority_waits=False)}
+                 1: Placement("mooncake", codec="fp32", master=cluster.master_addr)}
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:
         assert eng.generate(PROMPTS, GREEDY) == expected(model_dir, PROMPTS)
         per_layer = eng.metrics().engram["per_layer"]
         assert all(s["bytes_read"].get("mooncake", 0) > 0 and "file" not in s["bytes_read"] for s in per_layer.values())
-        # the placement's flag reaches the tier: layer 0 waits at the lowest priority (the default), layer 1 not
+        # the engine's mooncake tables wait at the lowest CPU priority (Mooncake's client spins while it waits)
         priorities = [eng.sources[layer].stats()["remote"]["waiter_priority"] for layer in sorted(eng.sources)]
-        assert priorities[0] in ("idle", "nice") and priorities[1] == "normal"
+        assert all(p in ("idle", "nice") for p in priorities), priorities
     with engine(model_dir, placement, max_num_batched_tokens=16) as eng:  # the pushed tables are reused
         assert eng.generate(PROMPTS[:1], GREEDY) == expected(model_dir, PROMPTS[:1])
 
