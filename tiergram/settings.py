@@ -34,7 +34,12 @@ CHOICES = {"placement": PLACEMENTS, "tier": PLACEMENTS, "cache_policy": CACHE_PO
 
 
 class ConfigError(ValueError):
-    """A configuration value that is not allowed; the message names where it came from."""
+    """A configuration value that is not allowed; the message names where it came from (`key` and `detail`: the
+    key at fault and what is wrong with it, when one is)."""
+
+    def __init__(self, message: str, key: str | None = None, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.key, self.detail = key, detail
 
 
 def byte_size(text: str | int) -> int:
@@ -253,7 +258,7 @@ def section(cls: type, raw: Any, where: str, partial: bool = False) -> Any:
         try:
             values[key] = convert(key, hints[key], value)
         except ValueError as e:
-            raise ConfigError(f"{where}: {key}: {e}") from None
+            raise ConfigError(f"{where}: {key}: {e}", key, str(e)) from None
     if partial:
         return values
     try:
@@ -264,7 +269,7 @@ def section(cls: type, raw: Any, where: str, partial: bool = False) -> Any:
         obj.check()
     except ValueError as e:
         key = e.args[1] if len(e.args) > 1 else None
-        raise ConfigError(f"{where}: {key + ': ' if key else ''}{e.args[0]}") from None
+        raise ConfigError(f"{where}: {key + ': ' if key else ''}{e.args[0]}", key, e.args[0]) from None
     return obj
 
 

@@ -86,7 +86,14 @@ def settings_of(args: argparse.Namespace) -> ServeSettings:
             raw[sect][key] = value
     if raw["server"]["api_key"] is None:
         raw["server"]["api_key"] = os.environ.get("TIERGRAM_API_KEY") or None
-    out = settings.from_dict(raw, "the options")
+    try:
+        out = settings.from_dict(raw, f"{args.config}" if getattr(args, "config", None) else "the configuration")
+    except ConfigError as e:  # a value a flag gave is named by its flag
+        flag = next((f for f, (_, key) in FLAG_KEYS.items() if key == e.key and getattr(args, f, None) is not None),
+                    None)
+        if flag is None:
+            raise
+        raise ConfigError(f"--{flag.replace('_', '-')}: {e.detail}") from None
     out.engram = settings.engram_config(args.engram_config) if getattr(args, "engram_config", None) else base.engram
     return out
 
