@@ -553,9 +553,9 @@ def test_a_new_prompt_joins_once_its_rows_are_read(model_dir):
 def test_a_waiting_prompt_holds_back_no_one(model_dir, monkeypatch):
     """While a prompt's rows are being read, running sequences keep decoding; once nothing else runs the engine
     waits for the rows (not spinning), gives up after PROMPT_ROWS_MAX_WAIT_S, and the tokens are the model's own."""
-    import tiergram.engine.llm_engine as llm_engine
+    import tiergram.engine.read_ahead as read_ahead
 
-    monkeypatch.setattr(llm_engine, "PROMPT_ROWS_MAX_WAIT_S", 0.2)
+    monkeypatch.setattr(read_ahead, "PROMPT_ROWS_MAX_WAIT_S", 0.2)
     a, b = prompts_of(4, 24, seed=19)
     with engine(model_dir, Placement("file", codec="fp32", cache_bytes=1 << 20)) as eng:
         eng.add_request("a", a, SamplingParams(max_tokens=3, ignore_eos=True))

@@ -18,6 +18,7 @@ from tiergram.engine.config import EngineConfig, Placement, SamplingParams
 from tiergram.engine.degrade import Degrader
 from tiergram.engine.metrics import EngineMetrics
 from tiergram.engine.model_runner import ModelRunner
+from tiergram.engine.read_ahead import ReadAhead, await_rows
 from tiergram.engine.sampler import sample
 from tiergram.engine.scheduler import Scheduler
 from tiergram.engine.sequence import RequestOutput, Sequence
@@ -31,9 +32,6 @@ from tiergram.model.model_dir import ModelDir
 from tiergram.tiers.device import resolve_device
 
 EOS_TOKEN = "<|endoftext|>"
-# a prompt whose rows are still being read after this long joins the batch anyway (its step reads what is missing)
-PROMPT_ROWS_MAX_WAIT_S = 2.0
-AHEAD_KEPT = 64  # read-aheads started by read_ahead() and not yet claimed by add_request, newest kept
 
 
 class QueueFullError(RuntimeError):
@@ -92,9 +90,7 @@ class LLMEngine:
                                     hot_rows_preloaded=sum(self.hot_rows_preloaded.values()),
                                     hot_rows_preload_s=preload_s)
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
-        self._read_ahead = self.runner.can_warm
-        # read_ahead()'s tickets by first-chunk tokens, claimed by the add_request of that prompt
-        self._ahead: dict[tuple[int, ...], list[Any]] = {}
+        self.ahead = ReadAhead(self.runner, self.degrader, config.max_num_batched_tokens, self._stats)
 
     def _load(self, model_dir: ModelDir, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
@@ -146,17 +142,12 @@ class LLMEngine:
             seq = Sequence(request_id, prompt, len(prompt), params, next(self._arrivals),
                            min(params.max_tokens, room), generator)
             self._seqs[request_id] = seq
-            if self._reading_ahead() and self._busy():
-                # others are decoding: read this prompt's first chunk now, and let it join once the rows are in
-                chunk = prompt[:self.config.max_num_batched_tokens]
-                tickets = self._ahead.pop(tuple(chunk), None)
-                if tickets is None:
-                    tickets = self.runner.warm([(chunk, 0, len(chunk))])
-                seq.rows_pending, seq.rows_since, seq.warmed_to = tickets, time.perf_counter(), len(chunk)
+            if self.ahead.active() and self._busy():
+                self.ahead.hold(seq)  # others are decoding: it joins once its first chunk's rows are in
             self.scheduler.add(seq)
             self._stats.prompt_tokens += len(prompt)
-            if self._reading_ahead() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
-                self.runner.warm([(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)])
+            if self.ahead.active() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
+                self.runner.warm(self.ahead.windows(self.scheduler, self._inflight))
 
     def queue_full(self) -> bool:
         """Whether add_request would raise QueueFullError now (a lock-free read: a cheap check before any work)."""
@@ -165,49 +156,18 @@ class LLMEngine:
     def read_ahead(self, prompt_token_ids: list[int]) -> None:
         """From any thread, before add_request: if a step runs now, start reading the rows of the prompt's first
         chunk into the file caches, so the step that prefills it finds them there (a no-op otherwise)."""
-        if not (self._reading_ahead() and self._busy()):
+        if not (self.ahead.active() and self._busy()):
             return
         try:
             ids = [int(t) for t in prompt_token_ids]
         except (TypeError, ValueError):
             return  # bad input is add_request's to refuse, with the message it deserves
         if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
-            chunk = ids[:self.config.max_num_batched_tokens]
-            tickets = self.runner.warm([(chunk, 0, len(chunk))])
-            with self._lock:  # add_request claims them (the rows are not read twice)
-                self._ahead[tuple(chunk)] = tickets
-                while len(self._ahead) > AHEAD_KEPT:
-                    del self._ahead[next(iter(self._ahead))]
-
-    def _reading_ahead(self) -> bool:
-        """Read-ahead is on and the degrade policy is at level 0: under stall pressure no speculative reads."""
-        return self._read_ahead and self.degrader.level == 0
-
-    def _warm_next(self, seqs: list[Sequence], sampled: list[Any]) -> None:
-        """Read the next decode rows of the sequences this step's tokens do not end by length (a stop token's few
-        reads are wasted); each sequence is fully computed and its token not yet appended."""
-        go = [(s, t) for s, t in zip(seqs, sampled, strict=True) if not isinstance(t, Exception)
-              and s.num_tokens + 1 - s.prompt_len < s.max_tokens and s.num_tokens + 1 < self.max_model_len]
-        if go:
-            self.runner.warm_next([s for s, _ in go], [int(t) for _, t in go])
+            self.ahead.arriving(ids)
 
     def _busy(self) -> bool:
         """A step runs now or sequences are running: a new prompt's rows can be read while they compute."""
         return bool(self._inflight or self.scheduler.running)
-
-    def _rows_ready(self, seq: Sequence) -> bool:
-        """(Under the lock) whether a waiting sequence's read-ahead rows are in, or it has waited long enough."""
-        if not seq.rows_pending:
-            return True
-        waited = time.perf_counter() - seq.rows_since
-        ready = all(t.done() for t in seq.rows_pending)
-        if ready or waited > PROMPT_ROWS_MAX_WAIT_S:
-            seq.rows_pending = []
-            st = self._stats
-            st.prompt_rows_waits += 1
-            st.prompt_rows_wait_s += waited
-            st.prompt_rows_timeouts += not ready
-        return not seq.rows_pending
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort".
@@ -260,10 +220,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         with self._lock:
             outputs, self._aborted = self._aborted, []
-            batch = self.scheduler.schedule(self._rows_ready if self._read_ahead else None)
+            batch = self.scheduler.schedule(self.ahead.ready if self.ahead.enabled else None)
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
-            ahead = [(s.token_ids, a, b) for s, a, b in self.scheduler.prefill_ahead(self._inflight)] \
-                if self._reading_ahead() and batch.seqs else []
+            ahead = self.ahead.windows(self.scheduler, self._inflight) if self.ahead.active() and batch.seqs else []
             # nothing runs and the first waiting prompt's rows are still being read: wait for them (outside the lock)
             head = self.scheduler.waiting[0] if not batch.seqs and self.scheduler.waiting else None
             pending = (list(head.rows_pending), head.rows_since) if head is not None else ([], 0.0)
@@ -284,8 +243,8 @@ class LLMEngine:
                         outputs.append(self._fail(seq, e))
                 self._finish_deferred(outputs)
             return outputs
-        if self._reading_ahead():
-            self._warm_next(to_sample, sampled)
+        if self.ahead.active():
+            self.ahead.decodes(to_sample, sampled, self.max_model_len)
         tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
         # a step with prompt tokens (a prefill chunk, or a recomputation after preemption) reads rows that no
         # earlier step announced; its stall is counted apart from the decode steps'
@@ -416,19 +375,6 @@ class LLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def await_rows(tickets: list[Any], since: float) -> None:
-    """Wait for read-ahead tickets until PROMPT_ROWS_MAX_WAIT_S after `since`; their errors are not ours (a
-    read-ahead is advisory: the step that needs the rows reads them again and reports a failure itself)."""
-    for ticket in tickets:
-        left = since + PROMPT_ROWS_MAX_WAIT_S - time.perf_counter()
-        if left <= 0:
-            return
-        try:
-            ticket.wait(left)
-        except Exception:  # noqa: BLE001, S110 - timeout, cancelled or failed read-ahead: the step reads the rows
-            pass
 
 
 def describe(error: BaseException) -> str:
