@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from tiergram import settings
 from tiergram.bench import common, gpu, serve_config, serve_stats
 from tiergram.cache import POLICIES
 from tiergram.cli import model as cli_model
 from tiergram.cli import serve as cli_serve
 from tiergram.cli import study as cli_study
 from tiergram.engine import config as engine_config
+from tiergram.format import CODEC_IDS
 from tiergram.model import checkpoint
 from tiergram.tiers import file as file_tier
 from tiergram.tiers.device import resolve_device
@@ -38,6 +40,8 @@ def test_cli_mirrors_agree_with_their_owners() -> None:
     assert set(serve_config.PLACEMENTS) <= set(engine_config.PLACEMENT_KINDS)  # so may `bench serve`
     assert set(serve_config.DEFAULT_PLACEMENTS) <= set(serve_config.PLACEMENTS)
     assert set(cli_serve.CACHE_POLICIES) == set(POLICIES)
+    assert set(settings.CODECS) == set(CODEC_IDS) and set(settings.FILE_MODES) == set(file_tier.FILE_MODES)
+    assert set(settings.PLACEMENTS) == set(engine_config.PLACEMENT_KINDS)
     assert tuple(cli_model.TIERS) == tuple(checkpoint.TIERS)
 
 
