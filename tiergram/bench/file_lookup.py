@@ -86,7 +86,7 @@ class FileLookupBenchConfig:
     seed: int = 0  # the table's contents
     # the pages the readers read (None: fresh ones each run, and every round draws new ones): the volume under this
     # VM serves blocks it served recently from a cache several times faster than the device (docs/benchmarks.md,
-    # session 14), so a page an earlier run or round read measures that cache, not the disk
+    # this VM's disk), so a page an earlier run or round read measures that cache, not the disk
     read_seed: int | None = None
 
 
@@ -259,7 +259,7 @@ class LimitReader:
 def reread_rates(table: TableFile, pages: int = 20000, qd: int = 128) -> tuple[float, float]:
     """Pages/s reading `pages` random pages no probe chose before, then the same pages again (native reader, O_DIRECT:
     not the guest's page cache). Equal on a bare device; several times faster the second time where a cache sits
-    under the VM's disk (this machine's volume: docs/benchmarks.md, session 14)."""
+    under the VM's disk (this machine's volume: docs/benchmarks.md, this VM's disk)."""
     reader = LimitReader(table, qd)
     try:
         if not reader.reader.direct:

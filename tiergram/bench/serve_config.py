@@ -55,7 +55,7 @@ class SweepConfig:
     engine: dict[str, Any] = field(default_factory=dict)
     # servers of the sweep beyond the placements: {name: Variant} (`bench serve --variants FILE`)
     variants: dict[str, Variant] = field(default_factory=dict)
-    # seconds of the CPU speed probe (`bench.common.cpu_speed_ms`) before and after each placement's round, while
+    # seconds of the CPU speed probe (`tiergram.machine.cpu_speed_ms`) before and after each placement's round, while
     # the servers idle: `plan validate` predicts the sweep at its probes' median speed (0: no probes)
     speed_probe_s: float = 0.25
 

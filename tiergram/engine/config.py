@@ -19,7 +19,7 @@ def serving_torch_threads(requested: int = 0) -> int:
 
     The spare core is the HTTP loop's and the Engram read threads': on 2 cores one thread served 1.02-1.49x what
     torch's own default (one per core) did at c = 1-4 and 0.90-1.16x at c = 8-16, at 0.68-0.92x the CPU per token
-    (docs/benchmarks.md, "Session 21")."""
+    (docs/benchmarks.md, "Serving at scale")."""
     if requested < 0:
         raise ValueError(f"torch threads must be >= 0, got {requested}")
     if requested:

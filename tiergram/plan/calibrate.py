@@ -144,7 +144,7 @@ def serve_costs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURREN
     (measured on 2 cores, alternating server and in-process engine on the same requests at c = 2 and 4:
     1.35-1.45x with torch's 2 threads, 1.1-1.15x with one; about 1.0 at c = 1); the curve is each level's
     fastest pass: another tenant's load on a shared machine only ever adds to a pass (one pair's passes read
-    2.01 / 1.27 at c = 1). Over five calibrate + sweep pairs of session 20 the fastest pass validated 86 of 125
+    2.01 / 1.27 at c = 1). Over five calibrate + sweep pairs the fastest pass validated 86 of 125
     points within ±15% against 65 with the passes' median (docs/planner.md). (Scaling each level by the CPU speed
     probe around it over the probe around the fit was tried: the two passes then agreed less, mean |log ratio|
     0.13 against 0.08 as measured, and pair h validated 22/30 within

@@ -508,7 +508,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
             compute, cpu_fetch = compute * stretch, cpu_fetch * stretch
             terms["compute"], terms["overhead"] = compute, terms["overhead"] * stretch
         # the page reads run on threads of their own beside a step whose compute keeps every core busy: the step
-        # loses their CPU time spread over the cores, unstretched (session 19: a file server's step over host's in
+        # loses their CPU time spread over the cores, unstretched (measured: a file server's step over host's in
         # the same rounds grew by 0.61x its read threads' CPU per step, median of 30 points, where added whole and
         # stretched they were charged 2-4x that); a spec without its core count adds it whole and stretched
         cpu_fetch += read_cpu / hw.cores if hw.cores > 0 else read_cpu * stretch

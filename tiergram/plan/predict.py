@@ -278,10 +278,10 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     on the disk as the sweep measured it on that point's own tables (the spec's queue-depth curve scaled to that
     limit at QD 128; the spec's disk where the sweep measured none), "spec": on the spec's. A disk with a cache under
     it (this VM's volume) serves a table it holds several times faster than one it does not, so one calibration
-    cannot give every table's rate (docs/planner.md, session 14). `speed_from` "sweep": predict every point at the
-    median of the CPU speed probes the sweep took beside its rounds (`HardwareSpec.at_speed`; where the sweep and
+    cannot give every table's rate (docs/benchmarks.md, this VM's disk). `speed_from` "sweep": predict every point at
+    the median of the CPU speed probes the sweep took beside its rounds (`HardwareSpec.at_speed`; where the sweep and
     the spec both have probes: one 0.25 s probe is too noisy to set one point's speed), "spec": at the
-    calibration's (docs/planner.md, session 15)."""
+    calibration's (docs/planner.md, "Validation")."""
     if disk_from not in ("sweep", "spec"):
         raise ValueError(f"disk_from must be 'sweep' or 'spec', got {disk_from!r}")
     if speed_from not in ("sweep", "spec"):
