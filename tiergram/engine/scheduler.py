@@ -127,7 +127,3 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)

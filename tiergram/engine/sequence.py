@@ -57,10 +57,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
-
-    @property
     def num_pending(self) -> int:
         """Tokens not yet in the KV cache: the rest of the prompt (prefill) or the last sampled token (decode)."""
         return self.num_tokens - self.num_computed

@@ -355,14 +355,6 @@ def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vo
         req.params.max_tokens = max_tokens
 
 
-def parse_request(kind: str, body: Any, *, model_name: str, tokenizer: Any, max_model_len: int,
-                  vocab_size: int, limits: Limits | None = None) -> GenerationRequest:
-    """Validate a /v1/completions (kind "completion") or /v1/chat/completions ("chat") body and tokenize it."""
-    req = validate_request(kind, body, model_name=model_name, max_model_len=max_model_len, vocab_size=vocab_size,
-                           limits=limits)
-    return tokenize(req, tokenizer, max_model_len=max_model_len, vocab_size=vocab_size)
-
-
 # ------------------------------------------------------------------------------------------------ responses
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
