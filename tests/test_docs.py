@@ -35,3 +35,55 @@ def test_design_doc_is_linked() -> None:
     """docs/design.md exists and the README points to it."""
     assert (ROOT / "docs" / "design.md").is_file()
     assert "docs/design.md" in (ROOT / "README.md").read_text()
+
+
+def doc_commands() -> list[tuple[str, str]]:
+    """(file, command) for every `tiergram ...` line of a shell block and every inline `tiergram ... --flag` span in
+    README.md and docs/, up to the first shell operator; template lines ([opt], A|B, ...) and commands a page
+    records as run at a named commit (history: a ```text block, or a span followed by a commit hash) left out."""
+    import re
+    import shlex
+
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.name == "cli.md":  # generated from the parser itself
+            continue
+        text = path.read_text()
+        lines = []
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):  # a ```text block records history
+            lines += [ln.strip() for ln in block.replace("\\\n", " ").splitlines()]
+        for m in re.finditer(r"`(tiergram [^`\n]*--[^`\n]*)`", text):
+            if not re.search(r"\b[0-9a-f]{7,40}\b", text[m.end():m.end() + 160]):  # a command run at a named commit
+                lines.append(m.group(1))
+        for line in lines:
+            if not line.startswith("tiergram ") or any(t in line for t in ("[", "|", "…", "...", "{", "<")):
+                continue
+            words = []
+            for w in shlex.split(line.split(" #")[0]):
+                if w in ("&&", ";", ">", ">>", "2>"):
+                    break
+                words.append(w)
+            found.append((path.name, words))
+    return found
+
+
+def test_every_command_in_the_docs_parses() -> None:
+    """Each documented `tiergram` command line is accepted by the parser as written (flags and subcommands exist)."""
+    import contextlib
+    import io
+
+    from tiergram.cli import build_parser
+
+    commands = doc_commands()
+    assert len(commands) > 30
+    bad = []
+    for name, words in commands:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                build_parser().parse_args(words[1:])
+        except SystemExit as e:
+            message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else ""
+            if e.code and "the following arguments are required" not in message:
+                bad.append(f"{name}: {' '.join(words)}\n    {message}")
+    assert not bad, "documented commands the CLI refuses:\n" + "\n".join(bad)
