@@ -55,7 +55,7 @@ class Scheduler:
         while i < len(queue) and budget > 0:
             seq = queue[i]
             n = min(seq.num_pending, budget)
-            while not self.blocks.ensure(seq.block_table, seq.num_computed + n):
+            while not self.blocks.ensure(seq, seq.num_computed + n):
                 victim = max(queue[i:], key=lambda s: s.arrival)  # youngest not yet scheduled, maybe seq itself
                 queue.remove(victim)
                 self._preempt(victim)
@@ -71,8 +71,8 @@ class Scheduler:
             seq = self.waiting[0]
             if ready is not None and not ready(seq):
                 break
-            n = min(seq.num_pending, budget)
-            if not self.blocks.ensure(seq.block_table, seq.num_computed + n):
+            n = self.blocks.admit(seq, budget)  # reuses its cached prefix, if any
+            if not n:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -109,7 +109,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free its blocks and state; it goes to the front of the waiting queue (earliest arrival first)."""
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq)
         seq.reset()
         seq.status = Status.WAITING
         i = 0
@@ -124,6 +124,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

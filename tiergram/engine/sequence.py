@@ -44,6 +44,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)  # KV block ids, position p in block p // block_size
+    block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its computed full blocks
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     conv: dict[int, torch.Tensor] = field(default_factory=dict)  # per Engram layer: short-conv lookback [W, 1, d]
     finish_reason: str | None = None
     warmed_to: int = 0  # prompt tokens before this have had their Engram rows read ahead into the caches
