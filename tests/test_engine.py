@@ -462,7 +462,7 @@ def test_bad_input_is_refused(model_dir):
                               ([True], "integer token ids"), ("t3 t4", "integer token ids")):
             with pytest.raises(ValueError, match=match):
                 eng.add_request("x", prompt, GREEDY)
-        with pytest.raises(ValueError, match="forced tokens"):
+        with pytest.raises(ValueError, match="in .forced_tokens."):
             eng.add_request("x", [3] * 10, SamplingParams(forced_tokens=[4] * 7))
         with pytest.raises(ValueError, match="forced_tokens holds 200"):
             eng.add_request("x", [3], SamplingParams(forced_tokens=[4, 200]))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiergram.cache import POLICIES
+from tiergram.engine.validate import check_max_tokens
 from tiergram.format import CODEC_IDS
 from tiergram.tiers.file import FILE_MODES
 
@@ -54,8 +55,7 @@ class SamplingParams:
         """Raise ValueError naming the first bad field (token ids checked against vocab_size when given)."""
         if self.forced_tokens is not None and not self.forced_tokens:
             raise ValueError("forced_tokens is empty: give at least one token, or None to sample")
-        if isinstance(self.max_tokens, bool) or int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_max_tokens(self.max_tokens)
         if not self.temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -23,7 +23,7 @@ from tiergram.engine.sampler import sample
 from tiergram.engine.scheduler import Scheduler
 from tiergram.engine.sequence import RequestOutput, Sequence
 from tiergram.engine.tables import device_bytes, export_dir_for, open_table, preload_hot_rows, table_stats
-from tiergram.engine.validate import RequestError, check_prompt
+from tiergram.engine.validate import RequestError, check_max_tokens, check_prompt
 from tiergram.engram import RowSourceTable
 from tiergram.model.checkpoint import WEIGHTS, check_table
 from tiergram.model.config import ModelConfig
@@ -345,10 +345,9 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
         prompt = check_prompt(prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
-        room = self.max_model_len - len(prompt)
-        if params.forced_tokens is not None and len(params.forced_tokens) > room:
-            raise RequestError(f"{len(params.forced_tokens)} forced tokens after a {len(prompt)}-token prompt exceed "
-                               f"max_model_len {self.max_model_len}", "forced_tokens", "context_length_exceeded")
+        if params.forced_tokens is not None:  # a replay cannot be cut short: it must fit (sampling is clipped)
+            check_max_tokens(len(params.forced_tokens), "forced_tokens", prompt_len=len(prompt),
+                             max_model_len=self.max_model_len)
         return prompt
 
     def metrics(self) -> EngineMetrics:

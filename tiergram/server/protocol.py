@@ -91,6 +91,7 @@ class GenerationRequest:
     created: int = 0
     prompt_text: str | None = None  # set until tokenize() turns it into prompt_token_ids
     max_tokens: int | None = None  # as asked for (None: the default, known once the prompt length is)
+    length_param: str = "max_tokens"  # the field max_tokens came from: max_completion_tokens, forced_tokens
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
@@ -287,15 +288,16 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     if isinstance(prompt, str) and len(prompt) > limits.prompt_chars(max_model_len):
         raise bad(f"the prompt has {len(prompt)} characters, more than the {limits.prompt_chars(max_model_len)} "
                   "this server takes", "messages" if kind == "chat" else "prompt", "context_length_exceeded")
-    max_tokens = _int(body, "max_tokens", None, 1, max_model_len)
-    if kind == "chat":
-        max_tokens = _int(body, "max_completion_tokens", max_tokens, 1, max_model_len)
+    # the output length is checked with the prompt's length, in set_prompt; errors name the field it came from
+    max_tokens, length_param = _int(body, "max_tokens", None), "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens, length_param = _int(body, "max_completion_tokens", None), "max_completion_tokens"
     forced = body.get("forced_tokens")
     if forced is not None:
         forced = _int_list(forced, "forced_tokens", max_model_len, vocab_size)
         if not forced:
             raise bad("'forced_tokens' is empty: give at least one token, or leave it out", "forced_tokens")
-        max_tokens = len(forced)  # a replay produces exactly the forced tokens
+        max_tokens, length_param = len(forced), "forced_tokens"  # a replay produces exactly the forced tokens
     temperature = _number(body, "temperature", 1.0, 0.0, limits.max_temperature)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
     top_k = _int(body, "top_k", 0, 0, vocab_size)
@@ -311,14 +313,14 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     include_usage = _bool(options, "include_usage")
     stop = _stop(body, limits)
     try:
-        params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=top_k,
-                                seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos, forced_tokens=forced)
+        params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                stop_token_ids=stop_ids, ignore_eos=ignore_eos, forced_tokens=forced)
     except ValueError as e:
         raise bad(str(e)) from None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     req = GenerationRequest(kind=kind, model=model_name, prompt_token_ids=[], params=params, stream=stream,
                             include_usage=include_usage, stop=stop, request_id=f"{prefix}-{uuid.uuid4().hex}",
-                            created=int(time.time()), max_tokens=max_tokens)
+                            created=int(time.time()), max_tokens=max_tokens, length_param=length_param)
     if isinstance(prompt, str):
         req.prompt_text = prompt
     else:
@@ -346,8 +348,7 @@ def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vo
         max_tokens = req.max_tokens
         if max_tokens is None:
             max_tokens = min(16, room) if req.kind == "completion" else room
-        check_max_tokens(len(ids), max_tokens, max_model_len,
-                         "forced_tokens" if req.params.forced_tokens is not None else "max_tokens")
+        check_max_tokens(max_tokens, req.length_param, prompt_len=len(ids), max_model_len=max_model_len)
     except RequestError as e:
         raise bad(str(e), e.param, e.code) from None
     req.prompt_token_ids = list(ids)
