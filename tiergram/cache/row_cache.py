@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any, Self
 
 import numpy as np
 
@@ -21,18 +22,40 @@ class CacheCounters:
     evicted: int = 0
 
 
-class RowCache:
-    """Holds up to `capacity` encoded rows; thread-safe. Rows pinned by an in-flight lookup are never evicted.
+class SlotCache:
+    """What every row cache shares: `capacity` slots of `row_bytes` encoded bytes, sized in rows or in bytes."""
 
-    Usage per lookup: `slots = probe(keys)` (hits come back pinned), read the misses from the slower tier,
-    `admit(miss_keys, miss_rows)`, decode hits from `rows[slots]`, then `unpin(slots)`.
-    """
+    rows: np.ndarray  # uint8 [capacity, row_bytes]
 
-    def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
+    def __init__(self, capacity: int, row_bytes: int) -> None:
         if capacity < 1:
             raise ValueError(f"cache capacity must be at least one row, got {capacity}")
         self.capacity = int(capacity)
         self.row_bytes = int(row_bytes)
+
+    @classmethod
+    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru", **kw: Any) -> Self:
+        """A cache of as many rows as `capacity_bytes` of row storage holds (at least one)."""
+        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, policy=policy, **kw)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes)
+
+
+class RowCache(SlotCache):
+    """Holds up to `capacity` encoded rows; thread-safe. Rows pinned by an in-flight lookup are never evicted.
+
+    Usage per lookup: `slots = probe(keys)` (hits come back pinned), read the misses from the slower tier,
+    `admit(miss_keys, miss_rows)`, decode hits from `rows[slots]`, then `unpin(slots)`.
+
+    No measured case has it beat NativeRowCache, which makes the same decisions call for call. It is the reference
+    the native cache is tested against, and it serves where no native pipeline runs: the HBM cache
+    (`store.device_cache.DeviceRowCache` keeps its index and policy here) and file tables read through mmap.
+    """
+
+    def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
+        super().__init__(capacity, row_bytes)
         self.rows = np.zeros((self.capacity, self.row_bytes), dtype=np.uint8)
         self.policy = make_policy(policy)
         self.index: dict[int, int] = {}
@@ -41,15 +64,6 @@ class RowCache:
         self._free = list(range(self.capacity - 1, -1, -1))
         self.counters = CacheCounters()
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru") -> RowCache:
-        """A cache sized in bytes of row storage."""
-        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, policy)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.rows.nbytes)
 
     def __len__(self) -> int:
         return len(self.index)
