@@ -4,9 +4,6 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
-#include <stdexcept>
-#include <string>
-
 #include "gather.h"
 
 namespace nb = nanobind;
@@ -17,10 +14,6 @@ using BytesIn = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using BytesOut = nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu>;
 using IdsIn = nb::ndarray<const int64_t, nb::c_contig, nb::device::cpu>;
 using AnyOut = nb::ndarray<nb::c_contig, nb::device::cpu>;
-
-inline void require(bool ok, const std::string &what) {
-  if (!ok) throw std::invalid_argument(what);
-}
 
 // The output kind of a float32 / bfloat16 (or uint16 bits) / uint8 (raw rows) array; invalid_argument otherwise.
 OutKind out_kind(const AnyOut &out);

@@ -11,10 +11,17 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 namespace tiergram {
+
+// Bad input from the caller: std::invalid_argument, which Python sees as ValueError naming the problem.
+inline void require(bool ok, const std::string &what) {
+  if (!ok) throw std::invalid_argument(what);
+}
 
 // CRC-32C (Castagnoli), reflected, init/final xor 0xFFFFFFFF. `crc` continues a previous value.
 uint32_t crc32c(const uint8_t *data, size_t len, uint32_t crc = 0);

@@ -31,9 +31,9 @@ namespace {
 constexpr uint64_t kDirectAlign = 4096;  // buffer alignment we demand for O_DIRECT (covers 512e and 4Kn disks)
 constexpr unsigned kMaxQueueDepth = 4096;
 constexpr unsigned kMaxThreads = 64;  // more pread threads than this only add scheduling cost
-// While a fetch is in flight a read-ahead keeps this many reads at the device (session 16: a 190-page fetch beside
-// a QD-128 read-ahead took 2.7x as long as alone, beside QD 32 1.3x, QD 8 1.1x).
-constexpr unsigned kDefaultYieldDepth = 8;
+// While a fetch is in flight a read-ahead keeps this many reads at the device (a 190-page fetch beside a QD-128
+// read-ahead took 2.7x as long as alone, beside QD 32 1.3x, QD 8 1.1x; docs/decisions.md).
+constexpr unsigned kYieldDepth = 8;
 
 // A page that could not be read correctly twice; becomes tiergram._native.PageReadError (an OSError).
 struct PageReadFailure : std::runtime_error {
@@ -91,14 +91,12 @@ class ReadBackend {
 
 class UringBackend : public ReadBackend {
  public:
-  UringBackend(unsigned depth, bool fixed_buffers, int64_t stall_ns)
-      : depth_(depth), fixed_buffers_(fixed_buffers), stall_ns_(stall_ns) {
+  UringBackend(unsigned depth, int64_t stall_ns) : depth_(depth), stall_ns_(stall_ns) {
     idle_.push_back(std::make_unique<Ring>(depth));
   }
   const char *name() const override { return "io_uring"; }
 
   BackendReads read(int fd, ReadOp *ops, size_t n, const StagingArea *area, GiveWay give_way) override {
-    if (!fixed_buffers_) area = nullptr;
     std::unique_ptr<Ring> ring = acquire(area ? area->serial : 0);
     BackendReads got;
     got.fixed = ring->run(fd, ops, n, depth_, area, stall_ns_.load(), give_way.foreground, give_way.depth);
@@ -149,7 +147,6 @@ class UringBackend : public ReadBackend {
   }
 
   unsigned depth_;
-  bool fixed_buffers_;
   std::atomic<int64_t> stall_ns_;
   std::atomic<int> buffer_refused_{0};
   std::mutex mu_;
@@ -220,11 +217,9 @@ enum class Fault { kEio, kShort, kFlip, kStall };
 class PageReader : public PageSource {
  public:
   PageReader(const std::filesystem::path &path, uint64_t data_offset, uint64_t page_size, uint64_t n_pages,
-             unsigned queue_depth, const std::string &backend, bool direct, bool fixed_buffers,
-             double stall_timeout_s)
+             unsigned queue_depth, const std::string &backend, bool direct, double stall_timeout_s)
       : path_(path.string()), data_offset_(data_offset), page_size_(page_size), n_pages_(n_pages),
-        queue_depth_(queue_depth), want_direct_(direct), fixed_buffers_(fixed_buffers),
-        seen_(new std::atomic<uint64_t>[(n_pages + 63) / 64]()) {
+        queue_depth_(queue_depth), want_direct_(direct), seen_(new std::atomic<uint64_t>[(n_pages + 63) / 64]()) {
     require(page_size >= 512 && page_size <= (1u << 30) && (page_size & (page_size - 1)) == 0,
             "page_size must be a power of two between 512 and 2^30, got " + std::to_string(page_size));
     require(n_pages <= (uint64_t{1} << 32), "n_pages " + std::to_string(n_pages) + " exceeds the u32 page index");
@@ -255,7 +250,7 @@ class PageReader : public PageSource {
     try {
       if (backend != "threads") {
         try {
-          backend_ = std::make_unique<UringBackend>(queue_depth, fixed_buffers, stall_ns);
+          backend_ = std::make_unique<UringBackend>(queue_depth, stall_ns);
         } catch (const UringUnavailable &e) {
           const std::string why =
               "io_uring unavailable (errno " + std::to_string(e.err) + ": " + std::strerror(e.err) + ")";
@@ -369,16 +364,9 @@ class PageReader : public PageSource {
   uint64_t n_pages() const override { return n_pages_; }
   uint64_t data_offset() const { return data_offset_; }
   bool direct() const { return direct_; }
-  bool fixed_buffers() const { return fixed_buffers_; }
   uint64_t fixed_reads() const { return fixed_reads_.load(); }
   uint64_t stalled_reads() const { return stalled_reads_.load(); }
   uint64_t yielded_reads() const { return yielded_reads_.load(); }
-  unsigned yield_depth() const { return yield_depth_.load(); }
-  void set_yield_depth(unsigned d) {
-    require(d <= kMaxQueueDepth, "yield_depth must be in [0, " + std::to_string(kMaxQueueDepth) + "], got " +
-                                     std::to_string(d));
-    yield_depth_ = d;
-  }
   double stall_timeout_s() const { return stall_timeout_s_.load(); }
   void set_stall_timeout_s(double s) {
     const int64_t ns = stall_timeout_ns(s);
@@ -461,7 +449,7 @@ class PageReader : public PageSource {
   std::vector<size_t> read_once(std::vector<ReadOp> &ops, const int64_t *ids, const size_t *pos, bool verify,
                                 const StagingArea *area, bool background) {
     if (any_faults_) route_stalls(ops, ids, pos);
-    const GiveWay give_way = background ? GiveWay{&foreground_, yield_depth_.load()} : GiveWay{};
+    const GiveWay give_way = background ? GiveWay{&foreground_, kYieldDepth} : GiveWay{};
     const BackendReads got = backend_->read(fd_, ops.data(), ops.size(), area, give_way);
     fixed_reads_ += got.fixed;
     yielded_reads_ += got.yielded;
@@ -522,11 +510,9 @@ class PageReader : public PageSource {
   uint64_t data_offset_, page_size_, n_pages_;
   unsigned queue_depth_;
   bool want_direct_, direct_ = false;
-  bool fixed_buffers_;
   std::atomic<uint64_t> fixed_reads_{0};
   std::atomic<uint64_t> stalled_reads_{0};
   std::atomic<int> foreground_{0};          // foreground calls running: background calls give way while > 0
-  std::atomic<unsigned> yield_depth_{kDefaultYieldDepth};
   std::atomic<uint64_t> yielded_reads_{0};
   std::atomic<double> stall_timeout_s_{0};
   std::unique_ptr<std::atomic<uint64_t>[]> seen_;  // a bit per page read so far (n_pages / 8 bytes)
@@ -577,15 +563,14 @@ void register_file_reader(nb::module_ &m) {
                          "Reads whole table pages from a file with O_DIRECT, many at a time (io_uring, or a "
                          "pread thread pool), verifying each page's trailer.")
       .def(nb::init<const std::filesystem::path &, uint64_t, uint64_t, uint64_t, unsigned, const std::string &,
-                    bool, bool, double>(),
+                    bool, double>(),
            nb::arg("path"), nb::arg("data_offset"), nb::arg("page_size"), nb::arg("n_pages"),
            nb::arg("queue_depth") = 128, nb::arg("backend") = "auto", nb::arg("direct") = true,
-           nb::arg("fixed_buffers") = true, nb::arg("stall_timeout_s") = 10.0,
-           "fixed_buffers "
-           "(io_uring): the fetch pipeline's per-thread staging buffers are registered with the rings "
+           nb::arg("stall_timeout_s") = 10.0,
+           "io_uring: the fetch pipeline's per-thread staging buffers are registered with the rings "
            "(IORING_REGISTER_BUFFERS) and its reads are READ_FIXED (the kernel pins each buffer once, not per read); "
-           "read_pages into a caller's buffer always reads plainly. stall_timeout_s (io_uring, Linux 5.11+): when no "
-           "read of a call completes for this long, its reads still in flight are cancelled and re-read with pread "
+           "read_pages into a caller's buffer reads plainly. stall_timeout_s (io_uring, Linux 5.11+): when no read "
+           "of a call completes for this long, its reads still in flight are cancelled and re-read with pread "
            "(counted in stalled_reads); inf waits for ever.")
       // noconvert: a converted copy of out would take the pages and leave the caller's buffer untouched,
       // and float page ids would be truncated silently.
@@ -618,15 +603,13 @@ void register_file_reader(nb::module_ &m) {
       .def_prop_ro("n_pages", &PageReader::n_pages)
       .def_prop_ro("data_offset", &PageReader::data_offset)
       .def_prop_ro("direct", &PageReader::direct, "Whether the file is open with O_DIRECT.")
-      .def_prop_ro("fixed_buffers", &PageReader::fixed_buffers)
       .def_prop_ro("fixed_reads", &PageReader::fixed_reads,
                    "Reads that went out as READ_FIXED into a registered staging buffer, since the reader opened.")
       .def_prop_ro("stalled_reads", &PageReader::stalled_reads,
                    "Reads a stalled io_uring call cancelled and re-read with pread, since the reader opened.")
-      .def_prop_rw("yield_depth", &PageReader::yield_depth, &PageReader::set_yield_depth,
+      .def_prop_ro("yield_depth", [](const PageReader &) { return kYieldDepth; },
                    "io_uring: while a foreground read of this reader is in flight, a background read (a read-ahead) "
-                   "keeps at most this many reads at the device, so the fetch's reads do not queue behind its own; 0: "
-                   "background reads never give way.")
+                   "keeps at most this many reads at the device, so the fetch's reads do not queue behind its own.")
       .def_prop_ro("yielded_reads", &PageReader::yielded_reads,
                    "Background reads offered while giving way to a foreground read, since the reader opened.")
       .def_prop_rw("stall_timeout_s", &PageReader::stall_timeout_s, &PageReader::set_stall_timeout_s,

@@ -53,28 +53,19 @@ class TieredTable(ManifestGeometry):
     file tier's O_DIRECT/buffered reads through the native fetch pipeline (one call without the GIL per lookup:
     dedup, cache probe, page reads, checksums, admission, decode; a native cache of any policy), and everything
     else (mmap, other tiers) through the Python reference path; 'python' forces the reference path, 'native'
-    refuses a table it cannot serve natively. fixed_buffers: the native pipeline reads pages into io_uring-registered
-    staging buffers (READ_FIXED; the kernel pins each buffer once rather than per read); False reads plainly.
-    read_ahead_yields: while a fetch's pages are being read, the native read-ahead keeps only a few reads at the device
-    (`PageReader.yield_depth`) so the fetch's reads do not queue behind its own; False: it keeps its whole depth.
-    read_nice: the native pipeline's fetch and read-ahead threads run at this nice value (-20..19): below 0 they take
-    a core from the step's compute threads as soon as a read completes, so the disk's queue stays full on a busy
-    machine (it needs CAP_SYS_NICE or RLIMIT_NICE; where refused they stay at 0 and `stats()` says so).
+    refuses a table it cannot serve natively. The native pipeline reads pages into io_uring-registered staging
+    buffers (READ_FIXED), and its read-ahead gives way to a fetch at the device (`PageReader.yield_depth`).
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
                  file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
                  remote_options: dict | None = None, host_memory_bytes: int | None = None,
-                 pipeline: str = "auto", fixed_buffers: bool = True, read_ahead_yields: bool = True,
-                 read_nice: int = 0) -> None:
+                 pipeline: str = "auto") -> None:
         if dtype not in OUT_DTYPES:
             raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r} (valid: {', '.join(PIPELINES)})")
-        if not -20 <= read_nice <= 19:
-            raise ValueError(f"read_nice must be in -20..19, got {read_nice}")
-        self.read_nice = read_nice
         if host_memory_bytes is not None and host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be positive, got {host_memory_bytes}")
         self._closed = False
@@ -97,8 +88,7 @@ class TieredTable(ManifestGeometry):
                                  f"the budget of {host_memory_bytes} bytes (use tier='file')")
             self.tier: Tier = HostTier(self.table, shared=shared, progress=progress)
         elif tier == "file":
-            self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend,
-                                 fixed_buffers=fixed_buffers, read_ahead_yields=read_ahead_yields)
+            self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend)
         elif remote is not None:
             self.tier = remote
         else:
@@ -112,10 +102,6 @@ class TieredTable(ManifestGeometry):
                              f"and the mooncake tier, with a cache policy of {', '.join(NATIVE_POLICIES)} (or no "
                              f"cache), not tier={tier!r} file_mode={file_mode!r} cache_policy={cache_policy!r}")
         self.pipeline = "native" if native_ok and pipeline != "python" else "python"
-        if read_nice and self.pipeline != "native":  # silently ignoring it would misreport a comparison
-            raise ValueError(f"read_nice={read_nice} sets the native pipeline's read threads; this table (tier="
-                             f"{tier!r}, file_mode={file_mode!r}, pipeline={pipeline!r}) runs the python pipeline, "
-                             "which has none")
         if cache_bytes is None and host_memory_bytes is not None and tier != "host":
             cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
         cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
@@ -129,9 +115,9 @@ class TieredTable(ManifestGeometry):
             self._native_cache = self.cache.native if self.cache is not None else None
             # prefetches and read-aheads run on C++ threads of their own (read-aheads never queue in front of a
             # step's fetch); tickets wait on them without the GIL
-            self._queue = _native.FetchQueue(nice=read_nice)
+            self._queue = _native.FetchQueue()
             # the read-ahead queue gives way to fetches at the device (PageReader.yield_depth)
-            self._warm_queue = _native.FetchQueue(background=True, nice=read_nice) if self.cache is not None else None
+            self._warm_queue = _native.FetchQueue(background=True) if self.cache is not None else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
         # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
         self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
@@ -289,9 +275,6 @@ class TieredTable(ManifestGeometry):
         if isinstance(self.tier, FileTier):  # its mode in use ('buffered' where O_DIRECT was refused), its reads
             snap.update(self.tier.stats())
         snap["host_memory_bytes"] = self.host_memory_bytes
-        if self.pipeline == "native":  # the read threads' nice value asked for, and what each got (None: not started)
-            snap["read_nice"] = {"requested": self.read_nice, "fetch": self._queue.worker_nice,
-                                 "read_ahead": self._warm_queue.worker_nice if self._warm_queue else None}
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
             remote_bytes = snap["bytes_read"].get("mooncake", 0)  # counted apart from the file tier's

@@ -41,7 +41,7 @@ class FileTier:
     name = "file"
 
     def __init__(self, table: TableFile, *, mode: str = "direct", queue_depth: int = 128,
-                 backend: str = "auto", fixed_buffers: bool = True, read_ahead_yields: bool = True) -> None:
+                 backend: str = "auto") -> None:
         if mode not in FILE_MODES:
             raise ValueError(f"unknown file mode {mode!r} (valid: {', '.join(FILE_MODES)})")
         self.table = table
@@ -62,10 +62,7 @@ class FileTier:
             self.data = np.frombuffer(self._mmap, dtype=np.uint8, count=m.data_bytes, offset=table.data_offset)
         else:
             self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
-                                             queue_depth=queue_depth, backend=backend, direct=mode == "direct",
-                                             fixed_buffers=fixed_buffers)
-            if not read_ahead_yields:  # the read-ahead keeps its whole queue depth at the device beside fetches
-                self.reader.yield_depth = 0
+                                             queue_depth=queue_depth, backend=backend, direct=mode == "direct")
 
     @property
     def mode(self) -> str:
