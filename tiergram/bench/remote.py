@@ -1,5 +1,5 @@
-"""`tiergram bench lookup --tier mooncake`: rows read from a local Mooncake Store cluster against the same rows'
-bytes fetched raw from it, by batch size and object granularity (row, page, runs of pages)."""
+"""`tiergram bench lookup --tier mooncake`: rows read from a local Mooncake Store cluster against Mooncake's own
+EngramStore and the same pages' bytes fetched raw from it, by batch size and id distribution."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import numpy as np
 from tiergram.bench.mooncake_cluster import LocalCluster, private_netns, run_in_netns
 
 BATCHES = (1, 256, 1024, 4096)
-RUN_PAGES = 1024  # pages per object of the 'runs of pages' granularity (4 MiB objects of 4 KiB pages)
 
 
 @dataclass
@@ -61,12 +60,13 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
 
     from tiergram.bench.common import draw_ids
     from tiergram.store import TieredTable
+    from tiergram.tiers.aligned import aligned_empty
     from tiergram.tiers.mooncake import connect, push_table
 
     path, values = _bench_file(cfg, progress)
     table_bytes = cfg.rows * cfg.dim * 4
-    # EngramStore's copy, tiergram's pages and the runs-of-pages copy (4 KiB per 3 rows at D=256), with room
-    segment = 4 * table_bytes + (64 << 20)
+    # EngramStore's copy and tiergram's pages (4 KiB per 3 rows at D=256), with room
+    segment = 3 * table_bytes + (64 << 20)
     results: dict[str, Any] = {}
     with LocalCluster(work_dir / "mooncake-logs", holders=1, segment_bytes=segment) as cluster:
         store = connect(cluster.master_addr, buffer_bytes=256 << 20)
@@ -75,15 +75,11 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         engram = EngramStore(0, ecfg, store)
         engram.populate([values])
         uri = push_table(path, cluster.master_addr, "bench", progress=progress, store=store)
-        runs_get = _put_runs(store, path)
         m_rows = cfg.rows
         row_bytes = cfg.dim * 4
         cache_bytes = int(cfg.cache_fraction * m_rows * row_bytes)
         tables = {
             "tiergram_mooncake": TieredTable(uri, tier="mooncake", remote_options={"store": store}),
-            # every call on the worker thread (the default makes calls of <= 64 keys on the caller's thread)
-            "tiergram_mooncake_worker": TieredTable(uri, tier="mooncake",
-                                                    remote_options={"store": store, "inline_max_keys": 0}),
             "tiergram_mooncake_cache10": TieredTable(uri, tier="mooncake", cache_bytes=cache_bytes,
                                                      remote_options={"store": store}),
             "tiergram_file": TieredTable(path, tier="file"),
@@ -91,7 +87,7 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         }
         raw_tier = tables["tiergram_mooncake"].tier
         manifest = raw_tier.manifest
-        limit_buf = aligned_empty_pages(max(cfg.batches) * manifest.page_size)
+        limit_buf = aligned_empty(max(cfg.batches) * manifest.page_size)
         reader = tables["tiergram_file"].tier.reader
 
         def pages_of(ids: np.ndarray) -> np.ndarray:
@@ -107,8 +103,6 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         calls: dict[str, Any] = {
             "mooncake_engramstore": lambda ids: engram.lookup(ids.reshape(1, -1, 1)),
             "mooncake_raw": raw_get,
-            "mooncake_runs": lambda ids: runs_get(pages_of(ids), raw_tier.staging(pages_of(ids).size
-                                                                                   * manifest.page_size)),
             "file_limit": lambda ids: reader.read_pages(pages_of(ids), limit_buf[: pages_of(ids).size
                                                                                  * manifest.page_size]),
             **{name: (lambda ids, name=name: tables[name].lookup(ids.reshape(-1, 1))) for name in tables},
@@ -201,46 +195,6 @@ def _token_stream(rows: int, seed: int, tokens: int = 200_000) -> np.ndarray:
     return (ids % rows).astype(np.int64)
 
 
-def _put_runs(store: Any, path: Path) -> Any:
-    """Put the table's pages again as objects of RUN_PAGES pages; returns get(pages, buf) reading those pages
-    out of them with ranged reads (the 'runs of pages' granularity, measured beside one page per object)."""
-    from tiergram.format import TableFile
-
-    table = TableFile.open(path)
-    m = table.manifest
-    ps = m.page_size
-    data = aligned_empty_pages(m.data_bytes)
-    with open(path, "rb") as f:
-        f.seek(table.data_offset)
-        f.readinto(memoryview(data))
-    store.register_buffer(data.ctypes.data, data.nbytes)
-    n_runs = -(-m.n_pages // RUN_PAGES)
-    keys = [f"bench-runs/{r}" for r in range(n_runs)]
-    sizes = [min(RUN_PAGES, m.n_pages - r * RUN_PAGES) * ps for r in range(n_runs)]
-    codes = store.batch_put_from(keys, [data.ctypes.data + r * RUN_PAGES * ps for r in range(n_runs)], sizes)
-    if any(c != 0 for c in codes):
-        raise RuntimeError(f"could not put the runs-of-pages copy: codes {sorted(set(codes))}")
-    store.unregister_buffer(data.ctypes.data)
-
-    def get(pages: np.ndarray, buf: np.ndarray) -> None:
-        run_of = pages // RUN_PAGES
-        runs, starts = np.unique(run_of, return_index=True)
-        ends = list(starts[1:]) + [pages.size]
-        dst = [[[int(i) * ps for i in range(a, b)] for a, b in zip(starts, ends, strict=True)]]
-        src = [[[int(p % RUN_PAGES) * ps for p in pages[a:b]] for a, b in zip(starts, ends, strict=True)]]
-        size = [[[ps] * (b - a) for a, b in zip(starts, ends, strict=True)]]
-        store.get_into_ranges([buf.ctypes.data], [[keys[r] for r in runs]], dst, src, size)
-
-    return get
-
-
-def aligned_empty_pages(nbytes: int) -> np.ndarray:
-    """A 4096-aligned uint8 buffer (O_DIRECT reads need one)."""
-    from tiergram.tiers.aligned import aligned_empty
-
-    return aligned_empty(nbytes)
-
-
 def lookup_to_text(res: dict) -> str:
     """One table per distribution: rows/s and p50/p99 ms of each system at each batch size."""
     cfg = res["config"]
@@ -263,8 +217,7 @@ def lookup_to_text(res: dict) -> str:
         lines.append(f"tiergram mooncake vs EngramStore (no cache / 10% cache): {ratios}")
     lines.append("file_limit: the native reader's O_DIRECT reads of the same pages (the disk's limit for "
                  "tiergram_file); mooncake_raw: Mooncake's batch_get_into of the same pages (one object per page), "
-                 f"unverified; mooncake_runs: the same pages read by ranges out of {RUN_PAGES}-page objects; "
-                 "tiergram_mooncake_worker: every store call on a worker thread (no caller-thread calls)")
+                 "unverified")
     return "\n".join(lines)
 
 

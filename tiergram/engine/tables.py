@@ -60,8 +60,7 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
         from tiergram.tiers.mooncake import ensure_pushed  # optional dependency (the remote extra)
 
         return TieredTable(ensure_pushed(path, placement.master), tier="mooncake", cache_bytes=cache_bytes,
-                           cache_policy=placement.cache_policy, host_memory_bytes=budget,
-                           remote_options={"low_priority_waits": True})
+                           cache_policy=placement.cache_policy, host_memory_bytes=budget)
     if device.type == "cuda":
         return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
                            cache_policy=placement.cache_policy, file_mode=placement.file_mode)

@@ -22,8 +22,8 @@ DIGEST_BYTES = 32  # the page digest ending a manifest object (SHA-256 of every 
 # Set in this process (unless already set) before a client is created. The first two: without them a batch of more
 # than ~1,024 keys wedges the client for 60 s and breaks it. The last three bound every call by Mooncake itself
 # (measured, 0.3.13): a hung (SIGSTOPped) holder answers -800 after 2 x the TCP status/progress timeout (6 s at 3; 60 s
-# by default), a hung master -901 after MC_RPC_TIMEOUT_MS (30 s by default). With them a small batch can call
-# Mooncake on the caller's thread (no worker hop) and still fail within a bounded time; see MooncakeTier.
+# by default), a hung master -901 after MC_RPC_TIMEOUT_MS (30 s by default): with them a call fails with Mooncake's own
+# code before the tier's timeout_s (10 s) abandons it.
 ENV_DEFAULTS = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
                 "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_RPC_TIMEOUT_MS": "5000"}
 # Mooncake's ErrorCode values (mooncake-store types.h); the Python binding returns them as plain ints.
