@@ -1,36 +1,23 @@
 """`tiergram bench lookup --tier file`: rows from the table file on SSD against the device's own limit.
 
-All in one run, on one table file in the bench cache folder (a few GiB, created once):
+All in one run, on one table file in the bench cache folder (a few GiB, created once), in interleaved rounds:
 
 - limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128;
-- python threads: 8 and 16 Python threads calling `os.preadv` on an O_DIRECT descriptor (best of);
-- tiergram: `TieredTable(tier="file", file_mode="direct")` without a cache, `lookup` of `positions` x heads
-  ids per call, uniform and Zipfian, rows decoded to float32 — dedup, page reads, checksums, decode, all of it;
-- mmap: the same lookups through `file_mode="mmap"` (MADV_RANDOM), on pages not touched before in the run,
-  after dropping the file from the page cache: the baseline of engines that map the file;
-- pipelines: the tiergram readers run through the native fetch pipeline (the default) and the Python reference
-  pipeline (`pipeline="python"`), and uniform ids once more with a `cache_fraction` LRU cache, full from the start
-  (preloaded with the first rows of every head) so that every call evicts as a serving cache does, and uniform
-  ids hit it at about the cache fraction: what the cache costs a miss (CPU per page: each read page is a miss)
-  and what it saves a row; and the headline readers once more without io_uring-registered staging buffers
-  (`fixed_buffers=False`): what READ_FIXED saves per page;
-- layers: a step's uniform rows prefetched from one table in one call, and from two tables (the same file opened
-  twice) in one call each, half the positions each — what the engine does with two Engram layers;
-- all hits: after the interleaved rounds, lookups of 1 / 64 / 256 positions whose rows are all in the file tier's
-  cache, against the host tier (the whole table in DRAM) on the same ids, interleaved; and the native pipeline's
-  Python time per call (the call's wall time less the time inside the GIL-free native fetch) and the time of a
-  `prefetch()` call itself (wall, and CPU of the calling thread) at each size, and at
-  the smallest size once more with the largest size's output bytes written before each call (the same Python
-  work on caches as a large call's data movement leaves them).
+- python threads: 8 and 16 Python threads calling `os.preadv` on an O_DIRECT descriptor;
+- tiergram: `TieredTable(tier="file")` without a cache, `lookup` of `positions` x heads ids per call, uniform and
+  Zipfian, rows decoded to float32 through the native fetch pipeline — dedup, page reads, checksums, decode, all of
+  it; and uniform ids through a `cache_fraction` LRU cache that starts full, so that every call evicts as a serving
+  cache does: what the cache costs a miss and saves a row;
+- mmap: the same lookups through `file_mode="mmap"` (MADV_RANDOM), on pages not touched before in the run, after
+  dropping the file from the page cache: the baseline of engines that map the file;
+- all hits: lookups of 1 / 64 / 256 positions whose rows are all in the file tier's cache, against the host tier on
+  the same ids; the Python time of such a call and of a `prefetch()` call, and the function calls each makes.
 
-Why O_DIRECT and not a table larger than RAM: on a 24 GiB machine a table several times larger than the page
-cache cannot be written within a benchmark's time. O_DIRECT reads bypass the page cache, so a table of a few
-GiB shows the device; the file is also dropped from the page cache (POSIX_FADV_DONTNEED) after creation and
-before the mmap phase, so mmap reads fault from the device too.
-
-pages/s counts distinct 4 KiB pages read per second; rows/s counts ids served per second (duplicates
-included, as a caller sees them); both from a reader's best round, its CPU per page and per row the median over
-the rounds. A cold row costs one page read, so for uniform ids rows/s ~ pages/s.
+O_DIRECT reads bypass the page cache, so a table of a few GiB shows the device (a table several times larger than
+RAM cannot be written within a benchmark's time); the file is dropped from the page cache after creation and before
+the mmap phase, so mmap reads fault from the device too. pages/s counts distinct 4 KiB pages read per second, rows/s
+ids served per second (duplicates included), both from a reader's best round; CPU per page and per row are the
+median over the rounds.
 """
 
 from __future__ import annotations
@@ -41,8 +28,10 @@ import os
 import resource
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -78,10 +67,8 @@ class FileLookupBenchConfig:
     rounds: int = 4  # interleaved segments per reader; the best is kept
     dtype: str = "float32"
     backend: str = "auto"
-    pipelines: tuple[str, ...] = ("native", "python")  # fetch pipelines of the tiergram readers
     cache_fraction: float = 0.10  # the cached reader's LRU cache, as a fraction of the table's rows (0: none)
     hit_positions: tuple[int, ...] = (1, 64, 256)  # all-hit lookups vs host (empty: skip that phase)
-    layer_tables: tuple[int, ...] = (1, 2)  # a step's rows prefetched from 1 or 2 tables (empty: skip)
     table: str | None = None  # table path (default: in the bench cache folder)
     seed: int = 0  # the table's contents
     # the pages the readers read (None: fresh ones each run, and every round draws new ones): the volume under this
@@ -97,11 +84,9 @@ class FileLookupBenchResult:
     backend: str
     limit: dict[str, dict[str, float]] = field(default_factory=dict)  # queue depth -> figures
     python_threads: dict[str, dict[str, float]] = field(default_factory=dict)  # thread count -> figures
-    tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution -> figures
+    tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution (+ cache) -> figures
     mmap: dict[str, float] = field(default_factory=dict)
     all_hits: dict[str, dict[str, float]] = field(default_factory=dict)  # positions -> file cache vs host figures
-    # one step's rows of 1 table (one prefetch) or 2 tables (one prefetch each, as the engine does two layers)
-    layers: dict[str, dict[str, float]] = field(default_factory=dict)
     file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
     seconds: float = 0.0
 
@@ -121,8 +106,8 @@ class FileLookupBenchResult:
 
     @property
     def worst(self) -> dict[str, float]:
-        """tiergram's distribution with the fewest pages/s (the conservative headline), default pipeline, no cache."""
-        return min((d for k, d in self.tiergram.items() if " " not in k), key=lambda d: d["pages_per_s"])
+        """tiergram's distribution with the fewest pages/s without a cache (the conservative headline)."""
+        return min((self.tiergram[d] for d in self.config.dists), key=lambda d: d["pages_per_s"])
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -211,12 +196,9 @@ class Segment:
     rows: int
     seconds: float
     cpu: float  # process CPU seconds (all threads)
-    fixed_pages: int | None = None  # pages read into a registered staging buffer (READ_FIXED), where counted
 
     def figures(self) -> dict[str, float]:
         out = {"pages_per_s": self.pages / self.seconds, "cpu_us_per_page": 1e6 * self.cpu / max(1, self.pages)}
-        if self.fixed_pages is not None:
-            out["registered_share"] = self.fixed_pages / max(1, self.pages)
         if self.rows:
             out["rows_per_s"] = self.rows / self.seconds
             out["cpu_us_per_row"] = 1e6 * self.cpu / self.rows
@@ -335,11 +317,10 @@ class TiergramLookup:
     every head (a full cache: every call's misses evict), which uniform ids hit at about cache_rows / rows.
     """
 
-    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int, pipeline: str = "auto",
-                 cache_rows: int = 0, fixed_buffers: bool = True) -> None:
+    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int, cache_rows: int = 0) -> None:
         self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
-                                 queue_depth=cfg.store_queue_depth, backend=cfg.backend, pipeline=pipeline,
-                                 cache_bytes=cache_rows * table.manifest.row_bytes, fixed_buffers=fixed_buffers)
+                                 queue_depth=cfg.store_queue_depth, backend=cfg.backend,
+                                 cache_bytes=cache_rows * table.manifest.row_bytes)
         self.rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
         self.draw = lambda: [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, self.rng)
                              for _ in range(32 if not cache_rows else 256)]  # cached: 10%-cacheable ids are rare
@@ -353,8 +334,7 @@ class TiergramLookup:
 
     def segment(self, seconds: float) -> Segment:
         self.batches = self.draw()  # new ids each segment, none an earlier one read (unless by chance)
-        s0 = self.store.stats()
-        rows, t0, c0 = 0, time.perf_counter(), _cpu()
+        pages0, rows, t0, c0 = self.store.stats()["pages_read"], 0, time.perf_counter(), _cpu()
         while True:
             ids = self.batches[self.calls % len(self.batches)]
             self.store.lookup(ids, out=self.out)
@@ -362,54 +342,10 @@ class TiergramLookup:
             rows += ids.size
             dt = time.perf_counter() - t0
             if dt >= seconds:
-                s1 = self.store.stats()
-                fixed = s1.get("registered_buffer_reads", 0) - s0.get("registered_buffer_reads", 0)
-                return Segment(s1["pages_read"] - s0["pages_read"], rows, dt, _cpu() - c0, fixed)
+                return Segment(self.store.stats()["pages_read"] - pages0, rows, dt, _cpu() - c0)
 
     def close(self) -> None:
         self.store.close()
-
-
-class LayersLookup:
-    """The engine's step: the rows of `n_tables` Engram layers (tables on the same file, no cache) prefetched in one
-    call per table, then waited for; each table gets positions / n_tables of the call's positions, so 1 and 2 tables
-    read the same rows per call (two calls, two native jobs that run at once, against one)."""
-
-    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, seed: int, n_tables: int) -> None:
-        if cfg.positions % n_tables:
-            raise ValueError(f"positions ({cfg.positions}) must divide among {n_tables} tables")
-        self.stores = [TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
-                                   queue_depth=cfg.store_queue_depth, backend=cfg.backend) for _ in range(n_tables)]
-        rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
-        part = (cfg.positions // n_tables, cfg.heads)
-        self.draw = lambda: [[draw_ids("uniform", part, table.head_rows, rng) for _ in range(n_tables)]
-                             for _ in range(32)]
-        self.batches = self.draw()
-        self.calls = 0
-        self._step(self.batches[-1])  # warm-up
-
-    def _step(self, parts: list[np.ndarray]) -> None:
-        for ticket in [st.prefetch(ids) for st, ids in zip(self.stores, parts, strict=True)]:
-            ticket.wait()
-
-    def segment(self, seconds: float) -> Segment:
-        self.batches = self.draw()  # new ids each segment
-        pages0, rows, t0, c0 = self._pages(), 0, time.perf_counter(), _cpu()
-        while True:
-            parts = self.batches[self.calls % len(self.batches)]
-            self._step(parts)
-            self.calls += 1
-            rows += sum(p.size for p in parts)
-            dt = time.perf_counter() - t0
-            if dt >= seconds:
-                return Segment(self._pages() - pages0, rows, dt, _cpu() - c0)
-
-    def _pages(self) -> int:
-        return sum(st.stats()["pages_read"] for st in self.stores)
-
-    def close(self) -> None:
-        for st in self.stores:
-            st.close()
 
 
 class MmapLookup:
@@ -482,41 +418,13 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
         for n in cfg.py_threads:
             readers["python_threads", str(n)] = PythonThreads(table, n, cfg.read_seed)
         for i, dist in enumerate(cfg.dists):
-            readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=cfg.pipelines[0])
-            for pipe in cfg.pipelines[1:]:  # the first is the headline reader above
-                readers["tiergram", f"{dist} {pipe}"] = TiergramLookup(table, cfg, dist, seed=10 + i, pipeline=pipe)
-            if cfg.pipelines[0] != "python":  # the headline reader's registered staging buffers, against none
-                readers["tiergram", f"{dist} plain buffers"] = TiergramLookup(
-                    table, cfg, dist, seed=10 + i, pipeline=cfg.pipelines[0], fixed_buffers=False)
+            readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i)
         if cfg.cache_fraction > 0:
             rows = max(1, int(cfg.cache_fraction * m.total_rows))
-            for pipe in cfg.pipelines:
-                readers["tiergram", f"uniform {pipe} +{cfg.cache_fraction:.0%} cache"] = TiergramLookup(
-                    table, cfg, "uniform", seed=30, pipeline=pipe, cache_rows=rows)
-        for n in cfg.layer_tables:
-            readers["layers", f"{n} table{'s' if n > 1 else ''}"] = LayersLookup(table, cfg, seed=50, n_tables=n)
+            readers["tiergram", f"uniform +{cfg.cache_fraction:.0%} cache"] = TiergramLookup(
+                table, cfg, "uniform", seed=30, cache_rows=rows)
         readers["mmap", "uniform"] = MmapLookup(table, cfg, seed=99)
-        best: dict[tuple[str, str], dict[str, float]] = {}
-        cpus: dict[tuple[str, str], dict[str, list[float]]] = {}
-        for r in range(cfg.rounds):
-            for key, reader in readers.items():
-                seg = reader.segment(cfg.min_time / cfg.rounds)
-                if seg is None:
-                    continue
-                fig = seg.figures()
-                for name in ("cpu_us_per_page", "cpu_us_per_row"):
-                    if name in fig:
-                        cpus.setdefault(key, {}).setdefault(name, []).append(fig[name])
-                if key not in best or fig["pages_per_s"] > best[key]["pages_per_s"]:
-                    best[key] = fig
-            say(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{k[0]} {k[1]} {v['pages_per_s']:.0f}"
-                                                             for k, v in best.items()) + " pages/s (best so far)",
-                flush=True)
-        # throughput: the best segment (others' work only slows one down); CPU per page or row: the median over
-        # the rounds (a single segment's CPU swings by +-10% on a shared machine)
-        for key, by_name in cpus.items():
-            best[key].update({name: float(np.median(v)) for name, v in by_name.items()})
-            best[key].update({f"{name}_rounds": v for name, v in by_name.items()})  # for paired ratios
+        best = interleaved_rounds(readers, cfg, say)
         if ("mmap", "uniform") not in best:
             raise RuntimeError(f"{table.path}: no untouched pages left for the mmap measurement; use a larger "
                                f"table or fewer positions")
@@ -526,8 +434,7 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
             raise RuntimeError(f"{table.path}: the filesystem refused O_DIRECT (reads would go through the page "
                                f"cache): no figure of this run would be the disk's; put the table on a disk")
         for (kind, name), fig in best.items():
-            reader = readers[kind, name]
-            if isinstance(reader, TiergramLookup | LayersLookup):
+            if kind == "tiergram":
                 fig["rows_per_call"] = cfg.positions * cfg.heads
                 fig["ms_per_call"] = 1e3 * fig["rows_per_call"] / fig["rows_per_s"]
                 fig["pages_per_call"] = fig["pages_per_s"] * fig["ms_per_call"] / 1e3
@@ -545,133 +452,111 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     return res
 
 
-def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, dict[str, float]]:
-    """Per positions: us per call of lookups whose rows are all cached (file tier) vs the host tier, same ids.
+def interleaved_rounds(readers: dict[tuple[str, str], Any], cfg: FileLookupBenchConfig,
+                       say: Callable[..., object]) -> dict[tuple[str, str], dict[str, float]]:
+    """Each reader's figures: throughput from its best segment (others' work only slows one down), CPU per page or
+    row the median over the rounds (one segment's CPU swings by +-10% on a shared machine), and the rounds' CPU
+    figures themselves (`*_rounds`, for paired ratios)."""
+    best: dict[tuple[str, str], dict[str, float]] = {}
+    cpus: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in range(cfg.rounds):
+        for key, reader in readers.items():
+            seg = reader.segment(cfg.min_time / cfg.rounds)
+            if seg is None:
+                continue
+            fig = seg.figures()
+            for name in ("cpu_us_per_page", "cpu_us_per_row"):
+                if name in fig:
+                    cpus.setdefault(key, {}).setdefault(name, []).append(fig[name])
+            if key not in best or fig["pages_per_s"] > best[key]["pages_per_s"]:
+                best[key] = fig
+        say(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{k[0]} {k[1]} {v['pages_per_s']:.0f}"
+                                                         for k, v in best.items()) + " pages/s (best so far)",
+            flush=True)
+    for key, by_name in cpus.items():
+        best[key].update({name: float(np.median(v)) for name, v in by_name.items()})
+        best[key].update({f"{name}_rounds": v for name, v in by_name.items()})
+    return best
 
-    Interleaved rounds, best of; plus `native_python_us_per_call`: the native pipeline's wall time per call less
-    the time inside `_native.fetch` (which holds no GIL), i.e. what a call costs Python, best of the rounds;
-    `native_python_calls_per_lookup` / `_prefetch`: the function calls one call makes (`python_calls`).
-    """
+
+def _keep_least(d: dict, key: object, value: float) -> None:
+    d[key] = min(d.get(key, value), value)
+
+
+def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, dict[str, float]]:
+    """Per positions: us per call of lookups whose rows are all in the file tier's cache against the host tier on
+    the same ids (interleaved rounds, best of); the Python time of a cached call (its wall time less the time inside
+    the GIL-free `_native.fetch`), the time of a `prefetch()` call itself (wall, and CPU of the calling thread: what
+    the engine thread spends to queue it), and the function calls a lookup and a prefetch make (`python_calls`)."""
     dtype = getattr(torch, cfg.dtype)
     rng = np.random.default_rng([cfg.seed, 77])
     cases = {p: [draw_ids("uniform", (p, cfg.heads), table.head_rows, rng) for _ in range(8)]
              for p in cfg.hit_positions}
-    rows = sum(b.size for bs in cases.values() for b in bs)
+    batches = [b for bs in cases.values() for b in bs]
     host = TieredTable(table.path, tier="host", dtype=dtype)
-    stores = {pipe: TieredTable(table.path, tier="file", dtype=dtype, cache_bytes=2 * rows * table.manifest.row_bytes,
-                                pipeline=pipe, queue_depth=cfg.store_queue_depth, backend=cfg.backend)
-              for pipe in cfg.pipelines}
-    out: dict[str, dict[str, float]] = {}
+    cached = TieredTable(table.path, tier="file", dtype=dtype, queue_depth=cfg.store_queue_depth, backend=cfg.backend,
+                         cache_bytes=2 * sum(b.size for b in batches) * table.manifest.row_bytes)
+    best: dict[tuple[int, str], float] = {}
     try:
-        for bs in cases.values():
-            for b in bs:
-                for st in stores.values():
-                    st.lookup(b)  # now every row is resident
-        for st in stores.values():
-            before = st.stats()
-            for bs in cases.values():
-                for b in bs:
-                    st.lookup(b)
-            got = st.stats()
-            if got["misses"] != before["misses"] or got["hits"] - before["hits"] != sum(
-                    np.unique(b + table.head_offsets).size for bs in cases.values() for b in bs):
-                raise RuntimeError("all-hit lookups missed the cache: the cache is too small for the case")
-        best: dict[tuple[int, str], float] = {}
-        python_us: dict[int, float] = {}
-        prefetch_us: dict[tuple[int, str], float] = {}
-        seg = max(0.05, cfg.min_time / cfg.rounds / (len(cases) * (1 + len(stores))))
+        for b in batches:
+            cached.lookup(b)  # now every row is resident
+        misses = cached.stats()["misses"]
+        for b in batches:
+            cached.lookup(b)
+        if cached.stats()["misses"] != misses:
+            raise RuntimeError("all-hit lookups missed the cache: the cache is too small for the case")
+        seg = max(0.05, cfg.min_time / cfg.rounds / (2 * len(cases)))
         for _ in range(cfg.rounds):
             for p, bs in cases.items():
-                for name, st in [("host", host), *stores.items()]:
-                    outs = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
+                out = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
+                for name, st in (("host", host), ("tiergram", cached)):
                     (calls0, ns0, _), n, t0 = _native.fetch_timing(), 0, time.perf_counter()
                     while time.perf_counter() - t0 < seg:
-                        st.lookup(bs[n % len(bs)], out=outs)
+                        st.lookup(bs[n % len(bs)], out=out)
                         n += 1
                     wall = time.perf_counter() - t0
-                    us = 1e6 * wall / n
-                    best[p, name] = min(best.get((p, name), us), us)
+                    _keep_least(best, (p, name), 1e6 * wall / n)
                     calls, ns, _ = _native.fetch_timing()
-                    if name == "native" and calls - calls0 == n:
-                        py = (1e6 * wall - 1e-3 * (ns - ns0)) / n
-                        python_us[p] = min(python_us.get(p, py), py)
-                    if name == "native":  # the prefetch() call itself: what the engine thread spends to queue it
-                        k, t_call, c_call = 0, 0.0, 0.0
-                        while k < 50:
-                            c0, t0 = time.thread_time(), time.perf_counter()
-                            ticket = st.prefetch(bs[k % len(bs)])
-                            t_call += time.perf_counter() - t0
-                            c_call += time.thread_time() - c0
-                            ticket.wait()
-                            del ticket  # its rows are freed outside the timed call
-                            k += 1
-                        for key, v in (("wall", 1e6 * t_call / k), ("cpu", 1e6 * c_call / k)):
-                            prefetch_us[p, key] = min(prefetch_us.get((p, key), v), v)
-        # The smallest case again, with the largest case's output bytes written before each call (untimed): the same
-        # Python work on caches the way a large lookup's own data movement leaves them
-        cold_python_us = None
-        if "native" in stores and len(cases) > 1:
-            p0, big = min(cases), max(cases)
-            sweep = np.empty(big * cfg.heads * cfg.dim * torch.finfo(dtype).bits // 8, dtype=np.uint8)
-            outs = torch.empty((p0, cfg.heads, cfg.dim), dtype=dtype)
-            for _ in range(cfg.rounds):
-                wall = nogil = 0.0
-                for n in range(200):
-                    sweep.fill(n & 255)
-                    (_, ns0, _), t0 = _native.fetch_timing(), time.perf_counter()
-                    stores["native"].lookup(cases[p0][n % len(cases[p0])], out=outs)
+                    if st is cached and calls - calls0 == n:
+                        _keep_least(best, (p, "python"), (1e6 * wall - 1e-3 * (ns - ns0)) / n)
+                wall = cpu = 0.0
+                for k in range(50):
+                    c0, t0 = time.thread_time(), time.perf_counter()
+                    ticket = cached.prefetch(bs[k % len(bs)])
                     wall += time.perf_counter() - t0
-                    nogil += 1e-9 * (_native.fetch_timing()[1] - ns0)
-                py = 1e6 * (wall - nogil) / 200
-                cold_python_us = py if cold_python_us is None else min(cold_python_us, py)
-        # the Python work of a call, counted (not timed): it must not grow with the rows
-        calls: dict[tuple[int, str], int] = {}
-        if "native" in stores:
-            st = stores["native"]
-            for p, bs in cases.items():
-                outs = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
-                calls[p, "lookup"] = python_calls(lambda st=st, b=bs[0], o=outs: st.lookup(b, out=o))
-                tickets: list = []
-                calls[p, "prefetch"] = python_calls(lambda st=st, b=bs[0], t=tickets: t.append(st.prefetch(b)))
-                tickets[0].wait()
-        for p in cases:
-            fig = {"host_us_per_call": best[p, "host"]}
-            if (p, "lookup") in calls:
-                fig["native_python_calls_per_lookup"] = calls[p, "lookup"]
-                fig["native_python_calls_per_prefetch"] = calls[p, "prefetch"]
-            for pipe in stores:
-                fig[f"{pipe}_us_per_call"] = best[p, pipe]
-                fig[f"{pipe}_vs_host"] = best[p, pipe] / best[p, "host"]
-            if p in python_us:
-                fig["native_python_us_per_call"] = python_us[p]
-            if (p, "wall") in prefetch_us:
-                fig["native_prefetch_call_us"] = prefetch_us[p, "wall"]
-                fig["native_prefetch_call_cpu_us"] = prefetch_us[p, "cpu"]
-            if cold_python_us is not None and p == min(cases):
-                fig["native_python_us_per_call_cold_caches"] = cold_python_us
-            out[str(p)] = fig
+                    cpu += time.thread_time() - c0
+                    ticket.wait()
+                    del ticket  # its rows are freed outside the timed call
+                _keep_least(best, (p, "prefetch"), 1e6 * wall / 50)
+                _keep_least(best, (p, "prefetch_cpu"), 1e6 * cpu / 50)
+        out: dict[str, dict[str, float]] = {}
+        for p, bs in cases.items():
+            rows = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
+            tickets: list = []
+            out[str(p)] = {
+                "host_us_per_call": best[p, "host"], "tiergram_us_per_call": best[p, "tiergram"],
+                "vs_host": best[p, "tiergram"] / best[p, "host"], "python_us_per_call": best.get((p, "python")),
+                "prefetch_call_us": best[p, "prefetch"], "prefetch_call_cpu_us": best[p, "prefetch_cpu"],
+                # the Python work of a call, counted (not timed): it must not grow with the rows
+                "python_calls_per_lookup": python_calls(lambda b=bs[0], o=rows: cached.lookup(b, out=o)),
+                "python_calls_per_prefetch": python_calls(lambda b=bs[0], t=tickets: t.append(cached.prefetch(b)))}
+            tickets[0].wait()
+        return out
     finally:
         host.close()
-        for st in stores.values():
-            st.close()
-    return out
-
-
-def to_dict(res: FileLookupBenchResult) -> dict:
-    """The JSON object: headline keys at top level, then every measurement, the table and the config."""
-    w = res.worst
-    return {"tiergram_pages_per_s": w["pages_per_s"], "tiergram_rows_per_s": w["rows_per_s"],
-            "limit_pages_per_s": res.limit_pages_per_s, "python_threads_pages_per_s": res.python_threads_pages_per_s,
-            "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
-            **res.ratios, "targets": res.targets, "backend": res.backend,
-            "tiergram": res.tiergram, "limit": res.limit, "python_threads": res.python_threads, "mmap": res.mmap,
-            "all_hits": res.all_hits, "file_mode": res.file_mode,
-            "layers": res.layers,
-            "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
+        cached.close()
 
 
 def to_json(res: FileLookupBenchResult) -> str:
-    return json.dumps(to_dict(res), indent=2)
+    """The JSON object: headline keys at top level, then every measurement, the table and the config."""
+    w = res.worst
+    return json.dumps({
+        "tiergram_pages_per_s": w["pages_per_s"], "tiergram_rows_per_s": w["rows_per_s"],
+        "limit_pages_per_s": res.limit_pages_per_s, "python_threads_pages_per_s": res.python_threads_pages_per_s,
+        "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
+        **res.ratios, "targets": res.targets, "backend": res.backend, "tiergram": res.tiergram, "limit": res.limit,
+        "python_threads": res.python_threads, "mmap": res.mmap, "all_hits": res.all_hits, "file_mode": res.file_mode,
+        "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}, indent=2)
 
 
 def _paired_ratio(d: dict, base: dict, name: str) -> float:
@@ -688,60 +573,36 @@ def to_text(res: FileLookupBenchResult) -> str:
              f"file mode {res.file_mode}, backend {res.backend}",
              f"{'reader':<34}{'pages/s':>10}{'rows/s':>11}{'CPU us/page':>13}"]
 
-    def row(name: str, d: dict) -> None:
+    def row(name: str, d: dict, extra: str = "") -> None:
         rows = f"{d['rows_per_s']:>11.0f}" if "rows_per_s" in d else f"{'':>11}"
-        cpu = f"{d['cpu_us_per_page']:>13.1f}" if "cpu_us_per_page" in d else f"{'':>13}"
-        lines.append(f"{name:<34}{d['pages_per_s']:>10.0f}{rows}{cpu}")
+        lines.append(f"{name:<34}{d['pages_per_s']:>10.0f}{rows}{d['cpu_us_per_page']:>13.1f}{extra}")
 
     for qd, d in res.limit.items():
         row(f"limit: native reader QD{qd}", d)
     for n, d in res.python_threads.items():
         row(f"python threads os.preadv x{n}", d)
-    for dist, d in res.tiergram.items():
-        row(f"tiergram lookup, {dist}", d)
-        lines[-1] += f"   ({d['pages_per_call']:.0f} pages, {d['ms_per_call']:.1f} ms per call)"
-    for name, d in res.layers.items():
-        row(f"one step's rows, prefetch, {name}", d)
-        lines[-1] += f"   ({d['ms_per_call']:.1f} ms per step)"
+    for name, d in res.tiergram.items():
+        row(f"tiergram lookup, {name}", d, f"   ({d['pages_per_call']:.0f} pages, {d['ms_per_call']:.1f} ms per call)")
     row("mmap lookup, uniform, cold pages", res.mmap)
-    cached = {k: d for k, d in res.tiergram.items() if k.endswith("cache")}
-    for k, d in cached.items():
-        base = res.tiergram.get(k.split()[0] if k.split()[1] == c.pipelines[0] else " ".join(k.split()[:2]))
-        if base:
+    base = res.tiergram.get("uniform")
+    for name, d in res.tiergram.items():
+        if name.endswith("cache") and base:
             # the two readers' segments of one round ran seconds apart: a round's ratio cancels the machine's drift
-            row_r, page_r = (_paired_ratio(d, base, name) for name in ("cpu_us_per_row", "cpu_us_per_page"))
-            lines.append(f"{k} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
+            row_r, page_r = (_paired_ratio(d, base, f) for f in ("cpu_us_per_row", "cpu_us_per_page"))
+            lines.append(f"{name} / no cache: {d['ms_per_call'] / base['ms_per_call']:.2f}x time per call, "
                          f"{d['cpu_us_per_row'] / base['cpu_us_per_row']:.2f}x CPU per row (median of the rounds' "
                          f"ratios: {row_r:.2f}x), {d['cpu_us_per_page'] / base['cpu_us_per_page']:.2f}x CPU per "
                          f"page read, i.e. per miss (median of the rounds' ratios: {page_r:.2f}x); "
                          f"{d['pages_per_call'] / base['pages_per_call']:.2f}x pages per call")
-    for dist in c.dists:
-        fixed, plain = res.tiergram.get(dist), res.tiergram.get(f"{dist} plain buffers")
-        if fixed and plain:
-            lines.append(f"{dist}, registered staging buffers (READ_FIXED) / plain reads: "
-                         f"{fixed['cpu_us_per_page']:.2f} / {plain['cpu_us_per_page']:.2f} us CPU per page "
-                         f"({fixed['cpu_us_per_page'] / plain['cpu_us_per_page']:.2f}x), "
-                         f"{fixed['pages_per_s'] / plain['pages_per_s']:.2f}x pages/s; "
-                         f"{fixed.get('registered_share', 0):.0%} of its pages READ_FIXED")
     if res.all_hits:
-        lines.append("all-hit lookups (us per call; file tier + cache vs host tier, same ids; python: the native "
-                     "pipeline's per-call time outside the native fetch):")
+        lines.append("all-hit lookups, us per call (file tier + cache vs host tier, same ids; python: the call's time "
+                     "outside the native fetch):")
         for p, d in res.all_hits.items():
-            parts = [f"host {d['host_us_per_call']:.0f}"]
-            for pipe in c.pipelines:
-                parts.append(f"{pipe} {d[f'{pipe}_us_per_call']:.0f} ({d[f'{pipe}_vs_host']:.2f}x host)")
-            if "native_python_us_per_call" in d:
-                parts.append(f"python {d['native_python_us_per_call']:.1f}")
-            if "native_python_calls_per_lookup" in d:
-                parts.append(f"Python calls per lookup / prefetch {d['native_python_calls_per_lookup']} / "
-                             f"{d['native_python_calls_per_prefetch']}")
-            if "native_prefetch_call_us" in d:
-                parts.append(f"prefetch call {d['native_prefetch_call_us']:.1f} "
-                             f"(caller CPU {d['native_prefetch_call_cpu_us']:.1f})")
-            if "native_python_us_per_call_cold_caches" in d:
-                parts.append(f"python after a {max(c.hit_positions)}-position output's bytes were written "
-                             f"{d['native_python_us_per_call_cold_caches']:.1f}")
-            lines.append(f"  {p:>4} positions x {c.heads} heads: " + ", ".join(parts))
+            python = f"{d['python_us_per_call']:.1f}" if d["python_us_per_call"] is not None else "n/a"
+            lines.append(f"  {p:>4} positions x {c.heads} heads: host {d['host_us_per_call']:.0f}, tiergram "
+                         f"{d['tiergram_us_per_call']:.0f} ({d['vs_host']:.2f}x host), python {python}, Python calls "
+                         f"per lookup / prefetch {d['python_calls_per_lookup']} / {d['python_calls_per_prefetch']}, "
+                         f"prefetch call {d['prefetch_call_us']:.1f} (caller CPU {d['prefetch_call_cpu_us']:.1f})")
     r = res.ratios
     lines.append(f"tiergram (worst dist) vs limit at QD>=32 ({res.best_limit:.0f}): {r['vs_limit']:.0%}; "
                  f"vs python threads: {r['vs_python_threads']:.2f}x; uniform vs mmap: {r['vs_mmap_pages']:.2f}x "
