@@ -15,7 +15,7 @@ first answer token comes from the prefill's logits, so "off in decode" leaves it
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -77,10 +77,6 @@ class AblationReport:
     prefill_minus_decode: dict[str, Estimate]  # loss(prefill off) - loss(decode off), decode positions
     tasks: int
     answer_prefill_minus_decode: Estimate | None = None  # the same on the doctest answers
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
 
 
 def keep_mask(prefill: list[int], t: int, setting: Setting) -> torch.Tensor:
@@ -344,10 +340,6 @@ class RerouteReport:
     forced_minus_off: dict[str, Estimate]  # loss(off, forced) - loss(off, free routing), paired
     changed_sets: dict[str, Estimate]  # per MoE block and "all": share of tokens whose set of top-k experts changes
     changed_assignments: dict[str, Estimate]  # share of (token, expert) assignments that change
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
 
 
 def _answer_batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -123,10 +123,6 @@ class AllocationReport:
     shares: list[ShareResult] = field(default_factory=list)
     verdict: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
-
 
 def geometry(cfg: AllocationConfig, share: float, vocab_size: int, pad_id: int) -> tuple[ModelConfig, int, int]:
     """(model config, experts per MoE block, rows per hash head) of one share of the sweep."""
@@ -230,10 +226,10 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationRepo
         counts = np.array([d.count for d in docs], dtype=np.float64)
         doc_sums[(point.share, point.seed)] = sums
         point.loss = ratio_estimate(sums, counts)
-        write_json(out / "sweep.json", AllocationReport(asdict(cfg), cfg.budget, [p for p, _ in points]).to_dict())
+        write_json(out / "sweep.json", asdict(AllocationReport(asdict(cfg), cfg.budget, [p for p, _ in points])))
     bar.close()
     report = summarize(cfg, [p for p, _ in points], doc_sums, counts)
-    write_json(out / "sweep.json", report.to_dict())
+    write_json(out / "sweep.json", asdict(report))
     return report
 
 

@@ -7,8 +7,7 @@ between them in proportion to its accesses, so the touched-row shares, like the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,10 +60,6 @@ class CapacityReport:
     positions: int
     gate_positions: int
     layers: list[LayerCapacity]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
 
 
 @dataclass

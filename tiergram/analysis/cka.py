@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -111,10 +110,6 @@ class LayerComparison:
     half_spread: float  # max |CKA(half 1) - CKA(half 2)| over all pairs: the sampling noise scale
     best_match: list[int]  # per A layer: the B layer of highest CKA
     soft_index: list[float]  # per A layer: CKA-weighted mean index of B's top-3 matches
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
 
 
 def alignment(cka: np.ndarray, top: int = TOP) -> tuple[list[int], list[float]]:

@@ -8,7 +8,7 @@ branch and order, the attribution counts add up to the number of positions probe
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,10 +56,6 @@ class ProbeReport:
     positions: int
     min_count: int
     layers: list[LayerProbe]
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
 
 
 @dataclass

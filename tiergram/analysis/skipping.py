@@ -10,7 +10,7 @@ cold rows (lowest sketch access count first, the "hot rows are the useful ones" 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,10 +98,6 @@ class SkipReport:
     quality: dict[str, dict[int, float]]  # method -> layer -> Spearman(score, true gate) on the eval split
     curve: list[CurvePoint] = field(default_factory=list)
     target: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return asdict(self)
 
 
 def method_scores(model: EngramLM, fit: Trace, held: Trace, method: str, predictors: dict[str, SkipPredictor],

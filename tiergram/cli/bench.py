@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from tiergram.bench import cache, lookup
+from tiergram.cli.common import add_common
 from tiergram.cli.serve import CACHE_POLICIES
 
 
@@ -41,34 +43,38 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="interleaved segments per measurement; the best is kept (default 4; mooncake: 12, i.e. "
                          "36 timed calls per point: with 12, one point's ratio moved by +-20%% between runs)")
     fg.add_argument("--backend", default="auto", choices=["auto", "io_uring", "threads"], help="native reader")
-    lk.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(lk, "--json")
     lk.set_defaults(func=cmd_lookup)
     ca = bsub.add_parser("cache", help="cache policy hit rates on a real token stream against the offline optimum")
-    ca.add_argument("--source", default="auto", choices=["auto", "corpus", "stdlib"],
+    d = cache.CacheBenchConfig()  # each option's default is the config's (dest: its field)
+    ca.add_argument("--source", default=d.source, choices=["auto", "corpus", "stdlib"],
                     help="text: the corpus split (auto: when built), or the Python stdlib with an on-the-fly BPE")
-    ca.add_argument("--corpus", default=None, help="corpus folder (default: the cache's corpus)")
-    ca.add_argument("--split", default="validation", choices=["train", "validation", "test"])
-    ca.add_argument("--tokens", type=int, default=65536, help="tokens of text replayed")
-    ca.add_argument("--prompt-len", type=int, default=192, help="prompt tokens per request (prefilled)")
-    ca.add_argument("--decode-len", type=int, default=64, help="tokens per request after the prompt (decoded)")
-    ca.add_argument("--max-seqs", type=int, default=32, help="requests running at once")
-    ca.add_argument("--step-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
-    ca.add_argument("--max-ngram", type=int, default=4, help="n-gram orders 2..N")
-    ca.add_argument("--heads", type=int, default=8, help="hash heads per n-gram order")
-    ca.add_argument("--table-factor", type=int, default=64, help="rows per head ~ this x the compressed vocabulary")
-    ca.add_argument("--rows-per-head", type=int, default=None,
+    add_common(ca, "--corpus")
+    ca.add_argument("--split", default=d.split, choices=["train", "validation", "test"])
+    ca.add_argument("--tokens", dest="max_tokens", metavar="TOKENS", type=int, default=d.max_tokens,
+                    help="tokens of text replayed")
+    ca.add_argument("--prompt-len", type=int, default=d.prompt_len, help="prompt tokens per request (prefilled)")
+    ca.add_argument("--decode-len", type=int, default=d.decode_len,
+                    help="tokens per request after the prompt (decoded)")
+    ca.add_argument("--max-seqs", type=int, default=d.max_seqs, help="requests running at once")
+    ca.add_argument("--step-tokens", type=int, default=d.step_tokens, help="token budget of one step (chunked prefill)")
+    ca.add_argument("--max-ngram", dest="max_ngram_size", metavar="MAX_NGRAM", type=int, default=d.max_ngram_size,
+                    help="n-gram orders 2..N")
+    ca.add_argument("--heads", dest="n_head_per_ngram", metavar="HEADS", type=int, default=d.n_head_per_ngram,
+                    help="hash heads per n-gram order")
+    ca.add_argument("--table-factor", type=int, default=d.table_factor,
+                    help="rows per head ~ this x the compressed vocabulary")
+    ca.add_argument("--rows-per-head", type=int, default=d.rows_per_head,
                     help="rows per head (DeepSeek-V4.1: about 16000000); overrides --table-factor")
-    ca.add_argument("--capacity-of", default="touched", choices=["touched", "table"],
+    ca.add_argument("--capacity-of", default=d.capacity_of, choices=["touched", "table"],
                     help="capacities as fractions of the distinct rows the stream touches, or of the table")
-    ca.add_argument("--capacities", type=float, nargs="+", default=[0.01, 0.05, 0.10, 0.25],
+    ca.add_argument("--capacities", type=float, nargs="+", default=d.capacities,
                     help="cache sizes as fractions of the distinct rows the stream touches")
-    ca.add_argument("--policies", nargs="+", default=list(cache.DEFAULT_POLICIES), choices=list(cache.ALL_POLICIES),
+    ca.add_argument("--policies", nargs="+", default=d.policies, choices=list(cache.ALL_POLICIES),
                     help="cache policies to replay (lru-hot: LRU started full of the rows the corpus's train split "
                          "reads most, as `serve --hot-rows`; needs the corpus)")
-    ca.add_argument("--window", type=int, default=64, help="steps the lookahead policy is told ahead")
-    ca.add_argument("--seed", type=int, default=0)
-    ca.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")
-    ca.add_argument("--json", action="store_true", help="print one JSON object")
+    ca.add_argument("--window", type=int, default=d.window, help="steps the lookahead policy is told ahead")
+    add_common(ca, "--seed", "--plot", "--json")
     ca.set_defaults(func=cmd_cache)
 
     pf = bsub.add_parser("prefetch", help="stall a compute loop still sees with prefetch, against a synchronous "
@@ -91,23 +97,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--heads", type=int, default=24)
     pf.add_argument("--dim", type=int, default=256)
     pf.add_argument("--table", default=None, help="table file path (default: in the bench cache folder)")
-    pf.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(pf, "--json")
     pf.set_defaults(func=cmd_prefetch)
 
     tb = bsub.add_parser("table", help="create / verify / open a large V4.1-geometry table against this disk's "
                                        "sequential write and read limits, measured in the same run")
     tb.add_argument("--table-gib", type=float, default=8.0, help="table size in GiB")
-    tb.add_argument("--dir", default=None, help="folder on the disk to measure (default: the bench cache folder)")
     tb.add_argument("--keep", action="store_true", help="keep the table file (default: removed at the end)")
-    tb.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(tb, "--dir", "--json")
     tb.set_defaults(func=cmd_table)
 
     im = bsub.add_parser("import", help="`tiergram import` of a synthetic DeepSeek-V4.1-layout checkpoint against this "
                                         "disk's copy rate measured in the same run, and its peak memory")
     im.add_argument("--gib", type=float, default=16.0, help="checkpoint size in GiB (both Engram tables)")
-    im.add_argument("--dir", default=None, help="folder on the disk to measure (default: the bench cache folder)")
     im.add_argument("--rounds", type=int, default=2, help="rounds of copy and import, order alternating")
-    im.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(im, "--dir", "--json")
     im.set_defaults(func=cmd_import)
 
     sv = bsub.add_parser("serve", help="throughput vs interactivity of the real HTTP server per table placement "
@@ -147,17 +151,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--source", default="auto",
                     help="replayed text: auto (the corpus test split when built, else stdlib), corpus, stdlib (the "
                          "Python stdlib source), or a corpus folder")
-    sv.add_argument("--seed", type=int, default=0)
-    sv.add_argument("--plot", default=None, help="PNG path (default: in the bench cache folder)")
     sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
-    sv.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(sv, "--seed", "--plot", "--json")
     sv.set_defaults(func=cmd_serve)
     po = bsub.add_parser("pool", help="one acceptance check's paired round ratios pooled over several `bench serve "
                                       "--json` runs, with bootstrap 95%% intervals")
     po.add_argument("sweeps", nargs="+", metavar="SWEEP_JSON", help="the JSON `tiergram bench serve --json` printed")
     po.add_argument("--check", default="file_vs_host", help="the check's key in the JSON's checks (file_vs_host, "
                     "host_vs_device, file-10%%_vs_host, ...)")
-    po.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(po, "--json")
     po.set_defaults(func=cmd_pool)
 
     sk = bsub.add_parser("soak", help="the server under fuzzing, hostile input, 2x overload, disconnects, storage "
@@ -175,8 +177,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="clients holding connections (lying Content-Length, half headers, trickled bodies, idle) "
                          "beside normal requests (0: skip that phase)")
     sk.add_argument("--slow-only", action="store_true", help="run the slow-client phase alone")
-    sk.add_argument("--seed", type=int, default=0)
-    sk.add_argument("--json", action="store_true", help="print one JSON object")
+    add_common(sk, "--seed", "--json")
     sk.set_defaults(func=cmd_soak)
 
 
@@ -258,13 +259,9 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    cfg = cache.CacheBenchConfig(source=args.source, corpus=args.corpus, split=args.split, max_tokens=args.tokens,
-                                 prompt_len=args.prompt_len, decode_len=args.decode_len, max_seqs=args.max_seqs,
-                                 step_tokens=args.step_tokens, max_ngram_size=args.max_ngram,
-                                 n_head_per_ngram=args.heads, table_factor=args.table_factor,
-                                 rows_per_head=args.rows_per_head, capacity_of=args.capacity_of,
-                                 capacities=tuple(args.capacities), policies=tuple(args.policies),
-                                 window=args.window, seed=args.seed, plot=args.plot)
+    fields = {f.name for f in dataclasses.fields(cache.CacheBenchConfig)}
+    cfg = cache.CacheBenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
+                                    if k in fields})
     res = cache.run(cfg, progress=not args.json)
     print(cache.to_json(res) if args.json else cache.to_text(res))
     return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from tiergram.cli.common import add_common
 from tiergram.corpus.build import build_corpus, corpus_dir, read_manifest
 from tiergram.corpus.sources import DEFAULT_SOURCES, SOURCES
 
@@ -82,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q.add_argument(
             "--cache", default=None, help="cache folder (default $TIERGRAM_CACHE or ~/.cache/tiergram)"
         )
-        q.add_argument("--json", action="store_true", help="print JSON")
+        add_common(q, "--json")
 
     b = sub.add_parser("build", help="fetch, clean, de-duplicate and split the corpus")
     common(b)

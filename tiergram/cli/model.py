@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from tiergram.cli.common import add_common
+
 TIERS = ("memory", "host", "file")  # mirrors model.checkpoint.TIERS without importing torch (checked by a test)
 
 
@@ -30,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--config", default="small", choices=["small", "tiny", "small-moe", "tiny-moe"],
                    help="model preset (default small; *-moe: MoE FFNs, docs/model.md)")
     t.add_argument("--no-engram", action="store_true", help="the same backbone without Engram layers")
-    t.add_argument("--seed", type=int, default=0)
+    add_common(t, "--seed")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt with its saved settings")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--lr", type=float, default=3e-3)
@@ -39,10 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints")
     t.add_argument("--eval-tokens", type=int, default=131072,
                    help="tokens per category in the final evaluation (0: all)")
-    t.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
-    t.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    add_common(t, "--corpus", "--device")
     t.add_argument("--stop-after", type=int, help="end this run after N steps (checkpointed; resume later)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common(t, "--quiet")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="held-out loss per category with 95%% confidence intervals")
@@ -52,17 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--tier", default="memory", choices=TIERS, help="where the tables are read from")
     e.add_argument("--max-tokens", type=int, default=131072, help="tokens per category (0: all)")
     e.add_argument("--batch-size", type=int, default=16)
-    e.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
-    e.add_argument("--device", default="auto")
-    e.add_argument("--json", action="store_true", help="print the result as JSON")
-    e.add_argument("--quiet", action="store_true")
+    add_common(e, "--corpus", "--device", "--json", "--quiet")
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="Engram tables -> table files, the rest -> safetensors, for serving")
     x.add_argument("dir", help="trained model directory")
     x.add_argument("--codec", default="fp8_e4m3", choices=["fp8_e4m3", "bf16", "fp32", "int8"])
     x.add_argument("--out", help="output directory (default DIR/export)")
-    x.add_argument("--quiet", action="store_true")
+    add_common(x, "--quiet")
     x.set_defaults(func=cmd_export)
 
     i = sub.add_parser("init-model", help="a servable model directory with a production Engram geometry (e.g. "
@@ -75,8 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="both tables together, GiB on disk (rows per head scaled to fit)")
     i.add_argument("--backbone", default="small", choices=["small", "tiny"], help="backbone preset (random weights)")
     i.add_argument("--tokenizer", help="tokenizer.json or a folder holding one (default: the corpus's)")
-    i.add_argument("--seed", type=int, default=0)
-    i.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common(i, "--seed", "--quiet")
     i.set_defaults(func=cmd_init_model)
 
     m = sub.add_parser("import", help="a released checkpoint's Engram tables (DeepSeek-V4.1) -> table files, byte for "
@@ -87,20 +84,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--tokenizer", help="tokenizer.json to hash with (default: the checkpoint's)")
     m.add_argument("--backbone", default="small", choices=["small", "tiny"],
                    help="the random backbone the tables are served with (the checkpoint's is not imported)")
-    m.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common(m, "--quiet")
     m.set_defaults(func=cmd_import)
 
     h = sub.add_parser("hot-rows", help="rank each Engram layer's rows by how often a corpus reads them, for the "
                                         "engine to preload into a cold cache (serve --hot-rows)")
     h.add_argument("dir", help="model directory (its hashing and tokenizer)")
-    h.add_argument("--corpus", help="corpus folder (default: the cache's corpus, built if absent)")
+    add_common(h, "--corpus", corpus="corpus folder (default: the cache's corpus, built if absent)")
     h.add_argument("--split", default="train", choices=["train", "validation", "test"],
                    help="the split counted (default train; the benchmarks replay the test split)")
     h.add_argument("--tokens", type=_count, help="count only the split's first N tokens (e.g. 2M)")
     h.add_argument("--max-fraction", type=float, default=0.25,
                    help="keep at most this fraction of each layer's rows, the most read (default 0.25)")
     h.add_argument("--out", help="output file (default DIR/hot_rows.npz)")
-    h.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common(h, "--quiet")
     h.set_defaults(func=cmd_hot_rows)
 
     g = sub.add_parser("generate", help="generate text with the K/V cache and streaming hashing")
@@ -112,9 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cache-bytes", type=int, default=0, help="hot-row cache of the file tier")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int, default=0)
+    add_common(g, "--seed")
     g.add_argument("--no-engram-at-inference", action="store_true")
-    g.add_argument("--device", default="auto")
+    add_common(g, "--device")
     g.set_defaults(func=cmd_generate)
 
 

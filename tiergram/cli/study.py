@@ -7,9 +7,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tiergram.cli.common import add_common
 from tiergram.cli.model import TIERS, _count
 
 
@@ -25,13 +27,12 @@ def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) 
 
 def _inputs_outputs(p: argparse.ArgumentParser, json_help: str, plot_help: str | None = None) -> None:
     """--corpus, --device, (--plot,) --json, --markdown and --quiet, which every study command takes."""
-    p.add_argument("--corpus", help="corpus folder (default: the tiergram cache)")
-    p.add_argument("--device", default="auto")
+    add_common(p, "--corpus", "--device")
     if plot_help:
-        p.add_argument("--plot", metavar="PATH", help=plot_help)
+        add_common(p, "--plot", plot=plot_help)
     p.add_argument("--json", metavar="PATH", help=json_help)
     p.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common(p, "--quiet")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(z, "validation", 0, "hashed for the accounting")
     z.add_argument("--gate-tokens", type=int, default=16384,
                    help="tokens per category run through the model for the gates (default 16384)")
-    z.add_argument("--plot", metavar="PATH", help="hexbin PNG of access count vs mean gate")
+    add_common(z, "--plot", plot="hexbin PNG of access count vs mean gate")
     z.set_defaults(func=cmd_analyze)
 
     r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces and measure the "
@@ -72,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="predictor, sketch-only, oracle, random, cold (comma separated)")
     r.add_argument("--sketch-width", type=int, default=2**16, help="count-min sketch cells per row (power of 2)")
     r.add_argument("--save", metavar="PATH", help="write the fitted SkipPredictor (.npz)")
-    r.add_argument("--plot", metavar="PATH", help="trade-off curve PNG")
+    add_common(r, "--plot", plot="trade-off curve PNG")
     r.set_defaults(func=cmd_predictor)
 
     c = sub.add_parser("compare-layers", help="linear CKA between every layer of model A and every layer of model B "
@@ -121,13 +122,14 @@ def _load(args: argparse.Namespace):
     return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False, progress=not args.quiet)  # built if missing
 
 
-def _emit(args: argparse.Namespace, result: dict[str, Any], markdown: str,
-          draw: Callable[[str], Any] | None = None) -> None:
-    """Draw --plot (with `draw(path)`, when given), write --json / --markdown, or print the markdown."""
+def _emit(args: argparse.Namespace, report: Any, markdown: str, draw: Callable[[str], Any] | None = None,
+          extra: dict[str, Any] | None = None) -> None:
+    """Draw --plot (with `draw(path)`, when given), write --json (the report dataclass and `extra`) / --markdown, or
+    print the markdown."""
     if draw is not None and getattr(args, "plot", None):
         draw(args.plot)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        Path(args.json).write_text(json.dumps(asdict(report) | (extra or {}), indent=1, default=str) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(markdown)
     else:
@@ -145,7 +147,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
     tr = trace(model, windows, batch_size=args.batch_size, progress=not args.quiet)
     report = probe(tr, tokenizer, model=str(args.dir), split=args.split, min_count=args.min_count, top=args.top)
-    _emit(args, report.to_dict(), to_markdown(report))
+    _emit(args, report, to_markdown(report))
     return 0
 
 
@@ -161,15 +163,13 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         tasks = extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
         report = reroute(model, tokenizer, tasks, batch_size=args.batch_size, model_name=str(args.dir),
                          progress=not args.quiet)
-        _emit(args, report.to_dict() | {"doctest_tasks": [vars(t) for t in tasks]}, reroute_markdown(report))
+        _emit(args, report, reroute_markdown(report), extra={"doctest_tasks": [vars(t) for t in tasks]})
         return 0
     _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
     tasks = [] if args.no_generation else extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
     report = ablate(model, windows, tokenizer, tasks, model_name=str(args.dir), split=args.split,
                     batch_size=args.batch_size, max_new=args.max_new, progress=not args.quiet)
-    result = report.to_dict()
-    result["doctest_tasks"] = [vars(t) for t in tasks]
-    _emit(args, result, to_markdown(report))
+    _emit(args, report, to_markdown(report), extra={"doctest_tasks": [vars(t) for t in tasks]})
     return 0
 
 
@@ -184,7 +184,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         _, gate_windows = load_windows(model, corpus, args.split, tokenizer, args.gate_tokens)
         tr = trace(model, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
     report, points = analyze(model, windows, tr, model_name=str(args.dir), split=args.split)
-    _emit(args, report.to_dict(), to_markdown(report), (lambda path: plot(points, path)) if points else None)
+    _emit(args, report, to_markdown(report), (lambda path: plot(points, path)) if points else None)
     return 0
 
 
@@ -221,7 +221,7 @@ def cmd_predictor(args: argparse.Namespace) -> int:
                                    fit_split=args.fit_split, eval_split=args.split, progress=not args.quiet)
     if args.save:
         predictor.save(args.save)
-    _emit(args, report.to_dict(), to_markdown(report), lambda path: plot(report, path))
+    _emit(args, report, to_markdown(report), lambda path: plot(report, path))
     return 0
 
 
@@ -242,7 +242,7 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
     _, windows = load_windows(a, corpus, args.split, tok_a, args.max_tokens or None)
     result = compare_layers(a, b, windows, batch_size=args.batch_size, model_a=str(args.a), model_b=str(args.b),
                             split=args.split, progress=not args.quiet)
-    _emit(args, result.to_dict(), to_markdown(result), lambda path: plot(result, path))
+    _emit(args, result, to_markdown(result), lambda path: plot(result, path))
     return 0
 
 
@@ -261,5 +261,5 @@ def cmd_sweep_allocation(args: argparse.Namespace) -> int:
                            warmup_steps=args.warmup_steps, eval_tokens=args.eval_tokens, corpus=args.corpus,
                            device=args.device)
     report = run_sweep(cfg, progress=not args.quiet)
-    _emit(args, report.to_dict(), to_markdown(report), lambda path: plot(report, path))
+    _emit(args, report, to_markdown(report), lambda path: plot(report, path))
     return 0

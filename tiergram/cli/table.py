@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from tiergram.cli.common import add_common
 from tiergram.format import TableFile, TableManifest, create_random_table, create_table
 from tiergram.format.importers import open_safetensors
 
@@ -30,18 +31,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--rows-per-head", type=_rows_list, help="rows of each head: N (all heads) or N1,N2,...")
     c.add_argument("--dim", type=int, help="values per row (D)")
     c.add_argument("--codec", default="fp8_e4m3", help="fp32, bf16, int8 or fp8_e4m3 (default)")
-    c.add_argument("--seed", type=int, default=0, help="seed of the random N(0, std^2) init")
+    add_common(c, "--seed", seed="seed of the random N(0, std^2) init")
     c.add_argument("--std", type=float, default=1.0, help="standard deviation of the random init")
     c.add_argument("--page-size", type=int, default=4096)
     c.add_argument("--layer-id", type=int, default=None, help="the Engram layer this table serves")
     c.add_argument("--from-safetensors", metavar="FILE", help="import values from a safetensors checkpoint")
     c.add_argument("--tensor", metavar="NAME", help="tensor [N_total, D], or a name with {head} for per-head tensors")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common(c, "--quiet")
     c.set_defaults(func=cmd_create)
 
     i = tsub.add_parser("info", help="print a table file's manifest and geometry")
     i.add_argument("file")
-    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    add_common(i, "--json", json="print the manifest as JSON")
     i.set_defaults(func=cmd_info)
 
     v = tsub.add_parser("verify", help="check every page checksum; exit 0 when sound, 1 listing bad pages",
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "as a table (bad magic, version, header or manifest checksum, inconsistent "
                                     "manifest, or a size other than data_offset + n_pages * page_size).")
     v.add_argument("file")
-    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common(v, "--quiet")
     v.set_defaults(func=cmd_verify)
 
     sh = tsub.add_parser("shm", help="list this user's shared /dev/shm table copies; --clean removes them")
@@ -64,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ps.add_argument("--replace", action="store_true", help="replace a copy already in the store")
     ps.add_argument("--replicas", type=int, default=1, help="copies of each page, on different holders")
     ps.add_argument("--local-hostname", default="127.0.0.1", help="this client's address as the holders see it")
-    ps.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_common(ps, "--quiet")
     ps.set_defaults(func=cmd_push)
 
 

@@ -1,0 +1,25 @@
+"""Options many commands take, each defined once so that it reads and behaves the same in every command."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+COMMON: dict[str, dict[str, Any]] = {
+    "--corpus": {"help": "corpus folder (default: the tiergram cache)"},
+    "--device": {"default": "auto", "help": "compute device: auto (cuda if available), cpu, cuda, cuda:1, ..."},
+    "--seed": {"type": int, "default": 0, "help": "random seed (default 0)"},
+    "--plot": {"default": None, "metavar": "PATH", "help": "PNG path (default: in the bench cache folder)"},
+    "--dir": {"default": None, "help": "folder on the disk to measure (default: the bench cache folder)"},
+    "--json": {"action": "store_true", "help": "print one JSON object"},
+    "--quiet": {"action": "store_true", "help": "no progress bars"},
+}
+
+
+def add_common(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, **helps: str) -> None:
+    """Add the COMMON options named by `flags` ("--seed", ...) to p, in order; `helps` replaces an option's help
+    text, keyed by its name without dashes (plot="heat map PNG")."""
+    for flag in flags:
+        kw = COMMON[flag]
+        name = flag.removeprefix("--")
+        p.add_argument(flag, **(kw | {"help": helps[name]} if name in helps else kw))
