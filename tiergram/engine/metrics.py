@@ -6,47 +6,67 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def gauge(name: str, help_: str, default: Any = 0) -> Any:
+    """A field that /metrics exports as the gauge `name`; `help_` is its one description (server.metrics)."""
+    return field(default=default, metadata={"prometheus": ("gauge", name, help_)})
+
+
+def counter(name: str, help_: str, default: Any = 0) -> Any:
+    """A field that /metrics exports as the counter `name` (a running total)."""
+    return field(default=default, metadata={"prometheus": ("counter", name, help_)})
+
+
 @dataclass
 class EngineMetrics:
-    """A snapshot of the engine (LLMEngine.metrics())."""
+    """A snapshot of the engine (LLMEngine.metrics()); totals since start unless a field says otherwise."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_usage: float = 0.0  # used / total
-    num_preemptions: int = 0
-    steps: int = 0  # steps that ran the model
+    num_running: int = gauge("tiergram_num_requests_running", "Sequences in the running batch.")
+    num_waiting: int = gauge("tiergram_num_requests_waiting", "Sequences waiting to be scheduled.")
+    kv_blocks_total: int = gauge("tiergram_kv_blocks_total", "K/V cache blocks the budget allows.")
+    kv_blocks_used: int = gauge("tiergram_kv_blocks_used", "K/V cache blocks in use.")
+    kv_usage: float = gauge("tiergram_kv_cache_usage_ratio", "Fraction of K/V cache blocks in use.", 0.0)
+    num_preemptions: int = counter("tiergram_num_preemptions", "Sequences preempted for K/V space.")
+    steps: int = counter("tiergram_engine_steps", "Engine steps run.")
     # cache_hit_rate (file caches; None without), bytes_read {tier: n}, pages_read, per_layer
     engram: dict[str, Any] = field(default_factory=dict)
-    exposed_stall_s: float = 0.0  # total time the forward waited on Engram rows (ticket.wait())
-    # the part of exposed_stall_s in steps that computed prompt tokens (prefill chunks), and how many such steps
-    prefill_stall_s: float = 0.0
-    prefill_steps: int = 0
-    # prompt_rows_first: prompts that waited for their read-ahead rows before joining the batch, the seconds they
-    # waited (from arrival to the rows in or the wait given up), and how many joined with rows still being read
-    # (waited PROMPT_ROWS_MAX_WAIT_S: their step reads what is missing, a prefill stall)
-    prompt_rows_waits: int = 0
-    prompt_rows_wait_s: float = 0.0
-    prompt_rows_timeouts: int = 0
-    last_step_stall_s: float = 0.0
-    step_time_s: float = 0.0  # total wall time inside step() that ran the model
+    exposed_stall_s: float = counter("tiergram_engram_exposed_stall_seconds",
+                                     "Time the forward waited on Engram rows (not hidden by prefetch).", 0.0)
+    prefill_stall_s: float = counter("tiergram_engram_prefill_stall_seconds",
+                                     "The part of the exposed stall in steps that computed prompt tokens.", 0.0)
+    prefill_steps: int = counter("tiergram_engine_prefill_steps",
+                                 "Engine steps that computed prompt tokens (prefill chunks).")
+    prompt_rows_waits: int = counter("tiergram_engine_prompt_rows_waits", "Prompts that waited for their read-ahead "
+                                     "rows before joining the batch (prompt_rows_first).")
+    prompt_rows_wait_s: float = counter("tiergram_engine_prompt_rows_wait_seconds", "The time those prompts waited, "
+                                        "from arrival to their rows in or the wait given up.", 0.0)
+    prompt_rows_timeouts: int = counter("tiergram_engine_prompt_rows_timeouts", "Prompts that joined with rows "
+                                        "still being read, after waiting the longest a prompt waits.")
+    last_step_stall_s: float = gauge("tiergram_engram_last_step_stall_seconds",
+                                     "Prefetch stall exposed in the last step.", 0.0)
+    step_time_s: float = counter("tiergram_engine_step_seconds", "Wall time inside steps that ran the model.", 0.0)
     last_step_time_s: float = 0.0
     # total_bytes, weights_bytes, device_table_bytes, activation_bytes, kv_bytes, kv_blocks...
     budget: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0  # tokens emitted
-    computed_tokens: int = 0  # tokens run through the model (recomputation after preemption included)
+    computed_tokens: int = counter("tiergram_engine_computed_tokens",
+                                   "Tokens run through the model (recomputation included).")
     num_finished: int = 0
-    hash_time_s: float = 0.0  # total: hashing row ids and starting prefetches at step entry
-    stall_by_layer_s: dict[int, float] = field(default_factory=dict)  # total per Engram layer
-    degrade_level: int = 0  # the degrade policy's level now: 0 normal, 1 decode reads skipped, 2 + predicted
-    skipped_rows: int = 0  # Engram rows the degrade policy did not fetch (total)
+    hash_time_s: float = 0.0  # hashing row ids and starting prefetches at step entry
+    stall_by_layer_s: dict[int, float] = field(default_factory=dict)  # per Engram layer
+    degrade_level: int = gauge("tiergram_degrade_level", "Degrade level: 0 normal, 1 decode Engram reads skipped, 2 "
+                               "also predicted-useless prefill reads.")
+    skipped_rows: int = counter("tiergram_engram_skipped_rows", "Engram rows the degrade policy did not fetch.")
     degrade_steps: dict[int, int] = field(default_factory=dict)  # steps run at each degrade level
-    faults: int = 0  # steps that failed (their requests failed with the cause; the engine went on)
-    consecutive_faults: int = 0  # failed steps since the last one that succeeded
+    faults: int = counter("tiergram_engine_faults",
+                          "Engine steps that failed (their requests failed with the cause; the engine went on).")
+    consecutive_faults: int = gauge("tiergram_engine_consecutive_faults",
+                                    "Engine steps failed in a row (0 after a step that succeeded).")
     last_fault: str | None = None  # the cause of the last failed step
-    failed_requests: int = 0  # requests that ended with finish_reason "error" (a failed step or their own sampling)
+    failed_requests: int = counter("tiergram_engine_failed_requests",
+                                   "Requests ended by an error (a failed step, or their own sampling).")
     deferred_aborts: int = 0  # aborts of a sequence the step in flight computed: its blocks freed when it ended
-    hot_rows_preloaded: int = 0  # rows read into the Engram caches at start from a hot-rows file (all layers)
-    hot_rows_preload_s: float = 0.0  # the time that took
+    hot_rows_preloaded: int = gauge("tiergram_engram_hot_rows_preloaded",
+                                    "Rows read into the Engram caches at start from a hot-rows file.")
+    hot_rows_preload_s: float = gauge("tiergram_engram_hot_rows_preload_seconds",
+                                      "Time the hot-rows preload took at start.", 0.0)

@@ -3,6 +3,7 @@ gauges and counters read from its latest EngineMetrics snapshot at scrape time, 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -116,63 +117,25 @@ def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
 
 
 def engine_metrics(m: Any) -> Iterator[Any]:
-    """Metric families of an EngineMetrics snapshot."""
+    """Metric families of an EngineMetrics snapshot: its fields named for export, and what its dicts hold."""
+    for f in dataclasses.fields(m):
+        if "prometheus" in f.metadata:
+            kind, name, help_ = f.metadata["prometheus"]
+            yield (_gauge if kind == "gauge" else _counter)(name, help_, getattr(m, f.name))
     engram = m.engram or {}
     budget = m.budget or {}
-    gauges = [
-        ("tiergram_num_requests_running", "Sequences in the running batch.", m.num_running),
-        ("tiergram_num_requests_waiting", "Sequences waiting to be scheduled.", m.num_waiting),
-        ("tiergram_kv_blocks_total", "K/V cache blocks the budget allows.", m.kv_blocks_total),
-        ("tiergram_kv_blocks_used", "K/V cache blocks in use.", m.kv_blocks_used),
-        ("tiergram_kv_cache_usage_ratio", "Fraction of K/V cache blocks in use.", m.kv_usage),
-        ("tiergram_engram_cache_hit_rate", "Hit rate of the Engram hot-row cache since start.",
-         engram.get("cache_hit_rate") or 0.0),
-        ("tiergram_engram_last_step_stall_seconds", "Prefetch stall exposed in the last step.", m.last_step_stall_s),
-        ("tiergram_kv_blocks_affordable", "K/V blocks the device budget could buy.",
-         budget.get("kv_blocks_affordable")),
-        ("tiergram_device_table_bytes", "Engram table bytes resident in device memory.",
-         budget.get("device_table_bytes")),
-        ("tiergram_degrade_level", "Degrade level: 0 normal, 1 decode Engram reads skipped, 2 also predicted-useless "
-         "prefill reads.", m.degrade_level),
-        ("tiergram_engine_consecutive_faults", "Engine steps failed in a row (0 after a step that succeeded).",
-         m.consecutive_faults),
-        ("tiergram_engram_hot_rows_preloaded", "Rows read into the Engram caches at start from a hot-rows file.",
-         m.hot_rows_preloaded),
-        ("tiergram_engram_hot_rows_preload_seconds", "Time the hot-rows preload took at start.",
-         m.hot_rows_preload_s),
-    ]
-    for name, help_, value in gauges:
-        yield _gauge(name, help_, value)
-    counters = [
-        ("tiergram_num_preemptions", "Sequences preempted for K/V space.", m.num_preemptions),
-        ("tiergram_engine_steps", "Engine steps run.", m.steps),
-        ("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read")),
-        ("tiergram_engram_pages_first_read", "Table pages read from storage for the first time since the server "
-         "started (the rest are re-reads, which a cache under the disk may hold).", engram.get("pages_first_read")),
-        ("tiergram_engram_pages_stalled", "Table page reads an io_uring call gave up on after no read completed for "
-         "the stall timeout, cancelled and re-read with pread.", engram.get("pages_stalled")),
-        ("tiergram_engram_exposed_stall_seconds", "Time the forward waited on Engram rows (not hidden by prefetch).",
-         m.exposed_stall_s),
-        ("tiergram_engram_prefill_stall_seconds", "The part of the exposed stall in steps that computed prompt "
-         "tokens.", m.prefill_stall_s),
-        ("tiergram_engine_prefill_steps", "Engine steps that computed prompt tokens (prefill chunks).",
-         m.prefill_steps),
-        ("tiergram_engine_prompt_rows_waits", "Prompts that waited for their read-ahead rows before joining the "
-         "batch (prompt_rows_first).", m.prompt_rows_waits),
-        ("tiergram_engine_prompt_rows_wait_seconds", "The time those prompts waited.", m.prompt_rows_wait_s),
-        ("tiergram_engine_prompt_rows_timeouts", "Prompts that joined with rows still being read, after waiting the "
-         "longest a prompt waits.", m.prompt_rows_timeouts),
-        ("tiergram_engine_step_seconds", "Wall time inside steps that ran the model.", m.step_time_s),
-        ("tiergram_engine_computed_tokens", "Tokens run through the model (recomputation included).",
-         m.computed_tokens),
-        ("tiergram_engram_skipped_rows", "Engram rows the degrade policy did not fetch.", m.skipped_rows),
-        ("tiergram_engine_faults", "Engine steps that failed (their requests failed with the cause; the engine went "
-         "on).", m.faults),
-        ("tiergram_engine_failed_requests", "Requests ended by an error (a failed step, or their own sampling).",
-         m.failed_requests),
-    ]
-    for name, help_, value in counters:
-        yield _counter(name, help_, value)
+    yield _gauge("tiergram_engram_cache_hit_rate", "Hit rate of the Engram hot-row cache since start.",
+                 engram.get("cache_hit_rate") or 0.0)
+    yield _gauge("tiergram_kv_blocks_affordable", "K/V blocks the device budget could buy.",
+                 budget.get("kv_blocks_affordable"))
+    yield _gauge("tiergram_device_table_bytes", "Engram table bytes resident in device memory.",
+                 budget.get("device_table_bytes"))
+    yield _counter("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read"))
+    yield _counter("tiergram_engram_pages_first_read", "Table pages read from storage for the first time since the "
+                   "server started (the rest are re-reads, which a cache under the disk may hold).",
+                   engram.get("pages_first_read"))
+    yield _counter("tiergram_engram_pages_stalled", "Table page reads an io_uring call gave up on after no read "
+                   "completed for the stall timeout, cancelled and re-read with pread.", engram.get("pages_stalled"))
     tiers = CounterMetricFamily("tiergram_engram_bytes_read", "Engram table bytes read, by tier.", labels=["tier"])
     for tier, n in sorted((engram.get("bytes_read") or {}).items()):
         tiers.add_metric([tier], float(n))
