@@ -30,13 +30,17 @@ def engram_multipliers(
     return r * 2 + 1
 
 
-def _int(value: Any, what: str) -> int:
+def _int(value: Any, what: str, low: int | None = None) -> int:
+    """value as an int (bools refused), at least `low` when given; ValueError naming `what` otherwise."""
     if isinstance(value, bool):
         raise ValueError(f"{what} must be an integer, got {value!r}")
     try:
-        return operator.index(value)
+        value = operator.index(value)
     except TypeError:
         raise ValueError(f"{what} must be an integer, got {value!r}") from None
+    if low is not None and value < low:
+        raise ValueError(f"{what} must be >= {low}, got {value}")
+    return value
 
 
 class NgramHasher:
@@ -57,10 +61,8 @@ class NgramHasher:
         head_table_sizes: Mapping[Any, Sequence[Sequence[int]]] | None = None,
     ) -> None:
         """Exactly one of compression (lookup [V]), tokenizer, compressed_vocab_size (identity)."""
-        self.max_ngram_size = _int(max_ngram_size, "max_ngram_size")
-        if self.max_ngram_size < 2:
-            raise ValueError(f"max_ngram_size must be >= 2, got {self.max_ngram_size}")
-        self.engram_vocab_size = [_int(v, "engram_vocab_size entry") for v in engram_vocab_size]
+        self.max_ngram_size = _int(max_ngram_size, "max_ngram_size", 2)
+        self.engram_vocab_size = [_int(v, "an engram_vocab_size entry", 1) for v in engram_vocab_size]
         if not self.engram_vocab_size:
             raise ValueError("engram_vocab_size is empty; need one table size per n-gram order")
         if len(self.engram_vocab_size) != self.max_ngram_size - 1:
@@ -68,19 +70,13 @@ class NgramHasher:
                 f"engram_vocab_size has {len(self.engram_vocab_size)} entries but max_ngram_size="
                 f"{self.max_ngram_size} needs {self.max_ngram_size - 1} (orders 2..{self.max_ngram_size})"
             )
-        if min(self.engram_vocab_size) < 1:
-            raise ValueError(f"engram_vocab_size entries must be >= 1, got {self.engram_vocab_size}")
-        self.n_head_per_ngram = _int(n_head_per_ngram, "n_head_per_ngram")
-        if self.n_head_per_ngram < 1:
-            raise ValueError(f"n_head_per_ngram must be >= 1, got {self.n_head_per_ngram}")
-        self.layer_ids = [_int(layer, "layer id") for layer in layer_ids]
+        self.n_head_per_ngram = _int(n_head_per_ngram, "n_head_per_ngram", 1)
+        self.layer_ids = [_int(layer, "a layer id", 0) for layer in layer_ids]
         if not self.layer_ids:
             raise ValueError("layer_ids is empty")
-        if len(set(self.layer_ids)) != len(self.layer_ids) or min(self.layer_ids) < 0:
-            raise ValueError(f"layer_ids must be distinct and non-negative, got {self.layer_ids}")
-        self.seed = _int(seed, "seed")
-        if self.seed < 0:
-            raise ValueError(f"seed must be non-negative, got {self.seed}")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer_ids must be distinct, got {self.layer_ids}")
+        self.seed = _int(seed, "seed", 0)
         self.num_heads = (self.max_ngram_size - 1) * self.n_head_per_ngram
 
         given = [name for name, v in (("compression", compression), ("tokenizer", tokenizer),
@@ -95,9 +91,7 @@ class NgramHasher:
         elif compression is not None:
             lookup, c = as_lookup(compression)
         else:
-            c = _int(compressed_vocab_size, "compressed_vocab_size")
-            if c < 1:
-                raise ValueError(f"compressed_vocab_size must be >= 1, got {c}")
+            c = _int(compressed_vocab_size, "compressed_vocab_size", 1)
             lookup = np.arange(c, dtype=np.int64)
         self.lookup: np.ndarray = lookup
         self.vocab_size = len(lookup)
