@@ -28,7 +28,7 @@ from tiergram.plan.model import (
     predict_point,
     step_terms,
 )
-from tiergram.plan.predict import validate, validate_text
+from tiergram.plan.predict import SWEEP_SCHEMA, read_sweep, validate, validate_text
 from tiergram.plan.specs import SpecError, load_hardware, load_model, shipped
 
 # A model and a CPU machine small enough to compute by hand.
@@ -111,34 +111,6 @@ def test_prompt_rows_first_waits_for_decode_rows_and_the_read_in_progress() -> N
     assert predict_point(MODEL, fast, wl, pl, 1).step_s == pytest.approx(predict_point(MODEL, fast, WL, pl, 1).step_s)
     assert predict_point(MODEL, fast, wl, Placement("host"), 2).step_s == pytest.approx(
         predict_point(MODEL, fast, WL, Placement("host"), 2).step_s)
-
-
-def test_without_rows_first_a_step_waits_for_what_the_prompts_read_ahead_has_not_read() -> None:
-    slow = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 2e3),)))  # 0.5 ms per page, at any depth
-    pl = Placement("file", cache_fraction=0.1, hit_rate=0.5)
-    wl = replace(WL, read_ahead=True)  # prompt_rows_first off: the prompt joins at once, its read-ahead running
-    p = predict_point(MODEL, slow, wl, pl, 2)
-    rows = 5.6 * 8
-    waited = rows * 4 / 14  # the decode tokens' rows are the step's own reads
-    io = waited * 0.5 / 2e3 + 1 / 2e3
-    hide, cpu = 0.25 * 5.6e-3, rows / 1e6
-    disk = rows * 0.5 / 2e3  # every miss is read: 11.2 ms, longer than the cores' 10.1 ms, so the disk sets the step
-    step0 = max(5.6e-3 + cpu + max(0.0, io - hide - cpu) + 2.2e-3, disk)
-    prompt = 10 * 8 * 0.5 / 2e3 + 1 / 2e3  # one prompt's misses: 20.5 ms, longer than a step
-    late = (prompt - step0) * 2 / 5  # started one step before its step; 2 users / 5 steps = 0.4 prompts per step
-    queue = (disk * 10 / 14) / step0 * (waited * 0.5 / 2e3)
-    assert step0 == pytest.approx(disk)
-    assert p.terms["prompt rows late"] == pytest.approx(late)
-    assert p.terms["engram exposed"] == pytest.approx(max(0.0, io - hide - cpu) + queue + late)
-    assert p.terms["engram wait"] == pytest.approx(max(0.0, io - hide) + queue + late)
-    assert "prompt rows wait" not in p.terms  # the request itself does not wait: its step does
-    assert p.throughput_tok_s == pytest.approx(2 * 15 / (5 * p.step_s))
-    # a step that waited for every prompt row (no read-ahead) is longer; a disk fast enough to finish the read
-    # within a step leaves nothing late; alone (c = 1) the prompt starts at once, as without read-ahead
-    assert p.step_s < predict_point(MODEL, slow, WL, pl, 2).step_s
-    fast = replace(CPU, disk=DiskSpec(drives=1, iops_curve=((1.0, 1e5),)))
-    assert "prompt rows late" not in predict_point(MODEL, fast, wl, pl, 2).terms
-    assert predict_point(MODEL, slow, wl, pl, 1).step_s == pytest.approx(predict_point(MODEL, slow, WL, pl, 1).step_s)
 
 
 def test_a_cache_preloaded_with_hot_rows_takes_the_hot_curve() -> None:
@@ -414,10 +386,11 @@ def test_plan_prints_the_fronts_and_writes_a_png(tmp_path: Path, capsys: pytest.
 
 
 def _sweep(model_dir: str, scale: float) -> dict:
-    """A sweep JSON in `bench serve`'s format whose throughputs are the prediction x scale."""
+    """A sweep JSON in `bench serve`'s format whose throughputs are the prediction x scale (its servers without
+    read-ahead: every step waits for all its rows, as the hand-made predictions here assume)."""
     cfg = {"model_dir": model_dir, "placements": ["device", "host", "file"], "input_len": 10, "output_len": 5,
            "max_concurrency": 4, "max_num_seqs": 1000, "max_num_batched_tokens": 512, "block_size": 16,
-           "device_memory": None, "cache_fraction": 0.1}
+           "device_memory": None, "cache_fraction": 0.1, "engine": {"read_ahead": False}, "variants": {}}
     wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)
     points = []
     for kind in ("device", "host", "file"):
@@ -430,7 +403,7 @@ def _sweep(model_dir: str, scale: float) -> dict:
                            "interactivity_p50": p.interactivity, "engram_cache_hit_rate": 0.9 if kind == "file"
                            else None,  # read-ahead counts warmed rows as hits: the pages read tell the truth
                            "file_pages_per_s": 0.4 * measured * 8 if kind == "file" else 0.0})
-    return {"config": cfg, "points": points, "servers": {"device": {"concurrency_limit": 4}}}
+    return {"schema": SWEEP_SCHEMA, "config": cfg, "points": points, "servers": {"device": {"concurrency_limit": 4}}}
 
 
 def test_validate_compares_point_by_point() -> None:
@@ -485,21 +458,26 @@ def test_validate_marks_the_points_the_sweep_saw_read_past_the_disks_limit() -> 
     assert validate(_sweep("unused", 1.0), MODEL, CPU)["summary"]["past_disk_limit"] == 0  # no flag, none marked
 
 
-def test_validate_cli_and_calibrate_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_validate_cli_on_a_spec_calibrated_on_a_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
     from test_server import make_tiny_model
 
-    from tiergram.plan.calibrate import calibrate, to_toml
+    from tiergram.bench.calibrate import measure
+    from tiergram.plan.calibrate import fit, to_toml
 
     model_dir = make_tiny_model(tmp_path / "m")
-    cal = calibrate(str(model_dir), progress=False, disk_seconds=0.05, gather_seconds=0.05, batches=(1, 2),
-                    serve=False)
+    raw = measure(str(model_dir), progress=False, disk_seconds=0.05, gather_seconds=0.05, batches=(1, 2), serve=False)
     spec = tmp_path / "this.toml"
-    spec.write_text(to_toml(cal))
+    spec.write_text(to_toml(fit(raw)))
     hw = load_hardware(spec)
     assert hw.kind == "cpu" and hw.per_token_s > 0 and hw.disk.pages_per_s(128) > 0
     # the volume's cache under the disk, measured beside the curve: new pages, then the same pages again
-    assert cal.detail["disk"]["new_pages_per_s"] > 0 and cal.detail["disk"]["reread_pages_per_s"] > 0
-    assert hw.disk.cache_pages_per_s == cal.detail["disk"]["reread_pages_per_s"]  # into the spec, with its source
+    assert raw["disk"]["new_pages_per_s"] > 0 and raw["disk"]["reread_pages_per_s"] > 0
+    assert hw.disk.cache_pages_per_s == raw["disk"]["reread_pages_per_s"]  # into the spec, with its source
+    # the measurements kept as JSON fit the same spec through the command line
+    (tmp_path / "raw.json").write_text(json.dumps(raw))
+    assert main(["plan", "calibrate", "--measured", str(tmp_path / "raw.json"), "--out", str(tmp_path / "b.toml")]) == 0
+    assert (tmp_path / "b.toml").read_text() == spec.read_text() and "wrote" in capsys.readouterr().out
     sweep = tmp_path / "sweep.json"
     sweep.write_text(json.dumps(_sweep(str(model_dir), 1.0)))
     assert main(["plan", "validate", str(sweep), "--hardware", str(spec), "--json",
@@ -589,67 +567,29 @@ def test_sweep_placement_names() -> None:
         sweep_placement("mooncake", cfg)
 
 
-def test_calibrate_serve_costs_measures_each_level_in_three_passes(tmp_path: Path) -> None:
-    """The HTTP phase on a real server: three passes (up, down, up the levels); each level's step ratio is the
-    server's mean step over the engine's alone, the curve each level's fastest pass."""
-    from test_server import make_tiny_model
-
-    from tiergram.plan.calibrate import serve_costs
-
-    model_dir = make_tiny_model(tmp_path / "m")
-    srv = serve_costs(str(model_dir), concurrencies=(1, 2), input_len=8, output_len=4, requests_per_user=1,
-                      engine_step=lambda tokens, seqs: 1e-3)
-    assert set(srv["server_step_passes"]) == {1, 2}
-    for c, ratio in srv["server_step_curve"]:
-        passes = srv["server_step_passes"][c]
-        assert len(passes) == 3 and min(passes) > 0 and ratio == pytest.approx(min(passes), abs=2e-3)
-    assert [c for c, _ in srv["server_step_curve"]] == [1, 2] and len(srv["gaps_s"]) == 2
-    for c, factor in srv["request_steps_curve"]:  # steps x c / requests over the steps needed, at least 1
-        assert len(srv["request_steps_passes"][c]) == 3 and factor >= 1.0
-        assert factor == pytest.approx(max(1.0, sorted(srv["request_steps_passes"][c])[1]), abs=2e-3)
-    assert [c for c, _ in srv["request_steps_curve"]] == [1, 2]
-    assert srv["request_overhead_s"] >= 0 and srv["per_seq_http_s"] >= 0
-    without = serve_costs(str(model_dir), concurrencies=(1,), input_len=8, output_len=4, requests_per_user=1,
-                          passes=1)
-    assert without["server_step_curve"] == [] and len(without["gaps_s"]) == 1  # no engine step: no curve
-
-
-def test_calibrate_times_the_engine_on_the_threads_the_server_gives_it(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine fit runs at `serving_torch_threads()` (what `tiergram serve` uses), and torch's setting is put
-    back afterwards."""
-    import torch
-    from test_server import make_tiny_model
-
-    from tiergram.plan import calibrate
-
-    seen: list[int] = []
-    real = calibrate._engine_steps
-
-    def spy(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(calibrate, "_engine_steps", spy)
-    monkeypatch.setattr("tiergram.engine.serving_torch_threads", lambda requested=0: 1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        st = calibrate.step_costs(str(make_tiny_model(tmp_path / "m")), batches=(1, 2), input_len=8, output_len=4,
-                                  progress=False)
-        assert seen == [1] and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
-    assert st["steps"] > 0 and st["per_token_s"] >= 0
-
-
-def test_calibrate_times_large_tables_with_the_host_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tiergram.plan.calibrate import RESIDENT_STEP_TABLE_BYTES, step_placement
-
-    assert step_placement(33 << 20) == "device"  # the demo's tables: timed resident
-    assert step_placement(RESIDENT_STEP_TABLE_BYTES + 1) == "host"  # an init-model V4.1 table: as a sweep serves it
-    assert main(["plan", "calibrate", str(tmp_path / "a"), "--model", str(tmp_path / "b")]) == 2
-    assert "two models given" in capsys.readouterr().err
+def test_a_sweep_json_is_read_by_its_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sweep names its schema version. One written before the field is read when its config has variants (the
+    layout of schema 1); an older one, whose servers the removed --compare-* flags named, is refused by its labels."""
+    path, sweep = tmp_path / "sweep.json", _sweep("m", 1.0)
+    path.write_text(json.dumps(sweep))
+    assert read_sweep(path)["schema"] == SWEEP_SCHEMA
+    del sweep["schema"]
+    path.write_text(json.dumps(sweep))
+    assert read_sweep(path)["points"] == sweep["points"]
+    del sweep["config"]["variants"]
+    sweep["points"].append(dict(sweep["points"][-1], placement="file-10%-nowait"))
+    path.write_text(json.dumps(sweep))
+    with pytest.raises(ValueError, match=r"sweep\.json: a sweep from before `bench serve --variants` \(servers "
+                                         r"file-10%-nowait named by the removed --compare-\* flags\): measure"):
+        read_sweep(path)
+    assert main(["plan", "validate", str(path), "--hardware", "h200"]) == 2
+    assert "file-10%-nowait" in capsys.readouterr().err
+    path.write_text(json.dumps(dict(sweep, schema=2)))
+    with pytest.raises(ValueError, match="sweep schema 2; this tiergram reads schema 1"):
+        read_sweep(path)
+    path.write_text(json.dumps({"points": []}))
+    with pytest.raises(ValueError, match="not a `bench serve` sweep"):
+        read_sweep(path)
 
 
 def test_validate_reports_the_predicted_stall_share_beside_the_measured() -> None:

@@ -42,7 +42,6 @@ from tiergram.bench.serve_config import (
     SweepConfig,
     Variant,
     file_label,
-    levels,
     load_variants,
     round_order,
 )
@@ -62,6 +61,7 @@ from tiergram.bench.serve_report import checks_text, plot, to_json, to_markdown,
 from tiergram.bench.serve_stats import BIG_TARGET, Point, Round, SweepResult, checks, pareto, summarize
 from tiergram.machine import cpu_speed_ms
 from tiergram.paths import cache_dir
+from tiergram.plan.model import levels
 
 __all__ = [
     "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",

@@ -175,15 +175,6 @@ def file_label(fraction: float) -> str:
     return f"file-{100 * fraction:g}%"
 
 
-def levels(limit: int, max_concurrency: int) -> list[int]:
-    """1, 2, 4, ... up to min(limit, max_concurrency), ending at that cap (at least [1])."""
-    cap = max(1, min(limit, max_concurrency))
-    out = [1]
-    while out[-1] * 2 <= cap:
-        out.append(out[-1] * 2)
-    return out if out[-1] == cap else [*out, cap]
-
-
 def round_order(members: list[str], r: int) -> list[str]:
     """The servers' turns in round r: forward in even rounds, backward in odd ones, each pair rotated on by one
     every two rounds, so that over 2 x len(members) rounds every server goes first, and goes before every other,

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from tiergram.bench.serve_stats import ABOVE_LIMIT, SweepResult
+from tiergram.plan.predict import SWEEP_SCHEMA
 from tiergram.plots import save_figure
 
 
@@ -158,11 +159,11 @@ def to_markdown(res: SweepResult) -> str:
 
 
 def to_json(res: SweepResult) -> str:
-    """One JSON object: points, fronts, checks, servers, config."""
-    obj = {"points": [asdict(p) for p in res.points], "fronts": res.fronts, "checks": res.checks,
-           "disk_pages_per_s": res.disk_pages_per_s, "big_disk_pages_per_s": res.big_disk_pages_per_s,
-           "servers": res.servers, "source": res.source, "seconds": res.seconds, "plot": res.plot,
-           "config": asdict(res.config)}
+    """One JSON object: its schema version (what `plan validate` reads), points, fronts, checks, servers, config."""
+    obj = {"schema": SWEEP_SCHEMA, "points": [asdict(p) for p in res.points], "fronts": res.fronts,
+           "checks": res.checks, "disk_pages_per_s": res.disk_pages_per_s,
+           "big_disk_pages_per_s": res.big_disk_pages_per_s, "servers": res.servers, "source": res.source,
+           "seconds": res.seconds, "plot": res.plot, "config": asdict(res.config)}
     return json.dumps(obj, indent=2, default=str)
 
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
-       tiergram plan calibrate [MODEL_DIR | --model DIR] [--out SPEC.toml]
+       tiergram plan calibrate [--model DIR | --measured JSON] [--out SPEC.toml]
        tiergram plan validate SWEEP_JSON... --hardware SPEC [--model MODEL] [--json]
        tiergram plan studies [--out DIR] [--model-dir DIR]   the predictions of docs/planner.md, with plots
 
@@ -53,17 +53,20 @@ def _predict_parser() -> argparse.ArgumentParser:
 
 def _calibrate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiergram plan calibrate",
-                                description="Measure this machine briefly (engine steps, host lookups, disk, DRAM) "
-                                            "and write a hardware spec.")
-    p.add_argument("model_dir", nargs="?", default=None,
-                   help="a trained model directory to time steps on (default: the demo's model in the cache)")
-    p.add_argument("--model", dest="model_opt", default=None, metavar="DIR",
-                   help="the same as MODEL_DIR: calibrate on the model you will predict (its backbone's steps, its "
-                        "tables' row size and codec, the disk under its table files), e.g. an `init-model` one")
-    p.add_argument("--out", default=None, help="spec path (default: this-machine.toml in the cache)")
+                                description="Measure this machine briefly (engine steps, host lookups, disk, DRAM, the "
+                                            "HTTP path), keep the measurements as JSON beside the spec, and write the "
+                                            "hardware spec fitted from them.")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="the trained model to calibrate on: the one you will predict (its backbone's steps, its "
+                        "tables' row size and codec, the disk under its table files), e.g. an `init-model` one "
+                        "(default: the demo's model in the cache)")
+    p.add_argument("--out", default=None, help="spec path (default: this-machine.toml in the cache); the "
+                                               "measurements go beside it as NAME.measured.json")
     p.add_argument("--disk-seconds", type=float, default=1.0, help="seconds per queue depth (default 1)")
     p.add_argument("--no-serve", action="store_true",
-                   help="skip the HTTP-path measurement (a real server under a closed loop at c = 1, 4, 16)")
+                   help="skip the HTTP-path measurement (a real server under a closed loop at c = 1, 2, 4, 8, 16)")
+    p.add_argument("--measured", default=None, metavar="JSON",
+                   help="fit the spec from measurements an earlier calibrate kept, without measuring again")
     return p
 
 
@@ -141,7 +144,7 @@ def _predict(a: argparse.Namespace) -> int:
 
     from tiergram.paths import cache_dir
     from tiergram.plan import predict
-    from tiergram.plan.model import Workload
+    from tiergram.plan.model import Workload, predict_front
     from tiergram.plan.specs import load_hardware, load_model
 
     model, hw = load_model(a.model), load_hardware(a.hardware)
@@ -156,7 +159,7 @@ def _predict(a: argparse.Namespace) -> int:
                   prompt_rows_first=a.prompt_rows_first)
     kinds = tuple(k.strip() for k in a.placements.split(",") if k.strip())
     pls = predict.placements(fractions, kv_offload=not a.no_kv_offload, kinds=kinds, hot_rows=a.hot_rows)
-    fronts = predict.predict_all(model, hw, wl, pls, a.max_concurrency)
+    fronts = [predict_front(model, hw, wl, pl, a.max_concurrency) for pl in pls]
     path = Path(a.plot) if a.plot else cache_dir("plan") / f"plan-{Path(str(a.model)).stem}-{Path(a.hardware).stem}.png"
     title = (f"PREDICTED: {model.name} on {hw.name}\ninput {wl.input_len:g} / output {wl.output_len:g} tokens "
              "(labels: the last concurrency and what binds there)")
@@ -171,20 +174,31 @@ def _predict(a: argparse.Namespace) -> int:
 
 def _calibrate(a: argparse.Namespace) -> int:
     from tiergram.paths import cache_dir
-    from tiergram.plan.calibrate import calibrate, to_toml
+    from tiergram.plan.calibrate import fit, read_measurements, summary, to_toml
     from tiergram.plan.specs import calibrated_path, load_hardware
 
-    if a.model_dir and a.model_opt and a.model_dir != a.model_opt:
-        raise ValueError(f"plan calibrate: two models given ({a.model_dir} and --model {a.model_opt}): give one")
-    model_dir = a.model_opt or a.model_dir or str(cache_dir("models") / "demo-small")
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ValueError(f"{model_dir}: no trained model there (run `tiergram demo` once, or pass a model directory)")
-    cal = calibrate(model_dir, disk_seconds=a.disk_seconds, serve=not a.no_serve)
     out = Path(a.out) if a.out else calibrated_path()
     out.parent.mkdir(parents=True, exist_ok=True)
+    if a.measured:
+        if a.model:
+            raise ValueError("plan calibrate --measured fits the measurements' own model: give no --model")
+        measured = Path(a.measured)
+        raw = read_measurements(measured)
+    else:
+        from tiergram.bench.calibrate import measure
+
+        model_dir = a.model or str(cache_dir("models") / "demo-small")
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"{model_dir}: no trained model there (run `tiergram demo` once, or pass a model "
+                             "directory)")
+        raw = measure(model_dir, disk_seconds=a.disk_seconds, serve=not a.no_serve)
+        measured = out.with_name(out.stem + ".measured.json")
+        measured.write_text(json.dumps(raw, indent=1))
+    cal = fit(raw)
+    print(summary(cal))
     out.write_text(to_toml(cal))
     load_hardware(out)  # what was written must load
-    print(f"wrote {out}")
+    print(f"wrote {out} (fitted from {measured})")
     return 0
 
 
@@ -193,18 +207,7 @@ def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan.model import predict_front
     from tiergram.plan.specs import load_hardware, load_model
 
-    sweeps = []
-    for name in a.sweep_json:
-        path = Path(name)
-        try:
-            sweep = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path}: cannot read the sweep JSON ({e})") from None
-        for key in ("config", "points"):
-            if key not in sweep:
-                raise ValueError(f"{path}: not a `bench serve` sweep (no `{key}`)")
-        sweeps.append(sweep)
-    sweep = predict.merge_sweeps(sweeps, list(a.sweep_json))
+    sweep = predict.merge_sweeps([predict.read_sweep(Path(name)) for name in a.sweep_json], list(a.sweep_json))
     model = load_model(a.model or sweep["config"]["model_dir"])
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from tiergram.bench.serve_config import levels as sweep_levels
-
 PLACEMENT_KINDS = ("device", "host", "file")
 
 
@@ -260,9 +258,6 @@ class Workload:
     # so a step waits only for its decode tokens' misses (the prompt's are read beside the steps and delay only
     # that request); alone (c = 1) a prompt starts at once and its step waits for its rows
     prompt_rows_first: bool = False
-    # the engine's read-ahead without prompt_rows_first: a new prompt joins the next step at once, but its rows have
-    # been read since it arrived, about one step earlier; the step waits only for what that read has not finished
-    read_ahead: bool = False
 
     @property
     def seq_tokens(self) -> int:
@@ -366,16 +361,10 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
     context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
     tokens = tokens_per_step(wl, c, hw)
-    if not ((wl.prompt_rows_first or wl.read_ahead) and c > 1 and placement.kind == "file"):
+    if not (wl.prompt_rows_first and c > 1 and placement.kind == "file"):
         return step_terms_at(model, hw, wl, placement, c, tokens, context)
-    waited = tokens * decode_share(wl)  # the prompt tokens' rows were read (or started) before their step
+    waited = tokens * decode_share(wl)  # the prompt tokens' rows were read before their step
     first = step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited)
-    late = 0.0
-    if not wl.prompt_rows_first:
-        # A closed-loop user sends its next request as the step that streamed its last token ends, so the prompt's
-        # read-ahead starts about one step before the step the prompt joins; that step waits for the rest of the
-        # read. c / S prompts join per step.
-        late = max(0.0, prompt_read_s(model, hw, wl, placement) - first[0]) * c / steps_per_request(wl, c, hw)
     # A step's prefetch and the prompt reads of the requests waiting to join run side by side (each on its own
     # queue and io_uring ring): while a prompt read is in flight, a share rho of the time, the disk interleaves
     # the two, and the step's own reads take about twice as long -- rho * (their own read time) more.
@@ -383,8 +372,7 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
     rho = min(0.95, prompt_disk / first[0]) if first[0] > 0 else 0.0
     hit = first[3] or 0.0
     own = waited * model.engram.rows_per_token * (1.0 - hit) / hw.disk.pages_per_s(wl.queue_depth)
-    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited, queue_s=rho * own,
-                         late_s=late)
+    return step_terms_at(model, hw, wl, placement, c, tokens, context, waited_tokens=waited, queue_s=rho * own)
 
 
 def decode_share(wl: Workload) -> float:
@@ -415,14 +403,13 @@ def prompt_read_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 
 def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int, tokens: float,
-                  context: float, waited_tokens: float | None = None, queue_s: float = 0.0, late_s: float = 0.0,
+                  context: float, waited_tokens: float | None = None, queue_s: float = 0.0,
                   decode_tokens: float | None = None) -> tuple[float, dict[str, float], str, float | None]:
     """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c).
 
     `waited_tokens`: the tokens whose missed rows the step waits for (None: all; with prompt_rows_first, the
     decode tokens); the rest are read beside the step: they load the disk and the reader's CPU, not the wait.
     `queue_s`: time the step's reads wait in the read queue behind other reads before their own start.
-    `late_s`: time the step waits for prompt rows whose read-ahead has not finished (without prompt_rows_first).
     `decode_tokens`: the step's decode tokens (None: the workload's decode share of `tokens`); the rest are
     prompt tokens, which cost the model's prefill FLOPs."""
     g = model.engram
@@ -464,8 +451,6 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         io_wait = waited / hw.disk.pages_per_s(wl.queue_depth) + (hw.disk.latency_s if waited > 0 else 0.0)
         if queue_s > 0:
             terms["read queue"] = queue_s
-        if late_s > 0:
-            terms["prompt rows late"] = late_s
         disk_s = misses / hw.disk.pages_per_s(wl.queue_depth)  # every miss, waited for or not, is a disk read
         if disk_s > 0:
             terms["disk busy"] = disk_s
@@ -491,7 +476,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         dram_s = _shared(dram_bytes / host_bw, kv_dram / host_bw) if dram_bytes else 0.0
         fetch = max(link_s, dram_s, io_wait, cpu_fetch)
         terms["engram fetch"] = fetch
-        terms["engram exposed"] = max(0.0, fetch - hide) + queue_s + late_s
+        terms["engram exposed"] = max(0.0, fetch - hide) + queue_s
         terms["kv link"] = kv_link / hw.link_bw if kv_link else 0.0
         step = max(compute + terms["engram exposed"], (link_bytes + kv_link) / hw.link_bw if hw.link_bw else 0.0,
                    (dram_bytes + kv_dram) / host_bw, terms.get("disk busy", 0.0)) + terms["overhead"]
@@ -515,11 +500,11 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
         # one pool of cores: fetch CPU time adds to the step; only waiting on the disk can hide behind compute
         # (and behind the fetch's own CPU work); time queued behind other reads hides behind nothing
         terms["engram cpu"] = cpu_fetch
-        terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch) + queue_s + late_s
+        terms["engram exposed"] = max(0.0, io_wait - hide - cpu_fetch) + queue_s
         # what the engine itself waits for the rows (the servers' measured stall): the waited reads -- or their
         # own CPU on the reader's thread, when that is longer -- less only the layers in front; the fetch CPU it
         # overlaps is already in the step above, so this is not added to it again
-        terms["engram wait"] = max(0.0, max(io_wait, waited_cpu) - hide) + queue_s + late_s
+        terms["engram wait"] = max(0.0, max(io_wait, waited_cpu) - hide) + queue_s
         step = compute + cpu_fetch + terms["engram exposed"] + terms["overhead"] + terms.get("engram gather", 0.0)
         dram_s = (dram_bytes + kv_dram) / max(1.0, hw.host_bw - wl.host_traffic_bps)
         step = max(step, dram_s, terms.get("disk busy", 0.0))
@@ -574,8 +559,13 @@ def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:
-    """The concurrencies `bench serve` sweeps (its own `levels`); none for a placement that fits no sequence."""
-    return sweep_levels(limit, max_concurrency) if min(limit, max_concurrency) >= 1 else []
+    """The concurrencies a `bench serve` sweep runs and the planner predicts: 1, 2, 4, ... up to min(limit,
+    max_concurrency), ending at that cap (at least [1])."""
+    cap = max(1, min(limit, max_concurrency))
+    out = [1]
+    while out[-1] * 2 <= cap:
+        out.append(out[-1] * 2)
+    return out if out[-1] == cap else [*out, cap]
 
 
 @dataclass
@@ -600,5 +590,5 @@ def predict_front(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
                   max_concurrency: int = 1 << 16) -> Front:
     """Every concurrency level up to the placement's limit (or max_concurrency)."""
     limit = concurrency_limit(model, hw, wl, placement)
-    pts = [predict_point(model, hw, wl, placement, c) for c in levels(limit.concurrency, max_concurrency)]
-    return Front(placement, limit, pts)
+    cs = levels(limit.concurrency, max_concurrency) if min(limit.concurrency, max_concurrency) >= 1 else []
+    return Front(placement, limit, [predict_point(model, hw, wl, placement, c) for c in cs])

@@ -4,21 +4,13 @@ against a measured `tiergram bench serve` sweep."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tiergram.plan.model import (
-    Front,
-    HardwareSpec,
-    ModelSpec,
-    Placement,
-    Workload,
-    predict_front,
-    predict_point,
-    steps_per_request,
-)
+from tiergram.plan.model import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_point, steps_per_request
 
 
 def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: bool = True,
@@ -35,12 +27,6 @@ def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: boo
     if kv_offload:
         out.append(Placement("host", kv_offload=True))
     return out
-
-
-def predict_all(model: ModelSpec, hw: HardwareSpec, wl: Workload, pls: list[Placement],
-                max_concurrency: int = 1 << 16) -> list[Front]:
-    """One predicted front per placement."""
-    return [predict_front(model, hw, wl, p, max_concurrency) for p in pls]
 
 
 def to_text(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front]) -> str:
@@ -163,6 +149,32 @@ def sweep_workload(cfg: dict[str, Any]) -> Workload:
                     max_output_len=int(cfg["output_len"]))
 
 
+SWEEP_SCHEMA = 1  # the layout of `bench serve --json`: bench writes it, validate reads it
+# the label suffixes of the servers the removed `bench serve --compare-*` flags added (variants replaced them)
+COMPARED_LABEL = re.compile(r"-(nowait|process|plain|cold|busy|greedy|nice|passive|core|t\d+)$")
+
+
+def read_sweep(path: Path) -> dict[str, Any]:
+    """A `bench serve --json` sweep, its schema checked. One written before the `schema` field is schema 1 when its
+    config has `variants` (the layout the field was added to); an older one, whose servers the `--compare-*` flags
+    named by label suffixes, is refused with the labels the planner no longer reads."""
+    try:
+        sweep = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the sweep JSON ({e})") from None
+    if not isinstance(sweep, dict) or "config" not in sweep or "points" not in sweep:
+        raise ValueError(f"{path}: not a `bench serve` sweep (no `config` and `points`)")
+    schema = sweep.get("schema", SWEEP_SCHEMA if "variants" in sweep["config"] else None)
+    if schema is None:
+        compared = sorted({p["placement"] for p in sweep["points"] if COMPARED_LABEL.search(p["placement"])})
+        raise ValueError(f"{path}: a sweep from before `bench serve --variants`"
+                         + (f" (servers {', '.join(compared)} named by the removed --compare-* flags)" if compared
+                            else "") + ": measure it again with `tiergram bench serve --json`")
+    if schema != SWEEP_SCHEMA:
+        raise ValueError(f"{path}: sweep schema {schema!r}; this tiergram reads schema {SWEEP_SCHEMA}")
+    return sweep
+
+
 SAME_SETTINGS = ("model_dir", "input_len", "output_len", "device_memory", "cache_fraction", "max_num_seqs",
                  "max_num_batched_tokens", "block_size")
 
@@ -224,35 +236,24 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     return Placement("file", cache_fraction=float(min(fractions)))
 
 
-def sweep_read_ahead(cfg: dict[str, Any], label: str) -> bool:
-    """Whether a sweep's server read rows ahead: its variant's read_ahead, else the sweep's [engine] one, else on."""
-    variant = ((cfg.get("variants") or {}).get(label) or {}).get("engine") or {}
-    return bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", cfg.get("read_ahead", True))))
-
-
 def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
-    """Whether a sweep's file server ran with the engine's prompt_rows_first: with read-ahead, in a sweep whose
-    engine always waits for a new prompt's rows (its config has `variants`; `compare_rows_first` in sweeps before
-    them; earlier engines had no such wait)."""
-    return sweep_read_ahead(cfg, label) and ("variants" in cfg or "compare_rows_first" in cfg)
+    """Whether a sweep's server read rows ahead, and so waited for a joining prompt's rows (the engine's
+    prompt_rows_first): its variant's read_ahead, else the sweep's [engine] one, else on."""
+    variant = ((cfg.get("variants") or {}).get(label) or {}).get("engine") or {}
+    return bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", True)))
 
 
 def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first: bool | None = None) -> Workload:
-    """The sweep's workload as one server ran it: prompt_rows_first (None: from the sweep, `sweep_rows_first`), and
-    the read-ahead of a server without that wait (an engine that reads a joining prompt's rows from its arrival
-    on, yet lets it join at once)."""
-    first = sweep_rows_first(cfg, label) if rows_first is None else rows_first and sweep_read_ahead(cfg, label)
-    ahead = sweep_read_ahead(cfg, label) and "compare_rows_first" in cfg and not first
-    return replace(base, prompt_rows_first=first, read_ahead=ahead)
+    """The sweep's workload as one server ran it: prompt_rows_first from the sweep (`sweep_rows_first`), or as
+    `rows_first` says for a server that read rows ahead."""
+    first = sweep_rows_first(cfg, label)
+    return replace(base, prompt_rows_first=first if rows_first is None else rows_first and first)
 
 
 def sweep_disk_limit(sweep: dict[str, Any], label: str) -> float:
     """The disk's limit (pages/s, QD 128) the sweep measured on the tables `label` read, the slower of its
-    before/after figures (0: none measured). file-big read the big model's tables, measured apart since sweeps
-    recorded `big_disk_pages_per_s` (earlier sweeps measured only the big model's when they had one)."""
-    key = "big_disk_pages_per_s" if sweep_base(sweep["config"], label) == "file-big" and \
-        sweep.get("big_disk_pages_per_s") else \
-        "disk_pages_per_s"
+    before/after figures (0: none measured); file-big read the big model's tables, measured apart."""
+    key = "big_disk_pages_per_s" if sweep_base(sweep["config"], label) == "file-big" else "disk_pages_per_s"
     return min((sweep.get(key) or {}).values(), default=0.0)
 
 

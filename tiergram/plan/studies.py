@@ -16,16 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.plan.model import (
-    Front,
-    HardwareSpec,
-    ModelSpec,
-    Placement,
-    Workload,
-    predict_front,
-    predict_point,
-    step_terms_at,
-)
+from tiergram.plan import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_front, predict_point
+from tiergram.plan.model import step_terms_at
 from tiergram.plots import save_figure
 
 QD_PER_DRIVE, READER_THREADS_PER_DRIVE = 128, 4
