@@ -274,9 +274,7 @@ def test_gpu_bench_code_paths_on_cpu(tmp_path):
     """The GPU benchmark's code, tiny and on the CPU with the torch kernel path: figures are not checked."""
     from tiergram.bench import gpu
 
-    cfg = gpu.GpuBenchConfig(device="cpu", table_mib=1, positions=16, copy_mib=1, cache_rows=256, reps=1,
-                             store_rows=64, store_steps=2, backend="torch", decode_preset="tiny", decode_requests=2,
-                             decode_prompt=12, decode_output=4, decode_reps=1)
+    cfg = gpu.GpuBenchConfig(device="cpu", backend="torch", **gpu.SMALL)
     report = gpu.run(cfg)
     for key in ("uva_gather", "device_gather", "hbm_cache_gather", "hbm_cache_mixed"):
         assert report[key]["GBps"] > 0

@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: timing, id distributions, progress lines, acceptance targets."""
+"""Shared benchmark helpers: timing, id distributions, progress lines, cached bench tables, acceptance targets."""
 
 from __future__ import annotations
 
@@ -6,9 +6,12 @@ import sys
 import sysconfig
 import time
 from collections.abc import Callable, Collection
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from tiergram.format import TableFile, TableManifest
 
 # serving acceptance: tokens/s of a placement as a fraction of the reference placement's, in the same run
 HOST_TARGET = 0.97  # host tables (DRAM; UVA on a GPU) against tables resident in device memory
@@ -90,3 +93,17 @@ def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random
         # scatter ranks over the table so hot rows are not adjacent (n-gram hashes are spread out)
         return ((ranks * 2654435761 + 12345) % rows).astype(np.int64)
     raise ValueError(f"unknown id distribution {dist!r} (valid: uniform, zipf)")
+
+
+def cached_table(path: Path, manifest: TableManifest, create: Callable[[Path], object]) -> TableFile:
+    """The bench table at `path` when it has the geometry of `manifest` (its provenance aside: an earlier run's), else
+    made anew by create(path); a stale or damaged file is replaced."""
+    try:
+        table = TableFile.open(path)
+        if replace(table.manifest, provenance=manifest.provenance) == manifest:
+            return table
+    except (OSError, ValueError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    create(path)
+    return TableFile.open(path)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.bench.common import draw_ids, python_calls
+from tiergram.bench.common import cached_table, draw_ids, python_calls
 from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
 from tiergram.paths import cache_dir
@@ -156,28 +156,20 @@ def drop_page_cache(path: str | os.PathLike) -> None:
 def bench_file_table(cfg: FileLookupBenchConfig, progress: bool = True) -> TableFile:
     """The benchmark's table file, created once (tiled random valid rows, fsynced) and dropped from the page cache."""
     m = table_manifest(cfg)
-    rows = m.head_rows[0]
-    path = Path(cfg.table) if cfg.table else cache_dir("bench") / f"file-{cfg.codec}-{cfg.heads}x{rows}x{cfg.dim}.tgram"
-    table = None
-    if path.exists():
-        try:
-            table = TableFile.open(path)
-            if (table.manifest.head_rows, table.manifest.codec, table.manifest.dim) != (m.head_rows, m.codec, m.dim):
-                table = None
-        except ValueError:
-            table = None  # stale or damaged: rebuild
-    if table is None:
-        rng = np.random.default_rng(cfg.seed)
-        pool = get_codec(cfg.codec).encode(rng.standard_normal((POOL_ROWS, cfg.dim), dtype=np.float32))
+    name = f"file-{cfg.codec}-{cfg.heads}x{m.head_rows[0]}x{cfg.dim}.tgram"
+    path = Path(cfg.table) if cfg.table else cache_dir("bench") / name
 
-        def rows_from_pool(start: int, n: int) -> np.ndarray:
-            pick = np.random.default_rng([cfg.seed, start]).integers(0, POOL_ROWS, n)
-            return pool[pick]
+    def create(path: Path) -> None:
+        values = np.random.default_rng(cfg.seed).standard_normal((POOL_ROWS, cfg.dim), dtype=np.float32)
+        pool = get_codec(cfg.codec).encode(values)
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_table(path, m, rows_from_pool, progress=progress)
-        table = TableFile.open(path)
-    drop_page_cache(path)
+        def rows(start: int, n: int) -> np.ndarray:  # a seeded pick among the pool's rows
+            return pool[np.random.default_rng([cfg.seed, start]).integers(0, POOL_ROWS, n)]
+
+        write_table(path, m, rows, progress=progress)
+
+    table = cached_table(path, m, create)
+    drop_page_cache(table.path)
     return table
 
 

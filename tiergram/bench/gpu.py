@@ -57,12 +57,11 @@ class GpuBenchConfig:
     decode_reps: int = 2
     seed: int = 0
 
-    @classmethod
-    def small(cls, device: str) -> GpuBenchConfig:
-        """Tiny shapes: checks the code paths, not the hardware."""
-        return cls(device=device, table_mib=2, positions=32, copy_mib=2, cache_rows=1024, reps=2, store_rows=64,
-                   store_steps=2, decode_preset="tiny", decode_requests=2, decode_prompt=12, decode_output=4,
-                   decode_reps=1)
+
+# tiny shapes (--small): a smoke test of the code paths, not of the hardware
+SMALL = {"table_mib": 2, "positions": 32, "copy_mib": 2, "cache_rows": 1024, "reps": 2, "store_rows": 64,
+         "store_steps": 2, "decode_preset": "tiny", "decode_requests": 2, "decode_prompt": 12, "decode_output": 4,
+         "decode_reps": 1}
 
 
 def timed(fn: Callable[[], object], dev: torch.device, reps: int, warmup: int = 2) -> float:
@@ -361,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --device cpu --small for a smoke test)", file=sys.stderr)
         return 2
-    cfg = GpuBenchConfig.small(a.device) if a.small else GpuBenchConfig(device=a.device)
-    cfg.model, cfg.backend = a.model, a.backend
+    cfg = GpuBenchConfig(device=a.device, model=a.model, backend=a.backend, **(SMALL if a.small else {}))
     notes = dict(n.split("=", 1) for n in a.note if "=" in n)
     out = a.out or default_out()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,25 +1,12 @@
 """`tiergram bench prefetch`: how much of a fetch a prefetch hides behind the layers before the Engram layer.
 
-Row ids depend only on token ids, so a runtime can start fetching an Engram layer's rows at forward entry and
-run the earlier layers meanwhile. Per step this benchmark does what such a runtime does:
-
-    ids = next batch (positions x heads)        # known at forward entry
-    ticket = store.prefetch(ids)                # fetch in the background
-    compute()                                   # stand-in for the layers before the Engram layer
-    rows = ticket.wait()                        # the Engram layer needs its rows: the *exposed stall*
-
-and compares the exposed stall (end of compute to rows ready) with the stall of a synchronous
-`store.lookup(ids)` of the same ids at the same point (the whole lookup time). The compute is a chain of
-torch matmuls on [positions, dim] hidden states, sized per store to take about as long as its synchronous
-fetch (or `compute_ms`).
-
-Stores: the host tier (the table in DRAM), the file tier (O_DIRECT, no cache), and the file tier with a
-host cache of `cache_fraction` of the table (LRU). The synchronous and the overlapped pass each get a fresh
-store when it has a cache, so both see the same cache history; their rows are checked to be equal.
-
-Threads: torch runs the compute on `torch_threads` intra-op threads (1 by default) so that, on a 2-core
-machine, one core is left for the prefetch worker (which releases the GIL in the native page reads and
-gather). More torch threads would make the compute faster alone but fight the fetch for cores.
+Row ids depend only on token ids, so a runtime can start fetching an Engram layer's rows at forward entry and run
+the earlier layers meanwhile. Per step: `ticket = store.prefetch(ids)`, then a compute standing in for the earlier
+layers (a chain of torch matmuls sized to about the store's synchronous fetch time, or `compute_ms`), then
+`ticket.wait()`: the time blocked there is the *exposed stall*, compared with a synchronous `store.lookup(ids)` of
+the same ids. Stores: host tier, file tier (O_DIRECT), file tier with an LRU host cache of `cache_fraction` (each
+pass on a fresh store, so both see the same cache history); the rows of both passes are checked equal. The compute
+runs on `torch_threads` (1: on 2 cores one is left to the fetch, which releases the GIL in the native reads).
 """
 
 from __future__ import annotations
@@ -165,7 +152,7 @@ def run_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig, warm: list[
             out["hit_rate"] = store.stats()["hit_rate"]
         stall, sync_ms = _ms(stalls), _ms(sync)
         out.update({
-            "stall_ms": stall, "sync_stall_ms": sync_ms, "fetch_ms": sync_ms,
+            "stall_ms": stall, "sync_stall_ms": sync_ms,
             "compute_ms": compute_alone * 1e3, "compute_overlapped_ms": _ms(computes), "prefetch_call_ms": _ms(submits),
             "step_ms": _ms(totals), "sync_step_ms": sync_ms["mean"] + compute_alone * 1e3,
             "layers": compute.layers, "exposed_ratio": stall["mean"] / sync_ms["mean"],

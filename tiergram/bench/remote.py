@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from tiergram.bench.common import cached_table
 from tiergram.bench.mooncake_cluster import LocalCluster, private_netns, run_in_netns
 
 BATCHES = (1, 256, 1024, 4096)
@@ -36,20 +37,15 @@ class RemoteLookupConfig:
 
 def _bench_file(cfg: RemoteLookupConfig, progress: bool) -> tuple[Path, np.ndarray]:
     """The benchmark table file (fp32, one head, N(0,1) values) in the bench cache and its values [rows, D]."""
-    from tiergram.format import TableFile, TableManifest, create_table
+    from tiergram.format import TableManifest, create_table
     from tiergram.paths import cache_dir
 
     values = np.random.default_rng(cfg.seed).standard_normal((cfg.rows, cfg.dim)).astype(np.float32)
-    path = cache_dir("bench") / f"bench-remote-fp32-{cfg.rows}x{cfg.dim}-s{cfg.seed}.tgram"
     m = TableManifest(codec="fp32", dim=cfg.dim, head_rows=(cfg.rows,),
                       provenance={"tool": "tiergram bench lookup --tier mooncake", "init": f"normal, seed {cfg.seed}"})
-    try:
-        if TableFile.open(path).manifest == m:
-            return path, values
-    except (OSError, ValueError):
-        pass
-    create_table(path, m, lambda s, n: values[s:s + n], progress=progress)
-    return path, values
+    table = cached_table(cache_dir("bench") / f"bench-remote-fp32-{cfg.rows}x{cfg.dim}-s{cfg.seed}.tgram", m,
+                         lambda p: create_table(p, m, lambda s, n: values[s:s + n], progress=progress))
+    return table.path, values
 
 
 def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -> dict:

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,23 +38,25 @@ PROMPT = "def insort(a, x):\n    lo = 0"
 
 # ------------------------------------------------------------------------------------------ the server
 
+def complete(url: str, prompt: str = PROMPT, max_tokens: int = 4, client: httpx.Client | None = None
+             ) -> httpx.Response:
+    """A greedy completion request of max_tokens tokens (EOS ignored), on `client` when given."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return (client or httpx).post(f"{url}/v1/completions", json=body, timeout=120)
+
+
 def serves_normally(url: str, expect: list[int] | None = None) -> bool:
     """A normal greedy request gets 200 with its tokens (equal to `expect` when given)."""
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
-                                                   "ignore_eos": True}, timeout=60)
-    if r.status_code != 200:
-        return False
-    ids = r.json()["choices"][0]["token_ids"]
+    r = complete(url)
+    ids = r.json()["choices"][0]["token_ids"] if r.status_code == 200 else []
     return len(ids) == 4 and (expect is None or ids == expect)
 
 
 def answers_cleanly(url: str) -> bool:
     """A normal request gets 200, or (tables failing) a 500 in the OpenAI shape naming the failed page read."""
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
-                                                   "ignore_eos": True}, timeout=60)
-    if r.status_code == 200:
-        return True
-    return r.status_code == 500 and "cannot read page" in r.json().get("error", {}).get("message", "")
+    r = complete(url)
+    return r.status_code == 200 or (r.status_code == 500
+                                    and "cannot read page" in r.json().get("error", {}).get("message", ""))
 
 
 # ------------------------------------------------------------------------------------------------ fuzzing
@@ -92,6 +95,21 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
     report = FuzzReport()
     statuses: Counter = Counter()
     deadline = time.monotonic() + timeout_s
+
+    def check(case: Any) -> None:
+        response = case.call(base_url=url, timeout=60)
+        report.cases += 1
+        statuses[str(response.status_code)] += 1
+        case.validate_response(response, checks=checks)
+
+    def reported(label: str, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - a failed check (schemathesis raises an exception group)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            report.failures.append(f"{label}: {str(e).strip()[:600]}")
+
     explicit = {  # valid requests of every shape, so each kind of answer is checked whatever the draw
         "/v1/completions": [{"prompt": PROMPT, "max_tokens": 3, "stream": stream, "stop": "\n",
                              "stream_options": {"include_usage": True} if stream else None}
@@ -100,18 +118,9 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
                                  for stream in (False, True)],
     }
     for path, bodies in explicit.items():
-        op = schema[path]["POST"]
         for body in bodies:
-            case = op.Case(body=body, media_type="application/json")
-            response = case.call(base_url=url, timeout=60)
-            report.cases += 1
-            statuses[str(response.status_code)] += 1
-            try:
-                case.validate_response(response, checks=checks)
-            except BaseException as e:  # noqa: BLE001 - schemathesis raises an exception group
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                report.failures.append(f"{path} {body}: {str(e).strip()[:600]}")
+            case = schema[path]["POST"].Case(body=body, media_type="application/json")
+            reported(f"{path} {body}", lambda case=case: check(case))
     for result in schema.get_all_operations():
         op = result.ok()
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.method.upper() == "POST" else \
@@ -122,19 +131,10 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
                       suppress_health_check=list(HealthCheck))
             @given(op.as_strategy(generation_mode=mode))
             def run(case: Any) -> None:
-                if time.monotonic() > deadline:
-                    return
-                response = case.call(base_url=url, timeout=60)
-                report.cases += 1
-                statuses[str(response.status_code)] += 1
-                case.validate_response(response, checks=checks)
+                if time.monotonic() <= deadline:
+                    check(case)
 
-            try:
-                run()
-            except BaseException as e:  # a failed check (schemathesis raises an exception group): reported
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                report.failures.append(f"{op.label} ({mode.value}): {str(e).strip()[:600]}")
+            reported(f"{op.label} ({mode.value})", run)
     report.statuses = dict(sorted(statuses.items()))
     return report
 
@@ -212,6 +212,11 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)
 
 
+# one_stream's outcomes and the LoadReport counter of each
+OUTCOME_COUNTERS = {"ok": "completed", "429": "rejected_429", "4xx": "client_errors_4xx", "5xx": "server_errors_5xx",
+                    "lost": "lost"}
+
+
 def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, float | None, str]:
     """One streaming request: (outcome, TTFT or None, detail); outcome ok | 429 | 4xx | 5xx | lost."""
     t0 = time.perf_counter()
@@ -272,18 +277,10 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
                         "temperature": rng.choice([0, 0.7, 1e-30]), "ignore_eos": True}
                 outcome, ttft, detail = one_stream(client, url, body)
                 with lock:
-                    if outcome == "ok":
-                        rep.completed += 1
-                        if ttft is not None:
-                            ttfts.append(ttft)
-                    elif outcome == "429":
-                        rep.rejected_429 += 1
-                    elif outcome == "4xx":
-                        rep.client_errors_4xx += 1
-                    elif outcome == "5xx":
-                        rep.server_errors_5xx += 1
-                    else:
-                        rep.lost += 1
+                    counter = OUTCOME_COUNTERS[outcome]
+                    setattr(rep, counter, getattr(rep, counter) + 1)
+                    if outcome == "ok" and ttft is not None:
+                        ttfts.append(ttft)
                     if detail and len(rep.errors) < 10:
                         rep.errors.append(f"{outcome}: {detail}")
                 bar.update(1)
@@ -415,9 +412,7 @@ def _normal_requests(url: str, seconds: float) -> dict[str, Any]:
         while time.monotonic() < end:
             t0 = time.perf_counter()
             try:
-                r = client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                                                               "ignore_eos": True})
-                ok = r.status_code == 200
+                ok = complete(url, max_tokens=8, client=client).status_code == 200
             except httpx.HTTPError:
                 ok = False
             if ok:
@@ -489,8 +484,7 @@ def greedy_tokens(url: str, prompts: list[str], max_tokens: int) -> list[tuple[i
     out = []
     with httpx.Client(timeout=120) as client:
         for p in prompts:
-            r = client.post(f"{url}/v1/completions", json={"prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                                                           "ignore_eos": True})
+            r = complete(url, p, max_tokens, client)
             body = r.json()
             out.append((r.status_code, body["choices"][0]["token_ids"] if r.status_code == 200 else
                         body["error"]["message"]))
@@ -582,7 +576,7 @@ class SoakConfig:
     slow_seconds: float = 45.0  # beyond the 30-s body deadline, so every kind meets its deadline
     slow_baseline_seconds: float = 20.0  # normal requests alone first
     slow_only: bool = False  # only the slow-client phase
-    torch_threads: int = 1
+    torch_threads: int = 1  # every server's
     seed: int = 0
 
 
@@ -602,25 +596,25 @@ class SoakResult:
     served_after_all: bool = False
 
 
+def _server(cfg: SoakConfig, model: str | Path, placement: str, *args: str, **kwargs: Any) -> ServeSubprocess:
+    return ServeSubprocess(model, "--placement", placement, "--torch-threads", str(cfg.torch_threads), *args, **kwargs)
+
+
 def run(cfg: SoakConfig, progress: bool = True) -> SoakResult:
     """Every phase, against `tiergram serve` subprocesses on loopback."""
     res = SoakResult(config=asdict(cfg))
     if cfg.slow_clients:
         log(progress, f"slow clients: {cfg.slow_clients} holding connections ({', '.join(SLOW_KINDS)}) beside "
                        f"normal requests, {cfg.slow_seconds:g} s (file placement)")
-        with ServeSubprocess(cfg.model_dir, "--placement", "file", "--torch-threads",
-                             str(cfg.torch_threads or 1)) as server:
+        with _server(cfg, cfg.model_dir, "file") as server:
             res.slow = slow_clients(server.url, clients=cfg.slow_clients, seconds=cfg.slow_seconds,
                                     baseline_s=cfg.slow_baseline_seconds)
             res.slow["served_after"] = serves_normally(server.url)
     if cfg.slow_only:
         return res
     # a short context bounds every request the fuzzer may send (max_tokens up to the context)
-    common = ["--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len", str(cfg.max_model_len)]
-    if cfg.torch_threads:
-        common += ["--torch-threads", str(cfg.torch_threads)]
-    with ServeSubprocess(cfg.model_dir, "--placement", "host", *common,
-                         config={"engine": {"max_waiting": cfg.max_waiting}}) as server:
+    with _server(cfg, cfg.model_dir, "host", "--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len",
+                 str(cfg.max_model_len), config={"engine": {"max_waiting": cfg.max_waiting}}) as server:
         url = server.url
         max_model_len = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
         reference = greedy_tokens(url, [PROMPT], 4)[0][1]
@@ -668,11 +662,10 @@ def storage_faults_subprocess(cfg: SoakConfig, progress: bool) -> dict[str, Any]
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tiergram-soak-") as tmp:
         model = copy_export(Path(cfg.model_dir), Path(tmp) / "model")
-        with ServeSubprocess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+        with _server(cfg, model, "file") as server:
             want = greedy_tokens(server.url, prompts, 4)
-        table, page = page_read_by(model, prompts[0])
-        corrupt_page(table, page)
-        with ServeSubprocess(model, "--placement", "file", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+        corrupt_page(*page_read_by(model, prompts[0]))
+        with _server(cfg, model, "file") as server:
             got = greedy_tokens(server.url, prompts, 4)
             health = httpx.get(f"{server.url}/health")
             out["corrupt_page_on_disk"] = {**compare_to_reference(got, want), "requests": len(prompts),
@@ -726,7 +719,7 @@ def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
     from tiergram.tiers.host import shared_copies
 
     model = Path(cfg.model_dir)
-    with ServeSubprocess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+    with _server(cfg, model, "host") as server:
         reference = greedy_tokens(server.url, [PROMPT], 4)[0][1]
         t = threading.Thread(target=overload, args=(server.url,), kwargs={"clients": 8, "duration_s": load_s},
                              daemon=True)
@@ -734,7 +727,7 @@ def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
         time.sleep(load_s / 2)
         server.kill9()
         t.join(60)
-    with ServeSubprocess(model, "--placement", "host", "--torch-threads", str(cfg.torch_threads or 1)) as server:
+    with _server(cfg, model, "host") as server:
         served = serves_normally(server.url, reference)
     export = model / "export" if (model / "export").is_dir() else model
     tables = sorted(export.glob("engram_layer*"))
@@ -806,32 +799,26 @@ def slow_text(slow: dict[str, Any]) -> list[str]:
 
 def to_text(res: SoakResult) -> str:
     """The soak's figures as a report."""
-    if res.config.get("slow_only"):
-        return "\n".join(slow_text(res.slow) + [""] + [f"  [{'ok' if ok else 'FAIL'}] {name}"
-                                                        for name, ok in checks(res).items()])
-    ld, rss, fz, hs = res.load, res.rss, res.fuzz, res.hostile
-    lines = [*(slow_text(res.slow) if res.slow else []),
-        f"fuzzing (schemathesis, /openapi.json): {fz.get('cases', 0)} cases, statuses {fz.get('statuses')}, "
-        f"{len(fz.get('failures', []))} failed checks",
-        f"hostile requests: {hs.get('tried', 0)} tried, statuses {hs.get('statuses')}, "
-        f"{len(hs.get('failures', []))} not answered 4xx",
-        f"overload: {ld.get('clients')} streaming clients for {ld.get('sent')} requests in "
-        f"{ld.get('seconds', 0):.1f} s: {ld.get('completed')} completed, {ld.get('rejected_429')} answered 429, "
-        f"{ld.get('client_errors_4xx')} 4xx, "
-        f"{ld.get('server_errors_5xx')} 5xx, {ld.get('lost')} lost; max waiting seen {ld.get('max_waiting_seen')} "
-        f"(max_waiting {res.config['max_waiting']}); TTFT of admitted p50 {ld.get('ttft_p50_s', 0) * 1e3:.1f} ms, "
-        f"p90 {ld.get('ttft_p90_s', 0) * 1e3:.1f} ms",
-        f"RSS: {rss.get('start', 0) / 2**20:.1f} MiB at start, {rss.get('after_warmup', 0) / 2**20:.1f} MiB after "
-        f"warm-up, {rss.get('end', 0) / 2**20:.1f} MiB at the end: growth "
-        f"{rss.get('growth_after_warmup', 0) / 2**20:+.2f} MiB over {rss.get('requests_after_warmup')} requests",
-        f"disconnect storm: {res.disconnects}",
-    ]
-    for name, v in res.faults.items():
-        lines.append(f"storage faults, {name}: {v}")
-    lines.append(f"kill -9 and restart: {res.crash}")
-    lines.append("")
-    lines += [f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in checks(res).items()]
-    return "\n".join(lines)
+    lines = slow_text(res.slow) if res.slow else []
+    if not res.config.get("slow_only"):
+        ld, rss, fz, hs = res.load, res.rss, res.fuzz, res.hostile
+        lines += [
+            f"fuzzing (schemathesis, /openapi.json): {fz.get('cases', 0)} cases, statuses {fz.get('statuses')}, "
+            f"{len(fz.get('failures', []))} failed checks",
+            f"hostile requests: {hs.get('tried', 0)} tried, statuses {hs.get('statuses')}, "
+            f"{len(hs.get('failures', []))} not answered 4xx",
+            f"overload: {ld.get('clients')} streaming clients for {ld.get('sent')} requests in "
+            f"{ld.get('seconds', 0):.1f} s: {ld.get('completed')} completed, {ld.get('rejected_429')} answered 429, "
+            f"{ld.get('client_errors_4xx')} 4xx, {ld.get('server_errors_5xx')} 5xx, {ld.get('lost')} lost; max "
+            f"waiting seen {ld.get('max_waiting_seen')} (max_waiting {res.config['max_waiting']}); TTFT of admitted "
+            f"p50 {ld.get('ttft_p50_s', 0) * 1e3:.1f} ms, p90 {ld.get('ttft_p90_s', 0) * 1e3:.1f} ms",
+            f"RSS: {rss.get('start', 0) / 2**20:.1f} MiB at start, {rss.get('after_warmup', 0) / 2**20:.1f} MiB "
+            f"after warm-up, {rss.get('end', 0) / 2**20:.1f} MiB at the end: growth "
+            f"{rss.get('growth_after_warmup', 0) / 2**20:+.2f} MiB over {rss.get('requests_after_warmup')} requests",
+            f"disconnect storm: {res.disconnects}",
+            *(f"storage faults, {name}: {v}" for name, v in res.faults.items()),
+            f"kill -9 and restart: {res.crash}"]
+    return "\n".join([*lines, "", *(f"  [{'ok' if ok else 'FAIL'}] {name}" for name, ok in checks(res).items())])
 
 
 def to_json(res: SoakResult) -> str:

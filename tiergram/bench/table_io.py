@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,6 +51,16 @@ class TableIOResult:
     create_waits: dict  # writer idle (disk starved) / writing / filler waiting for a buffer (disk behind), seconds
 
 
+def _sequential(desc: str, nbytes: int, step: Callable[[int], int], progress: bool) -> tuple[int, float]:
+    """(bytes done, seconds) of step(offset) -> bytes it moved, called from offset 0 until nbytes (or it moves none)."""
+    done, t0 = 0, time.perf_counter()
+    with tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress, desc=desc) as bar:
+        while done < nbytes and (n := step(done)) > 0:
+            done += n
+            bar.update(n)
+    return done, time.perf_counter() - t0
+
+
 def disk_write_limit(directory: Path, nbytes: int, *, zeros: bool = False, progress: bool = False) -> float:
     """Bytes/s of a plain O_DIRECT sequential write of nbytes of random bytes (or zeros) in 32 MiB requests, fsync;
     the file is removed."""
@@ -60,14 +71,9 @@ def disk_write_limit(directory: Path, nbytes: int, *, zeros: bool = False, progr
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
     try:
         t0 = time.perf_counter()
-        with tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                  desc=f"disk write limit ({'zeros' if zeros else 'random'})") as bar:
-            done = 0
-            while done < nbytes:
-                n = min(BLOCK, nbytes - done)
-                done += os.pwrite(fd, memoryview(buf)[:n], done)
-                bar.update(n)
-            os.fsync(fd)
+        _sequential(f"disk write limit ({'zeros' if zeros else 'random'})", nbytes,
+                    lambda at: os.pwrite(fd, memoryview(buf)[:min(BLOCK, nbytes - at)], at), progress)
+        os.fsync(fd)
         return nbytes / (time.perf_counter() - t0)
     finally:
         os.close(fd)
@@ -76,21 +82,12 @@ def disk_write_limit(directory: Path, nbytes: int, *, zeros: bool = False, progr
 
 def disk_read_limit(path: Path, *, progress: bool = False) -> float:
     """Bytes/s of a plain O_DIRECT sequential read of the whole file (32 MiB requests, nothing checked)."""
-    size = path.stat().st_size
     buf = aligned_pages(BLOCK)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
-        t0 = time.perf_counter()
-        done = 0
-        with tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                  desc="disk read limit") as bar:
-            while done < size:
-                n = os.preadv(fd, [buf], done)
-                if n <= 0:
-                    break
-                done += n
-                bar.update(n)
-        return done / (time.perf_counter() - t0)
+        done, seconds = _sequential("disk read limit", path.stat().st_size, lambda at: os.preadv(fd, [buf], at),
+                                    progress)
+        return done / seconds
     finally:
         os.close(fd)
 
