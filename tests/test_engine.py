@@ -493,14 +493,13 @@ def test_bad_input_is_refused(model_dir):
         EngineConfig(str(model_dir), "host", block_size=0)
 
 
-def test_config_from_dict(model_dir):
-    cfg = EngineConfig.from_dict({"model_dir": str(model_dir), "block_size": 8,
-                                  "placement": {"0": "device", "1": {"kind": "file", "cache_bytes": 4096,
-                                                                     "codec": "fp32"}}})
+def test_config_placements_from_plain_values(model_dir):
+    cfg = EngineConfig(str(model_dir), {"0": "device", "1": {"kind": "file", "cache_bytes": 4096, "codec": "fp32"}},
+                       block_size=8)
     assert cfg.placement == {0: Placement("device"), 1: Placement("file", 4096, codec="fp32")}
-    assert EngineConfig.from_dict({"model_dir": "m", "placement": {"kind": "host"}}).placement == Placement("host")
-    with pytest.raises(ValueError, match="unknown engine config keys"):
-        EngineConfig.from_dict({"model_dir": "m", "placement": "host", "blocksize": 8})
+    assert EngineConfig("m", {"kind": "host"}).placement == Placement("host")
+    with pytest.raises(ValueError, match=r"EngineConfig.max_waiting must be an integer >= 0"):
+        EngineConfig("m", "host", max_waiting=-1)
 
 
 def test_generate_waits_for_queue_room(model_dir):

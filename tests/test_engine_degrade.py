@@ -150,8 +150,7 @@ def test_level_two_skips_prefill_positions_the_predictor_marks(model_dir, ref, p
 
 
 def test_policy_config():
-    assert EngineConfig.from_dict({"model_dir": "m", "placement": "host",
-                                   "degrade": {"stall_bound_s": 0.01}}).degrade == DegradePolicy(0.01)
+    assert EngineConfig("m", "host", degrade={"stall_bound_s": 0.01}).degrade == DegradePolicy(0.01)
     for bad in ({"stall_bound_s": -1.0}, {"window_steps": 0}, {"recover_factor": 1.5}):
         with pytest.raises(ValueError):
             DegradePolicy(**bad)

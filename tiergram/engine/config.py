@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +61,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0: no limit), got {self.top_k!r}")
+        _int_at_least("top_k", self.top_k, 0)
         if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if vocab_size is not None:
@@ -98,15 +98,11 @@ class Placement:
             raise ValueError(f"unknown cache policy {self.cache_policy!r} (valid: {', '.join(POLICIES)})")
         if self.file_mode not in FILE_MODES:
             raise ValueError(f"unknown file_mode {self.file_mode!r} (valid: {', '.join(FILE_MODES)})")
-        if isinstance(self.cache_bytes, bool) or int(self.cache_bytes) != self.cache_bytes or self.cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an integer >= 0, got {self.cache_bytes!r}")
+        _int_at_least("cache_bytes", self.cache_bytes, 0)
+        _int_at_least("host_memory_bytes", self.host_memory_bytes, 1, optional=True)
         if self.cache_bytes and self.kind not in ("file", "mooncake"):
             raise ValueError(f"a {self.kind} placement has the whole table in memory: cache_bytes applies to "
                              "placements 'file' and 'mooncake' only")
-        if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool)
-                                                   or int(self.host_memory_bytes) != self.host_memory_bytes
-                                                   or self.host_memory_bytes < 1):
-            raise ValueError(f"host_memory_bytes must be a positive integer or None, got {self.host_memory_bytes!r}")
         if (self.kind == "mooncake") != bool(self.master):
             raise ValueError("placement 'mooncake' needs master (HOST:PORT of the mooncake_master), and only it "
                              f"takes one; got kind {self.kind!r}, master {self.master!r}")
@@ -141,7 +137,7 @@ class DegradePolicy:
     def __post_init__(self) -> None:
         if self.stall_bound_s is not None and not self.stall_bound_s >= 0:
             raise ValueError(f"DegradePolicy.stall_bound_s must be >= 0 or None (off), got {self.stall_bound_s}")
-        _positive_int("degrade.window_steps", self.window_steps)
+        _int_at_least("DegradePolicy.window_steps", self.window_steps, 1)
         if not 0 <= self.recover_factor <= 1:
             raise ValueError(f"DegradePolicy.recover_factor must lie in [0, 1], got {self.recover_factor}")
         if self.predictor_path is not None:
@@ -193,22 +189,11 @@ class EngineConfig:
         else:
             self.placement = Placement.from_any(self.placement)
         self.degrade = DegradePolicy.from_any(self.degrade)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _positive_int(name, getattr(self, name))
-        if isinstance(self.max_waiting, bool) or int(self.max_waiting) != self.max_waiting or self.max_waiting < 0:
-            raise ValueError(f"EngineConfig.max_waiting must be an integer >= 0, got {self.max_waiting!r}")
-        for name in ("max_model_len", "num_kv_blocks"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool)
-                                                   or int(self.host_memory_bytes) != self.host_memory_bytes
-                                                   or self.host_memory_bytes < 1):
-            raise ValueError(f"EngineConfig.host_memory_bytes must be a positive integer or None, got "
-                             f"{self.host_memory_bytes!r}")
-        if self.device_memory_bytes is not None and (int(self.device_memory_bytes) != self.device_memory_bytes
-                                                     or self.device_memory_bytes < 0):
-            raise ValueError(f"EngineConfig.device_memory_bytes must be an integer >= 0, got "
-                             f"{self.device_memory_bytes!r}")
+        for name, low, optional in (("block_size", 1, False), ("max_num_seqs", 1, False),
+                                    ("max_num_batched_tokens", 1, False), ("max_waiting", 0, False),
+                                    ("max_model_len", 1, True), ("num_kv_blocks", 1, True),
+                                    ("host_memory_bytes", 1, True), ("device_memory_bytes", 0, True)):
+            _int_at_least(f"EngineConfig.{name}", getattr(self, name), low, optional)
 
     def placements_for(self, layers: list[int]) -> dict[int, Placement]:
         """{layer: Placement} for the model's Engram layers; ValueError for a missing or unknown layer."""
@@ -229,15 +214,9 @@ class EngineConfig:
         return {layer: p if p.host_memory_bytes is not None or p.kind == "device"
                 else dataclasses.replace(p, host_memory_bytes=share) for layer, p in placements.items()}
 
-    @classmethod
-    def from_dict(cls, obj: dict[str, Any]) -> EngineConfig:
-        """From a JSON-style dict (placement as a kind name, a dict, or {layer: either}); unknown keys refused."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        if set(obj) - known:
-            raise ValueError(f"unknown engine config keys: {sorted(set(obj) - known)}")
-        return cls(**obj)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+def _int_at_least(name: str, value: Any, low: int, optional: bool = False) -> None:
+    """ValueError naming `name` unless value is an integer >= low (or None, when optional)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{' or None' if optional else ''}, got {value!r}")
