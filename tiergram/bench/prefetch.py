@@ -200,15 +200,11 @@ def run(cfg: PrefetchBenchConfig, progress: bool = True) -> PrefetchBenchResult:
     return res
 
 
-def to_dict(res: PrefetchBenchResult) -> dict:
-    """One JSON object: per store the stall figures and their ratio; the table and the config."""
-    return {"stores": res.per_store,
-            "exposed_ratio": {k: d["exposed_ratio"] for k, d in res.per_store.items()},
-            "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}
-
-
 def to_json(res: PrefetchBenchResult) -> str:
-    return json.dumps(to_dict(res), indent=2)
+    """One JSON object: per store the stall figures and their ratio; the table and the config."""
+    return json.dumps({"stores": res.per_store,
+                       "exposed_ratio": {k: d["exposed_ratio"] for k, d in res.per_store.items()},
+                       "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}, indent=2)
 
 
 def to_text(res: PrefetchBenchResult) -> str:

@@ -50,9 +50,9 @@ class TieredTable(ManifestGeometry):
 
     Without `cache_bytes`, a `host_memory_bytes` budget sizes the file tier's cache: what is left after the staging
     buffers and the cache's index (docs/placement.md); with neither there is no cache. pipeline 'auto' serves the
-    file tier's O_DIRECT/buffered reads through the native fetch pipeline (one call without the GIL per lookup:
-    dedup, cache probe, page reads, checksums, admission, decode; a native cache of any policy), and everything
-    else (mmap, other tiers) through the Python reference path; 'python' forces the reference path, 'native'
+    file tier's O_DIRECT/buffered reads and the Mooncake tier through the native fetch pipeline (one call without
+    the GIL per lookup: dedup, cache probe, page reads, checksums, admission, decode; a native cache of any policy),
+    and the host tier and mmap through the Python reference path; 'python' forces the reference path, 'native'
     refuses a table it cannot serve natively. The native pipeline reads pages into io_uring-registered staging
     buffers (READ_FIXED), and its read-ahead gives way to a fetch at the device (`PageReader.yield_depth`).
     """

@@ -159,14 +159,14 @@ class MooncakeTier:
         buf = self.staging(pages.size * ps)
         failed: dict[int, int | str] = {}  # position in pages -> code
         for lo in range(0, pages.size, MAX_KEYS_PER_CALL):
-            failed.update(self._get(pages, lo, min(lo + MAX_KEYS_PER_CALL, pages.size), buf))
+            failed.update(self._get(pages, range(lo, min(lo + MAX_KEYS_PER_CALL, pages.size)), buf))
         retry = [i for i, code in failed.items() if code in (CHECKSUM_MISMATCH, -703)]
         if retry and threading.get_ident() in self._staging:
             # one more try for a page that may come right (a transient fault, a bit flipped in flight), unless a
             # transfer may still write into this buffer (it was abandoned) or the call timed out
             with self._lock:
                 self.counters.retries += len(retry)
-            again = self._get_positions(pages, sorted(retry), buf)
+            again = self._get(pages, sorted(retry), buf)
             for i in retry:
                 failed.pop(i)
             failed.update(again)
@@ -233,11 +233,8 @@ class MooncakeTier:
 
     # -- internals -------------------------------------------------------------------------------------
 
-    def _get(self, pages: np.ndarray, lo: int, hi: int, buf: np.ndarray) -> dict[int, int | str]:
-        """Fetch pages[lo:hi] into their slots of buf and verify them; {position: code} of the failures."""
-        return self._get_positions(pages, list(range(lo, hi)), buf)
-
-    def _get_positions(self, pages: np.ndarray, positions: Sequence[int], buf: np.ndarray) -> dict[int, int | str]:
+    def _get(self, pages: np.ndarray, positions: Sequence[int], buf: np.ndarray) -> dict[int, int | str]:
+        """Fetch pages[positions] into their slots of buf and verify them; {position: code} of the failures."""
         ps = self.manifest.page_size
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size == 0:
