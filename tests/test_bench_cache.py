@@ -147,9 +147,9 @@ def test_lru_hot_never_hits_less_than_lru_and_hits_first_touches(tiny_result, tm
     for cap in res.capacity_rows:
         assert res.hit_rate[cb.HOT][cap] >= res.hit_rate["lru"][cap]
     # a cache holding every row the stream reads hits all but nothing: only the preload can hit a first touch
-    full = cb.replay_hot(steps, keys.size, hot)
+    full = cb.replay(steps, keys.size, "lru", hot=hot)
     assert full == 1.0 > res.hit_rate["lru"]["0.25"]
-    assert cb.replay_hot(steps, keys.size, hot[::-1][:0]) == pytest.approx(cb.replay(steps, keys.size, "lru"))
+    assert cb.replay(steps, keys.size, "lru", hot=hot[::-1][:0]) == pytest.approx(cb.replay(steps, keys.size, "lru"))
     with pytest.raises(ValueError, match="needs the hot rows"):
         cb.run_steps(steps, cfg, {})
 

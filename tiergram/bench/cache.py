@@ -163,9 +163,9 @@ def _read(path: Path) -> str:
 
 def stdlib_tokenizer(files: list[Path], vocab_size: int = STDLIB_VOCAB) -> Any:
     """A byte-level BPE trained on the first STDLIB_TRAIN_BYTES of `files`, cached in the bench folder."""
-    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import Tokenizer
 
-    from tiergram.corpus.tokenizer import SPECIAL_TOKENS, new_tokenizer
+    from tiergram.corpus.tokenizer import train_bpe
 
     path = cache_dir("bench") / f"stdlib-bpe-{vocab_size}.json"
     if path.is_file():
@@ -176,10 +176,7 @@ def stdlib_tokenizer(files: list[Path], vocab_size: int = STDLIB_VOCAB) -> Any:
         total += len(texts[-1])
         if total >= STDLIB_TRAIN_BYTES:
             break
-    tok = new_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok = train_bpe(texts, vocab_size)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tok.save(str(tmp))
     os.replace(tmp, path)
@@ -273,50 +270,34 @@ def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
 # ---------------------------------------------------------------- replay
 
 
-def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64, row_bytes: int = 1) -> float:
+def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64, row_bytes: int = 1,
+           hot: np.ndarray | None = None) -> float:
     """Hit rate (hits / probes) of a row cache with `policy` over the steps; lookahead is told `window` ahead.
 
-    Rows are `row_bytes` copies of the key's low byte, and every hit is checked to read back its own bytes.
+    `hot` (keys, hottest first): the cache starts holding hot[:capacity], the hottest most recently used, and only
+    the stream's probes count. Rows are `row_bytes` copies of the key's low byte, and every hit is checked to read
+    back its own bytes.
     """
+    def rows(keys: np.ndarray) -> np.ndarray:
+        return np.repeat((keys & 0xFF).astype(np.uint8)[:, None], row_bytes, axis=1)
+
     cache = NativeRowCache(capacity, row_bytes, policy)
+    if hot is not None:
+        first = np.asarray(hot[:capacity], dtype=np.int64)[::-1]
+        cache.admit(first, rows(first))
+    start = cache.counters
     lookahead = policy == "lookahead"
     batches: list[int | None] = []
-
-    def announce_through(t: int) -> None:
-        while len(batches) <= min(t, len(steps) - 1):
-            batches.append(cache.announce(steps[len(batches)]))
-
     for t, keys in enumerate(steps):
-        if lookahead:
-            announce_through(t + window)
+        while lookahead and len(batches) <= min(t + window, len(steps) - 1):
+            batches.append(cache.announce(steps[len(batches)]))
         slots = cache.probe(keys, batches[t] if lookahead else None)
         hit = slots >= 0
         if hit.any() and not (cache.rows[slots[hit], 0] == (keys[hit] & 0xFF)).all():
             raise AssertionError(f"{policy} cache returned another key's row")
-        miss = keys[~hit]
-        cache.admit(miss, np.repeat((miss & 0xFF).astype(np.uint8)[:, None], row_bytes, axis=1))
+        cache.admit(keys[~hit], rows(keys[~hit]))
         cache.unpin(slots)
-    c = cache.counters
-    return c.hits / c.probes if c.probes else 0.0
-
-
-def replay_hot(steps: list[np.ndarray], capacity: int, hot: np.ndarray) -> float:
-    """Hit rate of an LRU row cache of `capacity` rows that starts holding hot[:capacity] (keys hottest first), the
-    hottest most recently used, over the steps."""
-    cache = NativeRowCache(capacity, 1, "lru")
-    first = np.asarray(hot[:capacity], dtype=np.int64)[::-1]
-    cache.admit(first, (first & 0xFF).astype(np.uint8)[:, None])
-    start = cache.counters  # count the stream only
-    for keys in steps:
-        slots = cache.probe(keys)
-        hit = slots >= 0
-        if hit.any() and not (cache.rows[slots[hit], 0] == (keys[hit] & 0xFF)).all():
-            raise AssertionError("lru-hot cache returned another key's row")
-        miss = keys[~hit]
-        cache.admit(miss, (miss & 0xFF).astype(np.uint8)[:, None])
-        cache.unpin(slots)
-    c = cache.counters
-    probes, hits = c.probes - start.probes, c.hits - start.hits
+    probes, hits = cache.counters.probes - start.probes, cache.counters.hits - start.hits
     return hits / probes if probes else 0.0
 
 
@@ -354,7 +335,7 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
                 if cap > HOT_MAX_ROWS:
                     res.hit_rate[name][key] = None
                     continue
-                res.hit_rate[name][key] = replay_hot(steps, cap, hot)
+                res.hit_rate[name][key] = replay(steps, cap, "lru", hot=hot)
             elif name == "belady":
                 res.hit_rate[name][key] = belady_hit_rate(flat, eff)
             else:

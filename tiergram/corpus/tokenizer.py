@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,11 +34,15 @@ def _meta(corpus: Path, vocab_size: int) -> dict:
     }
 
 
-def new_tokenizer() -> Tokenizer:
-    """An untrained byte-level BPE tokenizer (no normaliser, so decoding is lossless)."""
+def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None, progress: bool = False
+              ) -> Tokenizer:
+    """A byte-level BPE (no normaliser, so decoding is lossless) with SPECIAL_TOKENS first, trained on texts."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
 
 
@@ -53,18 +58,10 @@ def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool 
         if {k: have.get(k) for k in want} == want:
             return path
     t0 = time.perf_counter()
-    tok = new_tokenizer()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=progress,
-    )
     n_docs = read_manifest(corpus)["splits"]["train"]["documents"]
     if n_docs == 0:
         raise CorpusError(f"the train split of {corpus} is empty")
-    tok.train_from_iterator(iter_texts(corpus, "train"), trainer=trainer, length=n_docs)
+    tok = train_bpe(iter_texts(corpus, "train"), vocab_size, length=n_docs, progress=progress)
     if tok.token_to_id(EOT) != 0:
         raise CorpusError(f"{EOT} did not get id 0")
     tmp = corpus / "tokenizer.json.tmp"
