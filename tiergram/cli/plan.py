@@ -79,7 +79,7 @@ def _validate_parser() -> argparse.ArgumentParser:
                         "are compared by their mean")
     p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
     p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
-    p.add_argument("--plot", default=None, help="PNG of predicted fronts with the measured points")
+    p.add_argument("--plot", default=None, help="PNG of the predicted points (lines) with the measured ones")
     p.add_argument("--host-traffic-gbps", type=float, default=0.0,
                    help="other traffic that streamed through host memory during the sweep, GB/s (e.g. "
                         "`python -m tiergram.plan.stream`)")
@@ -163,7 +163,8 @@ def _predict(a: argparse.Namespace) -> int:
     path = Path(a.plot) if a.plot else cache_dir("plan") / f"plan-{Path(str(a.model)).stem}-{Path(a.hardware).stem}.png"
     title = (f"PREDICTED: {model.name} on {hw.name}\ninput {wl.input_len:g} / output {wl.output_len:g} tokens "
              "(labels: the last concurrency and what binds there)")
-    png = predict.plot(fronts, path, title)
+    png = predict.plot({f.placement.label: [(p.interactivity, p.throughput_tok_s, p.concurrency, p.binding)
+                                            for p in f.pareto] for f in fronts if f.points}, path, title)
     if a.json:
         print(predict.to_json(model, hw, wl, fronts))
     else:
@@ -204,7 +205,6 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan import predict
-    from tiergram.plan.model import predict_front
     from tiergram.plan.specs import load_hardware, load_model
 
     sweep = predict.merge_sweeps([predict.read_sweep(Path(name)) for name in a.sweep_json], list(a.sweep_json))
@@ -213,36 +213,15 @@ def _validate(a: argparse.Namespace) -> int:
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
                            disk_from=a.disk, speed_from=a.speed)
-    if a.plot:
-        from dataclasses import replace
-
-        cfg = sweep["config"]
-        hw2 = replace(hw, device_memory_bytes=float(cfg["device_memory"])) if cfg.get("device_memory") else hw
-        wl = predict.sweep_workload(cfg)
-        fronts = []
-        names = list(dict.fromkeys(r["placement"] for r in res["points"]))  # the sweep's modelled servers
-        for name in names:
-            pl = predict.sweep_placement(name, cfg)
-            if pl.kind == "file" and not model.hit_rate_curve:
-                hits = [r["hit_rate"] for r in res["points"] if r["placement"] == name and r["hit_rate"] is not None]
-                pl = replace(pl, hit_rate=sum(hits) / len(hits)) if hits else pl
-            hw_n = hw2  # the disk each file server was predicted on (validate's choice), its re-reads as measured
-            if res["speed"]["from"] == "sweep":  # the CPU speed validate predicted at
-                hw_n = hw2.at_speed(res["speed"]["sweep_probe_ms"])
-            if name in res["disk"]["pages_per_s"]:
-                hw_n = replace(hw_n, disk=hw_n.disk.at_limit(res["disk"]["pages_per_s"][name], wl.queue_depth))
-                firsts = [r["first_read_share"] for r in res["points"]
-                          if r["placement"] == name and r.get("first_read_share") is not None]
-                if firsts:
-                    hw_n = replace(hw_n, disk=hw_n.disk.with_rereads(1.0 - sum(firsts) / len(firsts)))
-            fronts.append(predict_front(model, hw_n, predict.server_workload(wl, cfg, name, rows_first), pl,
-                                        int(cfg.get("max_concurrency", 64))))
-        measured: dict[str, list[tuple[float, float, int]]] = {}
-        for p in (p for p in sweep["points"] if p["placement"] in names):
-            measured.setdefault(p["placement"], []).append((p["interactivity_p50"], p["throughput_tok_s"],
-                                                            p["concurrency"]))
-        predict.plot(fronts, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured,
-                     names)
+    if a.plot:  # each server's points as validate predicted them, beside the measured ones
+        lines: dict[str, list[tuple[float, float, int, str]]] = {}
+        measured: dict[str, list[tuple[float, float]]] = {}
+        for r in res["points"]:
+            lines.setdefault(r["placement"], []).append((r["predicted_interactivity"], r["predicted_tok_s"],
+                                                         r["concurrency"], r["predicted_binding"]))
+            if r["measured_interactivity"] is not None:
+                measured.setdefault(r["placement"], []).append((r["measured_interactivity"], r["measured_tok_s"]))
+        predict.plot(lines, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured)
     if a.json:
         print(json.dumps(res, indent=2))
     else:

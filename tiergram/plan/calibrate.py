@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.plan.model import Workload, steps_per_request
+from tiergram.plan.model import steps_per_request
+from tiergram.plan.predict import sweep_workload
 
 MEASUREMENT_SCHEMA = 1  # the layout of the measurement dict; bench.calibrate writes it, fit reads it
 
@@ -119,9 +120,7 @@ def fit_serve(serve: dict[str, Any], engine_step: Callable[[float, float], float
     (another tenant's load only ever adds to a pass; docs/planner.md, "Calibration"). The steps a request lived
     through (steps x c / requests) over the steps it needs give `request_steps_curve`, the passes' median.
     """
-    conc = serve["concurrencies"]
-    lo_in, lo_out = max(1, int(0.8 * serve["input_len"])), max(1, int(0.8 * serve["output_len"]))
-    wl = Workload(input_len=(lo_in + serve["input_len"]) / 2, output_len=(lo_out + serve["output_len"]) / 2)
+    conc, wl = serve["concurrencies"], sweep_workload(serve)  # the closed loop's lengths, as in a sweep
     gaps: list[tuple[int, float, float]] = []
     ratios: dict[int, list[float]] = {c: [] for c in conc}
     lived: dict[int, list[float]] = {c: [] for c in conc}

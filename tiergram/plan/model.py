@@ -212,7 +212,6 @@ class HardwareSpec:
                        disk=replace(self.disk, cpu_s_per_page=self.disk.cpu_s_per_page * k))
 
 
-
 @dataclass(frozen=True)
 class Placement:
     """Where the tables live: device, host (DRAM), file (NVMe behind a host cache); KV optionally in host DRAM."""

@@ -64,10 +64,10 @@ def to_json(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front
                                    "points": [asdict(p) for p in f.points]} for f in fronts]}, indent=2)
 
 
-def plot(fronts: list[Front], path: Path, title: str, measured: dict[str, list[tuple[float, float, int]]] | None
-         = None, names: list[str] | None = None) -> Path:
-    """Predicted throughput against interactivity per placement (lines), measured points as markers if given.
-    `names`: each front's name in the legend (default: its placement's label), the keys of `measured`."""
+def plot(lines: dict[str, list[tuple[float, float, int, str]]], path: Path, title: str,
+         measured: dict[str, list[tuple[float, float]]] | None = None) -> Path:
+    """Throughput against interactivity: each server's predicted points [(interactivity, tok/s, c, binding)] as a
+    line labelled with its last concurrency and what binds there; measured (interactivity, tok/s) as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,19 +77,15 @@ def plot(fronts: list[Front], path: Path, title: str, measured: dict[str, list[t
 
     fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=110)
     colors: dict[str, Any] = {}
-    for f, name in zip(fronts, names or [f.placement.label for f in fronts], strict=True):
-        if not f.points:
-            continue
-        pts = f.pareto
-        line, = ax.plot([p.interactivity for p in pts], [p.throughput_tok_s for p in pts], marker=".",
-                        label=f"{name} (predicted)")
+    for name, pts in lines.items():
+        line, = ax.plot([x for x, *_ in pts], [y for _, y, *_ in pts], marker=".", label=f"{name} (predicted)")
         colors[name] = line.get_color()
-        last = f.points[-1]
-        ax.annotate(f"c={last.concurrency}: {last.binding}", (last.interactivity, last.throughput_tok_s),
-                    fontsize=6, textcoords="offset points", xytext=(3, -8), color=line.get_color())
-    for label, pts in (measured or {}).items():
-        ax.scatter([x for x, _, _ in pts], [y for _, y, _ in pts], marker="x", s=30,
-                   color=colors.get(label, "black"), label=f"{label} (measured)")
+        x, y, c, binding = pts[-1]
+        ax.annotate(f"c={c}: {binding}", (x, y), fontsize=6, textcoords="offset points", xytext=(3, -8),
+                    color=line.get_color())
+    for name, pts in (measured or {}).items():
+        ax.scatter([x for x, _ in pts], [y for _, y in pts], marker="x", s=30, color=colors.get(name, "black"),
+                   label=f"{name} (measured)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("interactivity (output tokens/s per user)")

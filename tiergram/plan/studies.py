@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from tiergram.plan import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_front, predict_point
-from tiergram.plan.model import step_terms_at
+from tiergram.plan.model import concurrency_limit, step_terms_at
 from tiergram.plots import save_figure
 
 QD_PER_DRIVE, READER_THREADS_PER_DRIVE = 128, 4
@@ -105,16 +105,14 @@ def contention(model: ModelSpec, hws: dict[str, HardwareSpec], workload: tuple[i
     for hname, hw in hws.items():
         for pl in (Placement("device"), Placement("host"), Placement("device", kv_offload=True),
                    Placement("host", kv_offload=True)):
-            fr = predict_front(model, hw, wl, pl, max_concurrency=1 << 14)
+            limit = concurrency_limit(model, hw, wl, pl)
             # a fine grid of concurrencies (5% apart) so the cliff is placed to within 5%
-            cs = sorted({int(round(x)) for x in np.geomspace(1, max(1, fr.limit.concurrency), 200)})
-            fr.points = [predict_point(model, hw, wl, pl, c) for c in cs] if fr.limit.concurrency >= 1 else []
-            pts = fr.points
-            peak = max((p.throughput_tok_s for p in pts), default=0.0)
+            cs = sorted({int(round(x)) for x in np.geomspace(1, max(1, limit.concurrency), 200)})
+            pts = [predict_point(model, hw, wl, pl, c) for c in cs] if limit.concurrency >= 1 else []
             cliff = next((p for p in pts if p.binding == "kv link"), None)
-            out[(hname, pl.label)] = {"limit": fr.limit.concurrency, "limit_binding": fr.limit.binding,
-                                      "peak_tok_s": peak, "cliff_c": cliff.concurrency if cliff else None,
-                                      "front": fr}
+            out[(hname, pl.label)] = {"limit": limit.concurrency, "limit_binding": limit.binding,
+                                      "peak_tok_s": max((p.throughput_tok_s for p in pts), default=0.0),
+                                      "cliff_c": cliff.concurrency if cliff else None, "front": Front(pl, limit, pts)}
     return out
 
 
