@@ -186,15 +186,21 @@ class ServeSettings:
 SECTIONS = {"engine": EngineSettings, "server": ServerSettings}
 
 
-def load(path: str | os.PathLike) -> ServeSettings:
-    """A serve configuration file (TOML, or JSON by its .json suffix); ConfigError naming file, section and key."""
+def read_file(path: str | os.PathLike, where: str = "") -> dict[str, Any]:
+    """A TOML file's table (JSON by its .json suffix); ConfigError naming `where` (default the path) if unreadable."""
     path = Path(path)
     try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
     except (OSError, ValueError) as e:  # tomllib.TOMLDecodeError and json's errors are ValueErrors
-        raise ConfigError(f"{path}: not a readable TOML or JSON configuration ({e})") from None
-    return from_dict(raw, str(path))
+        raise ConfigError(f"{where or path}: not a readable TOML or JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or path}: expected a table of sections, got {type(raw).__name__}")
+    return raw
+
+
+def load(path: str | os.PathLike) -> ServeSettings:
+    """A serve configuration file (TOML, or JSON by its .json suffix); ConfigError naming file, section and key."""
+    return from_dict(read_file(path), str(path))
 
 
 def from_dict(raw: Any, where: str = "the configuration") -> ServeSettings:
@@ -236,12 +242,8 @@ def engram_config(text: str) -> EngramSettings:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"--engram-config: not valid JSON ({e})") from None
-    path = Path(text)
-    try:
-        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--engram-config {path}: not a readable JSON or TOML file ({e})") from None
-    return engram_from(raw.get("engram", raw), f"{path}")
+    raw = read_file(text, f"--engram-config {text}")
+    return engram_from(raw.get("engram", raw), text)
 
 
 def section(cls: type, raw: Any, where: str, partial: bool = False) -> Any:

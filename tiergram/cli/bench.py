@@ -294,20 +294,12 @@ SWEEP_ENGINE_KEYS = ("device_memory", "host_memory", "cache_policy", "torch_thre
 
 def sweep_config(args: argparse.Namespace):
     """The SweepConfig `bench serve`'s options and files describe."""
-    import json
-
-    import tomllib
-
     from tiergram.bench import serve
-    from tiergram.settings import ConfigError, EngineSettings, section
+    from tiergram.settings import ConfigError, EngineSettings, read_file, section
 
     engine: dict = {}
     if args.config:
-        path = Path(args.config)
-        try:
-            raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{path}: not a readable TOML or JSON configuration ({e})") from None
+        path, raw = args.config, read_file(args.config)
         if set(raw) - {"engine"}:
             raise ConfigError(f"{path}: bench serve takes [engine] alone (the servers' placements are the sweep's), "
                               f"got {sorted(raw)}")

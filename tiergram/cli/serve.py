@@ -8,17 +8,12 @@ import sys
 
 from tiergram.settings import CACHE_POLICIES, LOG_LEVELS, PLACEMENTS, ConfigError, ServeSettings
 
-# flag -> (section, key) of the configuration it overrides; every other setting is a key of the --config file
-FLAG_KEYS = {"placement": ("engine", "placement"), "cache_bytes": ("engine", "cache_bytes"),
-             "cache_policy": ("engine", "cache_policy"), "mooncake_master": ("engine", "mooncake_master"),
-             "hot_rows": ("engine", "hot_rows"), "device": ("engine", "device"),
-             "device_memory": ("engine", "device_memory"), "host_memory": ("engine", "host_memory"),
-             "max_num_seqs": ("engine", "max_num_seqs"), "max_num_batched_tokens": ("engine", "max_num_batched_tokens"),
-             "max_model_len": ("engine", "max_model_len"), "torch_threads": ("engine", "torch_threads"),
-             "engine_process": ("engine", "engine_process"), "host": ("server", "host"), "port": ("server", "port"),
-             "served_model_name": ("server", "served_model_name"), "api_key": ("server", "api_key"),
-             "allowed_hosts": ("server", "allowed_hosts"), "log_level": ("server", "log_level")}
-
+# the options that override a key of the --config file, by section; each is named as its key (every other setting is
+# a key of the file only)
+FLAGS = {"engine": ("placement", "cache_bytes", "cache_policy", "mooncake_master", "hot_rows", "device",
+                    "device_memory", "host_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                    "torch_threads", "engine_process"),
+         "server": ("host", "port", "served_model_name", "api_key", "allowed_hosts", "log_level")}
 
 def byte_size(text: str) -> int:
     """'1048576', '512M', '1.5G', '64KiB' -> bytes (K, M, G, T are powers of 1024)."""
@@ -80,20 +75,18 @@ def settings_of(args: argparse.Namespace) -> ServeSettings:
 
     base = settings.load(args.config) if getattr(args, "config", None) else ServeSettings()
     raw = {"engine": asdict(base.engine), "server": asdict(base.server)}
-    for flag, (sect, key) in FLAG_KEYS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            raw[sect][key] = value
+    given = {key: (sect, getattr(args, key)) for sect, keys in FLAGS.items() for key in keys
+             if getattr(args, key, None) is not None}
+    for key, (sect, value) in given.items():
+        raw[sect][key] = value
     if raw["server"]["api_key"] is None:
         raw["server"]["api_key"] = os.environ.get("TIERGRAM_API_KEY") or None
     try:
         out = settings.from_dict(raw, f"{args.config}" if getattr(args, "config", None) else "the configuration")
     except ConfigError as e:  # a value a flag gave is named by its flag
-        flag = next((f for f, (_, key) in FLAG_KEYS.items() if key == e.key and getattr(args, f, None) is not None),
-                    None)
-        if flag is None:
+        if e.key not in given:
             raise
-        raise ConfigError(f"--{flag.replace('_', '-')}: {e.detail}") from None
+        raise ConfigError(f"--{e.key.replace('_', '-')}: {e.detail}") from None
     out.engram = settings.engram_config(args.engram_config) if getattr(args, "engram_config", None) else base.engram
     return out
 
