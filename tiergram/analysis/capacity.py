@@ -71,18 +71,12 @@ class RowCounts:
     head_sizes: list[int]
 
 
-def head_offsets(model: EngramLM, layer: int) -> tuple[np.ndarray, list[int]]:
-    """(first flat row of each head [H], rows per head) of a layer."""
-    sizes = model.hasher.head_sizes(layer)
-    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64), sizes
-
-
 def count_rows(model: EngramLM, windows: list[Window], batch: int = 256) -> dict[int, RowCounts]:
     """Access counts per layer, row and category over windows (hashing only: no forward pass)."""
     cat_index = {c: i for i, c in enumerate(CATEGORIES)}
     out = {}
     for layer in model.engram_layers:
-        offsets, sizes = head_offsets(model, layer)
+        offsets, sizes = model.hasher.head_offsets(layer), model.hasher.head_sizes(layer)
         out[layer] = RowCounts(np.zeros((len(CATEGORIES), int(sum(sizes))), dtype=np.int64), offsets, sizes)
     for s in range(0, len(windows), batch):
         chunk = windows[s:s + batch]

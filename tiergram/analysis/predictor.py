@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tiergram.analysis.capacity import head_offsets, head_orders
+from tiergram.analysis.capacity import head_orders
 from tiergram.analysis.trace import Trace
 from tiergram.engram.sketch import CountMinSketch
 from tiergram.engram.skip import FEATURE_SETS, LayerModel, SkipPredictor
@@ -31,7 +31,7 @@ def static_scores(model: EngramLM, layer: int, query_mean: np.ndarray, chunk: in
                   ) -> tuple[np.ndarray, np.ndarray]:
     """(int8 [rows], per-head scale [H]) of every row's key contribution along the mean gate query."""
     engram = model.blocks[layer].engram
-    offsets, sizes = head_offsets(model, layer)
+    offsets, sizes = model.hasher.head_offsets(layer), model.hasher.head_sizes(layer)
     dim = engram.config.dim
     q = torch.as_tensor(query_mean, dtype=torch.float32)  # [hc, d]
     out = np.zeros(int(sum(sizes)), dtype=np.float32)
@@ -67,7 +67,7 @@ def fit_predictor(model: EngramLM, tr: Trace, features: str = "full", *, sketch_
     orders = np.array(head_orders(model), dtype=np.int64)
     layers = {}
     for layer in tr.layers:
-        offsets, _ = head_offsets(model, layer)
+        offsets = model.hasher.head_offsets(layer)
         g = target_gate(tr, layer)
         lm = LayerModel(offsets=offsets, orders=orders, prior=float(g.mean()))
         if "static" in feats:

@@ -233,8 +233,7 @@ def make_requests(docs: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndar
 
 def request_rows(requests: list[np.ndarray], hasher: NgramHasher, layer: int) -> list[np.ndarray]:
     """Global row ids int64 [T, H] of every request (each request starts its own sequence)."""
-    offsets = np.concatenate([[0], np.cumsum(hasher.head_sizes(layer))[:-1]]).astype(np.int64)
-    return [hasher.row_ids(r[None, :])[layer][0] + offsets for r in requests]
+    return [hasher.row_ids(r[None, :])[layer][0] + hasher.head_offsets(layer) for r in requests]
 
 
 def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:

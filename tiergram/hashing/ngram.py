@@ -167,6 +167,10 @@ class NgramHasher:
         """Table size (rows) of each head of a layer, length H, order-2 heads first."""
         return [s for order in self.head_table_sizes[self._check_layer(layer_id)] for s in order]
 
+    def head_offsets(self, layer_id: int) -> np.ndarray:
+        """int64 [H]: each head's first row in the layer's rows laid end to end (a row's key = offset + row id)."""
+        return np.cumsum([0, *self.head_sizes(layer_id)[:-1]], dtype=np.int64)
+
     def compress(self, input_ids: Any) -> np.ndarray:
         """Original token ids (any shape) -> compressed ids int64, same shape."""
         ids = check_ids(to_numpy(input_ids), self.vocab_size)

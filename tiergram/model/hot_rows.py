@@ -70,16 +70,14 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
     if tokens.ndim != 1 or tokens.size == 0:
         raise ValueError(f"the token stream must be a non-empty 1-D array, got shape {tokens.shape}")
     layers = hasher.layer_ids
-    sizes = {layer: hasher.head_sizes(layer) for layer in layers}
-    offsets = {layer: np.cumsum([0, *sizes[layer]])[:-1] for layer in layers}
     # uint32: one count per row, 4 bytes a row (a real V4.1-Flash layer of ~360M rows: 1.4 GiB)
-    counts = {layer: np.zeros(sum(sizes[layer]), dtype=np.uint32) for layer in layers}
+    counts = {layer: np.zeros(sum(hasher.head_sizes(layer)), dtype=np.uint32) for layer in layers}
     history = np.full((1, hasher.max_ngram_size - 1), hasher.pad_id, dtype=np.int64)
     bar = tqdm(total=tokens.size, desc="counting hot rows", unit="tok", unit_scale=True, disable=not progress)
     for chunk in _chunks(tokens):
         ids = hasher.row_ids_with_history(chunk[None], history)
         for layer, rows in ids.items():  # [1, T, H]
-            keys = (rows[0] + offsets[layer]).reshape(-1)
+            keys = (rows[0] + hasher.head_offsets(layer)).reshape(-1)
             if counts[layer].size <= DENSE_ROWS:
                 counts[layer] += np.bincount(keys, minlength=counts[layer].size).astype(np.uint32)
             else:
