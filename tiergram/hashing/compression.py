@@ -19,18 +19,10 @@ def engram_normalizer() -> tokenizers.normalizers.Normalizer:
     """The Engram demo's text normaliser: NFKC, NFD, strip accents, lowercase, collapse whitespace."""
     from tokenizers import Regex, normalizers
 
-    return normalizers.Sequence(
-        [
-            normalizers.NFKC(),
-            normalizers.NFD(),
-            normalizers.StripAccents(),
-            normalizers.Lowercase(),
-            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-            normalizers.Replace(Regex(r"^ $"), SENTINEL),
-            normalizers.Strip(),
-            normalizers.Replace(SENTINEL, " "),
-        ]
-    )
+    return normalizers.Sequence([normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(),
+                                 normalizers.Lowercase(), normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+                                 normalizers.Replace(Regex(r"^ $"), SENTINEL), normalizers.Strip(),
+                                 normalizers.Replace(SENTINEL, " ")])
 
 
 def _backend(tokenizer: Any) -> tokenizers.Tokenizer:

@@ -46,30 +46,18 @@ def _int(value: Any, what: str, low: int | None = None) -> int:
 class NgramHasher:
     """Token ids -> Engram row ids for each layer: int64 [B, T, H], H = (max_ngram_size - 1) * heads."""
 
-    def __init__(
-        self,
-        engram_vocab_size: Sequence[int],
-        max_ngram_size: int,
-        n_head_per_ngram: int,
-        layer_ids: Sequence[int],
-        pad_id: int,
-        seed: int = 0,
-        *,
-        compression: Any = None,
-        tokenizer: Any = None,
-        compressed_vocab_size: int | None = None,
-        head_table_sizes: Mapping[Any, Sequence[Sequence[int]]] | None = None,
-    ) -> None:
+    def __init__(self, engram_vocab_size: Sequence[int], max_ngram_size: int, n_head_per_ngram: int,
+                 layer_ids: Sequence[int], pad_id: int, seed: int = 0, *, compression: Any = None,
+                 tokenizer: Any = None, compressed_vocab_size: int | None = None,
+                 head_table_sizes: Mapping[Any, Sequence[Sequence[int]]] | None = None) -> None:
         """Exactly one of compression (lookup [V]), tokenizer, compressed_vocab_size (identity)."""
         self.max_ngram_size = _int(max_ngram_size, "max_ngram_size", 2)
         self.engram_vocab_size = [_int(v, "an engram_vocab_size entry", 1) for v in engram_vocab_size]
         if not self.engram_vocab_size:
             raise ValueError("engram_vocab_size is empty; need one table size per n-gram order")
         if len(self.engram_vocab_size) != self.max_ngram_size - 1:
-            raise ValueError(
-                f"engram_vocab_size has {len(self.engram_vocab_size)} entries but max_ngram_size="
-                f"{self.max_ngram_size} needs {self.max_ngram_size - 1} (orders 2..{self.max_ngram_size})"
-            )
+            raise ValueError(f"engram_vocab_size has {len(self.engram_vocab_size)} entries but max_ngram_size="
+                             f"{self.max_ngram_size} needs {self.max_ngram_size - 1} (orders 2..{self.max_ngram_size})")
         self.n_head_per_ngram = _int(n_head_per_ngram, "n_head_per_ngram", 1)
         self.layer_ids = [_int(layer, "a layer id", 0) for layer in layer_ids]
         if not self.layer_ids:
@@ -82,10 +70,8 @@ class NgramHasher:
         given = [name for name, v in (("compression", compression), ("tokenizer", tokenizer),
                                       ("compressed_vocab_size", compressed_vocab_size)) if v is not None]
         if len(given) != 1:
-            raise ValueError(
-                "give exactly one of compression, tokenizer, compressed_vocab_size; "
-                f"got {given or 'none'}"
-            )
+            raise ValueError(f"give exactly one of compression, tokenizer, compressed_vocab_size; got "
+                             f"{given or 'none'}")
         if tokenizer is not None:
             lookup, c = build_compression(tokenizer)
         elif compression is not None:
@@ -102,20 +88,16 @@ class NgramHasher:
             raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
         self.compressed_pad_id = int(lookup[self.pad_id])
 
-        self.multipliers: dict[int, np.ndarray] = {
-            layer: engram_multipliers(self.seed, layer, self.max_ngram_size, c) for layer in self.layer_ids
-        }
+        self.multipliers: dict[int, np.ndarray] = {layer: engram_multipliers(self.seed, layer, self.max_ngram_size, c)
+                                                   for layer in self.layer_ids}
         if head_table_sizes is None:
-            self.head_table_sizes = engram_head_table_sizes(
-                self.engram_vocab_size, self.max_ngram_size, self.n_head_per_ngram, self.layer_ids
-            )
+            self.head_table_sizes = engram_head_table_sizes(self.engram_vocab_size, self.max_ngram_size,
+                                                            self.n_head_per_ngram, self.layer_ids)
         else:
             self.head_table_sizes = self._check_sizes(head_table_sizes)
         # Flattened per-order size arrays, precomputed once for the hot path.
-        self._sizes = {
-            layer: [np.asarray(s, dtype=np.int64) for s in self.head_table_sizes[layer]]
-            for layer in self.layer_ids
-        }
+        self._sizes = {layer: [np.asarray(s, dtype=np.int64) for s in self.head_table_sizes[layer]]
+                       for layer in self.layer_ids}
         # Plain-int copies for HashState.push, which hashes one position at a time.
         self._push_params = {layer: [int(v) for v in m] for layer, m in self.multipliers.items()}
         self._push_sizes = {layer: [list(o) for o in self.head_table_sizes[layer]] for layer in self.layer_ids}
@@ -125,34 +107,27 @@ class NgramHasher:
         by_layer = {_int(int(k) if isinstance(k, str) else k, "head_table_sizes key"): v
                     for k, v in sizes.items()}
         if set(by_layer) != set(self.layer_ids):
-            raise ValueError(
-                f"head_table_sizes has layers {sorted(by_layer)} but layer_ids are {self.layer_ids}"
-            )
+            raise ValueError(f"head_table_sizes has layers {sorted(by_layer)} but layer_ids are {self.layer_ids}")
         out: dict[int, list[list[int]]] = {}
         seen: dict[int, tuple[int, int, int]] = {}
         for layer in self.layer_ids:
             orders = by_layer[layer]
             if len(orders) != self.max_ngram_size - 1:
-                raise ValueError(
-                    f"head_table_sizes[{layer}] has {len(orders)} orders, expected {self.max_ngram_size - 1}"
-                )
+                raise ValueError(f"head_table_sizes[{layer}] has {len(orders)} orders, "
+                                 f"expected {self.max_ngram_size - 1}")
             out[layer] = []
             for oi, heads in enumerate(orders):
                 if len(heads) != self.n_head_per_ngram:
-                    raise ValueError(
-                        f"head_table_sizes[{layer}][{oi}] has {len(heads)} heads, "
-                        f"expected {self.n_head_per_ngram}"
-                    )
+                    raise ValueError(f"head_table_sizes[{layer}][{oi}] has {len(heads)} heads, "
+                                     f"expected {self.n_head_per_ngram}")
                 row = []
                 for hi, size in enumerate(heads):
                     size = _int(size, f"head_table_sizes[{layer}][{oi}][{hi}]")
                     if not isprime(size):
                         raise ValueError(f"head_table_sizes[{layer}][{oi}][{hi}] = {size} is not prime")
                     if size in seen:
-                        raise ValueError(
-                            f"head_table_sizes[{layer}][{oi}][{hi}] = {size} clashes with "
-                            f"head_table_sizes{list(seen[size])}; every head needs a distinct prime"
-                        )
+                        raise ValueError(f"head_table_sizes[{layer}][{oi}][{hi}] = {size} clashes with "
+                                         f"head_table_sizes{list(seen[size])}; every head needs a distinct prime")
                     seen[size] = (layer, oi, hi)
                     row.append(size)
                 out[layer].append(row)
@@ -225,9 +200,7 @@ class NgramHasher:
         else:
             hist = self.compress(history)
             if hist.ndim != 2 or hist.shape[0] != x.shape[0]:
-                raise ValueError(
-                    f"history must be 2-D [batch={x.shape[0]}, K], got shape {hist.shape}"
-                )
+                raise ValueError(f"history must be 2-D [batch={x.shape[0]}, K], got shape {hist.shape}")
         full = np.concatenate([self._pad_history(hist, x.shape[0]), x], axis=1)
         return self._hash_compressed(full)
 
@@ -240,27 +213,17 @@ class NgramHasher:
     def config(self) -> dict[str, Any]:
         """JSON-serialisable hashing parameters for table manifests (layer keys as strings)."""
         identity = bool(np.array_equal(self.lookup, np.arange(self.vocab_size)))
-        return {
-            "scheme": SCHEME,
-            "engram_vocab_size": list(self.engram_vocab_size),
-            "max_ngram_size": self.max_ngram_size,
-            "n_head_per_ngram": self.n_head_per_ngram,
-            "layer_ids": list(self.layer_ids),
-            "pad_id": self.pad_id,
-            "seed": self.seed,
-            "vocab_size": self.vocab_size,
-            "compressed_vocab_size": self.compressed_vocab_size,
-            "compressed_pad_id": self.compressed_pad_id,
-            "compression": "identity" if identity else "lookup",
-            "compression_sha256": lookup_digest(self.lookup),
-            "multipliers": {str(k): [int(v) for v in m] for k, m in self.multipliers.items()},
-            "head_table_sizes": {str(k): [list(o) for o in v] for k, v in self.head_table_sizes.items()},
-        }
+        return {"scheme": SCHEME, "engram_vocab_size": list(self.engram_vocab_size),
+                "max_ngram_size": self.max_ngram_size, "n_head_per_ngram": self.n_head_per_ngram,
+                "layer_ids": list(self.layer_ids), "pad_id": self.pad_id, "seed": self.seed,
+                "vocab_size": self.vocab_size, "compressed_vocab_size": self.compressed_vocab_size,
+                "compressed_pad_id": self.compressed_pad_id, "compression": "identity" if identity else "lookup",
+                "compression_sha256": lookup_digest(self.lookup),
+                "multipliers": {str(k): [int(v) for v in m] for k, m in self.multipliers.items()},
+                "head_table_sizes": {str(k): [list(o) for o in v] for k, v in self.head_table_sizes.items()}}
 
     @classmethod
-    def from_config(
-        cls, config: Mapping[str, Any], *, compression: Any = None, tokenizer: Any = None
-    ) -> NgramHasher:
+    def from_config(cls, config: Mapping[str, Any], *, compression: Any = None, tokenizer: Any = None) -> NgramHasher:
         """Rebuild from config(); verifies compression digest, vocab sizes and multipliers match."""
         if config.get("scheme", SCHEME) != SCHEME:
             raise ValueError(f"unknown hashing scheme {config.get('scheme')!r}, expected {SCHEME!r}")
@@ -269,11 +232,9 @@ class NgramHasher:
             if config.get("compression") != "identity":
                 raise ValueError("config uses a compression lookup; pass compression= or tokenizer=")
             kwargs = {"compressed_vocab_size": config["compressed_vocab_size"]}
-        hasher = cls(
-            config["engram_vocab_size"], config["max_ngram_size"], config["n_head_per_ngram"],
-            config["layer_ids"], config["pad_id"], config.get("seed", 0),
-            head_table_sizes=config.get("head_table_sizes"), **kwargs,
-        )
+        hasher = cls(config["engram_vocab_size"], config["max_ngram_size"], config["n_head_per_ngram"],
+                     config["layer_ids"], config["pad_id"], config.get("seed", 0),
+                     head_table_sizes=config.get("head_table_sizes"), **kwargs)
         mine = hasher.config()
         # The multipliers check catches a numpy whose default_rng stream differs: rows would silently move.
         for key in ("vocab_size", "compressed_vocab_size", "compressed_pad_id", "compression_sha256",
@@ -283,7 +244,5 @@ class NgramHasher:
         return hasher
 
     def __repr__(self) -> str:
-        return (
-            f"NgramHasher(orders=2..{self.max_ngram_size}, heads/order={self.n_head_per_ngram}, "
-            f"layers={self.layer_ids}, vocab={self.vocab_size}->{self.compressed_vocab_size})"
-        )
+        return (f"NgramHasher(orders=2..{self.max_ngram_size}, heads/order={self.n_head_per_ngram}, "
+                f"layers={self.layer_ids}, vocab={self.vocab_size}->{self.compressed_vocab_size})")
