@@ -147,7 +147,6 @@ def test_a_gpu_tables_hbm_cache_is_preloaded_too(model_dir, tmp_path):
 
     from tiergram.engine.tables import export_dir_for, preload_hot_rows
     from tiergram.model.checkpoint import hasher_of, load_tokenizer_of
-    from tiergram.model.export import table_path
     from tiergram.model.model_dir import ModelDir
     from tiergram.store.device_table import DeviceTable
 
@@ -156,7 +155,7 @@ def test_a_gpu_tables_hbm_cache_is_preloaded_too(model_dir, tmp_path):
     stream = np.concatenate([np.asarray(p) for p in PROMPTS] * 2)
     path = save_hot_rows(count_hot_rows(h, stream, max_fraction=1.0, progress=False), tmp_path / "h.npz")
     hot = load_hot_rows(path)
-    tables = {layer: DeviceTable(table_path(src, layer, "fp32"), device=torch.device("cpu"), tier="host",
+    tables = {layer: DeviceTable(ModelDir.open(src).table_path(layer, "fp32"), device=torch.device("cpu"), tier="host",
                                  cache_bytes=30 * 128) for layer in (0, 1)}  # 30 fp32 rows of 32 values
     try:
         loaded = preload_hot_rows(tables, str(path), h)

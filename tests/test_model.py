@@ -301,7 +301,8 @@ def test_export_then_serve_from_table_files(trained, tmp_path, codec):
 def test_export_lists_every_codec_and_old_exports_still_load(trained, tmp_path):
     """Two exports into one directory: config.json lists both codecs' .tgram files; the latest is the default.
     A directory exported before (.tgt files, only tables + table_codec) still loads and serves."""
-    from tiergram.model.export import exported_tables, table_path
+    from tiergram.model.export import exported_tables
+    from tiergram.model.model_dir import ModelDir
 
     out = tmp_path / "export"
     assert main(["export", str(trained), "--codec", "int8", "--out", str(out), "--quiet"]) == 0
@@ -312,7 +313,7 @@ def test_export_lists_every_codec_and_old_exports_still_load(trained, tmp_path):
     assert config["tables"] == {str(layer): f"engram_layer{layer}.fp32.tgram" for layer in layers}
     assert exported_tables(config) == {c: {layer: f"engram_layer{layer}.{c}.tgram" for layer in layers}
                                        for c in ("fp32", "int8")}
-    assert table_path(out, 1, "int8") == out / "engram_layer1.int8.tgram"
+    assert ModelDir.open(out).table_path(1, "int8") == out / "engram_layer1.int8.tgram"
     assert not list(out.glob("*.tgt"))
     # an old export: files named .tgt, config without tables_by_codec
     for layer in layers:
@@ -320,7 +321,7 @@ def test_export_lists_every_codec_and_old_exports_still_load(trained, tmp_path):
     del config["tables_by_codec"]
     config["tables"] = {str(layer): f"engram_layer{layer}.fp32.tgt" for layer in layers}
     (out / "config.json").write_text(json.dumps(config))
-    assert table_path(out, layers[0], "fp32") == out / f"engram_layer{layers[0]}.fp32.tgt"
+    assert ModelDir.open(out).table_path(layers[0], "fp32") == out / f"engram_layer{layers[0]}.fp32.tgt"
     served, tok = load_pretrained(out, tier="host")
     model, _ = load_pretrained(trained)
     x = torch.tensor([tok.encode("import heapq").ids])

@@ -15,7 +15,6 @@ from tiergram.model.checkpoint import (
     load_pretrained,
     read_config,
     save_pretrained,
-    write_json,
 )
 
 TABLE_SUFFIX = ".tgram"  # every table file tiergram writes (exports before this release wrote .tgt)
@@ -36,14 +35,6 @@ def exported_tables(config: dict[str, Any]) -> dict[str, dict[int, str]]:
     if config.get("tables"):
         return {config.get("table_codec") or "": {int(k): v for k, v in config["tables"].items()}}
     return {}
-
-
-def table_path(model_dir: str | os.PathLike, layer: int, codec: str) -> Path:
-    """The table file of one layer and codec in an exported directory: the name its config.json lists, else
-    the name `export` writes."""
-    model_dir = Path(model_dir)
-    listed = exported_tables(read_config(model_dir)).get(codec, {}) if (model_dir / CONFIG).is_file() else {}
-    return model_dir / listed.get(layer, table_filename(layer, codec))
 
 
 def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str | os.PathLike | None = None,
@@ -78,15 +69,13 @@ def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str
         name = table_filename(layer, codec)
         create_table(out / name, manifest, matrix_values(weight.numpy()), progress=progress)
         files[str(layer)] = name
-    tokenizer = model_dir / TOKENIZER
-    save_pretrained(model, out, tokenizer=tokenizer if tokenizer.is_file() else None, include_tables=False,
-                    extra={"training": source.get("training"), "exported_from": str(model_dir)})
     trained = (model_dir / WEIGHTS).stat().st_mtime_ns
     by_codec = {c: {str(k): v for k, v in names.items()} for c, names in previous.items()
                 if c != codec and all((out / n).is_file() and (out / n).stat().st_mtime_ns >= trained
                                       for n in names.values())}
     by_codec[codec] = files
-    config = read_config(out)
-    config.update(tables=files, table_codec=codec, tables_by_codec=dict(sorted(by_codec.items())))
-    write_json(out / CONFIG, config)
+    tokenizer = model_dir / TOKENIZER
+    save_pretrained(model, out, tokenizer=tokenizer if tokenizer.is_file() else None, include_tables=False,
+                    extra={"training": source.get("training"), "exported_from": str(model_dir), "tables": files,
+                           "table_codec": codec, "tables_by_codec": dict(sorted(by_codec.items()))})
     return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from tiergram.engram import RowSourceTable
 from tiergram.format import TableManifest, create_random_table
 from tiergram.format.writer import free_bytes
 from tiergram.hashing import NgramHasher
-from tiergram.model.checkpoint import CONFIG, read_config, save_pretrained, write_json
+from tiergram.model.checkpoint import save_pretrained
 from tiergram.model.config import EngramSettings, ModelConfig, preset
 from tiergram.model.export import table_filename
 from tiergram.model.model import EngramLM, make_hasher
@@ -96,12 +95,9 @@ def write_servable_dir(out: Path, mconfig: ModelConfig, hasher: NgramHasher, tok
     torch.manual_seed(seed)
     layers = mconfig.engram.layers if mconfig.engram is not None else []
     model = EngramLM(mconfig, hasher, {layer: RowSourceTable(_NoRows()) for layer in layers}).eval()
-    if tokenizer.resolve() != (out / "tokenizer.json").resolve():
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
-    save_pretrained(model, out, include_tables=False, extra=extra)
-    config = read_config(out)
-    config.update(tables={str(layer): name for layer, name in tables.items()}, table_codec=CODEC)
-    write_json(out / CONFIG, config)
+    names = {str(layer): name for layer, name in tables.items()}
+    save_pretrained(model, out, tokenizer=tokenizer, include_tables=False,
+                    extra={**extra, "tables": names, "table_codec": CODEC})
 
 
 def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1", table_gib: float,
