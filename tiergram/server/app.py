@@ -300,7 +300,7 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
                         max_model_len=int(engine.max_model_len),
                         vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok,
                         limits=limits or Limits(), edge=edge or Edge(), unhealthy_after=unhealthy_after)
-    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining, aengine.cache_counts,
+    state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining,
                                            (state.connections, state.reading, aengine.open_requests)),
                                   engine_cpu=(lambda: aengine.engine_cpu_seconds)
                                   if isinstance(aengine, EngineProcess) else None)

@@ -87,16 +87,6 @@ async def accepted(stream: AsyncioStream, abort: Callable[[], None]) -> asyncio.
     return stream.queue
 
 
-def cache_counts(engine: LLMEngine) -> tuple[int, int]:
-    """(hits, probes) of every Engram table's hot-row cache: counts, so a client can take interval hit rates."""
-    hits = probes = 0
-    for source in getattr(engine, "sources", {}).values():
-        s = source.stats()
-        if "cache" in s:
-            hits, probes = hits + int(s["hits"]), probes + int(s["hits"]) + int(s["misses"])
-    return hits, probes
-
-
 class AsyncEngine:
     """An LLMEngine driven by a background thread, for asyncio callers."""
 
@@ -114,7 +104,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # the exception that stopped the engine thread
         self.snapshot: Any = engine.metrics()  # the latest EngineMetrics (read by /metrics)
-        self.cache_counts: tuple[int, int] = cache_counts(engine)  # Engram cache (hits, probes) so far
         self._snapshot_t = time.perf_counter()
         self._pending_adds = 0  # adds in the inbox, not yet applied: they count against the waiting queue
 
@@ -203,7 +192,6 @@ class AsyncEngine:
         now = time.perf_counter()
         if force or now - self._snapshot_t >= SNAPSHOT_EVERY_S:
             self.snapshot = self.engine.metrics()
-            self.cache_counts = cache_counts(self.engine)
             self._snapshot_t = now
 
     def _run(self) -> None:

@@ -39,10 +39,9 @@ class EngineStartError(RuntimeError):
 
 @dataclass
 class EngineSnapshot:
-    """What the engine process last reported: EngineMetrics, Engram cache (hits, probes), its CPU seconds."""
+    """What the engine process last reported: EngineMetrics and its CPU seconds."""
 
     metrics: Any
-    cache_counts: tuple[int, int]
     cpu_seconds: float
 
 
@@ -70,7 +69,7 @@ class _Outbox:
         snap, now = None, time.perf_counter()
         if self.core is not None and self.core.snapshot is not self.sent_snapshot and \
                 (now - self.sent_at >= SNAPSHOT_EVERY_S or self.outputs):
-            snap = EngineSnapshot(self.core.snapshot, self.core.cache_counts, time.process_time())
+            snap = EngineSnapshot(self.core.snapshot, time.process_time())
             self.sent_snapshot, self.sent_at = self.core.snapshot, now
         if self.outputs or snap is not None:
             outputs, self.outputs = self.outputs, []
@@ -139,7 +138,7 @@ def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
     outbox.send(("ready", {"tokenizer": engine.tokenizer, "model_name": engine.model_name,
                            "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                            "max_waiting": engine.config.max_waiting,
-                           "snapshot": EngineSnapshot(core.snapshot, core.cache_counts, time.process_time())}))
+                           "snapshot": EngineSnapshot(core.snapshot, time.process_time())}))
     core.start()
     try:
         while True:
@@ -228,11 +227,6 @@ class EngineProcess:
     def snapshot(self) -> Any:
         """The latest EngineMetrics the engine process sent."""
         return self._latest.metrics
-
-    @property
-    def cache_counts(self) -> tuple[int, int]:
-        """The Engram caches' (hits, probes) in the latest snapshot."""
-        return self._latest.cache_counts
 
     @property
     def engine_cpu_seconds(self) -> float:

@@ -29,13 +29,12 @@ class ServerMetrics:
     """Request-level metrics of the HTTP server (thread-safe) and the rendering of /metrics.
 
     Each ServerMetrics has its own registry, so several servers in one process (tests) do not share counters.
-    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, cache_counts,
-    (open connections, requests reading, requests holding engine state));
+    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, (open connections,
+    requests reading, requests holding engine state));
     `engine_cpu()`, when the engine runs in a process of its own, that process's CPU seconds.
     """
 
-    def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int] | None, tuple[int, int, int]]]
-                 | None = None,
+    def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int, int]]] | None = None,
                  engine_cpu: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -91,7 +90,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Any]:
         if self.metrics._state is None:
             return
-        engine, in_flight, draining, cache_counts, (connections, reading, streams) = self.metrics._state()
+        engine, in_flight, draining, (connections, reading, streams) = self.metrics._state()
         yield _gauge("tiergram_requests_in_flight", "HTTP generation requests being served.", in_flight)
         yield _gauge("tiergram_http_connections", "Open HTTP connections.", connections)
         yield _gauge("tiergram_requests_reading", "Requests reading their body or being tokenized.", reading)
@@ -102,10 +101,6 @@ class _StateCollector(Collector):
         if self.metrics._engine_cpu is not None:  # process_cpu_seconds_total counts this (HTTP) process only
             yield _counter("tiergram_engine_process_cpu_seconds", "CPU seconds of the engine process (all threads).",
                            self.metrics._engine_cpu())
-        if cache_counts is not None:
-            yield _counter("tiergram_engram_cache_hits", "Engram hot-row cache hits.", cache_counts[0])
-            yield _counter("tiergram_engram_cache_probes", "Engram hot-row cache probes (hits + misses).",
-                           cache_counts[1])
 
 
 def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
@@ -130,6 +125,9 @@ def engine_metrics(m: Any) -> Iterator[Any]:
                  budget.get("kv_blocks_affordable"))
     yield _gauge("tiergram_device_table_bytes", "Engram table bytes resident in device memory.",
                  budget.get("device_table_bytes"))
+    yield _counter("tiergram_engram_cache_hits", "Engram hot-row cache hits.", engram.get("cache_hits"))
+    yield _counter("tiergram_engram_cache_probes", "Engram hot-row cache probes (hits + misses).",
+                   engram.get("cache_probes"))
     yield _counter("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read"))
     yield _counter("tiergram_engram_pages_first_read", "Table pages read from storage for the first time since the "
                    "server started (the rest are re-reads, which a cache under the disk may hold).",
