@@ -24,7 +24,7 @@ from tiergram.analysis.doctest_task import answer_of, document_tasks, extract_ta
 from tiergram.analysis.predictor import SkipPredictor, fit_predictor
 from tiergram.analysis.probe import probe
 from tiergram.analysis.skipping import skip_losses, skip_study
-from tiergram.analysis.trace import EngramHooks, batches, load_windows, trace
+from tiergram.analysis.trace import EngramHooks, load_windows, trace
 from tiergram.cli import main
 from tiergram.corpus import (
     BuildConfig,
@@ -37,7 +37,7 @@ from tiergram.corpus.sources import python_group
 from tiergram.engram.sketch import CountMinSketch
 from tiergram.model import EngramLM
 from tiergram.model.checkpoint import save_pretrained
-from tiergram.model.evaluate import evaluate
+from tiergram.model.evaluate import batches, evaluate
 from tiergram.model.model import make_hasher
 
 

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from tiergram.analysis.doctest_task import DoctestTask, answer_of, is_finished
 from tiergram.analysis.stats import Estimate, mean_estimate, paired_ratio_delta, ratio_estimate
-from tiergram.analysis.trace import EngramHooks, Window, batches
+from tiergram.analysis.trace import EngramHooks
 from tiergram.corpus import CATEGORIES
+from tiergram.model.evaluate import Window, batches
 from tiergram.model.model import EngramLM
 
 

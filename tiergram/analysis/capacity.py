@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiergram.analysis.trace import Trace, Window
+from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
+from tiergram.model.evaluate import Window
 from tiergram.model.model import EngramLM
 
 

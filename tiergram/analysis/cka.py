@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tiergram.analysis.trace import Window, batches
+from tiergram.model.evaluate import Window, batches
 from tiergram.model.model import EngramLM
 
 TOP = 3  # B layers averaged in the soft alignment index

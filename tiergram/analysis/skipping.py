@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from tiergram.analysis.capacity import spearman
 from tiergram.analysis.predictor import FEATURE_SETS, SkipPredictor, fit_predictor, loo_gates, target_gate
 from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
-from tiergram.analysis.trace import EngramHooks, Trace, batches
+from tiergram.analysis.trace import EngramHooks, Trace
+from tiergram.model.evaluate import batches
 from tiergram.model.model import EngramLM
 
 METHODS = ("predictor", "sketch-only", "oracle", "random", "cold")

@@ -18,24 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.corpus import CATEGORIES
-from tiergram.model.evaluate import EvalDoc, document_windows, eval_documents
+from tiergram.model.evaluate import EvalDoc, Window, batches, eval_documents, make_windows
 from tiergram.model.model import EngramLM
-
-
-@dataclass
-class Window:
-    """One evaluation window: the model's inputs and their next-token targets."""
-
-    doc: int  # index into the document list
-    category: str
-    inputs: np.ndarray  # int64 [T]
-    targets: np.ndarray  # int64 [T]
-
-
-def make_windows(docs: list[EvalDoc], seq_len: int) -> list[Window]:
-    """The evaluation windows of documents, in document order."""
-    return [Window(d, docs[d].category, w[:-1].copy(), w[1:].copy()) for d, w in document_windows(docs, seq_len)
-            if len(w) > 1]
 
 
 def load_windows(model: EngramLM, corpus: str | os.PathLike, split: str, tokenizer: Any,
@@ -45,21 +29,6 @@ def load_windows(model: EngramLM, corpus: str | os.PathLike, split: str, tokeniz
     if not docs:
         raise ValueError(f"the {split} split of {corpus} has no documents")
     return docs, make_windows(docs, model.config.max_seq)
-
-
-def batches(windows: list[Window], batch_size: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """(window indices, inputs [B, T] zero-padded, targets [B, T] with -100 padding), similar lengths together."""
-    order = sorted(range(len(windows)), key=lambda i: -len(windows[i].inputs))
-    for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
-        t = max(len(windows[i].inputs) for i in idx)
-        x = torch.zeros(len(idx), t, dtype=torch.int64)
-        y = torch.full((len(idx), t), -100, dtype=torch.int64)
-        for j, i in enumerate(idx):
-            n = len(windows[i].inputs)
-            x[j, :n] = torch.from_numpy(windows[i].inputs)
-            y[j, :n] = torch.from_numpy(windows[i].targets)
-        yield idx, x, y
 
 
 # ------------------------------------------------------------------------------------------ Engram hooks

@@ -10,7 +10,7 @@ document are correlated) 1000 times.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,28 +77,53 @@ def document_windows(docs: list[EvalDoc], seq_len: int) -> list[tuple[int, np.nd
     return out
 
 
+@dataclass
+class Window:
+    """One evaluation window: the model's inputs and their next-token targets."""
+
+    doc: int  # index into the document list
+    category: str
+    inputs: np.ndarray  # int64 [T]
+    targets: np.ndarray  # int64 [T]
+
+
+def make_windows(docs: list[EvalDoc], seq_len: int) -> list[Window]:
+    """The evaluation windows of documents, in document order."""
+    return [Window(d, docs[d].category, w[:-1].copy(), w[1:].copy()) for d, w in document_windows(docs, seq_len)
+            if len(w) > 1]
+
+
+def batches(windows: list[Window], batch_size: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """(window indices, inputs [B, T] zero-padded, targets [B, T] with -100 padding), similar lengths together."""
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i].inputs))
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        t = max(len(windows[i].inputs) for i in idx)
+        x = torch.zeros(len(idx), t, dtype=torch.int64)
+        y = torch.full((len(idx), t), -100, dtype=torch.int64)
+        for j, i in enumerate(idx):
+            n = len(windows[i].inputs)
+            x[j, :n] = torch.from_numpy(windows[i].inputs)
+            y[j, :n] = torch.from_numpy(windows[i].targets)
+        yield idx, x, y
+
+
 @torch.no_grad()
 def score_documents(model: EngramLM, docs: list[EvalDoc], *, batch_size: int = 16,
                     engram_enabled: bool | Iterable[int] = True, progress: bool = True) -> None:
     """Fill each document's loss_sum and count (summed next-token cross-entropy, in nats)."""
     model.eval()
     device = next(model.parameters()).device
-    windows = document_windows(docs, model.config.max_seq)
-    windows.sort(key=lambda w: -len(w[1]))  # similar lengths together: little padding
-    for i in tqdm(range(0, len(windows), batch_size), desc="eval", unit="batch", disable=not progress):
-        batch = windows[i:i + batch_size]
-        t = max(len(w) for _, w in batch) - 1
-        x = torch.zeros(len(batch), t, dtype=torch.int64)
-        y = torch.full((len(batch), t), -100, dtype=torch.int64)
-        for j, (_, w) in enumerate(batch):
-            x[j, :len(w) - 1] = torch.from_numpy(w[:-1])
-            y[j, :len(w) - 1] = torch.from_numpy(w[1:])
+    windows = make_windows(docs, model.config.max_seq)
+    for idx, x, y in tqdm(batches(windows, batch_size), total=-(-len(windows) // batch_size), desc="eval",
+                          unit="batch", disable=not progress):
         logits, _ = model(x.to(device), engram_enabled=engram_enabled)
         loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
         loss = loss.cpu().double()
-        for j, (d, w) in enumerate(batch):
-            docs[d].loss_sum += float(loss[j, :len(w) - 1].sum())
-            docs[d].count += len(w) - 1
+        for j, i in enumerate(idx):
+            doc, n = docs[windows[i].doc], len(windows[i].inputs)
+            doc.loss_sum += float(loss[j, :n].sum())
+            doc.count += n
 
 
 def summarize(docs: list[EvalDoc], seed: int = 0) -> CategoryResult:
