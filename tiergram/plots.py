@@ -5,6 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def subplots(*args, **kw):
+    """(figure, axes) of matplotlib's plt.subplots on the Agg backend (drawing to files, no display), at 110 dpi
+    unless kw says."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **{"dpi": 110, **kw})
+
+
 def save_figure(fig, path: Path) -> Path:
     """Lay out, write (creating the folder) and close a matplotlib figure; returns path."""
     import matplotlib.pyplot as plt

@@ -28,6 +28,7 @@ import numpy as np
 
 from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
 from tiergram.model.config import EngramSettings, ModelConfig, MoESettings
+from tiergram.plots import save_figure, subplots
 
 
 @dataclass
@@ -300,12 +301,7 @@ def to_markdown(report: AllocationReport) -> str:
 def plot(report: AllocationReport, path: str | os.PathLike) -> None:
     """Two panels against the actual Engram share, to a PNG: validation loss (95% intervals over documents, one dot
     per seed), and its paired difference from the best share (the comparison the verdict uses)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax, bx) = subplots(1, 2, figsize=(11, 4.2))
     x = np.array([s.actual_share * 100 for s in report.shares])
     for axis, key in ((ax, "loss"), (bx, "delta_vs_best")):
         est = [getattr(s, key) for s in report.shares]
@@ -320,9 +316,7 @@ def plot(report: AllocationReport, path: str | os.PathLike) -> None:
     bx.set_ylabel("Δ loss vs the best share (paired over documents)")
     fig.suptitle(f"{report.budget / 1e6:.2f}M sparse parameters, {report.config['tokens']:,} tokens per model, "
                  f"seeds {list(report.config['seeds'])}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(path))
 
 
 def config_from_args(out: str, **overrides: Any) -> AllocationConfig:

@@ -8,6 +8,7 @@ between them in proportion to its accesses, so the touched-row shares, like the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
 from tiergram.model.evaluate import Window
 from tiergram.model.model import EngramLM
+from tiergram.plots import save_figure, subplots
 
 
 @dataclass
@@ -201,21 +203,14 @@ def analyze(model: EngramLM, windows: list[Window], tr: Trace | None, *, model_n
 
 def plot(points: dict[int, tuple[np.ndarray, np.ndarray]], path: str) -> None:
     """Hexbin of log10 access count vs mean gate, one panel per layer, to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, max(1, len(points)), figsize=(5.5 * max(1, len(points)), 4.2), squeeze=False)
+    fig, axes = subplots(1, max(1, len(points)), figsize=(5.5 * max(1, len(points)), 4.2), squeeze=False)
     for ax, (layer, (count, gate)) in zip(axes[0], sorted(points.items()), strict=False):
         hb = ax.hexbin(np.log10(np.maximum(count, 1)), gate, gridsize=40, bins="log", mincnt=1, cmap="viridis")
         ax.set_xlabel("log10 accesses of the row")
         ax.set_ylabel("mean gate at the row's accesses")
         ax.set_title(f"layer {layer}: Spearman {spearman(count, gate):.3f} ({len(count)} rows)")
         fig.colorbar(hb, ax=ax, label="rows")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(path))
 
 
 def to_markdown(report: CapacityReport) -> str:

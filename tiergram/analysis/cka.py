@@ -17,12 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from tiergram.model.evaluate import Window, batches
 from tiergram.model.model import EngramLM
+from tiergram.plots import save_figure, subplots
 
 TOP = 3  # B layers averaged in the soft alignment index
 
@@ -178,13 +180,8 @@ def to_markdown(result: LayerComparison) -> str:
 
 def plot(result: LayerComparison, path: str) -> None:
     """Heat map of the CKA matrix (A layers down, B layers across) with the soft alignment index, to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cka = np.array(result.cka)
-    fig, ax = plt.subplots(figsize=(1.1 * cka.shape[1] + 2.5, 0.9 * cka.shape[0] + 1.8))
+    fig, ax = subplots(figsize=(1.1 * cka.shape[1] + 2.5, 0.9 * cka.shape[0] + 1.8))
     im = ax.imshow(cka, vmin=0, vmax=1, cmap="magma", origin="upper")
     for i in range(cka.shape[0]):
         for j in range(cka.shape[1]):
@@ -198,6 +195,4 @@ def plot(result: LayerComparison, path: str) -> None:
     ax.set_title(f"linear CKA, {result.positions} positions (half spread {result.half_spread:.3f})", fontsize=9)
     ax.legend(loc="lower left", fontsize=7)
     fig.colorbar(im, ax=ax, label="CKA")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(path))

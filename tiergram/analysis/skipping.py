@@ -11,6 +11,7 @@ cold rows (lowest sketch access count first, the "hot rows are the useful ones" 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
 from tiergram.analysis.trace import EngramHooks, Trace
 from tiergram.model.evaluate import batches
 from tiergram.model.model import EngramLM
+from tiergram.plots import save_figure, subplots
 
 METHODS = ("predictor", "sketch-only", "oracle", "random", "cold")
 
@@ -225,12 +227,7 @@ def to_markdown(report: SkipReport) -> str:
 
 def plot(report: SkipReport, path: str) -> None:
     """Reads skipped vs relative loss increase, and vs share of Engram's effect lost, per method, to a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = subplots(1, 2, figsize=(12, 4.5))
     base = report.base_loss.value
     effect = report.off_loss.value - base
     for method in dict.fromkeys(p.method for p in report.curve):
@@ -251,9 +248,7 @@ def plot(report: SkipReport, path: str) -> None:
         ax.legend()
     if effect / base * 100 >= 1.0:
         axes[0].axhline(1.0, color="grey", ls="--", lw=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(path))
 
 
 __all__ = ["FEATURE_SETS", "METHODS", "skip_losses", "skip_study", "to_markdown", "plot"]

@@ -41,7 +41,7 @@ from tiergram.cache.native import NativeRowCache
 from tiergram.cache.policies import POLICIES, belady_hit_rate
 from tiergram.hashing import NgramHasher, build_compression
 from tiergram.paths import cache_dir
-from tiergram.plots import save_figure
+from tiergram.plots import save_figure, subplots
 
 ONLINE = tuple(POLICIES)  # every policy a cache can run (Belady needs the whole future: offline)
 # LRU whose cache starts full of the rows the corpus's train split reads most (the engine's --hot-rows): opt-in, it
@@ -404,13 +404,8 @@ def hot_keys(cfg: CacheBenchConfig, docs: TokenDocs, hasher: NgramHasher, progre
 
 def plot(res: CacheBenchResult, path: Path) -> Path:
     """Hit rate against capacity fraction, one line per policy, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fracs = [float(k) for k in res.capacity_rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    fig, ax = subplots(figsize=(6.4, 4.2))
     for name, rates in res.hit_rate.items():
         shown = [(float(k), 100 * rates[k]) for k in res.capacity_rows if rates[k] is not None]
         ax.plot([x for x, _ in shown], [y for _, y in shown], marker="o",
