@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from tiergram.bench import cache, lookup
-from tiergram.cli.common import add_common
+from tiergram.cli.common import add_common, config_from
 from tiergram.cli.serve import CACHE_POLICIES
 
 
@@ -169,7 +168,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("--requests", type=int, default=10_000, help="requests of the overload soak (RSS measured)")
     sk.add_argument("--max-num-seqs", type=int, default=8, help="the served engine's running sequences")
     sk.add_argument("--max-waiting", type=int, default=8, help="the served engine's waiting queue")
-    sk.add_argument("--overload", type=float, default=2.0, help="streaming clients as a multiple of capacity")
+    sk.add_argument("--overload", dest="overload_factor", metavar="OVERLOAD", type=float, default=2.0,
+                    help="streaming clients as a multiple of capacity")
     sk.add_argument("--fuzz-examples", type=int, default=50, help="schemathesis cases per operation and mode")
     sk.add_argument("--disconnect-clients", type=int, default=32)
     sk.add_argument("--fault-prompts", type=int, default=40, help="requests per storage-fault case")
@@ -248,21 +248,13 @@ def cmd_lookup_file(args: argparse.Namespace) -> int:
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from tiergram.bench import prefetch
 
-    cfg = prefetch.PrefetchBenchConfig(
-        table_gib=args.table_gib, heads=args.heads, rows_per_head=args.rows_per_head, dim=args.dim, table=args.table,
-        positions=args.positions, steps=args.steps, warmup=args.warmup, dist=args.dist, stores=args.stores,
-        cache_fraction=args.cache_fraction, cache_policy=args.cache_policy, compute_ms=args.compute_ms,
-        hidden=args.hidden, torch_threads=args.torch_threads)
-    res = prefetch.run(cfg, progress=not args.json)
+    res = prefetch.run(config_from(prefetch.PrefetchBenchConfig, args), progress=not args.json)
     print(prefetch.to_json(res) if args.json else prefetch.to_text(res))
     return 0
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    fields = {f.name for f in dataclasses.fields(cache.CacheBenchConfig)}
-    cfg = cache.CacheBenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
-                                    if k in fields})
-    res = cache.run(cfg, progress=not args.json)
+    res = cache.run(config_from(cache.CacheBenchConfig, args), progress=not args.json)
     print(cache.to_json(res) if args.json else cache.to_text(res))
     return 0
 
@@ -388,17 +380,13 @@ def cmd_soak(args: argparse.Namespace) -> int:
     from tiergram.bench import soak
     from tiergram.paths import cache_dir
 
-    model_dir = args.model_dir or str(cache_dir("models") / "demo-small")
-    if not Path(model_dir, "config.json").is_file():
-        raise ValueError(f"no model at {model_dir}: give MODEL_DIR (or run `tiergram demo` first)")
+    args.model_dir = args.model_dir or str(cache_dir("models") / "demo-small")
+    if not Path(args.model_dir, "config.json").is_file():
+        raise ValueError(f"no model at {args.model_dir}: give MODEL_DIR (or run `tiergram demo` first)")
     if args.slow_only and args.slow_clients < 1:
         raise ValueError(f"--slow-only measures slow clients: give --slow-clients >= 1, got {args.slow_clients}")
-    cfg = soak.SoakConfig(model_dir=model_dir, requests=args.requests, max_num_seqs=args.max_num_seqs,
-                          max_waiting=args.max_waiting, overload_factor=args.overload, fuzz_examples=args.fuzz_examples,
-                          disconnect_clients=args.disconnect_clients, fault_prompts=args.fault_prompts, seed=args.seed,
-                          slow_clients=args.slow_clients, slow_only=args.slow_only)
     try:
-        res = soak.run(cfg, progress=not args.json)
+        res = soak.run(config_from(soak.SoakConfig, args), progress=not args.json)
     except RuntimeError as e:  # a server that did not start: say which, no traceback
         print(f"tiergram: error: {e}", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 COMMON: dict[str, dict[str, Any]] = {
@@ -23,3 +24,9 @@ def add_common(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str
         kw = COMMON[flag]
         name = flag.removeprefix("--")
         p.add_argument(flag, **(kw | {"help": helps[name]} if name in helps else kw))
+
+
+def config_from(cls: type, args: argparse.Namespace) -> Any:
+    """cls built from the options named as its fields (a benchmark's options are its config's; lists as tuples)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k in names})
