@@ -15,7 +15,7 @@ from tiergram.engine import DegradePolicy, EngineConfig, Placement, SamplingPara
 from tiergram.engine.degrade import Degrader
 from tiergram.model.checkpoint import load_pretrained
 from tiergram.model.generate import generate
-from tiergram.server.metrics import engine_text, parse
+from tiergram.server.metrics import ServerMetrics, parse
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,7 +109,7 @@ def test_bound_zero_skips_every_decode_read(model_dir, ref, want):
         for layer, stats in m.engram["per_layer"].items():
             assert stats["lookups"] == 1  # the one prefill step; decode-only steps start no fetch at all
             assert stats["bytes_read"]["host"] < read_normally["per_layer"][layer]["bytes_read"]["host"]
-        samples = parse(engine_text(m))
+        samples = parse(ServerMetrics(lambda: (m, 0, False, (0, 0, 0))).render())  # /metrics of this snapshot
         assert samples["tiergram_degrade_level"] == 1
         assert samples["tiergram_engram_skipped_rows_total"] == m.skipped_rows
         assert samples['tiergram_degrade_steps_total{level="1"}'] == m.steps - 1

@@ -128,9 +128,10 @@ def test_the_engine_preloads_the_hottest_rows_and_serves_the_same_tokens(model_d
             assert src.stats()["pages_read"] == before
         m = eng.metrics()
         assert m.hot_rows_preloaded == sum(eng.hot_rows_preloaded.values()) > 0 and m.hot_rows_preload_s > 0
-        from tiergram.server.metrics import engine_text
+        from tiergram.server.metrics import ServerMetrics
 
-        assert f"tiergram_engram_hot_rows_preloaded {float(m.hot_rows_preloaded)}" in engine_text(m)
+        text = ServerMetrics(lambda: (m, 0, False, (0, 0, 0))).render()  # /metrics of this snapshot
+        assert f"tiergram_engram_hot_rows_preloaded {float(m.hot_rows_preloaded)}" in text
         for i, p in enumerate(PROMPTS):
             eng.add_request(str(i), p, GREEDY)
         got = drain(eng)

@@ -144,18 +144,6 @@ def engine_metrics(m: Any) -> Iterator[Any]:
     yield levels
 
 
-def engine_text(m: Any) -> str:
-    """The exposition text of an EngineMetrics snapshot alone (for tests and tools)."""
-    registry = CollectorRegistry(auto_describe=False)
-
-    class _One(Collector):
-        def collect(self) -> Iterator[Any]:
-            yield from engine_metrics(m)
-
-    registry.register(_One())
-    return generate_latest(registry).decode()
-
-
 def parse(text: str) -> dict[str, float]:
     """Samples of an exposition text as {'name{labels}': value} (for clients and tests)."""
     out: dict[str, float] = {}
