@@ -439,7 +439,8 @@ def test_default_budget_is_capped_at_what_the_sequences_can_use(model_dir):
     with engine(model_dir, max_num_seqs=3) as eng:
         b = eng.metrics().budget
     assert b["total_bytes"] == 2 << 30 and b["kv_blocks"] == 3 * 4 < b["kv_blocks_affordable"]
-    assert b["block_bytes"] == 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 kv heads x 16, fp32
+    # K and V (2 layers, 2 kv heads x 16) and the short conv's input (2 Engram layers x d_model 64), 16 tokens, fp32
+    assert b["block_bytes"] == (2 * 2 * 2 * 16 + 2 * 64) * 16 * 4
 
 
 # --------------------------------------------------------------------------------------- queues and input

@@ -23,9 +23,13 @@ def budget_bytes(device: torch.device, configured: int | None) -> int:
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: keys and values of block_size tokens in every layer."""
+    """Bytes of one KV block: keys and values of block_size tokens in every layer, and the Engram short conv's
+    input (one d_model vector a token per Engram layer with a conv), which is paged with them."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.n_layers * block_size * config.n_kv_heads * config.head_dim * elem
+    e = config.engram
+    conv_layers = len(e.layers) if e is not None and e.conv_kernel > 0 else 0
+    per_token = 2 * config.n_layers * config.n_kv_heads * config.head_dim + conv_layers * config.d_model
+    return per_token * block_size * elem
 
 
 def activation_bytes(config: ModelConfig, *, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

@@ -14,8 +14,10 @@ from tiergram.model.context import Group, StepLayout
 __all__ = ["Group", "StepLayout", "build_layout"]
 
 
-def build_layout(seqs: list[Sequence], counts: list[int], block_size: int, device: torch.device) -> StepLayout:
-    """Flatten the scheduled chunks and precompute the slot and mask tensors every layer reuses."""
+def build_layout(seqs: list[Sequence], counts: list[int], block_size: int, device: torch.device,
+                 conv_window: int = 0) -> StepLayout:
+    """Flatten the scheduled chunks and precompute the slot and mask tensors every layer reuses (conv_window: the
+    Engram short conv's lookback W, whose slots each group gets)."""
     b = len(seqs)
     starts = torch.tensor([s.num_computed for s in seqs], dtype=torch.int64)
     n = torch.tensor(counts, dtype=torch.int64)
@@ -31,12 +33,12 @@ def build_layout(seqs: list[Sequence], counts: list[int], block_size: int, devic
     slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
     decode = [i for i, c in enumerate(counts) if c == 1]
     prefill = [i for i, c in enumerate(counts) if c > 1]
-    groups = [_group(m, starts, n, offs, tables, block_size, device) for m in (decode, prefill) if m]
+    groups = [_group(m, starts, n, offs, tables, block_size, device, conv_window) for m in (decode, prefill) if m]
     return StepLayout(ids.to(device), positions.to(device), slots.to(device), (offs + n - 1).to(device), groups)
 
 
 def _group(members: list[int], starts: torch.Tensor, n: torch.Tensor, offs: torch.Tensor, tables: torch.Tensor,
-           block_size: int, device: torch.device) -> Group:
+           block_size: int, device: torch.device, conv_window: int) -> Group:
     m = torch.tensor(members, dtype=torch.int64)
     counts, start, ctx = n[m], starts[m], starts[m] + n[m]
     t_max, p_max = int(counts.max()), int(ctx.max())
@@ -47,5 +49,12 @@ def _group(members: list[int], starts: torch.Tensor, n: torch.Tensor, offs: torc
     key_slots = tables[m][:, p // block_size] * block_size + p % block_size  # [Bg, P]
     qpos = start[:, None] + torch.arange(t_max)[None, :]  # [Bg, T]; padded queries still see key 0: no NaN
     mask = (p[None, None, :] <= qpos[:, :, None]) & (p[None, None, :] < ctx[:, None, None])
-    return Group(members, rows.to(device), seq.to(device), col.to(device), counts.to(device), key_slots.to(device),
-                 mask[:, None].to(device), t_max)
+    group = Group(members, rows.to(device), seq.to(device), col.to(device), counts.to(device), key_slots.to(device),
+                  mask[:, None].to(device), t_max)
+    if conv_window:
+        back = start[:, None] - conv_window + torch.arange(conv_window)[None, :]  # [Bg, W] positions before the chunk
+        valid = back >= 0
+        back = back.clamp(min=0)
+        group.conv_slots = (tables[m].gather(1, back // block_size) * block_size + back % block_size).to(device)
+        group.conv_valid = valid.to(device)
+    return group

@@ -59,6 +59,17 @@ class ModelRunner:
         e = c.engram
         self.lookback = e.max_ngram_size - 1 if e is not None else 0
         self.pad_id = e.pad_id if e is not None else 0
+        # the short conv's input (each position's gated value), paged with the K/V: {layer: [slots, 1, d_model]}
+        conv_layers = [i for i, b in enumerate(model.blocks) if b.engram is not None and b.engram.short_conv is not None]
+        self.conv_window = (e.conv_kernel - 1) * e.max_ngram_size if conv_layers else 0
+        self.conv_cache = torch.zeros(len(conv_layers), num_blocks * block_size, 1, c.d_model, dtype=dtype,
+                                      device=device)
+        self.e_cache = {layer: self.conv_cache[j] for j, layer in enumerate(conv_layers)}
+
+    @property
+    def paged_caches(self) -> list[torch.Tensor]:
+        """Every per-slot cache, each [layers, slots, ...]: what a K/V block holds (keys, values, conv inputs)."""
+        return [self.k_cache, self.v_cache] + ([self.conv_cache] if self.e_cache else [])
 
     @property
     def can_warm(self) -> bool:
@@ -120,7 +131,7 @@ class ModelRunner:
         # built after, while the reads run
         tickets = {layer: self.sources[layer].prefetch(ids if layer not in keep else ids[keep[layer]])
                    for layer, ids in sorted(row_ids.items()) if layer not in keep or keep[layer].any()}
-        layout = build_layout(seqs, counts, self.block_size, self.device)
+        layout = build_layout(seqs, counts, self.block_size, self.device, self.conv_window)
         self.warm(ahead or [])
         t1 = time.perf_counter()
         stall: dict[int, float] = {}
@@ -140,7 +151,7 @@ class ModelRunner:
 
         ctx = StepContext(layout, self.k_cache, self.v_cache,
                           engram={layer: partial(engram_input, layer) for layer in row_ids},
-                          conv=[s.conv for s in seqs])
+                          e_cache=self.e_cache)
         try:
             with step_context(ctx):
                 logits = model(layout.ids[None])[0][0]  # the model's own forward: [B, V] at the last tokens

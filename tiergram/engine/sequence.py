@@ -46,7 +46,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # KV block ids, position p in block p // block_size
     block_names: list[bytes] = field(default_factory=list)  # prefix-cache names of its computed full blocks
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
-    conv: dict[int, torch.Tensor] = field(default_factory=dict)  # per Engram layer: short-conv lookback [W, 1, d]
     finish_reason: str | None = None
     warmed_to: int = 0  # prompt tokens before this have had their Engram rows read ahead into the caches
     # read-aheads of its first prompt chunk still to finish (tickets with done()); while any is pending the scheduler
@@ -71,7 +70,6 @@ class Sequence:
         """Forget everything computed (preemption): the tokens are recomputed when the sequence resumes."""
         self.num_computed = 0
         self.block_table = []
-        self.conv = {}
         self.warmed_to = 0
         self.rows_pending = []
 

@@ -29,6 +29,9 @@ class Group:
     key_slots: torch.Tensor  # int64 [Bg, P]: KV slot of each context position (padding reads slot of block 0)
     mask: torch.Tensor  # bool [Bg, 1, T, P]: query j of sequence b may see key p
     t_max: int
+    # the Engram short conv's lookback: slots of the W positions before each chunk, and which exist (position >= 0)
+    conv_slots: torch.Tensor | None = None  # int64 [Bg, W]
+    conv_valid: torch.Tensor | None = None  # bool [Bg, W]
 
 
 @dataclass
@@ -58,7 +61,9 @@ class StepContext:
     k_cache: torch.Tensor  # [n_layers, slots, n_kv_heads, head_dim]
     v_cache: torch.Tensor  # same shape
     engram: dict[int, Callable[[], EngramInput]] = field(default_factory=dict)  # per layer, called when it runs
-    conv: list[dict[int, torch.Tensor]] = field(default_factory=list)  # per sequence: layer -> short-conv lookback
+    # per Engram layer with a short conv: its gated values [slots, 1, d], paged like the K/V (same slots), so the
+    # conv's lookback survives chunking, preemption and a prefix-cache hit like the keys do
+    e_cache: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 _CURRENT: ContextVar[StepContext | None] = ContextVar("tiergram_step_context", default=None)

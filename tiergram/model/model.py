@@ -147,8 +147,9 @@ def engram_step(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_p
 
 def engram_paged(engram: Engram, x: torch.Tensor, given: EngramInput, ctx: StepContext, layer: int) -> torch.Tensor:
     """A step's flat tokens x [N, d] and rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence
-    after its lookback (ctx.conv[b][layer]), which is advanced. Skipped positions (given.keep 0) get a zero value
-    (as the short conv sees it) and a zero output."""
+    after its lookback, read from the paged gated values (ctx.e_cache[layer] at group.conv_slots), and the step's
+    own values are written there. Skipped positions (given.keep 0) get a zero value (as the short conv sees it)
+    and a zero output."""
     rows, keep, layout = given.rows.to(x.device), given.keep, ctx.layout
     value = engram.gated_value(x[None, :, None, :], rows=rows[None])[0][0]  # [N, 1, d]
     if keep is not None:
@@ -156,17 +157,15 @@ def engram_paged(engram: Engram, x: torch.Tensor, given: EngramInput, ctx: StepC
     if engram.short_conv is None:
         return value[:, 0]
     w = (engram.config.conv_kernel - 1) * engram.config.max_ngram_size
+    cache = ctx.e_cache[layer]
     out = value.clone()
     for g in layout.groups:
-        zeros = value.new_zeros(w, *value.shape[1:])  # a zero lookback = the conv's own left padding
         past = value.new_zeros(len(g.members), w + g.t_max, *value.shape[1:])  # [Bg, W + T, 1, d]
-        past[:, :w] = torch.stack([ctx.conv[b].get(layer, zeros) for b in g.members])
+        # positions before the sequence's start stay zero: the conv's own left padding
+        past[:, :w] = cache[g.conv_slots] * g.conv_valid[:, :, None, None].to(value.dtype)
         past[g.seq, w + g.col] = value[g.rows]
         out[g.rows] += engram.short_conv(past)[g.seq, w + g.col]
-        last = g.counts[:, None] + torch.arange(w, device=past.device)[None, :]  # [Bg, W]: the last W of each
-        lookback = past[torch.arange(len(g.members), device=past.device)[:, None], last]
-        for j, b in enumerate(g.members):
-            ctx.conv[b][layer] = lookback[j]
+    cache[layout.slots] = value.to(cache.dtype)
     if keep is not None:
         out = out * keep.to(out.dtype)[:, None, None]
     return out[:, 0]
