@@ -15,12 +15,12 @@ import pytest
 from test_server import PROMPT, complete, make_tiny_model, metrics, running, serve_subprocess, stream, wait_for
 from test_server_limits import assert_openai_error
 
-from tiergram.server.edge import Edge, is_loopback
+from tiergram.settings import ServerSettings, is_loopback
 
 CTX = 128
 DEADLINE = 1.0  # the edge's header and body deadlines in these tests
 SLACK = 4.0  # answered within the deadline and this (a busy 2-core machine)
-EDGE = Edge(header_timeout_s=DEADLINE, body_timeout_s=DEADLINE, max_connections=40, max_reading=4)
+EDGE = ServerSettings(header_timeout=DEADLINE, body_timeout=DEADLINE, max_connections=40, max_reading=4)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(model_dir):
-    with running(model_dir, app_kw={"edge": EDGE}, max_model_len=CTX) as base:
+    with running(model_dir, app_kw={"settings": EDGE}, max_model_len=CTX) as base:
         yield base
 
 
@@ -126,8 +126,8 @@ def test_many_half_headers_are_all_closed_by_the_deadline(url):
 
 
 def test_connections_beyond_the_cap_get_503_with_retry_after_at_once(model_dir):
-    edge = Edge(header_timeout_s=30, max_connections=5)
-    with running(model_dir, app_kw={"edge": edge}, max_model_len=CTX) as base:
+    edge = ServerSettings(header_timeout=30, max_connections=5)
+    with running(model_dir, app_kw={"settings": edge}, max_model_len=CTX) as base:
         held = [connect(base) for _ in range(5)]
         time.sleep(0.2)
         with connect(base) as extra:
@@ -145,8 +145,8 @@ def test_connections_beyond_the_cap_get_503_with_retry_after_at_once(model_dir):
 def test_requests_beyond_the_reading_cap_get_429_with_retry_after(model_dir):
     """Requests still reading their body hold the reading slots; one more is refused at once, and served again
     once the slow one's deadline has freed its slot."""
-    edge = Edge(body_timeout_s=DEADLINE, max_reading=2)
-    with running(model_dir, app_kw={"edge": edge}, max_model_len=CTX) as base:
+    edge = ServerSettings(body_timeout=DEADLINE, max_reading=2)
+    with running(model_dir, app_kw={"settings": edge}, max_model_len=CTX) as base:
         slow = [connect(base) for _ in range(2)]
         for s in slow:
             s.sendall(HEAD + b"Content-Length: 50\r\n\r\n{")
@@ -218,7 +218,7 @@ def test_a_client_gone_mid_body_is_a_counted_disconnect_not_a_500(url):
 # ------------------------------------------------------------------------------------------- who may call
 
 def test_the_api_key_guards_every_endpoint_but_the_public_ones(model_dir):
-    with running(model_dir, app_kw={"edge": Edge(api_key="s3cret")}, max_model_len=CTX) as base:
+    with running(model_dir, app_kw={"settings": ServerSettings(api_key="s3cret")}, max_model_len=CTX) as base:
         for path in ("/v1/models", "/openapi.json"):
             r = httpx.get(f"{base}{path}")
             assert assert_openai_error(r, 401)["code"] == "invalid_api_key" and r.headers["www-authenticate"]
@@ -230,7 +230,8 @@ def test_the_api_key_guards_every_endpoint_but_the_public_ones(model_dir):
                        headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200
         assert httpx.get(f"{base}/health").status_code == 200 and httpx.get(f"{base}/metrics").status_code == 200
-    with running(model_dir, app_kw={"edge": Edge(api_key="k", public_paths=())}, max_model_len=CTX) as base:
+    no_public_path = ServerSettings(api_key="k", public_paths=[])
+    with running(model_dir, app_kw={"settings": no_public_path}, max_model_len=CTX) as base:
         assert_openai_error(httpx.get(f"{base}/health"), 401)
         assert httpx.get(f"{base}/health", headers={"Authorization": "Bearer k"}).status_code == 200
 
@@ -291,8 +292,8 @@ def test_a_browser_cannot_drive_a_loopback_server(url):
 
 
 def test_allowed_hosts_and_cors_origins_when_asked_for(model_dir):
-    edge = Edge(allowed_hosts=("api.example",), cors_origins=("https://app.example",))
-    with running(model_dir, app_kw={"edge": edge}, max_model_len=CTX) as base:
+    edge = ServerSettings(allowed_hosts=["api.example"], cors_origins=["https://app.example"])
+    with running(model_dir, app_kw={"settings": edge}, max_model_len=CTX) as base:
         assert raw_request(base, b"GET /v1/models HTTP/1.1\r\nHost: api.example:443\r\n")[0] == 200
         assert raw_request(base, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")[0] == 400
         r = httpx.options(f"{base}/v1/completions", headers={
@@ -305,16 +306,17 @@ def test_allowed_hosts_and_cors_origins_when_asked_for(model_dir):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
                        headers={"Host": "api.example", "Origin": "https://other.example"})
         assert assert_openai_error(r, 403)["code"] == "origin_not_allowed"
-    with running(model_dir, app_kw={"edge": Edge(allowed_hosts=("*",))}, max_model_len=CTX) as base:
+    with running(model_dir, app_kw={"settings": ServerSettings(allowed_hosts=["*"])}, max_model_len=CTX) as base:
         assert raw_request(base, b"GET /v1/models HTTP/1.1\r\nHost: anything.example\r\n")[0] == 200
 
 
 def test_what_counts_as_loopback_and_the_default_hosts_of_a_bind():
     assert all(is_loopback(h) for h in ("localhost", "127.0.0.1", "127.1.2.3", "::1", "[::1]", "a.localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "evil.example", "localhost.evil.example"))
-    assert Edge().for_bind("127.0.0.1").allowed_hosts is None and Edge().for_bind("::1").allowed_hosts is None
-    assert Edge().for_bind("0.0.0.0").allowed_hosts == ("*",)
-    assert Edge(allowed_hosts=("api.example",)).for_bind("0.0.0.0").allowed_hosts == ("api.example",)
+    assert ServerSettings().for_bind("127.0.0.1").allowed_hosts is None
+    assert ServerSettings().for_bind("::1").allowed_hosts is None
+    assert ServerSettings().for_bind("0.0.0.0").allowed_hosts == ["*"]
+    assert ServerSettings(allowed_hosts=["api.example"]).for_bind("0.0.0.0").allowed_hosts == ["api.example"]
 
 
 # ------------------------------------------------------------------------------------ errors show no internals
@@ -345,7 +347,7 @@ def test_errors_name_the_problem_not_paths_or_exception_text(model_dir):
         engine.step, engine.tokenizer = step, Tok()
 
     for debug in (False, True):
-        with running(model_dir, hook=hook, app_kw={"edge": Edge(debug=debug)}, max_model_len=CTX) as base:
+        with running(model_dir, hook=hook, app_kw={"settings": ServerSettings(debug=debug)}, max_model_len=CTX) as base:
             fail["step"] = True
             msg = assert_openai_error(complete(base, prompt=PROMPT, max_tokens=4), 500)["message"]
             assert "cannot read page 3" in msg and "engram_layer1.tgt" in msg

@@ -85,10 +85,10 @@ def test_a_disconnect_storm_gives_every_kv_block_back(model_dir):
 
 def test_slow_clients_meet_their_deadlines_and_normal_requests_are_served(model_dir):
     """The soak's slow-client phase, small: 40 clients of every kind against 1-s deadlines for 4 s."""
-    from tiergram.server.edge import Edge
+    from tiergram.settings import ServerSettings
 
-    edge = Edge(header_timeout_s=1.0, body_timeout_s=1.0)
-    with running(model_dir, app_kw={"edge": edge}, max_model_len=CTX) as base:
+    edge = ServerSettings(header_timeout=1.0, body_timeout=1.0)
+    with running(model_dir, app_kw={"settings": edge}, max_model_len=CTX) as base:
         slow = soak.slow_clients(base, clients=40, seconds=4.0, baseline_s=1.0)
         slow["served_after"] = soak.serves_normally(base)
     assert all(soak.slow_checks(slow, header_s=1.0, body_s=1.0).values()), slow

@@ -14,7 +14,7 @@ import pytest
 from test_server import PROMPT, complete, make_tiny_model, metrics, running
 
 from tiergram.engine import Placement
-from tiergram.server.protocol import Limits
+from tiergram.settings import ServerSettings
 
 CTX = 128  # a short context keeps every accepted request short
 
@@ -257,8 +257,8 @@ def test_serve_device_auto_and_one_line_errors(model_dir):
 
 
 def test_limits_are_configurable(model_dir):
-    limits = Limits(max_body_bytes=300, max_prompt_chars=20, max_stop=1, max_stop_chars=3)
-    with running(model_dir, app_kw={"limits": limits}, max_model_len=CTX) as base:
+    limits = ServerSettings(max_body_bytes=300, max_prompt_chars=20, max_stop=1, max_stop_chars=3)
+    with running(model_dir, app_kw={"settings": limits}, max_model_len=CTX) as base:
         assert_openai_error(complete(base, prompt="x" * 21), 400, "prompt")
         assert_openai_error(complete(base, prompt="x", stop=["a", "b"]), 400, "stop")
         assert_openai_error(complete(base, prompt="x", stop="abcd"), 400, "stop")

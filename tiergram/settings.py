@@ -10,6 +10,7 @@ here, once, and an error names the file, the section and the key. Imports nothin
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import types
@@ -113,35 +114,61 @@ class EngramSettings:
 
 @dataclass
 class ServerSettings:
-    """[server]: the HTTP server, its edge (deadlines, caps, access) and what one request may ask for."""
+    """[server]: the HTTP server, its edge (deadlines, caps, who may call, what errors show) and what one request may
+    ask for (beyond any limit it is answered 4xx before any work is done). The server reads them from here."""
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free one, printed when listening
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # None: the engine's
     log_level: str = "info"
     drain_timeout: float = 60.0  # seconds SIGTERM waits for in-flight requests
-    api_key: str | None = None  # default: $TIERGRAM_API_KEY
+    unhealthy_after: int = 8  # engine steps failing in a row before /health says unhealthy
+    api_key: str | None = None  # the Bearer token every path but public_paths needs (serve: $TIERGRAM_API_KEY)
     public_paths: list[str] = field(default_factory=lambda: ["/health", "/metrics"])
-    allowed_hosts: list[str] | None = None  # None: loopback names on a loopback bind, any on another
-    cors_origins: list[str] = field(default_factory=list)
-    debug: bool = False
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int | None = None  # None: 32 x the context length
-    max_stop: int = 4
-    max_stop_chars: int = 256
-    unhealthy_after: int = 8
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_connections: int = 1024
-    max_reading: int = 256
+    allowed_hosts: list[str] | None = None  # Host header names answered ("*": any); None: see for_bind
+    cors_origins: list[str] = field(default_factory=list)  # origins a browser page may call from ("*": any)
+    debug: bool = False  # error bodies carry exception text and tracebacks (else only the log does)
+    header_timeout: float = 10.0  # seconds for a request's headers, from its first byte (408 beyond)
+    body_timeout: float = 30.0  # seconds for its whole body, from its headers (408 beyond)
+    max_connections: int = 1024  # open connections; more are answered 503 at once
+    max_reading: int = 256  # requests reading their body or being tokenized; more are answered 429 at once
+    max_body_bytes: int = 1 << 20  # request body (413 beyond)
+    max_prompt_chars: int | None = None  # prompt text, chat messages included (None: 32 x the context length)
+    max_stop: int = 4  # stop strings
+    max_stop_chars: int = 256  # characters of one stop string
+    max_stop_token_ids: int = 64
+    max_messages: int = 1024  # chat messages
+    max_temperature: float = 2.0  # as OpenAI's API
 
     def check(self) -> None:
-        _at_least(self, 1, "max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "unhealthy_after",
-                  "max_connections", "max_reading")
-        _at_least(self, 0, "port")
+        _at_least(self, 1, "max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids",
+                  "max_messages", "unhealthy_after", "max_connections", "max_reading")
+        _at_least(self, 0, "port", "max_temperature")
         for name in ("drain_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"must be > 0, got {getattr(self, name)!r}", name)
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        """The prompt-text limit for a model of this context length."""
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 32 * max_model_len
+
+    def for_bind(self, host: str) -> ServerSettings:
+        """These settings for a server bound to `host`: unset allowed hosts are loopback names on a loopback bind
+        (no DNS rebinding), any name on another (the names it is reached by are the deployment's to give)."""
+        if self.allowed_hosts is not None or is_loopback(host):
+            return self
+        return dataclasses.replace(self, allowed_hosts=["*"])
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address or Host name is this machine: localhost, *.localhost, 127.0.0.0/8, ::1."""
+    host = host.strip("[]").lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass

@@ -129,8 +129,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tiergram.engine import LLMEngine, serving_torch_threads
     from tiergram.server import EngineProcess, EngineStartError, serve
-    from tiergram.server.edge import Edge
-    from tiergram.server.protocol import Limits
 
     try:
         cfg = settings_of(args)
@@ -139,13 +137,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine_cfg = cfg.engine_config(args.model_dir, _device(e.device))
     except (ConfigError, ValueError, RuntimeError) as err:
         raise SystemExit(f"tiergram serve: error: {err}") from None
-    limits = Limits(max_body_bytes=sv.max_body_bytes, max_prompt_chars=sv.max_prompt_chars, max_stop=sv.max_stop,
-                    max_stop_chars=sv.max_stop_chars)
-    edge = Edge(header_timeout_s=sv.header_timeout, body_timeout_s=sv.body_timeout,
-                max_connections=sv.max_connections, max_reading=sv.max_reading, api_key=sv.api_key or None,
-                public_paths=tuple(sv.public_paths),
-                allowed_hosts=None if sv.allowed_hosts is None else tuple(sv.allowed_hosts),
-                cors_origins=tuple(sv.cors_origins), debug=sv.debug)
     try:
         if e.engine_process:
             engine = EngineProcess(engine_cfg, torch_threads=threads)
@@ -156,5 +147,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"tiergram serve: error: {err}") from None                  # without one: one line
     print(f"tiergram serve: torch on {threads} CPU thread{'s' * (threads > 1)}"  # once started: an error stays one line
           + ("" if e.torch_threads else " (the CPUs less one; --torch-threads to change)"), file=sys.stderr, flush=True)
-    return serve(engine, host=sv.host, port=sv.port, log_level=sv.log_level, drain_timeout_s=sv.drain_timeout,
-                 model_name=sv.served_model_name, limits=limits, unhealthy_after=sv.unhealthy_after, edge=edge)
+    return serve(engine, sv)

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from tiergram.engine import LLMEngine, QueueFullError
 from tiergram.server.async_engine import AsyncEngine, EngineDeadError, EngineLoopError
-from tiergram.server.edge import REFUSED, RETRY_AFTER_S, Edge, Guard, edge_protocol
+from tiergram.server.edge import REFUSED, RETRY_AFTER_S, Guard, edge_protocol
 from tiergram.server.engine_process import EngineProcess
 from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergram.server.openapi import openapi_schema
@@ -33,7 +33,6 @@ from tiergram.server.protocol import (
     APIError,
     Detokenizer,
     GenerationRequest,
-    Limits,
     bad,
     chunk,
     redact,
@@ -42,11 +41,11 @@ from tiergram.server.protocol import (
     validate_request,
 )
 from tiergram.server.protocol import usage_chunk as make_usage_chunk
+from tiergram.settings import ServerSettings
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/openapi.json")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client has gone
 INLINE_TOKENIZE_CHARS = 2048  # longer prompts are tokenized on a worker thread, off the event loop
-UNHEALTHY_AFTER = 8  # engine steps failing in a row before /health says unhealthy
 FD_RESERVE = 256  # file descriptors kept beside the connection cap: tables, pipes, the engine's own
 log = logging.getLogger("uvicorn.error")  # uvicorn's: it follows --log-level
 
@@ -65,7 +64,7 @@ def _reject_constant(name: str) -> Any:
 
 @dataclass
 class ServerState:
-    """What the routes share: the engine, metrics, and the drain flag."""
+    """What the routes share: the engine, metrics, the [server] settings, and the drain flag."""
 
     engine: AsyncEngine
     metrics: ServerMetrics
@@ -73,9 +72,7 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     tokenizer: Any
-    limits: Limits = field(default_factory=Limits)
-    edge: Edge = field(default_factory=Edge)
-    unhealthy_after: int = UNHEALTHY_AFTER
+    settings: ServerSettings = field(default_factory=ServerSettings)
     draining: bool = False
     in_flight: int = 0
     reading: int = 0  # requests reading their body or being tokenized
@@ -84,12 +81,12 @@ class ServerState:
 
     def shown(self, text: str) -> str:
         """An error's text as a client sees it: paths cut to their names, unless --debug."""
-        return text if self.edge.debug else redact(text)
+        return text if self.settings.debug else redact(text)
 
     def internal(self, e: BaseException, what: str) -> str:
         """Log an unexpected exception with its traceback; the message a client gets (the text only with --debug)."""
         log.error("%s: %s: %s", what, type(e).__name__, e, exc_info=e)
-        if self.edge.debug:
+        if self.settings.debug:
             return f"{what}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}"
         return f"{what}: an internal error (the server log has the details)"
 
@@ -289,17 +286,17 @@ def _json(raw: bytes) -> Any:
         raise bad(f"the request body is not valid JSON: {e}") from None
 
 
-def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = None, limits: Limits | None = None,
-               unhealthy_after: int = UNHEALTHY_AFTER, edge: Edge | None = None) -> FastAPI:
+def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = None) -> FastAPI:
     """The FastAPI app serving an engine: an LLMEngine stepped by a thread of this process, or an EngineProcess
-    (either starts and stops with the app's lifespan); `edge`: its deadlines, caps and access rules (run it with
-    serve or serve_in_thread, which apply the connection ones)."""
+    (either starts and stops with the app's lifespan); `settings`: the model's name, the request limits, deadlines,
+    caps and access rules (run it with serve or serve_in_thread, which apply the connection ones)."""
     aengine = engine if isinstance(engine, EngineProcess) else AsyncEngine(engine)
     tok = engine.tokenizer
-    state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=model_name or engine.model_name,
-                        max_model_len=int(engine.max_model_len),
+    settings = settings or ServerSettings()
+    state = ServerState(engine=aengine, metrics=ServerMetrics(), model_name=settings.served_model_name or
+                        engine.model_name, max_model_len=int(engine.max_model_len),
                         vocab_size=int(getattr(engine, "vocab_size", None) or tok.get_vocab_size()), tokenizer=tok,
-                        limits=limits or Limits(), edge=edge or Edge(), unhealthy_after=unhealthy_after)
+                        settings=settings)
     state.metrics = ServerMetrics(lambda: (aengine.snapshot, state.in_flight, state.draining,
                                            (state.connections, state.reading, aengine.open_requests)),
                                   engine_cpu=(lambda: aengine.engine_cpu_seconds)
@@ -316,9 +313,9 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
 
     app = FastAPI(title="tiergram", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tiergram = state
-    app.add_middleware(Guard, edge=state.edge)  # (the last added runs first: count, CORS, then the guard)
-    if state.edge.cors_origins:  # a browser's preflight is answered before the guard asks for a key
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.edge.cors_origins), allow_methods=["GET", "POST"],
+    app.add_middleware(Guard, settings=settings)  # (the last added runs first: count, CORS, then the guard)
+    if settings.cors_origins:  # a browser's preflight is answered before the guard asks for a key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     app.add_middleware(_CountStatus, metrics=state.metrics)
 
@@ -354,13 +351,13 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
                 "faults": m.faults, "consecutive_faults": m.consecutive_faults,
                 "last_fault": m.last_fault and state.shown(m.last_fault),
                 "failed_requests": m.failed_requests}
-        if m.consecutive_faults >= state.unhealthy_after:  # every step fails: a fault that does not go away
+        if m.consecutive_faults >= settings.unhealthy_after:  # every step fails: a fault that does not go away
             return JSONResponse({**body, "status": "unhealthy"}, status_code=503)
         return JSONResponse(body)
 
     @app.get("/openapi.json")
     async def openapi() -> JSONResponse:
-        return JSONResponse(openapi_schema(state.model_name, state.max_model_len, state.vocab_size, state.limits))
+        return JSONResponse(openapi_schema(state.model_name, state.max_model_len, state.vocab_size, settings))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -373,9 +370,9 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
 
     async def _admit(kind: str, request: Request) -> GenerationRequest:
         """Read, validate and tokenize a generation request."""
-        body = _json(await _read_body(request, state.limits.max_body_bytes))
+        body = _json(await _read_body(request, settings.max_body_bytes))
         req = validate_request(kind, body, model_name=state.model_name, max_model_len=state.max_model_len,
-                               vocab_size=state.vocab_size, limits=state.limits)
+                               vocab_size=state.vocab_size, limits=settings)
         if req.prompt_text is not None:
             args = (req, tok)
             kw = {"max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
@@ -395,7 +392,7 @@ def create_app(engine: LLMEngine | EngineProcess, *, model_name: str | None = No
         except QueueFullError as e:
             state.metrics.finished.labels(reason="rejected").inc()
             raise _overloaded(f"the server is at capacity ({e}); retry later", "queue_full") from None
-        if state.reading >= state.edge.max_reading:  # bodies held in memory, prompts waiting for a tokenizer
+        if state.reading >= settings.max_reading:  # bodies held in memory, prompts waiting for a tokenizer
             state.metrics.finished.labels(reason="rejected").inc()
             raise _overloaded(f"{state.reading} requests are being read or tokenized, this server's limit; retry "
                               "later", "too_many_reading")
@@ -474,7 +471,7 @@ def uvicorn_config(app: FastAPI, **kw: Any) -> Any:
     def count(delta: int) -> None:
         state.connections += delta
 
-    protocol = edge_protocol(state.edge, lambda status: state.metrics.count_request("other", status), count)
+    protocol = edge_protocol(state.settings, lambda status: state.metrics.count_request("other", status), count)
     return uvicorn.Config(app, http=protocol, lifespan="on", **kw)
 
 
@@ -513,20 +510,19 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
         sock.close()
 
 
-def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          drain_timeout_s: float = 60.0, model_name: str | None = None, limits: Limits | None = None,
-          unhealthy_after: int = UNHEALTHY_AFTER, edge: Edge | None = None) -> int:
-    """Serve until SIGTERM (drain, then exit) or Ctrl-C; port 0 picks a free one (printed when listening). Hosts
-    not named in edge.allowed_hosts are refused; left unset, a loopback bind answers loopback names only and any
-    other bind any name."""
-    edge = (edge or Edge()).for_bind(host)
-    held = open_files_for(edge.max_connections)
-    if held < edge.max_connections:
-        print(f"tiergram serve: the open-file limit holds {held} connections, not --max-connections "
-              f"{edge.max_connections}", file=sys.stderr, flush=True)
-        edge = replace(edge, max_connections=held)
-    app = create_app(engine, model_name=model_name, limits=limits, unhealthy_after=unhealthy_after,
-                     edge=edge)
+def serve(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = None) -> int:
+    """Serve until SIGTERM (drain, then exit) or Ctrl-C, as the [server] settings say; port 0 picks a free one
+    (printed when listening). Hosts not named in allowed_hosts are refused; left unset, a loopback bind answers
+    loopback names only and any other bind any name."""
+    settings = settings or ServerSettings()
+    host, port = settings.host, settings.port
+    settings = settings.for_bind(host)
+    held = open_files_for(settings.max_connections)
+    if held < settings.max_connections:
+        print(f"tiergram serve: the open-file limit holds {held} connections, not max_connections "
+              f"{settings.max_connections}", file=sys.stderr, flush=True)
+        settings = replace(settings, max_connections=held)
+    app = create_app(engine, settings)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP (not 0): asyncio only sets TCP_NODELAY on such sockets, and without it Nagle holds
     # each streamed chunk for the client's delayed ACK (~40 ms) on keep-alive connections
@@ -535,8 +531,8 @@ def serve(engine: LLMEngine | EngineProcess, *, host: str = "127.0.0.1", port: i
     sock.bind((host, port))
     sock.listen(2048)  # connections queue from now on, answered once the app has started
     bound = sock.getsockname()[1]
-    config = uvicorn_config(app, log_level=log_level, timeout_keep_alive=30)
-    server = _draining_server_class()(config, app.state.tiergram, drain_timeout_s)
+    config = uvicorn_config(app, log_level=settings.log_level, timeout_keep_alive=30)
+    server = _draining_server_class()(config, app.state.tiergram, settings.drain_timeout)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"tiergram serve: {app.state.tiergram.model_name} on http://{shown}:{bound}", flush=True)
     try:

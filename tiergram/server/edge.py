@@ -1,8 +1,9 @@
 """The server's edge: deadlines and caps on connections (an h11 protocol for uvicorn), and who may call (API key,
 Host and Origin checks, as ASGI middleware).
 
-A connection's request must send its headers within `header_timeout_s` of its first byte (or of the connection's
-opening) and its body within `body_timeout_s` of its headers, a total deadline however the bytes trickle in; past
+What it allows is the [server] settings' (settings.ServerSettings). A connection's request must send its headers
+within `header_timeout` of its first byte (or of the connection's opening) and its body within `body_timeout` of its
+headers, a total deadline however the bytes trickle in; past
 either it is answered 408 and closed. Beyond `max_connections` open connections a new one is answered 503 with
 Retry-After and closed at once. The app caps the requests still reading their body or being tokenized
 (`max_reading`, 429 with Retry-After).
@@ -12,10 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any
 
@@ -23,30 +22,12 @@ import h11
 from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tiergram.settings import ServerSettings, is_loopback
+
 REFUSE_GRACE_S = 1.0  # a refused connection is read (and dropped) this long before closing, so the answer is not
 # lost to a reset from the client's unread bytes
 RETRY_AFTER_S = 1  # what a client refused for overload is told to wait
 REFUSED = "tiergram.refused"  # scope key: the status the edge answered for a request whose app then saw a disconnect
-
-
-@dataclass
-class Edge:
-    """What the server's edge allows: deadlines, caps, who may call, what errors show."""
-
-    header_timeout_s: float = 10.0  # a request's headers, from its first byte (408 beyond)
-    body_timeout_s: float = 30.0  # a request's whole body, from its headers (408 beyond)
-    max_connections: int = 1024  # open connections; more are answered 503 at once
-    max_reading: int = 256  # requests reading their body or being tokenized; more are answered 429 at once
-    api_key: str | None = None  # Bearer token every path but public_paths needs
-    public_paths: tuple[str, ...] = ("/health", "/metrics")
-    allowed_hosts: tuple[str, ...] | None = None  # Host header values; None: loopback names only; "*": any
-    cors_origins: tuple[str, ...] = ()  # origins a browser page may call from ("*": any)
-    debug: bool = False  # error bodies carry exception text and tracebacks (else only the log does)
-
-    def for_bind(self, host: str) -> Edge:
-        """This edge for a server bound to `host`: unset allowed hosts are loopback names on a loopback bind (no
-        DNS rebinding), any name on another (the names it is reached by are the deployment's to give)."""
-        return self if self.allowed_hosts is not None or is_loopback(host) else replace(self, allowed_hosts=("*",))
 
 
 def error_body(status: int, message: str, code: str) -> bytes:
@@ -62,7 +43,7 @@ def raw_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...] 
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Callable[[int], None]) -> type:
+def edge_protocol(settings: ServerSettings, on_refused: Callable[[int], None], on_count: Callable[[int], None]) -> type:
     """uvicorn's h11 protocol with the edge's deadlines and connection cap; on_refused(status) counts a request
     the edge answered itself, on_count(delta) the open connections."""
 
@@ -73,8 +54,8 @@ def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Calla
             self._deadline: Any = None
             self._phase: Any = None  # the h11 state the deadline was armed for
             self._refused = False
-            if len(self.connections) > edge.max_connections:
-                self._refuse(503, f"the server holds {edge.max_connections} connections, its limit; retry later",
+            if len(self.connections) > settings.max_connections:
+                self._refuse(503, f"the server holds {settings.max_connections} connections, its limit; retry later",
                              "too_many_connections", (("retry-after", str(RETRY_AFTER_S)),))
                 return
             self._arm(h11.IDLE)
@@ -112,7 +93,7 @@ def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Calla
         def _arm(self, state: Any) -> None:
             self._cancel()
             self._phase = state
-            delay = edge.header_timeout_s if state is h11.IDLE else edge.body_timeout_s
+            delay = settings.header_timeout if state is h11.IDLE else settings.body_timeout
             self._deadline = self.loop.call_later(delay, self._expired)
 
         def _cancel(self) -> None:
@@ -128,7 +109,7 @@ def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Calla
                 self.transport.close()
                 return
             what = "headers" if self._phase is h11.IDLE else "body"
-            limit = edge.header_timeout_s if self._phase is h11.IDLE else edge.body_timeout_s
+            limit = settings.header_timeout if self._phase is h11.IDLE else settings.body_timeout
             self._refuse(408, f"the request's {what} did not arrive within {limit:g} s", "request_timeout")
 
         def _refuse(self, status: int, message: str, code: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
@@ -151,17 +132,6 @@ def edge_protocol(edge: Edge, on_refused: Callable[[int], None], on_count: Calla
 
 # ------------------------------------------------------------------------------------------------ who may call
 
-def is_loopback(host: str) -> bool:
-    """Whether a bind address or Host name is this machine: localhost, *.localhost, 127.0.0.0/8, ::1."""
-    host = host.strip("[]").lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _host_name(value: str) -> str:
     """The name of a Host header or an origin's authority, without port or brackets."""
     value = value.strip().lower()
@@ -178,9 +148,9 @@ class Guard:
     """ASGI middleware: Host header in the allowed hosts (no DNS rebinding), Origin allowed (no cross-site
     request from a browser), and the API key on every path but the public ones (compared in constant time)."""
 
-    def __init__(self, app: Any, edge: Edge) -> None:
-        self.app, self.edge = app, edge
-        self.key = _digest(edge.api_key) if edge.api_key else None
+    def __init__(self, app: Any, settings: ServerSettings) -> None:
+        self.app, self.settings = app, settings
+        self.key = _digest(settings.api_key) if settings.api_key else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
@@ -201,7 +171,7 @@ class Guard:
         origin = headers.get("origin")
         if origin is not None and not self.origin_allowed(origin, host):
             return 403, "requests from this origin are not allowed (--cors-origins)", "origin_not_allowed", {}
-        if self.key is not None and scope["path"] not in self.edge.public_paths:
+        if self.key is not None and scope["path"] not in self.settings.public_paths:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if not (scheme.lower() == "bearer" and hmac.compare_digest(_digest(token.strip()), self.key)):
                 return 401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key", \
@@ -209,7 +179,7 @@ class Guard:
         return None
 
     def host_allowed(self, host: str) -> bool:
-        allowed = self.edge.allowed_hosts
+        allowed = self.settings.allowed_hosts
         if allowed is not None and "*" in allowed:
             return True
         name = _host_name(host)
@@ -218,7 +188,7 @@ class Guard:
         return is_loopback(name) if allowed is None else name in {_host_name(h) for h in allowed}
 
     def origin_allowed(self, origin: str, host: str) -> bool:
-        cors = self.edge.cors_origins
+        cors = self.settings.cors_origins
         if "*" in cors or origin in cors:
             return True
         authority = origin.partition("://")[2]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiergram.server.protocol import CHAT_ROLES, Limits
+from tiergram.server.protocol import CHAT_ROLES
+from tiergram.settings import ServerSettings
 
 INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
 
@@ -27,10 +28,10 @@ def _error_responses() -> dict[str, Any]:
         (503, "draining, too many connections (Retry-After), or the engine stopped"))}
 
 
-def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits: Limits | None = None
+def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits: ServerSettings | None = None
                    ) -> dict[str, Any]:
     """The OpenAPI document of this server for a model of this context and vocabulary, under these limits."""
-    lim = limits or Limits()
+    lim = limits or ServerSettings()
     chars = lim.prompt_chars(max_model_len)
     stop = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars},
                       {"type": "array", "maxItems": lim.max_stop,

@@ -20,6 +20,7 @@ from typing import Any
 
 from tiergram.engine import SamplingParams
 from tiergram.engine.validate import RequestError, check_max_tokens, check_prompt
+from tiergram.settings import ServerSettings
 
 # The chat template: each message as "<Role>: content" and a blank line, then "Assistant:" to continue.
 CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -57,23 +58,6 @@ def redact(text: str) -> str:
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 invalid_request_error."""
     return APIError(400, message, "invalid_request_error", param, code)
-
-
-@dataclass
-class Limits:
-    """What one request may ask for; beyond any of these it is answered 4xx before any work is done."""
-
-    max_body_bytes: int = 1 << 20  # request body (413 beyond)
-    max_prompt_chars: int | None = None  # prompt text, chat messages included (None: 32 x max_model_len)
-    max_stop: int = 4  # stop strings
-    max_stop_chars: int = 256  # characters of one stop string
-    max_stop_token_ids: int = 64
-    max_messages: int = 1024  # chat messages
-    max_temperature: float = 2.0  # as OpenAI's API
-
-    def prompt_chars(self, max_model_len: int) -> int:
-        """The prompt-text limit for a model of this context length."""
-        return self.max_prompt_chars if self.max_prompt_chars is not None else 32 * max_model_len
 
 
 @dataclass
@@ -198,7 +182,7 @@ def _completion_prompt(body: dict[str, Any], max_model_len: int, vocab_size: int
     raise bad("'prompt' must be a string, a list of token ids, or a batch of one of them", "prompt")
 
 
-def _chat_prompt(body: dict[str, Any], limits: Limits) -> str:
+def _chat_prompt(body: dict[str, Any], limits: ServerSettings) -> str:
     """The chat messages, checked, through the template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -226,7 +210,7 @@ def _chat_prompt(body: dict[str, Any], limits: Limits) -> str:
     return render_chat(messages)
 
 
-def _stop(body: dict[str, Any], limits: Limits) -> list[str]:
+def _stop(body: dict[str, Any], limits: ServerSettings) -> list[str]:
     """`stop`: null, a string, or a list of up to limits.max_stop non-empty strings of limited length."""
     stop = body.get("stop")
     if stop is None:
@@ -272,10 +256,10 @@ def _unsupported(kind: str, body: dict[str, Any]) -> None:
 
 
 def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: int, vocab_size: int,
-                     limits: Limits | None = None) -> GenerationRequest:
+                     limits: ServerSettings | None = None) -> GenerationRequest:
     """Every check of a completion ("completion") or chat ("chat") body that needs no tokenizer. A text prompt
     is left in prompt_text for tokenize(); a token-id prompt is checked in full here."""
-    limits = limits or Limits()
+    limits = limits or ServerSettings()
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model", model_name)
