@@ -215,9 +215,9 @@ def test_tokenizer_that_compresses_differently_is_refused(ckpt, tmp_path, capsys
 
 
 def test_checkpoint_that_would_not_fit_the_disk_is_refused(ckpt, tmp_path, capsys, monkeypatch):
-    import tiergram.model.import_checkpoint as imp
+    import tiergram.model.init_model as im
 
-    monkeypatch.setattr(imp, "free_bytes", lambda d: 1 << 20)
+    monkeypatch.setattr(im, "free_bytes", lambda d: 1 << 20)  # the room check of init-model and import
     refused(ckpt, tmp_path / "out", "but the disk has 1,048,576 bytes (0.00 GiB) free; nothing was written", capsys)
 
 

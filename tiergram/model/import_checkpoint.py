@@ -25,9 +25,9 @@ import numpy as np
 
 from tiergram.format import PageFiller, TableManifest, write_pages
 from tiergram.format.safetensors_index import TensorLocation, locate_tensors
-from tiergram.format.writer import chunk_pages, free_bytes
+from tiergram.format.writer import chunk_pages
 from tiergram.model.export import table_filename
-from tiergram.model.init_model import CODEC, PAGE_SIZE, write_servable_dir
+from tiergram.model.init_model import CODEC, PAGE_SIZE, check_room, write_servable_dir
 
 # config.json `architectures` entries (or `model_type`) whose Engram tables tiergram imports
 ARCHITECTURES = {"DeepseekV41ForCausalLM": "deepseek-v4.1", "deepseek_v41": "deepseek-v4.1"}
@@ -196,11 +196,7 @@ def plan_import(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, toke
     out.mkdir(parents=True, exist_ok=True)
     # an existing table of this import is replaced, so its bytes count as free
     have = sum((out / li.file_name).stat().st_size for li in layers if (out / li.file_name).is_file())
-    free = free_bytes(out) + have
-    if plan.table_bytes > free:
-        raise OSError(f"{out}: the {len(layers)} tables need {plan.table_bytes:,} bytes "
-                      f"({plan.table_bytes / 2**30:.2f} GiB) but the disk has {free:,} bytes "
-                      f"({free / 2**30:.2f} GiB) free; nothing was written")
+    check_room(out, len(layers), plan.table_bytes, have)
     return plan
 
 

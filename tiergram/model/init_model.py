@@ -79,6 +79,15 @@ class _NoRows:
         raise RuntimeError("init_model's placeholder table serves no rows")
 
 
+def check_room(out: Path, tables: int, need: int, replaced: int = 0) -> None:
+    """OSError before anything is written when the disk under out lacks need bytes (replaced: bytes of files the
+    write replaces, which count as free)."""
+    free = free_bytes(out) + replaced
+    if need > free:
+        raise OSError(f"{out}: the {tables} tables need {need:,} bytes ({need / 2**30:.2f} GiB) but the disk has "
+                      f"{free:,} bytes ({free / 2**30:.2f} GiB) free; nothing was written")
+
+
 def engram_settings(geo: EngramGeometry, rows_per_head: int, layers: list[int], pad_id: int,
                     seed: int = 0) -> EngramSettings:
     """The model config's Engram settings for a geometry at rows_per_head rows per head."""
@@ -141,10 +150,7 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     need = sum(m.encode()[1] + m.data_bytes for m in manifests.values())
-    free = free_bytes(out)
-    if need > free:
-        raise OSError(f"{out}: the {len(layers)} tables need {need:,} bytes ({need / 2**30:.2f} GiB) but the disk "
-                      f"has {free:,} bytes ({free / 2**30:.2f} GiB) free; nothing was written")
+    check_room(out, len(layers), need)
     t0 = time.perf_counter()
     files = {}
     for layer, m in manifests.items():
