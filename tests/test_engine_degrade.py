@@ -68,8 +68,8 @@ def scripted_stalls(eng, stalls: list[float]) -> list[int]:
     """Make the runner report these stalls, one per step; -> the level after each step."""
     run, script = eng.runner.execute, iter(stalls)
 
-    def execute(seqs, counts, ahead=None):
-        result = run(seqs, counts, ahead)
+    def execute(*args):
+        result = run(*args)
         result.stall_s = next(script)
         return result
 

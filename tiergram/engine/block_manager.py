@@ -50,7 +50,7 @@ class Copies:
 class BlockManager:
     """Hands out KV blocks of block_size tokens; shares full blocks between sequences by their prefix hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
                  host: HostKV | None = None) -> None:
         if host is not None and not prefix_caching:
             raise ValueError("a host K/V tier holds cached prefix blocks: it needs prefix caching on")
@@ -188,6 +188,18 @@ class BlockManager:
                     self._free.append(block)
         seq.block_table = []
         seq.block_names = []
+
+    def forget(self, blocks: list[int]) -> None:
+        """Unname these blocks (a copy into them failed: their contents are not what their names say)."""
+        for block in blocks:
+            name = self.hash_of[block]
+            if name is None:
+                continue
+            del self.cached[name]
+            self.hash_of[block] = None
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
 
     def take_copies(self) -> Copies:
         """The copies the step about to run must make first (and forget them here)."""

@@ -173,9 +173,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
     eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
     degrade: DegradePolicy = field(default_factory=DegradePolicy)  # off unless degrade.stall_bound_s is set
-    # host memory the Engram tables may use in all (None: no limit), split evenly over the Engram layers: a host
-    # placement must fit its share whole; a file placement's cache, staging and index are sized to fit it
+    # host memory the Engram tables and the host K/V tier may use in all (None: no limit). The K/V tier gets
+    # kv_host_fraction of it; the rest is split evenly over the Engram layers: a host placement must fit its share
+    # whole, a file placement's cache, staging and index are sized to fit it
     host_memory_bytes: int | None = None
+    kv_host_fraction: float = 0.0  # of host_memory_bytes, for K/V blocks evicted from the device (0: no host tier)
+    prefix_caching: bool = True  # share full K/V blocks between requests with the same prefix
     # a hot-rows file (tiergram hot-rows): at start, each file / mooncake cache is filled with the table's most read
     # rows, as many as it holds, so a fresh server starts with the hits a long-running one has (docs/engine.md)
     hot_rows: str | None = None
@@ -194,6 +197,30 @@ class EngineConfig:
                                     ("max_model_len", 1, True), ("num_kv_blocks", 1, True),
                                     ("host_memory_bytes", 1, True), ("device_memory_bytes", 0, True)):
             _int_at_least(f"EngineConfig.{name}", getattr(self, name), low, optional)
+        f = self.kv_host_fraction
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
+            raise ValueError(f"EngineConfig.kv_host_fraction must be a number in [0, 1), got {f!r}")
+        if f > 0 and self.host_memory_bytes is None:
+            raise ValueError("EngineConfig.kv_host_fraction needs host_memory_bytes: the host K/V tier takes that "
+                             "fraction of it")
+        if f > 0 and not self.prefix_caching:
+            raise ValueError("EngineConfig.kv_host_fraction needs prefix_caching: the host K/V tier keeps cached "
+                             "prefix blocks")
+
+    @property
+    def kv_host_bytes(self) -> int:
+        """Host bytes for the host K/V tier: kv_host_fraction of host_memory_bytes."""
+        return int((self.host_memory_bytes or 0) * self.kv_host_fraction)
+
+    @property
+    def engram_host_bytes(self) -> int | None:
+        """Host bytes for the Engram tables: host_memory_bytes less the K/V tier's (None: no limit)."""
+        return None if self.host_memory_bytes is None else self.host_memory_bytes - self.kv_host_bytes
+
+    def host_split(self) -> str:
+        """Both shares of host_memory_bytes, as an error message names them."""
+        return (f"host_memory_bytes {self.host_memory_bytes}: {self.engram_host_bytes} for the Engram tables, "
+                f"{self.kv_host_bytes} for the host K/V tier (kv_host_fraction {self.kv_host_fraction})")
 
     def placements_for(self, layers: list[int]) -> dict[int, Placement]:
         """{layer: Placement} for the model's Engram layers; ValueError for a missing or unknown layer."""
@@ -205,11 +232,11 @@ class EngineConfig:
                 raise ValueError(f"placement must name exactly the Engram layers {layers}; unknown "
                                  f"{sorted(unknown)}, missing {sorted(missing)}")
             placements = {layer: self.placement[layer] for layer in layers}
-        if self.host_memory_bytes is None or not layers:
+        if self.engram_host_bytes is None or not layers:
             return placements
-        share = self.host_memory_bytes // len(layers)
+        share = self.engram_host_bytes // len(layers)
         if share < 1:
-            raise ValueError(f"host_memory_bytes {self.host_memory_bytes} cannot be split over {len(layers)} layers")
+            raise ValueError(f"{self.host_split()} cannot be split over {len(layers)} Engram layers")
         # a placement that names its own budget keeps it
         return {layer: p if p.host_memory_bytes is not None or p.kind == "device"
                 else dataclasses.replace(p, host_memory_bytes=share) for layer, p in placements.items()}

@@ -87,6 +87,7 @@ class HostKV:
             if victim is None:
                 return None
             slot = self._slot_of.pop(victim)
+            self._name_of[slot] = None
         self._slot_of[name] = slot
         self._name_of[slot] = name
         return slot
@@ -113,6 +114,22 @@ class HostKV:
             self.stats.wait_s += time.perf_counter() - t0
 
     def _copy(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
+        try:
+            self._copy_blocks(to_host, to_device)
+        except BaseException:
+            self.forget([slot for _, slot in to_host])  # half-written slots must not be found by name
+            raise
+
+    def forget(self, slots: list[int]) -> None:
+        """Drop the names of these slots (their contents are not what the names say) and free them."""
+        for slot in slots:
+            name = self._name_of[slot]
+            if name is not None and self._slot_of.get(name) == slot:
+                del self._slot_of[name]
+                self._name_of[slot] = None
+                self._free.append(slot)
+
+    def _copy_blocks(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
         t0, bs = time.perf_counter(), self.block_size
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
             for block, slot in to_host:

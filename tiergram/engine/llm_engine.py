@@ -16,6 +16,7 @@ from tiergram.engine.block_manager import BlockManager
 from tiergram.engine.budget import Budget, activation_bytes, budget_bytes, kv_block_bytes, plan_budget
 from tiergram.engine.config import EngineConfig, Placement, SamplingParams
 from tiergram.engine.degrade import Degrader
+from tiergram.engine.kv_host import HostKV
 from tiergram.engine.metrics import EngineMetrics
 from tiergram.engine.model_runner import ModelRunner
 from tiergram.engine.read_ahead import ReadAhead, await_rows
@@ -74,12 +75,13 @@ class LLMEngine:
         self.eos_token_id = config.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.token_to_id(EOS_TOKEN)
-        self.blocks = BlockManager(self.budget.kv_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.sources, self.budget.kv_blocks, config.block_size, self.device,
                                   self.degrader, read_ahead={layer for layer, p in self.placements.items()
                                                              if p.read_ahead})
+        self.kv_host = self.runner.kv_host = self._host_tier()
+        self.blocks = BlockManager(self.budget.kv_blocks, config.block_size, config.prefix_caching, self.kv_host)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
         self._seqs: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[RequestOutput] = []  # reported by the next step()
         # aborted while the step computing them ran: their blocks are freed when that step ends, never under it
@@ -92,6 +94,16 @@ class LLMEngine:
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
         self.ahead = ReadAhead(self.runner, self.degrader, config.max_num_batched_tokens, self._stats)
 
+    def _host_tier(self) -> HostKV | None:
+        """The host K/V tier sized from the config's share of host memory (None: kv_host_fraction 0)."""
+        c = self.config
+        if not c.kv_host_bytes:
+            return None
+        slot = HostKV.slot_bytes_for(self.runner.paged_caches, c.block_size)
+        if c.kv_host_bytes < slot:
+            raise ValueError(f"the host K/V tier cannot hold one K/V block ({slot} bytes): {c.host_split()}")
+        return HostKV(c.kv_host_bytes // slot, self.runner.paged_caches, c.block_size)
+
     def _load(self, model_dir: ModelDir, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
         src = export_dir_for(model_dir, layers, {p.codec for p in self.placements.values()}) if layers else model_dir
@@ -100,7 +112,12 @@ class LLMEngine:
         hasher = src.hasher
         for layer, p in self.placements.items():
             path = src.table_path(layer, p.codec)
-            self.sources[layer] = open_table(path, p, self.device)
+            try:
+                self.sources[layer] = open_table(path, p, self.device)
+            except ValueError as e:
+                if not self.config.kv_host_bytes:
+                    raise
+                raise ValueError(f"{e} ({self.config.host_split()})") from e
             check_table(self.sources[layer].manifest, hasher, layer, mconfig.engram.dim, path)
         model = EngramLM(mconfig, hasher, {layer: RowSourceTable(s) for layer, s in self.sources.items()})
         model.load_state_dict(load_file(str(src.path / WEIGHTS)), strict=True)
@@ -221,6 +238,7 @@ class LLMEngine:
         with self._lock:
             outputs, self._aborted = self._aborted, []
             batch = self.scheduler.schedule(self.ahead.ready if self.ahead.enabled else None)
+            copies = self.blocks.take_copies()
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
             ahead = self.ahead.windows(self.scheduler, self._inflight) if self.ahead.active() and batch.seqs else []
             # nothing runs and the first waiting prompt's rows are still being read: wait for them (outside the lock)
@@ -230,7 +248,7 @@ class LLMEngine:
             await_rows(*pending)
             return outputs
         try:
-            result = self.runner.execute(batch.seqs, batch.num_new, ahead)
+            result = self.runner.execute(batch.seqs, batch.num_new, ahead, copies)
             done = [s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new, strict=True)]
             to_sample = [s for s, d in zip(batch.seqs, done, strict=True) if d]
             sampled = sample(result.logits[torch.tensor(done, device=result.logits.device)], to_sample)
@@ -238,6 +256,7 @@ class LLMEngine:
             with self._lock:
                 self._inflight = {}
                 self._fault(e)
+                self.blocks.forget([block for _, block in copies.to_device])  # may not hold what they are named
                 for seq in batch.seqs:
                     if self._seqs.get(seq.request_id) is seq:
                         outputs.append(self._fail(seq, e))
@@ -256,6 +275,7 @@ class LLMEngine:
                 if self._seqs.get(seq.request_id) is not seq:  # aborted while the step ran
                     continue
                 seq.num_computed += n
+                self.blocks.commit(seq)
                 st.computed_tokens += n
                 token = tokens.get(seq.request_id)
                 if isinstance(token, Exception):
@@ -361,13 +381,30 @@ class LLMEngine:
                 num_preemptions=self.scheduler.num_preemptions, engram=table_stats(self.sources, self.placements),
                 budget=self.budget.as_dict(), stall_by_layer_s=dict(st.stall_by_layer_s),
                 degrade_level=self.degrader.level, skipped_rows=self.degrader.skipped_rows,
-                degrade_steps=dict(self.degrader.level_steps))
+                degrade_steps=dict(self.degrader.level_steps), **self._kv_counters())
+
+    def _kv_counters(self) -> dict[str, Any]:
+        """(Under the lock) the prefix cache's and the host K/V tier's counters, as EngineMetrics fields."""
+        p = self.blocks.stats
+        hits = p.device_hit_tokens + p.host_hit_tokens
+        out = dict(prefix_queried_tokens=p.queried_tokens, prefix_device_hit_tokens=p.device_hit_tokens,
+                   prefix_host_hit_tokens=p.host_hit_tokens,
+                   prefix_hit_rate=hits / p.queried_tokens if p.queried_tokens else 0.0,
+                   kv_cached_blocks=self.blocks.num_cached, kv_evicted_blocks=p.evicted_blocks)
+        if self.kv_host is not None:
+            h = self.kv_host.stats
+            out.update(kv_host_blocks_total=self.kv_host.num_slots, kv_host_blocks_used=self.kv_host.num_used,
+                       kv_host_bytes_to_host=h.bytes_to_host, kv_host_bytes_to_device=h.bytes_to_device,
+                       kv_host_wait_s=h.wait_s)
+        return out
 
     def close(self) -> None:
         """Stop the tables' prefetch workers and release their tiers."""
         for source in getattr(self, "sources", {}).values():
             source.close()
         self.sources = {}
+        if getattr(self, "kv_host", None) is not None:
+            self.kv_host.close()
 
     def __enter__(self) -> LLMEngine:
         return self

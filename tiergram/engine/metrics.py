@@ -66,6 +66,24 @@ class EngineMetrics:
     failed_requests: int = counter("tiergram_engine_failed_requests",
                                    "Requests ended by an error (a failed step, or their own sampling).")
     deferred_aborts: int = 0  # aborts of a sequence the step in flight computed: its blocks freed when it ended
+    prefix_queried_tokens: int = counter("tiergram_prefix_cache_queried_tokens", "Prompt tokens admitted that could "
+                                         "have been found in the prefix cache (all but each prompt's last).")
+    prefix_device_hit_tokens: int = counter("tiergram_prefix_cache_device_hit_tokens",
+                                            "Of those, found in device K/V blocks.")
+    prefix_host_hit_tokens: int = counter("tiergram_prefix_cache_host_hit_tokens",
+                                          "Of those, found in the host K/V tier and copied back.")
+    prefix_hit_rate: float = gauge("tiergram_prefix_cache_hit_rate", "(device + host hit tokens) / queried tokens.",
+                                   0.0)
+    kv_cached_blocks: int = gauge("tiergram_kv_cached_blocks", "Device K/V blocks named in the prefix cache.")
+    kv_evicted_blocks: int = counter("tiergram_kv_evicted_blocks", "Cached device blocks reused for other tokens.")
+    kv_host_blocks_total: int = gauge("tiergram_kv_host_blocks_total", "Blocks the host K/V tier holds at most.")
+    kv_host_blocks_used: int = gauge("tiergram_kv_host_blocks_used", "Blocks in the host K/V tier.")
+    kv_host_bytes_to_host: int = counter("tiergram_kv_host_bytes_to_host", "Bytes copied from device blocks to the "
+                                         "host K/V tier (evictions kept).")
+    kv_host_bytes_to_device: int = counter("tiergram_kv_host_bytes_to_device",
+                                           "Bytes copied back from the host K/V tier on prefix hits.")
+    kv_host_wait_s: float = counter("tiergram_kv_host_wait_seconds", "Time steps waited for K/V copies before "
+                                    "their forward (not hidden behind hashing and the Engram prefetch).", 0.0)
     hot_rows_preloaded: int = gauge("tiergram_engram_hot_rows_preloaded",
                                     "Rows read into the Engram caches at start from a hot-rows file.")
     hot_rows_preload_s: float = gauge("tiergram_engram_hot_rows_preload_seconds",

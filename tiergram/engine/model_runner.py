@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiergram.engine.block_manager import Copies
 from tiergram.engine.degrade import Degrader
+from tiergram.engine.kv_host import HostKV
 from tiergram.engine.layout import build_layout
 from tiergram.engine.sequence import Sequence
 from tiergram.engram import Engram
@@ -60,11 +62,13 @@ class ModelRunner:
         self.lookback = e.max_ngram_size - 1 if e is not None else 0
         self.pad_id = e.pad_id if e is not None else 0
         # the short conv's input (each position's gated value), paged with the K/V: {layer: [slots, 1, d_model]}
-        conv_layers = [i for i, b in enumerate(model.blocks) if b.engram is not None and b.engram.short_conv is not None]
+        conv_layers = [i for i, b in enumerate(model.blocks)
+                       if b.engram is not None and b.engram.short_conv is not None]
         self.conv_window = (e.conv_kernel - 1) * e.max_ngram_size if conv_layers else 0
         self.conv_cache = torch.zeros(len(conv_layers), num_blocks * block_size, 1, c.d_model, dtype=dtype,
                                       device=device)
         self.e_cache = {layer: self.conv_cache[j] for j, layer in enumerate(conv_layers)}
+        self.kv_host: HostKV | None = None  # the host K/V tier, if the engine has one (it copies these caches)
 
     @property
     def paged_caches(self) -> list[torch.Tensor]:
@@ -119,12 +123,22 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], counts: list[int],
-                ahead: list[tuple[list[int], int, int]] | None = None) -> StepResult:
+                ahead: list[tuple[list[int], int, int]] | None = None, copies: Copies | None = None) -> StepResult:
         """Compute counts[b] pending tokens of each seqs[b] (KV blocks already allocated); writes their K/V and
-        advances each sequence's short-conv lookback (not num_computed: the caller commits that). `ahead`: prompt
-        windows of the next step, read into the caches once this step's prefetches are queued (see `warm`)."""
-        model = self.model
+        the short conv's inputs (not num_computed: the caller commits that). `ahead`: prompt windows of the next
+        step, read into the caches once this step's prefetches are queued (see `warm`). `copies`: K/V blocks to
+        move between the device pool and the host tier, started first and finished before the forward."""
         t0 = time.perf_counter()
+        moving = self.kv_host.start(copies.to_host, copies.to_device) if copies and self.kv_host else None
+        try:
+            return self._execute(seqs, counts, ahead, moving, t0)
+        finally:
+            if moving is not None and not moving.done():  # after an error: never leave a copy running
+                moving.exception()
+
+    def _execute(self, seqs: list[Sequence], counts: list[int], ahead: list[tuple[list[int], int, int]] | None,
+                 moving: Any, t0: float) -> StepResult:
+        model = self.model
         row_ids = self.row_ids(seqs, counts)
         keep = self.keep_masks(seqs, counts, row_ids)  # {layer: bool [N]} where the degrade policy skips reads
         # in layer order, so the first Engram layer's rows (needed soonest) are queued first; the K/V layout is
@@ -133,6 +147,8 @@ class ModelRunner:
                    for layer, ids in sorted(row_ids.items()) if layer not in keep or keep[layer].any()}
         layout = build_layout(seqs, counts, self.block_size, self.device, self.conv_window)
         self.warm(ahead or [])
+        if moving is not None:
+            self.kv_host.wait(moving)  # the forward reads the blocks copied in and overwrites those copied out
         t1 = time.perf_counter()
         stall: dict[int, float] = {}
         gpu_waits: dict[int, tuple[Any, Any]] = {}  # CUDA: events around each wait on the compute stream

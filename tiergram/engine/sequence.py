@@ -28,6 +28,7 @@ class RequestOutput:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None  # finish_reason "error": what failed (the request's own sampling, or its step)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (OpenAI's prompt_tokens_details)
 
 
 @dataclass
@@ -76,4 +77,4 @@ class Sequence:
     def output(self, new: list[int], error: str | None = None) -> RequestOutput:
         """This step's RequestOutput with the new tokens (and the error that ended it, if one did)."""
         return RequestOutput(self.request_id, new, self.status is Status.FINISHED, self.finish_reason,
-                             self.prompt_len, self.num_tokens - self.prompt_len, error)
+                             self.prompt_len, self.num_tokens - self.prompt_len, error, self.num_cached_tokens or 0)
