@@ -188,6 +188,15 @@ class _Generation:
         self.close()
 
 
+def _failure(gen: _Generation, e: Exception) -> APIError:
+    """The 500 that ends a failed request: the engine's message, or for its own failure (e.g. detokenizing) an
+    internal error logged with its traceback."""
+    gen.finish_reason = "error"
+    engine = isinstance(e, (EngineDeadError, EngineLoopError, RequestFailed))
+    return APIError(500, gen.state.shown(str(e)) if engine else gen.state.internal(e, "the request failed"),
+                    "server_error")
+
+
 async def _next(q: asyncio.Queue) -> Any:
     """The next output, re-raising an engine failure."""
     item = await q.get()
@@ -208,12 +217,8 @@ async def _stream(gen: _Generation, q: asyncio.Queue) -> AsyncIterator[str]:
                 first = False
         if gen.req.include_usage:
             yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids)))
-    except (EngineDeadError, EngineLoopError, RequestFailed) as e:
-        gen.finish_reason = "error"
-        yield sse(APIError(500, gen.state.shown(str(e)), "server_error").body())
-    except Exception as e:  # noqa: BLE001 - this request's own failure (e.g. detokenizing): it alone ends
-        gen.finish_reason = "error"
-        yield sse(APIError(500, gen.state.internal(e, "the request failed"), "server_error").body())
+    except Exception as e:  # noqa: BLE001 - the engine's failure, or this request's own: it alone ends
+        yield sse(_failure(gen, e).body())
     finally:
         gen.close()
     yield "data: [DONE]\n\n"
@@ -236,14 +241,10 @@ async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict
                     return None
                 check_at = time.monotonic() + DISCONNECT_POLL_S
         return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens)
-    except (EngineDeadError, EngineLoopError, RequestFailed) as e:
-        gen.finish_reason = "error"
-        raise APIError(500, gen.state.shown(str(e)), "server_error") from None
     except APIError:
         raise
-    except Exception as e:  # noqa: BLE001 - this request's own failure: a 500 for it alone
-        gen.finish_reason = "error"
-        raise APIError(500, gen.state.internal(e, "the request failed"), "server_error") from None
+    except Exception as e:  # noqa: BLE001 - the engine's failure, or this request's own: a 500 for it alone
+        raise _failure(gen, e) from None
     finally:
         if getter is not None:
             getter.cancel()
