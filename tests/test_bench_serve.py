@@ -59,6 +59,23 @@ def test_trace_lengths_and_windows():
     assert [r.prompt for r in again] == [r.prompt for r in reqs]  # every placement replays the same requests
 
 
+def test_conversations_reuse_their_document_and_history():
+    from tiergram.bench.load import Conversations
+
+    tokens = np.arange(50_000)
+    conv = Conversations(tokens, 64, 8, seed=0, turns=3, docs=4)
+    sessions = conv.take(7)
+    assert len(sessions) == 3 and all(len(s) == 3 for s in sessions)  # ceil(7 / 3) sessions of 3 turns
+    assert conv.max_len == 64 + 3 * (8 + 8)
+    for s in sessions:
+        assert s[0].prompt[:64] in conv.docs and len(s[0].prompt) == 64 + 8  # a shared document, then a question
+        for before, turn in zip(s[:-1], s[1:], strict=True):  # a turn: all before it, answers too
+            assert turn.prompt[:len(before.prompt) + 8] == before.prompt + before.output
+            assert len(turn.prompt) == len(before.prompt) + 8 + 8 and len(turn.output) == 8
+    again = Conversations(tokens, 64, 8, seed=0, turns=3, docs=4).take(7)
+    assert [[r.prompt for r in s] for s in again] == [[r.prompt for r in s] for s in sessions]
+
+
 def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     from tiergram.model.checkpoint import hasher_of, load_tokenizer_of
     from tiergram.model.hot_rows import count_hot_rows, save_hot_rows

@@ -1,5 +1,6 @@
-"""The load `tiergram bench serve` offers: a trace of held-out text cut into requests, and a closed loop of
-streaming HTTP clients (httpx, async) that replays it against a server and times every token."""
+"""The load `tiergram bench serve` offers: held-out text cut into requests (one-shot requests, or multi-turn
+conversations over shared documents), and a closed loop of streaming HTTP clients (httpx, async) that replays it
+against a server and times every token."""
 
 from __future__ import annotations
 
@@ -81,6 +82,50 @@ class Trace:
         return out
 
 
+class Conversations:
+    """Multi-turn sessions over shared contexts, the reuse a prefix cache serves.
+
+    `docs` documents of input_len tokens each are the shared contexts (a manual, a codebase, a long system
+    prompt); each session opens one of them (Zipf-like: document i with weight 1/(i+1)) and asks `turns`
+    questions of input_len/8 tokens; turn k's prompt is everything before it (the document, earlier questions and
+    the answers the server gave), its output output_len tokens. Questions and answers are the text that follows the
+    document, so every token is real held-out text."""
+
+    def __init__(self, tokens: np.ndarray, input_len: int, output_len: int, seed: int, turns: int = 4,
+                 docs: int = 8) -> None:
+        if turns < 1 or docs < 1:
+            raise ValueError(f"conversations need turns >= 1 and docs >= 1, got {turns}, {docs}")
+        self.trace = Trace(tokens, input_len, output_len, seed)
+        self.turns, self.question_len = turns, max(1, input_len // 8)
+        self.docs = [self.trace.tokens[i * input_len:(i + 1) * input_len].tolist() for i in range(docs)]
+        self.trace.cursor = docs * input_len % max(1, len(tokens))
+        weights = 1 / np.arange(1, docs + 1)
+        self.weights = weights / weights.sum()
+
+    @property
+    def max_len(self) -> int:
+        """Tokens of the last turn: prompt and output."""
+        return len(self.docs[0]) + self.turns * (self.question_len + self.trace.output_len)
+
+    def take(self, n: int) -> list[list[TraceRequest]]:
+        """Sessions holding about n requests in all (each session's turns in order)."""
+        out = []
+        for _ in range(-(-n // self.turns)):
+            history = list(self.docs[int(self.trace.rng.choice(len(self.docs), p=self.weights))])
+            session = []
+            for _ in range(self.turns):
+                q, a = self.question_len, self.trace.output_len
+                if self.trace.cursor + q + a > len(self.trace.tokens):
+                    self.trace.cursor = 0
+                w = self.trace.tokens[self.trace.cursor:self.trace.cursor + q + a].tolist()
+                self.trace.cursor += q + a
+                history += w[:q]
+                session.append(TraceRequest(list(history), w[q:]))
+                history += w[q:]
+            out.append(session)
+        return out
+
+
 # ---------------------------------------------------------------------------------------------- the client
 
 @dataclass
@@ -92,6 +137,7 @@ class Timing:
     e2e_s: float
     prompt_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
 
 
 async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> Timing:
@@ -124,23 +170,30 @@ async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> T
     end = time.perf_counter()
     if first is None:
         raise RuntimeError("the stream carried no tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Timing(first - t0, gaps, end - t0, usage.get("prompt_tokens", len(req.prompt)),
-                  usage.get("completion_tokens", got))
+                  usage.get("completion_tokens", got), cached)
 
 
-async def closed_loop(url: str, model: str, requests: list[TraceRequest], concurrency: int) -> tuple[list[Timing],
-                                                                                                     float]:
-    """c users each sending their next request as soon as the previous one ends; (timings, wall seconds)."""
+async def closed_loop(url: str, model: str, requests: list[TraceRequest] | list[list[TraceRequest]],
+                      concurrency: int, think_s: float = 0.0, seed: int = 0) -> tuple[list[Timing], float]:
+    """c users each sending their next request as soon as the previous one ends; (timings, wall seconds).
+    Sessions (lists of requests) run turn by turn, a user thinking between turns for a time drawn exponentially
+    with mean think_s."""
     import httpx
 
-    pending = list(reversed(requests))
+    pending = [r if isinstance(r, list) else [r] for r in reversed(requests)]
+    rng = np.random.default_rng(seed)
     timings: list[Timing] = []
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     async with httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(600.0)) as client:
         async def user() -> None:
             while pending:
-                timings.append(await one_request(client, url, model, pending.pop()))
+                for turn, req in enumerate(pending.pop()):
+                    if turn and think_s > 0:
+                        await asyncio.sleep(float(rng.exponential(think_s)))
+                    timings.append(await one_request(client, url, model, req))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(concurrency)))

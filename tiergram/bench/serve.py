@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tiergram.bench.common import log
-from tiergram.bench.load import Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
+from tiergram.bench.load import Conversations, Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
 from tiergram.bench.serve_config import (
     DEFAULT_PLACEMENTS,
     PLACEMENTS,
@@ -70,6 +70,18 @@ __all__ = [
     "load_variants", "one_request", "pareto", "peak_rss", "plot", "round_order", "run", "scrape", "server_settings",
     "summarize", "thread_cpu_seconds", "to_json", "to_markdown", "to_text", "trace_tokens",
 ]
+
+
+def workload(cfg: SweepConfig, tokens: Any, max_model_len: int) -> Trace | Conversations:
+    """The sweep's load: one-shot requests, or conversations (refused if their last turn exceeds the model)."""
+    if cfg.workload == "requests":
+        return Trace(tokens, cfg.input_len, cfg.output_len, cfg.seed)
+    sessions = Conversations(tokens, cfg.input_len, cfg.output_len, cfg.seed, cfg.turns, cfg.docs)
+    if sessions.max_len > max_model_len:
+        raise ValueError(f"conversations of {cfg.turns} turns reach {sessions.max_len} tokens (a {cfg.input_len}-token "
+                         f"document, questions of {sessions.question_len}, answers of {cfg.output_len}), more than "
+                         f"the servers' max_model_len {max_model_len}: lower --input-len, --output-len or turns")
+    return sessions
 
 
 def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
@@ -148,6 +160,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))
             servers[placement] = {"kv_blocks_total": health["kv_blocks_total"], "concurrency_limit": limit,
+                                  "max_model_len": health["max_model_len"],
                                   "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
                                   "base": cfg.base_of(placement), "settings": server.settings.to_dict(),
                                   "model_dir": cfg.big_model_dir if placement == "file-big" else cfg.model_dir,
@@ -179,20 +192,21 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 (big_disk if which else disk)["before"] = before
                 log(progress, f"disk limit on {table.name}{' (big model)' if which else ''} (native reader, QD128, "
                                f"O_DIRECT, new pages): {before:.0f} pages/s")
-        trace = Trace(tokens, cfg.input_len, cfg.output_len, cfg.seed)
+        trace = workload(cfg, tokens, max_model_len=min(s["max_model_len"] for s in servers.values()))
+        think = cfg.think_time_s if cfg.workload == "conversations" else 0.0
         for c in sorted({c for _, _, lv in live.values() for c in lv}):
             members = [pl for pl, (_, _, lv) in live.items() if c in lv]
             warm = trace.take(cfg.warmup_per_user * c)
             rounds: dict[str, list[Round]] = {pl: [] for pl in members}
             for pl in members:
-                asyncio.run(closed_loop(live[pl][0], live[pl][1], warm, c))
+                asyncio.run(closed_loop(live[pl][0], live[pl][1], warm, c, think, cfg.seed))
             for r in range(cfg.rounds):
                 requests = trace.take(cfg.requests_per_user * c)  # every placement serves the same ones
                 speed = speed_probe(cfg.speed_probe_s)
                 for pl in round_order(members, r):
                     url, model, _ = live[pl]
                     before = scrape(url) | thread_cpu_seconds(procs[pl])
-                    timings, wall = asyncio.run(closed_loop(url, model, requests, c))
+                    timings, wall = asyncio.run(closed_loop(url, model, requests, c, think, cfg.seed + r))
                     after = scrape(url) | thread_cpu_seconds(procs[pl])
                     speed_after = speed_probe(cfg.speed_probe_s)  # also the next placement's probe before
                     around = None if speed is None or speed_after is None else (speed + speed_after) / 2
@@ -205,6 +219,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
                 reads = f", {p.file_pages_per_s:.0f} pages/s" if cfg.kind_of(pl) == "file" else ""
                 reads += "" if p.cpu_speed_ms is None else f", speed probe {p.cpu_speed_ms:.2f} ms"
+                if p.prefix_hit_rate is not None and cfg.workload == "conversations":
+                    reads += f", prefix hit {100 * p.prefix_hit_rate:.1f}% ({100 * p.prefix_host_hit_rate:.1f}% host)"
                 reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
                 log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
                                f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "

@@ -58,6 +58,13 @@ class SweepConfig:
     # seconds of the CPU speed probe (`tiergram.machine.cpu_speed_ms`) before and after each placement's round, while
     # the servers idle: `plan validate` predicts the sweep at its probes' median speed (0: no probes)
     speed_probe_s: float = 0.25
+    # "requests": one-shot requests cut from the text; "conversations": multi-turn sessions over shared documents
+    # (tiergram.bench.load.Conversations: `turns` turns each, `docs` shared contexts of input_len tokens, a think
+    # time of mean think_time_s between turns), the reuse a prefix cache and a host K/V tier serve
+    workload: str = "requests"
+    turns: int = 4
+    docs: int = 8
+    think_time_s: float = 0.2
 
     def __post_init__(self) -> None:
         bad = [p for p in self.placements if p not in PLACEMENTS]
@@ -65,6 +72,11 @@ class SweepConfig:
             raise ValueError(f"unknown placements {bad} (valid: {', '.join(PLACEMENTS)})")
         if min(self.input_len, self.output_len, self.max_concurrency, self.requests_per_user, self.rounds) < 1:
             raise ValueError("input_len, output_len, max_concurrency, requests_per_user and rounds must be >= 1")
+        if self.workload not in ("requests", "conversations"):
+            raise ValueError(f"unknown workload {self.workload!r} (valid: requests, conversations)")
+        if self.turns < 1 or self.docs < 1 or self.think_time_s < 0:
+            raise ValueError(f"turns and docs must be >= 1 and think_time_s >= 0, got {self.turns}, {self.docs}, "
+                             f"{self.think_time_s}")
         if self.speed_probe_s < 0:
             raise ValueError(f"speed_probe_s must be >= 0, got {self.speed_probe_s}")
         if self.warmup_per_user < 0 or self.torch_threads < 0:

@@ -64,6 +64,11 @@ class Point:
     server_step_ms: float | None = None
     steps_per_request: float | None = None
     server_busy_share: float | None = None
+    # the prefix cache over the rounds: hit tokens / tokens that could hit, on device blocks and from the host K/V
+    # tier (None: no counters), and the time steps waited for host K/V copies
+    prefix_hit_rate: float | None = None
+    prefix_host_hit_rate: float | None = None
+    kv_host_wait_s: float = 0.0
 
 
 @dataclass
@@ -127,6 +132,9 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     first = total("tiergram_engram_pages_first_read_total") / pages if pages > 0 else None
     speeds = [r.speed_ms for r in rounds if r.speed_ms is not None]
     steps, step_s = total("tiergram_engine_steps_total"), total("tiergram_engine_step_seconds_total")
+    queried = total("tiergram_prefix_cache_queried_tokens_total")
+    host_hits = total("tiergram_prefix_cache_host_hit_tokens_total")
+    hits = total("tiergram_prefix_cache_device_hit_tokens_total") + host_hits
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
                  throughput_tok_s=throughput, output_tok_s=throughput * out_share,
                  ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90), ttft_p99_ms=percentile(ttft, 99),
@@ -149,7 +157,10 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  prompt_rows_timeouts=int(total("tiergram_engine_prompt_rows_timeouts_total")),
                  server_step_ms=round(1e3 * step_s / steps, 3) if steps > 0 else None,
                  steps_per_request=round(steps * concurrency / len(timings), 2) if steps > 0 and timings else None,
-                 server_busy_share=round(step_s / wall_s, 4) if steps > 0 and wall_s > 0 else None)
+                 server_busy_share=round(step_s / wall_s, 4) if steps > 0 and wall_s > 0 else None,
+                 prefix_hit_rate=round(hits / queried, 4) if queried > 0 else None,
+                 prefix_host_hit_rate=round(host_hits / queried, 4) if queried > 0 else None,
+                 kv_host_wait_s=total("tiergram_kv_host_wait_seconds_total"))
 
 
 def pareto(points: list[Point]) -> list[Point]:
