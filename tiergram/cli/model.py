@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from tiergram.cli.common import add_common
 
@@ -21,6 +22,17 @@ def _count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
     return int(value)
+
+
+def load_with_tokenizer(args: argparse.Namespace, **kw: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) of args.dir on args.tier and args.device; ValueError when it has no tokenizer.json."""
+    from tiergram.model.checkpoint import load_pretrained
+    from tiergram.tiers.device import resolve_device
+
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device), **kw)
+    if tokenizer is None:
+        raise ValueError(f"{args.dir} has no tokenizer.json")
+    return model, tokenizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -136,13 +148,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from tiergram.corpus import ensure_corpus
-    from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.evaluate import evaluate, format_eval
-    from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device))
-    if tokenizer is None:
-        raise ValueError(f"{args.dir} has no tokenizer.json to tokenize the evaluation text with")
+    model, tokenizer = load_with_tokenizer(args)
     corpus = ensure_corpus(args.corpus, tokenizer=False)  # the text, built first on a fresh machine
     result = evaluate(model, corpus, args.split, tokenizer, max_tokens_per_category=args.max_tokens or None,
                       batch_size=args.batch_size, engram_enabled=not args.no_engram_at_inference,
@@ -197,14 +205,9 @@ def cmd_hot_rows(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tiergram.corpus import EOT
-    from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.generate import generate
-    from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device),
-                                       cache_bytes=args.cache_bytes)
-    if tokenizer is None:
-        raise ValueError(f"{args.dir} has no tokenizer.json")
+    model, tokenizer = load_with_tokenizer(args, cache_bytes=args.cache_bytes)
     eot = tokenizer.token_to_id(EOT)
     # training documents each follow <|endoftext|>, so a prompt starts like a document does
     prompt = ([eot] if eot is not None else []) + tokenizer.encode(args.prompt).ids

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tiergram.cli.common import add_common
-from tiergram.cli.model import TIERS, _count
+from tiergram.cli.model import TIERS, _count, load_with_tokenizer
 
 
 def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) -> None:
@@ -111,12 +111,8 @@ def _load(args: argparse.Namespace):
     import torch  # noqa: F401  (loaded before the model modules)
 
     from tiergram.corpus import ensure_corpus
-    from tiergram.model.checkpoint import load_pretrained
-    from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device))
-    if tokenizer is None:
-        raise ValueError(f"{args.dir} has no tokenizer.json")
+    model, tokenizer = load_with_tokenizer(args)
     if not model.engram_layers:
         raise ValueError(f"{args.dir} has no Engram layers to study")
     return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False, progress=not args.quiet)  # built if missing
