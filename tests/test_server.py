@@ -201,6 +201,26 @@ def test_metrics_counters_move(url):
         assert name in after
 
 
+def test_a_repeated_prefix_reports_cached_tokens(url):
+    """usage.prompt_tokens_details.cached_tokens (whole and streamed) and the prefix counters in /metrics."""
+    prompt = [int(t) for t in np.random.default_rng(11).integers(2, 60, 40)]
+    first = complete(url, prompt=prompt, max_tokens=3, temperature=0).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    before = metrics(url)
+    again = complete(url, prompt=prompt[:36] + [7, 7], max_tokens=3, temperature=0).json()["usage"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": 32}  # two full 16-token blocks
+    last = stream(url, "/v1/completions", prompt=prompt, max_tokens=3, temperature=0,
+                  stream_options={"include_usage": True})[-2]
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    after = metrics(url)
+    def moved(key: str) -> float:
+        return after[key] - before[key]
+
+    assert moved("tiergram_prefix_cache_device_hit_tokens_total") == 64
+    assert moved("tiergram_prefix_cache_queried_tokens_total") == 37 + 39
+    assert 0 < after["tiergram_prefix_cache_hit_rate"] <= 1
+
+
 # ------------------------------------------------------------------------------------------------- errors
 
 LONG = " ".join(["token"] * 1200)

@@ -73,7 +73,11 @@ class EngineSettings:
     hot_rows: str | None = None  # a hot-rows file: fill each cache with its table's most read rows at start
     device: str = "cpu"  # cpu, cuda, cuda:N or auto
     device_memory: int | None = None  # the device budget (None: CUDA's free memory; CPU: $TIERGRAM_DEVICE_BYTES, 2G)
-    host_memory: int | None = None  # host memory all tables may use, split evenly over the layers (None: no limit)
+    # host memory the Engram tables and the host K/V tier may use in all (None: no limit); the K/V tier gets
+    # kv_host_fraction of it, the tables the rest, split evenly over the layers
+    host_memory: int | None = None
+    kv_host_fraction: float = 0.0
+    prefix_caching: bool = True  # share the K/V blocks of a prompt's cached prefix (docs/engine.md)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -86,6 +90,10 @@ class EngineSettings:
         _at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
         _at_least(self, 0, "max_waiting", "torch_threads")
         _at_least(self, 1, "host_memory")
+        if not 0 <= self.kv_host_fraction < 1:
+            raise ValueError(f"must be in [0, 1), got {self.kv_host_fraction!r}", "kv_host_fraction")
+        if self.kv_host_fraction and self.host_memory is None:
+            raise ValueError("the host K/V tier takes this share of host_memory: set host_memory", "kv_host_fraction")
         if self.placement == "mooncake" and not self.mooncake_master:
             raise ValueError("placement 'mooncake' needs mooncake_master (HOST:PORT of the mooncake_master)")
 
@@ -207,7 +215,8 @@ class ServeSettings:
                             device_memory_bytes=e.device_memory, block_size=e.block_size,
                             max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                             max_model_len=e.max_model_len, max_waiting=e.max_waiting,
-                            host_memory_bytes=e.host_memory, hot_rows=e.hot_rows)
+                            host_memory_bytes=e.host_memory, hot_rows=e.hot_rows,
+                            kv_host_fraction=e.kv_host_fraction, prefix_caching=e.prefix_caching)
 
 
 SECTIONS = {"engine": EngineSettings, "server": ServerSettings}

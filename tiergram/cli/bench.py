@@ -150,6 +150,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--source", default="auto",
                     help="replayed text: auto (the corpus test split when built, else stdlib), corpus, stdlib (the "
                          "Python stdlib source), or a corpus folder")
+    sv.add_argument("--workload", default="requests", choices=["requests", "conversations"],
+                    help="requests: one-shot requests cut from the text; conversations: sessions of 4 turns over 8 "
+                         "shared documents of --input-len tokens (questions of L/8, answers of --output-len, each "
+                         "turn's prompt the whole history, 0.2 s think time), the reuse prefix caching serves")
     sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
     add_common(sv, "--seed", "--plot", "--json")
     sv.set_defaults(func=cmd_serve)
@@ -310,7 +314,7 @@ def sweep_config(args: argparse.Namespace):
         big_cache_bytes=args.big_cache_bytes, hot_rows=args.hot_rows, engine=engine,
         variants=serve.load_variants(args.variants) if args.variants else {},
         source=args.source if known else "corpus", corpus=None if known else args.source, seed=args.seed,
-        plot=args.plot, markdown=args.markdown, **fields)
+        plot=args.plot, markdown=args.markdown, workload=args.workload, **fields)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

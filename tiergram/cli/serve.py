@@ -11,8 +11,8 @@ from tiergram.settings import CACHE_POLICIES, LOG_LEVELS, PLACEMENTS, ConfigErro
 # the options that override a key of the --config file, by section; each is named as its key (every other setting is
 # a key of the file only)
 FLAGS = {"engine": ("placement", "cache_bytes", "cache_policy", "mooncake_master", "hot_rows", "device",
-                    "device_memory", "host_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                    "torch_threads", "engine_process"),
+                    "device_memory", "host_memory", "kv_host_fraction", "max_num_seqs", "max_num_batched_tokens",
+                    "max_model_len", "torch_threads", "engine_process"),
          "server": ("host", "port", "served_model_name", "api_key", "allowed_hosts", "log_level")}
 
 def byte_size(text: str) -> int:
@@ -53,9 +53,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device memory budget for weights, resident tables, activations and K/V, e.g. 4G "
                         "(default: CUDA's free memory; on the CPU $TIERGRAM_DEVICE_BYTES or 2G)")
     g.add_argument("--host-memory", type=byte_size, default=None,
-                   help="host memory the Engram tables may use in all, e.g. 4G, split evenly over the layers: a host "
-                        "placement must fit it; a file placement's cache (unless --cache-bytes), staging and index are "
-                        "sized to it (default: no limit)")
+                   help="host memory the Engram tables and the host K/V tier may use in all, e.g. 4G: a host "
+                        "placement must fit the tables' share; a file placement's cache (unless --cache-bytes), "
+                        "staging and index are sized to it (default: no limit)")
+    g.add_argument("--kv-host-fraction", type=float, default=None, metavar="F",
+                   help="the share of --host-memory for K/V blocks evicted from the device, copied back on a "
+                        "prefix hit (default: 0, no host K/V tier; docs/engine.md)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch at most (default: 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step at most (default: 512)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

@@ -144,6 +144,7 @@ class _Generation:
         self.detok = Detokenizer(state.tokenizer, req.stop)
         self.token_ids: list[int] = []
         self.prompt_tokens = len(req.prompt_token_ids)
+        self.cached_tokens = 0  # of the prompt, found in the engine's prefix cache
         self.last_t: float | None = None
         self.finish_reason: str | None = None
         self.closed = False
@@ -159,6 +160,7 @@ class _Generation:
                 self.state.metrics.observe_tokens(now - self.last_t, len(new))
             self.last_t = now
         self.token_ids += new
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if out.finished and out.finish_reason == "error":
             self.finish_reason = "error"
             raise RequestFailed(f"the request failed in the engine: {self.state.shown(out.error or '')}")
@@ -216,7 +218,7 @@ async def _stream(gen: _Generation, q: asyncio.Queue) -> AsyncIterator[str]:
                 yield sse(chunk(gen.req, text, new, gen.finish_reason, role=first))
                 first = False
         if gen.req.include_usage:
-            yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids)))
+            yield sse(make_usage_chunk(gen.req, gen.prompt_tokens, len(gen.token_ids), gen.cached_tokens))
     except Exception as e:  # noqa: BLE001 - the engine's failure, or this request's own: it alone ends
         yield sse(_failure(gen, e).body())
     finally:
@@ -240,7 +242,8 @@ async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict
                 if await request.is_disconnected():
                     return None
                 check_at = time.monotonic() + DISCONNECT_POLL_S
-        return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens)
+        return response(gen.req, gen.detok.text(), gen.token_ids, gen.finish_reason, gen.prompt_tokens,
+                        gen.cached_tokens)
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - the engine's failure, or this request's own: a 500 for it alone

@@ -342,14 +342,15 @@ def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vo
 
 # ------------------------------------------------------------------------------------------------ responses
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The OpenAI usage object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI usage object (cached_tokens: prompt tokens the prefix cache held)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def response(req: GenerationRequest, text: str, token_ids: list[int], finish_reason: str | None,
-             prompt_tokens: int) -> dict[str, Any]:
+             prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """The complete (non-streamed) response object."""
     if req.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
@@ -359,7 +360,7 @@ def response(req: GenerationRequest, text: str, token_ids: list[int], finish_rea
                   "finish_reason": finish_reason, "token_ids": token_ids}
         obj = "chat.completion"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
-            "usage": usage(prompt_tokens, len(token_ids))}
+            "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
 
 
 def chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish_reason: str | None,
@@ -379,11 +380,12 @@ def chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
 
 
-def usage_chunk(req: GenerationRequest, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(req: GenerationRequest, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+                ) -> dict[str, Any]:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
     obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
     return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class Detokenizer:
