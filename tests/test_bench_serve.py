@@ -135,6 +135,27 @@ def test_tiny_sweep_writes_json_markdown_and_plot(model_dir, tmp_path, capsys):
     assert table.startswith("| placement | concurrency | throughput tok/s") and table.count("\n") == 2 + 6
 
 
+def test_conversations_sweep_reports_prefix_hits(model_dir, tmp_path, capsys):
+    """A tiny conversations sweep: a host server without and with a host K/V tier under one host budget; the
+    prefix cache is hit (turns reuse their history) and the host tier moves blocks back."""
+    variants = tmp_path / "split.toml"
+    variants.write_text('[variants.host-kv]\nbase = "host"\nkv_host_fraction = 0.5\n')
+    budget = tmp_path / "budget.toml"
+    budget.write_text("[engine]\nhost_memory = 8388608\n")
+    rc = main(["bench", "serve", str(model_dir), "--placements", "host", "--variants", str(variants), "--config",
+               str(budget), "--workload", "conversations", "--input-len", "16", "--output-len", "4",
+               "--max-concurrency", "2", "--requests-per-user", "4", "--warmup-per-user", "0", "--rounds", "1",
+               "--source", "stdlib", "--plot", str(tmp_path / "p.png"), "--json"])
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["config"]["workload"] == "conversations"
+    for p in res["points"]:
+        assert p["requests"] == 4 * p["concurrency"]  # sessions of 4 turns
+        assert 0 < p["prefix_hit_rate"] <= 1, p  # turn 2 on reuses turn 1's blocks
+        if p["placement"] == "host":
+            assert p["prefix_host_hit_rate"] == 0  # no host K/V tier: host_memory is all the tables'
+
+
 def test_summarize_takes_the_median_round_and_pools_the_rest():
     def timings(n: int, prompt: int, out: int) -> list[Timing]:
         return [Timing(0.01, [0.002] * (out - 1), 0.05, prompt, out) for _ in range(n)]
