@@ -154,6 +154,14 @@ def test_conversations_sweep_reports_prefix_hits(model_dir, tmp_path, capsys):
         assert 0 < p["prefix_hit_rate"] <= 1, p  # turn 2 on reuses turn 1's blocks
         if p["placement"] == "host":
             assert p["prefix_host_hit_rate"] == 0  # no host K/V tier: host_memory is all the tables'
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(res))
+    assert main(["bench", "split", str(sweep), "--plot", str(tmp_path / "split.png"), "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    shares = {(s["server"], s["concurrency"]): (s["kv_host_bytes"], s["engram_host_bytes"]) for s in split["points"]}
+    assert shares[("host", 1)] == (0, 8 << 20) and shares[("host-kv", 2)] == (4 << 20, 4 << 20)
+    assert set(split["best"]) == {"1", "2"} and (tmp_path / "split.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["bench", "split", str(tmp_path / "split.png")]) == 1  # not a sweep: said, not a traceback
 
 
 def test_summarize_takes_the_median_round_and_pools_the_rest():

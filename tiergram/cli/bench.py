@@ -165,6 +165,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(po, "--json")
     po.set_defaults(func=cmd_pool)
 
+    sp = bsub.add_parser("split", help="a `bench serve --workload conversations` sweep read as the split of one host "
+                                       "budget between Engram tables and the host K/V tier: table, plot, best split")
+    sp.add_argument("sweep", metavar="SWEEP_JSON", help="the JSON `tiergram bench serve --json` printed")
+    add_common(sp, "--plot", "--json")
+    sp.set_defaults(func=cmd_split)
+
     sk = bsub.add_parser("soak", help="the server under fuzzing, hostile input, 2x overload, disconnects, storage "
                                       "faults and kill -9 (docs/serving.md, \"Limits and failure behaviour\")")
     sk.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=None,
@@ -340,6 +346,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tiergram: error: {e}", file=sys.stderr)
         return 1
     print(serve.to_json(res) if args.json else serve.to_text(res))
+    return 0
+
+
+def cmd_split(args: argparse.Namespace) -> int:
+    import sys
+
+    from tiergram.bench import split
+
+    try:
+        points, table = split.report(args.sweep, args.plot)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"tiergram: error: {args.sweep}: not a split sweep ({type(e).__name__}: {e})", file=sys.stderr)
+        return 1
+    print(split.to_json(points) if args.json else table)
     return 0
 
 

@@ -1,0 +1,133 @@
+"""`tiergram bench split SWEEP_JSON`: a `bench serve --workload conversations` sweep read as the split of one host
+budget between the Engram tables and the host K/V tier: per server its shares, per point throughput, TTFT p90,
+prefix hit rate, Engram stall and what binds; a table and a plot (docs/findings.md, "K/V and Engram in one host
+memory")."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tiergram.plots import save_figure, subplots
+
+# a point's Engram reads bind when the forward waited on them this share of the measured wall time or more
+STALL_BINDS = 0.10
+
+
+@dataclass
+class SplitPoint:
+    """One server of the sweep at one concurrency, with its share of the host budget."""
+
+    server: str
+    engram: str  # the Engram tables' tier: host (whole, in DRAM) or file (SSD + a row cache in DRAM)
+    kv_host_fraction: float
+    kv_host_bytes: int
+    engram_host_bytes: int
+    concurrency: int
+    throughput_tok_s: float
+    ttft_p90_ms: float
+    prefix_hit_rate: float | None
+    prefix_host_hit_rate: float | None
+    engram_cache_hit_rate: float | None
+    stall_share: float  # exposed Engram stall / measured wall time
+    binds: str  # "engram reads", "prefill (K/V misses)" or "compute"
+
+
+def split_points(sweep: dict[str, Any]) -> list[SplitPoint]:
+    """SplitPoints of a sweep JSON (`bench serve --json`), ordered by server then concurrency."""
+    servers = sweep["servers"]
+    best_hit: dict[int, float] = {}
+    for p in sweep["points"]:
+        if p.get("prefix_hit_rate") is not None:
+            best_hit[p["concurrency"]] = max(best_hit.get(p["concurrency"], 0.0), p["prefix_hit_rate"])
+    out = []
+    for p in sweep["points"]:
+        engine = servers[p["placement"]]["settings"]["engine"]
+        host = engine.get("host_memory")
+        if host is None:
+            raise ValueError(f"server {p['placement']!r} ran without host_memory: not a split of one host budget")
+        f = float(engine.get("kv_host_fraction", 0.0))
+        kv = int(host * f)
+        stall = p["exposed_stall_s"] / p["duration_s"] if p["duration_s"] > 0 else 0.0
+        hit = p.get("prefix_hit_rate")
+        if stall >= STALL_BINDS:
+            binds = "engram reads"
+        elif hit is not None and hit < best_hit.get(p["concurrency"], 0.0) - 0.05:
+            binds = "prefill (K/V misses)"
+        else:
+            binds = "compute"
+        out.append(SplitPoint(p["placement"], engine["placement"], f, kv, host - kv, p["concurrency"],
+                              p["throughput_tok_s"], p["ttft_p90_ms"], hit, p.get("prefix_host_hit_rate"),
+                              p.get("engram_cache_hit_rate"), round(stall, 4), binds))
+    return sorted(out, key=lambda s: (s.engram, s.kv_host_fraction, s.server, s.concurrency))
+
+
+def best_split(points: list[SplitPoint]) -> dict[int, str]:
+    """{concurrency: the server with the highest throughput there}."""
+    best: dict[int, SplitPoint] = {}
+    for s in points:
+        if s.concurrency not in best or s.throughput_tok_s > best[s.concurrency].throughput_tok_s:
+            best[s.concurrency] = s
+    return {c: s.server for c, s in sorted(best.items())}
+
+
+def to_markdown(points: list[SplitPoint]) -> str:
+    """The split table: one row per server and concurrency."""
+    head = ("| server | Engram | K/V share | Engram MiB | K/V MiB | c | tok/s | TTFT p90 ms | prefix hit | from host | "
+            "Engram cache hit | stall share | binds |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    for s in points:
+        lines.append(f"| {s.server} | {s.engram} | {100 * s.kv_host_fraction:.0f}% | {s.engram_host_bytes / 2**20:.0f} "
+                     f"| {s.kv_host_bytes / 2**20:.0f} | {s.concurrency} | {s.throughput_tok_s:.1f} | "
+                     f"{s.ttft_p90_ms:.0f} | {pct(s.prefix_hit_rate)} | {pct(s.prefix_host_hit_rate)} | "
+                     f"{pct(s.engram_cache_hit_rate)} | {pct(s.stall_share)} | {s.binds} |")
+    best = ", ".join(f"c={c}: {name}" for c, name in best_split(points).items())
+    return "\n".join(lines) + f"\n\nbest split by throughput: {best}\n"
+
+
+def plot(points: list[SplitPoint], path: Path, title: str = "") -> Path:
+    """Throughput, TTFT p90 and prefix hit rate against the K/V share, a line per Engram tier and concurrency."""
+    fig, axes = subplots(1, 3, figsize=(12.8, 4.0))
+    for (engram, c), pts in sorted(_lines(points).items()):
+        pts = sorted(pts, key=lambda s: s.kv_host_fraction)
+        x = [100 * s.kv_host_fraction for s in pts]
+        style = "-o" if engram == "host" else "--s"
+        axes[0].plot(x, [s.throughput_tok_s for s in pts], style, label=f"Engram {engram}, c={c}")
+        axes[1].plot(x, [s.ttft_p90_ms for s in pts], style)
+        axes[2].plot(x, [100 * (s.prefix_hit_rate or 0.0) for s in pts], style)
+    for ax, label in zip(axes, ("throughput (tok/s)", "TTFT p90 (ms)", "prefix hit rate (%)"), strict=True):
+        ax.set_xlabel("host K/V tier's share of the host budget (%)")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def _lines(points: list[SplitPoint]) -> dict[tuple[str, int], list[SplitPoint]]:
+    out: dict[tuple[str, int], list[SplitPoint]] = {}
+    for s in points:
+        out.setdefault((s.engram, s.concurrency), []).append(s)
+    return out
+
+
+def report(sweep_path: str | Path, plot_path: str | Path | None = None) -> tuple[list[SplitPoint], str]:
+    """(points, markdown) of a sweep JSON file, the plot written beside it (or at plot_path)."""
+    path = Path(sweep_path)
+    sweep = json.loads(path.read_text())
+    points = split_points(sweep)
+    name = Path(sweep["config"]["model_dir"]).name
+    plot(points, Path(plot_path) if plot_path else path.with_suffix(".split.png"),
+         f"{name}: host budget split between Engram and K/V, {sweep['config']['workload']}")
+    return points, to_markdown(points)
+
+
+def to_json(points: list[SplitPoint]) -> str:
+    return json.dumps({"points": [asdict(s) for s in points], "best": best_split(points)}, indent=2)
