@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tiergram.cli.common import add_common
+
 USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
        tiergram plan calibrate [--model DIR | --measured JSON] [--out SPEC.toml]
        tiergram plan validate SWEEP_JSON... --hardware SPEC [--model MODEL] [--json]
@@ -46,8 +48,8 @@ def _predict_parser() -> argparse.ArgumentParser:
                         "hot_hit_rate_curve; the engine's --hot-rows)")
     p.add_argument("--device-memory", type=float, default=None, help="override the device budget, bytes")
     p.add_argument("--max-concurrency", type=int, default=1 << 16)
-    p.add_argument("--plot", default=None, help="PNG path (default: plan-MODEL-HARDWARE.png in the cache)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_common(p, "--plot", "--json", plot="PNG path (default: plan-MODEL-HARDWARE.png in the cache)",
+               json="print JSON instead of the table")
     return p
 
 
