@@ -1,5 +1,6 @@
-"""`tiergram demo`: the whole path on a fresh machine: corpus, a trained Engram LM, its table files, and a
-serving sweep over device / host / file placements ending with the table, the acceptance ratios and the plot.
+"""`tiergram demo`: the whole path on a fresh machine: corpus, a trained Engram LM, its table files, a serving
+sweep over device / host / file placements ending with the table, the acceptance ratios and the plot, and
+multi-turn conversations showing the prefix cache's hit rate.
 
 Everything is cached under $TIERGRAM_CACHE (default ~/.cache/tiergram): a second run reuses the corpus, the
 tokenizer and the model and only repeats the sweep.
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _stage(n: int, title: str, t0: float) -> None:
-    print(f"\n== [{n}/4] {title}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\n== [{n}/5] {title}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 def _trained(model_dir: Path) -> bool:
@@ -123,6 +124,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print()
     print(sweep.to_text(res))
     print(f"json: {out / 'sweep.json'}\nmarkdown: {out / 'sweep.md'}")
+
+    _stage(5, "prefix cache: multi-turn conversations over shared documents (host placement)", t0)
+    conv = sweep.run(sweep.SweepConfig(
+        model_dir=str(model_dir), placements=("host",), workload="conversations", input_len=48 if args.quick else 96,
+        output_len=8 if args.quick else 16, max_concurrency=4, requests_per_user=2, warmup_per_user=0, rounds=1,
+        device_memory=budget, plot=str(out / "conversations.png")), progress=True)
+    (out / "conversations.json").write_text(sweep.to_json(conv))
+    for p in conv.points:
+        print(f"c={p.concurrency}: prefix-cache hit rate {100 * (p.prefix_hit_rate or 0):.1f}% of the prompt tokens "
+              f"that could hit, TTFT p90 {p.ttft_p90_ms:.0f} ms, {p.throughput_tok_s:.0f} tok/s")
     print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s. Serve the model yourself with\n"
           f"  tiergram serve {model_dir} --placement host")
     return 0
