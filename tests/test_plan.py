@@ -419,6 +419,26 @@ def test_validate_compares_point_by_point() -> None:
     assert res["summary"]["steps_compared"] == 0  # the sweep has no server counters: no step compared
 
 
+def test_validate_sets_the_naive_baseline_beside_the_planner() -> None:
+    """--naive: every point also predicted by calibration's own throughput at its concurrency, errors side by side."""
+    from dataclasses import replace
+
+    sweep = _sweep("unused", 1.0)
+    with pytest.raises(ValueError, match="no serve_tok_s_curve"):
+        validate(sweep, MODEL, CPU, naive=True)
+    hw = replace(CPU, serve_tok_s_curve=((1, 100.0), (4, 400.0)))
+    res = validate(sweep, MODEL, hw, naive=True)
+    by_c = {r["concurrency"]: r["naive_tok_s"] for r in res["points"]}
+    assert by_c == {1: 100.0, 2: pytest.approx(250.0, abs=0.1), 4: 400.0}  # interpolated in log c
+    errs = [abs(r["measured_tok_s"] / r["naive_tok_s"] - 1) for r in res["points"]]
+    s = res["summary"]
+    assert s["naive_mean_abs_error"] == pytest.approx(sum(errs) / len(errs))
+    assert s["naive_within_15pct"] == sum(e <= 0.15 for e in errs) and s["mean_abs_error"] == pytest.approx(0.0)
+    assert "naive baseline" in validate_text(res)
+    plain = validate(sweep, MODEL, hw)  # without --naive: no baseline
+    assert "naive_mean_abs_error" not in plain["summary"] and plain["points"][0]["naive_tok_s"] is None
+
+
 def test_validate_sets_the_servers_step_beside_the_predicted() -> None:
     sweep = _sweep("unused", 1.0)
     wl = Workload(input_len=9, output_len=4.5, max_num_seqs=1000, max_input_len=10, max_output_len=5)

@@ -96,6 +96,9 @@ def _validate_parser() -> argparse.ArgumentParser:
                    help="the CPU speed the points are predicted at: the median of the speed probes the sweep took "
                         "beside its rounds, against the spec's (default; the spec's where either has none), or the "
                         "spec's")
+    p.add_argument("--naive", action="store_true",
+                   help="also the naive baseline's prediction of every point (calibration's own host server's "
+                        "throughput at that concurrency) and its error beside the planner's (JSON: naive_tok_s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -214,7 +217,7 @@ def _validate(a: argparse.Namespace) -> int:
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
-                           disk_from=a.disk, speed_from=a.speed)
+                           disk_from=a.disk, speed_from=a.speed, naive=a.naive)
     if a.plot:  # each server's points as validate predicted them, beside the measured ones
         lines: dict[str, list[tuple[float, float, int, str]]] = {}
         measured: dict[str, list[tuple[float, float]]] = {}

@@ -124,7 +124,10 @@ def fit_serve(serve: dict[str, Any], engine_step: Callable[[float, float], float
     gaps: list[tuple[int, float, float]] = []
     ratios: dict[int, list[float]] = {c: [] for c in conc}
     lived: dict[int, list[float]] = {c: [] for c in conc}
+    tput: dict[int, list[float]] = {c: [] for c in conc}
     for r in serve["runs"]:
+        if r["wall_s"] > 0:
+            tput[r["c"]].append(r["tokens"] / r["wall_s"])
         c, need = r["c"], steps_per_request(wl, r["c"])
         gaps.append((c, need, max(0.0, r["wall_s"] - r["busy_s"]) * c / max(1, r["requests"])))
         if r["steps"] > 0 and r["requests"]:
@@ -138,7 +141,10 @@ def fit_serve(serve: dict[str, Any], engine_step: Callable[[float, float], float
             "server_step_passes": {c: [round(x, 3) for x in ratios[c]] for c in conc if ratios[c]},
             # never below 1: a request needs its steps (fewer is its sampled lengths' noise)
             "request_steps_curve": [[c, round(max(1.0, float(np.median(lived[c]))), 3)] for c in conc if lived[c]],
-            "request_steps_passes": {c: [round(x, 3) for x in lived[c]] for c in conc if lived[c]}}
+            "request_steps_passes": {c: [round(x, 3) for x in lived[c]] for c in conc if lived[c]},
+            # what the server itself served (tokens computed / wall s) at each concurrency, the passes' median:
+            # `plan validate --naive`'s baseline, which predicts any sweep point by it
+            "serve_tok_s_curve": [[c, round(float(np.median(tput[c])), 1)] for c in conc if tput[c]]}
 
 
 def fit(raw: dict[str, Any]) -> Calibration:
@@ -181,6 +187,7 @@ def fit(raw: dict[str, Any]) -> Calibration:
         "link_gbps": 0.0, "cores": raw["cpus"], "cpu_speed_ms": round(float(np.median(speed)), 3),
         **({"server_step_curve": srv["server_step_curve"]} if srv["server_step_curve"] else {}),
         **({"request_steps_curve": srv["request_steps_curve"]} if srv["request_steps_curve"] else {}),
+        **({"serve_tok_s_curve": srv["serve_tok_s_curve"]} if srv.get("serve_tok_s_curve") else {}),
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"], "cache_pages_per_s": d["reread_pages_per_s"]}
@@ -220,6 +227,9 @@ def sources(raw: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:
                                "the steps a request needs, the passes' median at each level, at least 1: the steps "
                                "that run while a user is between requests (interpolated in log c)"
                                if serve else unserved,
+        "serve_tok_s_curve": f"{how}: the same closed loop's tokens computed per wall second at each level, the "
+                             "passes' median: the naive baseline of `plan validate --naive` (no step model)"
+                             if serve else unserved,
         "cpu_speed_ms": f"{how}: the median of `machine.cpu_speed_ms` before the host lookups and after the engine "
                         "steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in raw["cpu_speed_ms"])
                         + " ms); `plan validate` scales the CPU costs by a sweep's own probes over this figure",

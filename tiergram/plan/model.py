@@ -193,6 +193,9 @@ class HardwareSpec:
     # measured by calibrate: while one user is between requests (its last token streamed, the next not yet admitted)
     # the others' steps run with a seat empty
     request_steps_curve: tuple[tuple[float, float], ...] = ()
+    # cpu kind: the throughput calibrate's own host server reached at each concurrency, (concurrency, tok/s) pairs:
+    # the naive baseline `plan validate --naive` sets beside the step model
+    serve_tok_s_curve: tuple[tuple[float, float], ...] = ()
 
     def at_speed(self, speed_ms: float) -> HardwareSpec:
         """This CPU machine while its speed probe (`machine.cpu_speed_ms`) reads `speed_ms` instead of the

@@ -10,7 +10,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tiergram.plan.model import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_point, steps_per_request
+from tiergram.plan.model import (
+    Front,
+    HardwareSpec,
+    ModelSpec,
+    Placement,
+    Workload,
+    interpolate,
+    predict_point,
+    steps_per_request,
+)
 
 
 def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: bool = True,
@@ -130,6 +139,8 @@ class Compared:
     # the sweep flagged this point as reading well past the disk's new-page limit: a cache under the disk served
     # pages an earlier run read (bench serve's `above_disk_limit`), so its figure is not the disk's
     past_disk_limit: bool = False
+    # the naive baseline: calibration's own host server's throughput at this concurrency (None: not asked for)
+    naive_tok_s: float | None = None
 
 
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
@@ -268,7 +279,8 @@ def binds(engram: str, disk_share: float, stall_share: float) -> str:
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
-             rows_first: bool | None = None, disk_from: str = "sweep", speed_from: str = "sweep") -> dict[str, Any]:
+             rows_first: bool | None = None, disk_from: str = "sweep", speed_from: str = "sweep",
+             naive: bool = False) -> dict[str, Any]:
     """Every measured point against the prediction for the same model, settings and placement (and any other
     host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
     prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `disk_from` "sweep": predict a file point
@@ -278,7 +290,12 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     cannot give every table's rate (docs/benchmarks.md, this VM's disk). `speed_from` "sweep": predict every point at
     the median of the CPU speed probes the sweep took beside its rounds (`HardwareSpec.at_speed`; where the sweep and
     the spec both have probes: one 0.25 s probe is too noisy to set one point's speed), "spec": at the
-    calibration's (docs/planner.md, "Validation")."""
+    calibration's (docs/planner.md, "Validation"). `naive`: also the naive baseline's prediction of every point,
+    the throughput calibration's own host server reached at that concurrency (the spec's serve_tok_s_curve,
+    interpolated in log c; the same for every placement, model and length), and its errors in the summary."""
+    if naive and not hw.serve_tok_s_curve:
+        raise ValueError(f"hardware spec {hw.name!r} has no serve_tok_s_curve for the naive baseline: rerun "
+                         "`tiergram plan calibrate` (without --no-serve), or refit with --measured")
     if disk_from not in ("sweep", "spec"):
         raise ValueError(f"disk_from must be 'sweep' or 'spec', got {disk_from!r}")
     if speed_from not in ("sweep", "spec"):
@@ -348,7 +365,9 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                              binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
                              None if first is None else round(float(first), 4), round(p.step_s * 1e3, 3),
                              pt.get("server_step_ms"), round(steps_per_request(wl, p.concurrency, hw), 2),
-                             pt.get("steps_per_request"), int(pt["concurrency"]) in past_limit(sweep, name)))
+                             pt.get("steps_per_request"), int(pt["concurrency"]) in past_limit(sweep, name),
+                             round(interpolate(hw.serve_tok_s_curve, p.concurrency, log_x=True), 1) if naive
+                             else None))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -356,6 +375,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
+    naive_errs = [abs(r.measured_tok_s / r.naive_tok_s - 1) for r in rows if r.naive_tok_s]
     on_disk = [abs(r.ratio - 1) for r in rows if not r.past_disk_limit]
     stepped = [r for r in rows if r.measured_step_ms]
     step_errs = [abs(r.measured_step_ms / r.predicted_step_ms - 1) for r in stepped if r.predicted_step_ms > 0]
@@ -374,7 +394,10 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                         # points whose reads a cache under the disk served (the sweep's own flag), and the count
                         # within 15% among the rest
                         "past_disk_limit": len(rows) - len(on_disk),
-                        "within_15pct_on_disk": sum(e <= 0.15 for e in on_disk)}}
+                        "within_15pct_on_disk": sum(e <= 0.15 for e in on_disk),
+                        **({"naive_within_15pct": sum(e <= 0.15 for e in naive_errs),
+                            "naive_mean_abs_error": sum(naive_errs) / len(naive_errs) if naive_errs else None}
+                           if naive else {})}}
 
 
 def past_limit(sweep: dict[str, Any], label: str) -> set[int]:
@@ -394,6 +417,8 @@ def validate_text(res: dict[str, Any]) -> str:
             hit += f" ({r['first_read_share']:.0%} of its pages first reads)"
         if len(r["measured_runs"]) > 1:
             hit += " runs: " + ", ".join(f"{x:,.0f}" for x in r["measured_runs"])
+        if r.get("naive_tok_s"):
+            hit += f"; naive {r['naive_tok_s']:,.0f} ({r['measured_tok_s'] / r['naive_tok_s']:.3f})"
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
                      f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']} (measured "
                      f"{r['measured_binding']}: stall {r['stall_share']:.1%} "
@@ -418,6 +443,10 @@ def validate_text(res: dict[str, Any]) -> str:
     if s["points"]:
         lines.append(f"{s['within_15pct']}/{s['points']} points within 15%; mean |error| {s['mean_abs_error']:.1%}, "
                      f"max {s['max_abs_error']:.1%}; binding named as measured at {s['binding_named']}/{s['points']}")
+    if s.get("naive_mean_abs_error") is not None:
+        lines.append(f"naive baseline (calibration's own throughput at each c): {s['naive_within_15pct']}/"
+                     f"{s['points']} within 15%, mean |error| {s['naive_mean_abs_error']:.1%} (the planner's "
+                     f"{s['mean_abs_error']:.1%})")
     if s.get("past_disk_limit"):
         lines.append(f"{s['past_disk_limit']} points read past the disk's new-page limit (a cache under the disk "
                      f"served them: not the disk's); without them {s['within_15pct_on_disk']}/"

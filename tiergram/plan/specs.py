@@ -61,6 +61,7 @@ HARDWARE_FIELDS = (
     Field("cpu_speed_ms", "cpu_speed_ms", 1.0, required=False),
     Field("server_step_curve", "server_step_curve", kind="curve", required=False),
     Field("request_steps_curve", "request_steps_curve", kind="curve", required=False),
+    Field("serve_tok_s_curve", "serve_tok_s_curve", kind="curve", required=False),
 )
 DISK_FIELDS = (
     Field("drives", "drives", kind="int", positive=True),
