@@ -125,6 +125,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     max_levels = levels(cfg.max_num_seqs, cfg.max_concurrency)
     per_user = cfg.requests_per_user * cfg.rounds + cfg.warmup_per_user
     need = sum(per_user * c for c in max_levels) * (cfg.input_len + cfg.output_len)
+    if cfg.workload == "conversations":  # the shared documents come first, then the turns' text
+        need += cfg.docs * cfg.input_len
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
     log(progress, f"trace: {len(tokens)} tokens of the {source}")
     # the disk's limit on each model's own tables: the volume under this VM serves blocks it served recently several
