@@ -278,7 +278,7 @@ def shipped() -> list[str]:
 def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 16, max_num_seqs: int = 64,
                    max_num_batched_tokens: int = 512) -> ModelSpec:
     """The spec of a trained tiergram model: counted weights, its K/V and activation bytes, its tables' geometry."""
-    from tiergram.engine.budget import activation_bytes
+    from tiergram.engine.budget import activation_bytes, kv_block_bytes
     from tiergram.model.checkpoint import read_config
     from tiergram.model.config import ModelConfig
 
@@ -293,8 +293,7 @@ def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 1
     import torch
 
     elem = 4  # the engine runs float32 on a CPU
-    hd = cfg.head_dim
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * hd * elem
+    kv = kv_block_bytes(cfg, 1, torch.float32)  # K, V and the short conv's paged input, as the engine sizes them
     params = _backbone_params(cfg)
     act = activation_bytes(cfg, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                            max_model_len=cfg.max_seq, dtype=torch.float32)
