@@ -552,7 +552,7 @@ def test_repeated_sweeps_merge_by_their_mean_and_refuse_other_settings() -> None
 
 
 def test_the_kv_swap_streamer_moves_blocks_and_refuses_bad_sizes() -> None:
-    from tiergram.plan.stream import stream
+    from tiergram.bench.stream import stream
 
     assert stream(1e9, 1 << 16, 1 << 20, seconds=0.05, report=False) > 0
     with pytest.raises(ValueError, match="pool"):

@@ -84,7 +84,7 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of the predicted points (lines) with the measured ones")
     p.add_argument("--host-traffic-gbps", type=float, default=0.0,
                    help="other traffic that streamed through host memory during the sweep, GB/s (e.g. "
-                        "`python -m tiergram.plan.stream`)")
+                        "`python -m tiergram.bench.stream`)")
     p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
                    help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
                         "config; a server without read-ahead never)")

@@ -1,6 +1,6 @@
 """A stand-in for K/V swap traffic: copy K/V-sized blocks through host memory at a set rate, until stopped.
 
-`python -m tiergram.plan.stream --rate-gbps 2 --block-mib 16` copies a block from one buffer of many blocks to
+`python -m tiergram.bench.stream --rate-gbps 2 --block-mib 16` copies a block from one buffer of many blocks to
 another (read + write: 2 x block bytes moved per copy), paced to the rate, printing the rate it reached each
 second. Run it beside a `tiergram bench serve --placements host` sweep to measure what host-memory traffic
 that is not the Engram table's does to the host placement (docs/planner.md).
@@ -45,8 +45,8 @@ def stream(rate_bps: float, block_bytes: int, pool_bytes: int, seconds: float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: python -m tiergram.plan.stream."""
-    p = argparse.ArgumentParser(prog="python -m tiergram.plan.stream", description=__doc__.splitlines()[0])
+    """Entry point: python -m tiergram.bench.stream."""
+    p = argparse.ArgumentParser(prog="python -m tiergram.bench.stream", description=__doc__.splitlines()[0])
     p.add_argument("--rate-gbps", type=float, required=True, help="bytes moved per second (read + write), in GB/s")
     p.add_argument("--block-mib", type=float, default=16.0, help="one K/V block swap, MiB (default 16)")
     p.add_argument("--pool-mib", type=float, default=1024.0, help="the K/V pool streamed through, MiB (default 1024)")
