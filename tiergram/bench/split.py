@@ -130,4 +130,5 @@ def report(sweep_path: str | Path, plot_path: str | Path | None = None) -> tuple
 
 
 def to_json(points: list[SplitPoint]) -> str:
+    """The points and the best split per concurrency as one JSON object."""
     return json.dumps({"points": [asdict(s) for s in points], "best": best_split(points)}, indent=2)

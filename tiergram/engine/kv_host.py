@@ -43,7 +43,7 @@ class HostKV:
         pin = any(c.is_cuda for c in caches) and torch.cuda.is_available()
         self.host_caches = [torch.empty((num_slots, c.shape[0], block_size, *c.shape[2:]), dtype=c.dtype,
                                         pin_memory=pin) for c in caches]
-        self.slot_bytes = sum(h[0].numel() * h.element_size() for h in self.host_caches)
+        self.slot_bytes = self.slot_bytes_for(caches, block_size)
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
         self._name_of: list[bytes | None] = [None] * num_slots
         self._pinned: dict[int, int] = {}  # slot -> copies still to read it
