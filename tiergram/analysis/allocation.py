@@ -8,37 +8,45 @@ Engram share s puts about s * budget into the tables (rows per hash head sized t
 model trains on the same token budget with the same seed(s), then all are scored on the same validation documents,
 so the loss differences between shares are paired over documents.
 
+A share s > 0 keeps fewer experts than share 0, so each expert sees more tokens: "Engram share s beats share 0"
+can be "fewer, better-trained experts" as well as Engram. The controls separate the two (`controls`):
+- "tokens": the MoE-only model with exactly share s's experts, no Engram, on the same tokens;
+- "compute": the same MoE-only model given the Engram model's extra step time as extra tokens (the step-time ratio
+  Engram model / control is measured by interleaved training steps, once per share, and kept in the sweep folder).
+Every Engram model is also scored with Engram off at every position (the mechanism `tiergram ablate` uses).
+
 The DeepSeek Engram paper and a replication at ~6e18 FLOPs found a U: loss falls as the share grows from 0, then
-rises again when too few experts are left. `verdict` says a U appears only when the lowest loss is at an interior
-share and both end points are worse than it with 95% paired intervals above zero. Those intervals cover the
-evaluation sample (documents), not training noise: with one seed a difference between two shares can still be
-seed luck, which only more seeds measure.
+rises again when too few experts are left. allocation_report says what the sweep shows and how many seeds a U of
+the paper's depth would need.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
+from tiergram.analysis.stats import Estimate, ratio_estimate
 from tiergram.model.config import EngramSettings, ModelConfig, MoESettings
-from tiergram.plots import save_figure, subplots
+
+CONTROL_KINDS = ("tokens", "compute")
 
 
 @dataclass
 class AllocationConfig:
-    """A sweep's settings: the shares, the seeds, the token budget and the fixed geometry."""
+    """A sweep's settings: the shares, the seeds, the token budget, the controls and the fixed geometry."""
 
-    out: str  # folder of the sweep: one run directory per (share, seed), sweep.json
+    out: str  # folder of the sweep: one run directory per model, sweep.json, step_ratios.json
     shares: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)  # Engram share of the sparse parameters
     seeds: tuple[int, ...] = (0,)
     tokens: int = 262144  # training tokens per model
+    controls: tuple[str, ...] = ()  # MoE-only controls per share > 0: "tokens" (same tokens), "compute" (same compute)
+    train: bool = True  # False: report the finished runs only, train nothing
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -59,10 +67,13 @@ class AllocationConfig:
 
     def __post_init__(self) -> None:
         self.shares, self.seeds = tuple(float(s) for s in self.shares), tuple(int(s) for s in self.seeds)
+        self.controls = tuple(self.controls)
         if not self.shares or any(not 0 <= s < 1 for s in self.shares) or len(set(self.shares)) != len(self.shares):
             raise ValueError(f"shares must be distinct values in [0, 1), got {self.shares}")
         if not self.seeds or self.tokens < 1 or self.experts_at_zero < self.top_k or self.n_layers < 2:
             raise ValueError("need a seed, a positive token budget, experts_at_zero >= top_k and >= 2 layers")
+        if any(c not in CONTROL_KINDS for c in self.controls):
+            raise ValueError(f"controls must be among {', '.join(CONTROL_KINDS)}, got {', '.join(self.controls)}")
 
     @property
     def moe_layers(self) -> list[int]:
@@ -84,12 +95,16 @@ class AllocationConfig:
         """The sparse-parameter budget: the share-0 model's routed-expert parameters."""
         return len(self.moe_layers) * self.experts_at_zero * self.expert_size
 
+    def public(self) -> dict[str, Any]:
+        """The settings as a result file records them: folders by name only, not this machine's paths."""
+        return asdict(self) | {"out": Path(self.out).name, "corpus": self.corpus and Path(self.corpus).name}
+
 
 @dataclass
 class Point:
-    """One trained model of the sweep."""
+    """One trained model: a sweep point (kind "sweep") or a MoE-only control of a share ("tokens", "compute")."""
 
-    share: float  # nominal Engram share
+    share: float  # nominal Engram share (of the sweep point, or of the share whose experts a control has)
     seed: int
     run: str  # run directory (relative to the sweep folder)
     n_experts: int
@@ -97,32 +112,23 @@ class Point:
     expert_params: int
     table_params: int
     actual_share: float  # table_params / (expert_params + table_params)
+    kind: str = "sweep"
+    tokens: int = 0  # training tokens (a "compute" control's are the sweep's times the step-time ratio)
     steps: int = 0
     elapsed_s: float = 0.0
+    step_s: float = 0.0  # median training step time from the run's log
     loss: Estimate | None = None  # validation nats/token, document-bootstrap 95% interval
+    loss_off: Estimate | None = None  # the same with Engram off at every position (Engram models only)
 
 
 @dataclass
-class ShareResult:
-    """A share over its seeds: loss of the seed-mean per-document sums, and its paired delta against the best share."""
+class StepRatio:
+    """Training step time of share s's Engram model over its MoE-only control, measured by interleaved steps."""
 
     share: float
-    actual_share: float
-    n_experts: int
-    loss: Estimate
-    seed_losses: list[float]
-    delta_vs_best: Estimate | None = None
-
-
-@dataclass
-class AllocationReport:
-    """The sweep's points, the per-share summary and the verdict."""
-
-    config: dict[str, Any]
-    budget: int
-    points: list[Point]
-    shares: list[ShareResult] = field(default_factory=list)
-    verdict: str = ""
+    ratio: float  # median over rounds of (Engram model's step time / control's)
+    engram_step_s: list[float]  # per round, mean seconds per step
+    control_step_s: list[float]
 
 
 def geometry(cfg: AllocationConfig, share: float, vocab_size: int, pad_id: int) -> tuple[ModelConfig, int, int]:
@@ -153,17 +159,30 @@ def table_params(mconfig: ModelConfig) -> int:
     return sum(sum(hasher.head_sizes(layer)) * mconfig.engram.dim for layer in mconfig.engram.layers)
 
 
+def run_name(kind: str, share: float, n_experts: int, seed: int) -> str:
+    """share80-s0 (sweep), moe03-s0 (MoE-only, same tokens), moe03-compute-s0 (MoE-only, same compute)."""
+    if kind == "sweep":
+        return f"share{round(share * 100):02d}-s{seed}"
+    return f"moe{n_experts:02d}{'-compute' if kind == 'compute' else ''}-s{seed}"
+
+
 def plan(cfg: AllocationConfig, vocab_size: int, pad_id: int) -> list[tuple[Point, ModelConfig]]:
-    """Every (point, model config) of the sweep, seeds outermost so a cut-short sweep has whole seeds."""
+    """Every (point, model config) of the sweep and its controls, seeds outermost so a cut-short sweep has whole
+    seeds; a control's tokens are 0 until a "compute" control's step-time ratio is known."""
     out = []
     for seed in cfg.seeds:
         for share in cfg.shares:
             mconfig, n_experts, rows = geometry(cfg, share, vocab_size, pad_id)
             experts = mconfig.moe.expert_params(cfg.d_model)
             tables = table_params(mconfig)
-            out.append((Point(share=share, seed=seed, run=f"share{round(share * 100):02d}-s{seed}",
-                              n_experts=n_experts, rows_per_head=rows, expert_params=experts, table_params=tables,
-                              actual_share=tables / (experts + tables)), mconfig))
+            kinds = ["sweep"] + (list(cfg.controls) if share > 0 and n_experts < cfg.experts_at_zero else [])
+            for kind in kinds:
+                sweep = kind == "sweep"
+                out.append((Point(share=share, seed=seed, run=run_name(kind, share, n_experts, seed),
+                                  n_experts=n_experts, rows_per_head=rows if sweep else 0, expert_params=experts,
+                                  table_params=tables if sweep else 0, actual_share=tables / (experts + tables),
+                                  kind=kind, tokens=cfg.tokens if kind != "compute" else 0),
+                            mconfig if sweep else mconfig.without_engram()))
     return out
 
 
@@ -176,14 +195,129 @@ def _finished(run: Path) -> dict[str, Any] | None:
     return training if training.get("finished") else None
 
 
-def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationReport:
-    """Train every point (a finished run directory is reused), score all on the same validation documents."""
+def median_step_s(run: Path) -> float:
+    """Median seconds per training step in a run's log (robust to the odd step slowed by other work)."""
+    from tiergram.model.train import LOG
+
+    rows = [json.loads(line) for line in (run / LOG).read_text().splitlines() if line.strip()]
+    times = np.diff([0.0] + [r["elapsed_s"] for r in rows])
+    return float(np.median(times)) if len(times) else 0.0
+
+
+def measure_step_ratio(share: float, engram: ModelConfig, control: ModelConfig, cfg: AllocationConfig,
+                       corpus: Path, *, rounds: int = 5, steps: int = 4) -> StepRatio:
+    """Time training steps of both models on the same real batches, alternating `rounds` times `steps` steps, so
+    that load from other work on the machine falls on both alike."""
     import torch
+    import torch.nn.functional as F
+
+    from tiergram.corpus import load_tokenizer
+    from tiergram.model.data import WindowSampler, tokenize_split
+    from tiergram.model.model import EngramLM, make_hasher
+    from tiergram.model.moe import aux_loss
+    from tiergram.model.train import TrainConfig, make_optimizers
+    from tiergram.tiers.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    tok_path = corpus / "tokenizer.json"
+    tcfg = TrainConfig(out="", config="allocation", lr=cfg.lr, batch_size=cfg.batch_size, tokens=cfg.tokens)
+    tokenizer = load_tokenizer(tok_path)
+    sampler = WindowSampler(tokenize_split(corpus, "train", tok_path, progress=False), cfg.batch_size, cfg.max_seq)
+    batches = [tuple(torch.from_numpy(a).to(device) for a in sampler.next()) for _ in range(steps)]
+    models = []
+    for mconfig in (engram, control):
+        torch.manual_seed(0)
+        hasher = make_hasher(mconfig, tokenizer=tokenizer) if mconfig.engram is not None else None
+        model = EngramLM(mconfig, hasher).to(device).train()
+        models.append((model, *make_optimizers(model, tcfg)))
+
+    def step(model, adamw, sparse, x, y) -> None:  # the training step of tiergram.model.train, without logging
+        logits, _ = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        balance = aux_loss(model)
+        adamw.zero_grad(set_to_none=True)
+        if sparse is not None:
+            sparse.zero_grad(set_to_none=True)
+        (loss if balance is None else loss + balance).backward()
+        torch.nn.utils.clip_grad_norm_([p for g in adamw.param_groups for p in g["params"] if p.grad is not None],
+                                       tcfg.grad_clip)
+        adamw.step()
+        if sparse is not None:
+            sparse.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for m in models:  # warm-up: first-call allocations and optimizer state
+        step(*m, *batches[0])
+    times: list[list[float]] = [[], []]
+    for r in range(rounds):
+        order = (0, 1) if r % 2 == 0 else (1, 0)  # alternate who goes first
+        for i in order:
+            t0 = time.perf_counter()
+            for x, y in batches:
+                step(*models[i], x, y)
+            times[i].append((time.perf_counter() - t0) / steps)
+    ratios = [a / b for a, b in zip(*times, strict=True)]
+    return StepRatio(share=share, ratio=float(np.median(ratios)), engram_step_s=times[0], control_step_s=times[1])
+
+
+def _step_ratio(cfg: AllocationConfig, share: float, vocab_size: int, pad: int, corpus: Path,
+                measure: bool) -> StepRatio | None:
+    """The sweep folder's step-time ratio for a share (measured once and kept, so a control's tokens never move)."""
+    path = Path(cfg.out) / "step_ratios.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    key = f"{share:g}"
+    if key not in known and measure:
+        engram, _, _ = geometry(cfg, share, vocab_size, pad)
+        known[key] = asdict(measure_step_ratio(share, engram, engram.without_engram(), cfg, corpus))
+        path.write_text(json.dumps(known, indent=1) + "\n")
+    return StepRatio(**known[key]) if key in known else None
+
+
+def _scores(run: Path, model: Any, docs: list[Any], cfg: AllocationConfig) -> dict[str, np.ndarray]:
+    """Per-document validation loss sums with Engram on (and off, for an Engram model) and token counts, kept in
+    the run directory (scores.npz) so a re-run of the sweep does not score again."""
+    import torch
+
+    from tiergram.model.evaluate import score_documents
+
+    path = run / "scores.npz"
+    if path.is_file():
+        kept = dict(np.load(path))
+        if int(kept["eval_tokens"]) == cfg.eval_tokens and len(kept["counts"]) == len(docs):
+            return kept
+    out = {"eval_tokens": np.array(cfg.eval_tokens)}
+    for name, enabled in (("on", True), ("off", False)) if model.engram_layers else (("on", True),):
+        for d in docs:
+            d.loss_sum, d.count = 0.0, 0
+        with torch.no_grad():
+            score_documents(model, docs, batch_size=cfg.batch_size, engram_enabled=enabled, progress=False)
+        out[name] = np.array([d.loss_sum for d in docs])
+    out["counts"] = np.array([d.count for d in docs], dtype=np.float64)
+    np.savez(path, **out)
+    return out
+
+
+@dataclass
+class SweepRun:
+    """What run_sweep hands the report: the points, their per-document sums, and the step-time ratios."""
+
+    cfg: AllocationConfig
+    points: list[Point]
+    sums: dict[str, dict[str, np.ndarray]]  # run -> {"on", "off"?} per-document loss sums
+    counts: np.ndarray  # tokens per document
+    step_ratios: list[StepRatio] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # runs not finished (train=False)
+
+
+def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> SweepRun:
+    """Train every point (a finished run directory is reused; none with train=False), score all on the same
+    validation documents with Engram on and off."""
     from tqdm import tqdm
 
     from tiergram.corpus import PAD, ensure_corpus, load_tokenizer
     from tiergram.model.checkpoint import load_pretrained, write_json
-    from tiergram.model.evaluate import eval_documents, score_documents
+    from tiergram.model.evaluate import eval_documents
     from tiergram.model.train import TrainConfig, train
     from tiergram.tiers.device import resolve_device
 
@@ -194,129 +328,51 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> AllocationRepo
     pad = tokenizer.token_to_id(PAD)
     if pad is None:
         raise ValueError(f"the tokenizer has no {PAD} token to left-pad n-grams with")
-    points = plan(cfg, tokenizer.get_vocab_size(), pad)
+    vocab = tokenizer.get_vocab_size()
+    planned = plan(cfg, vocab, pad)
     write_json(out / "allocation_config.json", asdict(cfg))
     docs = eval_documents(corpus, "validation", tokenizer, max_tokens_per_category=cfg.eval_tokens)
     if not docs:
         raise ValueError(f"the validation split of {corpus} has no documents")
-    doc_sums: dict[tuple[float, int], np.ndarray] = {}
-    counts = np.zeros(len(docs))
+    result = SweepRun(cfg, [], {}, np.zeros(len(docs)))
+    ratios: dict[float, StepRatio] = {}
     device = resolve_device(cfg.device)
-    bar = tqdm(points, desc="allocation sweep", unit="model", disable=not progress)
+    bar = tqdm(planned, desc="allocation sweep", unit="model", disable=not progress)
     for point, mconfig in bar:
-        bar.set_postfix(share=f"{point.share:.0%}", seed=point.seed, experts=point.n_experts)
+        bar.set_postfix(run=point.run)
         run = out / point.run
         summary = _finished(run)
-        if summary is None:
-            tcfg = TrainConfig(out=str(run), config="allocation", seed=point.seed, tokens=cfg.tokens,
+        if point.kind == "compute":
+            ratio = _step_ratio(cfg, point.share, vocab, pad, corpus, measure=summary is None and cfg.train)
+            if ratio is not None:
+                ratios[point.share] = ratio
+                point.tokens = int(np.ceil(cfg.tokens * ratio.ratio))
+        if summary is None and cfg.train:
+            tcfg = TrainConfig(out=str(run), config="allocation", seed=point.seed, tokens=point.tokens,
                                batch_size=cfg.batch_size, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                                checkpoint_every=10**9, eval_tokens=cfg.eval_tokens, corpus=str(corpus),
                                device=cfg.device)
             train(tcfg, resume=(run / "checkpoint.pt").is_file(), progress=progress, evaluate_at_end=False,
                   model_config=mconfig)
             summary = _finished(run)
+        if summary is None:
+            result.missing.append(point.run)
+            continue
         point.steps, point.elapsed_s = int(summary["steps"]), float(summary["elapsed_s"])
+        point.tokens, point.step_s = int(summary["tokens"]), median_step_s(run)
         model, _ = load_pretrained(run, device=device)
         if model.config != mconfig:
             raise ValueError(f"{run} holds a model of another geometry than this sweep's {point.run}")
-        for d in docs:
-            d.loss_sum, d.count = 0.0, 0
-        with torch.no_grad():
-            score_documents(model, docs, batch_size=cfg.batch_size, progress=False)
-        sums = np.array([d.loss_sum for d in docs])
-        counts = np.array([d.count for d in docs], dtype=np.float64)
-        doc_sums[(point.share, point.seed)] = sums
-        point.loss = ratio_estimate(sums, counts)
-        write_json(out / "sweep.json", asdict(AllocationReport(asdict(cfg), cfg.budget, [p for p, _ in points])))
+        scores = _scores(run, model, docs, cfg)
+        result.counts = scores["counts"]
+        result.sums[point.run] = {k: scores[k] for k in ("on", "off") if k in scores}
+        point.loss = ratio_estimate(scores["on"], scores["counts"])
+        if "off" in scores:
+            point.loss_off = ratio_estimate(scores["off"], scores["counts"])
+        result.points.append(point)
     bar.close()
-    report = summarize(cfg, [p for p, _ in points], doc_sums, counts)
-    write_json(out / "sweep.json", asdict(report))
-    return report
-
-
-def summarize(cfg: AllocationConfig, points: list[Point], doc_sums: dict[tuple[float, int], np.ndarray],
-              counts: np.ndarray) -> AllocationReport:
-    """Per-share losses (seed-mean per-document sums), paired deltas against the best share, and the verdict."""
-    shares = []
-    mean_sums = {}
-    for share in cfg.shares:
-        mine = [p for p in points if p.share == share and (share, p.seed) in doc_sums]
-        if not mine:
-            continue
-        mean_sums[share] = np.mean([doc_sums[(share, p.seed)] for p in mine], axis=0)
-        shares.append(ShareResult(share=share, actual_share=mine[0].actual_share, n_experts=mine[0].n_experts,
-                                  loss=ratio_estimate(mean_sums[share], counts),
-                                  seed_losses=[p.loss.value for p in mine]))
-    report = AllocationReport(config=asdict(cfg), budget=cfg.budget, points=points, shares=shares)
-    if shares:
-        best = min(shares, key=lambda s: s.loss.value)
-        for s in shares:
-            s.delta_vs_best = paired_ratio_delta(mean_sums[best.share], mean_sums[s.share], counts)
-        report.verdict = verdict(shares, len(cfg.seeds))
-    return report
-
-
-def verdict(shares: list[ShareResult], n_seeds: int) -> str:
-    """Whether a U appears: an interior minimum with both end points worse by a 95% interval above zero."""
-    if len(shares) < 3:
-        return f"{len(shares)} shares cannot show a U (at least 3 are needed)"
-    ordered = sorted(shares, key=lambda s: s.share)
-    best = min(ordered, key=lambda s: s.loss.value)
-    lo, hi = ordered[0], ordered[-1]
-    noise = "" if n_seeds > 1 else " (intervals over validation documents only; one seed, so training noise " \
-                                   "is not in them)"
-    if best is lo or best is hi:
-        side = "no Engram" if best is lo and best.share == 0 else f"Engram share {best.share:.0%}"
-        return f"no U: the lowest loss is at an end of the sweep ({side}, {best.loss.value:.4f} nats){noise}"
-    worse = [s for s in (lo, hi) if s.delta_vs_best.ci95[0] > 0]
-    if len(worse) == 2:
-        return (f"a U appears: the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats), "
-                f"and share {lo.share:.0%} (+{lo.delta_vs_best.value:.4f}) and share {hi.share:.0%} "
-                f"(+{hi.delta_vs_best.value:.4f}) are both worse{noise}")
-    return (f"no clear U: the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats), but "
-            f"{'neither end point is' if not worse else 'only one end point is'} worse by more than the 95% "
-            f"interval{noise}")
-
-
-def to_markdown(report: AllocationReport) -> str:
-    """The sweep as markdown: one row per share, then the verdict."""
-    c = report.config
-    lines = [f"# Allocation sweep: {report.budget / 1e6:.2f}M sparse parameters, {c['tokens']:,} tokens per model",
-             "", f"d_model {c['d_model']}, {c['n_layers']} blocks, MoE in blocks {list(range(1, c['n_layers']))} "
-                 f"(top-{c['top_k']} of N experts of width {c['expert_ffn']}), seeds {list(c['seeds'])}; "
-                 f"validation loss in nats/token over {c['eval_tokens']} tokens per category, 95% document-bootstrap "
-                 "intervals; Δ paired against the best share.", "",
-             "| Engram share (actual) | experts per block | rows per head | loss | Δ vs best | per seed |",
-             "|---|---|---|---|---|---|"]
-    rows = {p.share: p.rows_per_head for p in report.points}
-    for s in report.shares:
-        d = s.delta_vs_best
-        lines.append(f"| {s.share:.0%} ({s.actual_share:.1%}) | {s.n_experts} | {rows[s.share]} | {s.loss.value:.4f} "
-                     f"[{s.loss.ci95[0]:.4f}, {s.loss.ci95[1]:.4f}] | {d.value:+.4f} [{d.ci95[0]:+.4f}, "
-                     f"{d.ci95[1]:+.4f}] | {', '.join(f'{v:.4f}' for v in s.seed_losses)} |")
-    lines += ["", f"**{report.verdict}.**", ""]
-    return "\n".join(lines)
-
-
-def plot(report: AllocationReport, path: str | os.PathLike) -> None:
-    """Two panels against the actual Engram share, to a PNG: validation loss (95% intervals over documents, one dot
-    per seed), and its paired difference from the best share (the comparison the verdict uses)."""
-    fig, (ax, bx) = subplots(1, 2, figsize=(11, 4.2))
-    x = np.array([s.actual_share * 100 for s in report.shares])
-    for axis, key in ((ax, "loss"), (bx, "delta_vs_best")):
-        est = [getattr(s, key) for s in report.shares]
-        y = np.array([e.value for e in est])
-        err = np.array([[e.value - e.ci95[0] for e in est], [e.ci95[1] - e.value for e in est]])
-        axis.errorbar(x, y, yerr=err, fmt="o-", capsize=4)
-        axis.set_xlabel("Engram share of the sparse parameters (%)")
-    for s in report.shares:
-        ax.plot([s.actual_share * 100] * len(s.seed_losses), s.seed_losses, "k.", alpha=0.5)
-    ax.set_ylabel("validation loss (nats/token), 95% CI over documents")
-    bx.axhline(0, color="gray", lw=0.8)
-    bx.set_ylabel("Δ loss vs the best share (paired over documents)")
-    fig.suptitle(f"{report.budget / 1e6:.2f}M sparse parameters, {report.config['tokens']:,} tokens per model, "
-                 f"seeds {list(report.config['seeds'])}", fontsize=9)
-    save_figure(fig, Path(path))
+    result.step_ratios = [ratios[s] for s in sorted(ratios)]
+    return result
 
 
 def config_from_args(out: str, **overrides: Any) -> AllocationConfig:

@@ -102,6 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
     w.add_argument("--warmup-steps", type=int, help="default 20")
     w.add_argument("--eval-tokens", type=int, help="validation tokens per category (default 16384)")
+    w.add_argument("--controls", default="", help="MoE-only controls (no Engram, each share's experts) to train "
+                                                  "too: tokens (same tokens), compute (tokens x the measured "
+                                                  "step-time ratio), or tokens,compute (default none)")
+    w.add_argument("--no-train", action="store_true", help="train nothing: report the finished runs in OUT")
+    w.add_argument("--results", metavar="DIR", help="write the small result files (sweep, controls, engram-off, "
+                                                    "equal-compute, power .json) to DIR")
     _inputs_outputs(w, "write the sweep as JSON (it is also in OUT/sweep.json)", "loss vs Engram share PNG")
     w.set_defaults(func=cmd_sweep_allocation)
 
@@ -243,7 +249,9 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep_allocation(args: argparse.Namespace) -> int:
-    from tiergram.analysis.allocation import config_from_args, plot, run_sweep, to_markdown
+    from tiergram.analysis.allocation import config_from_args, run_sweep
+    from tiergram.analysis.allocation_report import build_report, plot, result_files, to_markdown
+    from tiergram.model.checkpoint import write_json
 
     try:
         shares = tuple(float(v) / 100 for v in args.shares.split(",") if v.strip())
@@ -255,7 +263,13 @@ def cmd_sweep_allocation(args: argparse.Namespace) -> int:
                            n_layers=args.layers, max_seq=args.max_seq, experts_at_zero=args.experts,
                            expert_ffn=args.expert_ffn, top_k=args.top_k, batch_size=args.batch_size,
                            warmup_steps=args.warmup_steps, eval_tokens=args.eval_tokens, corpus=args.corpus,
-                           device=args.device)
-    report = run_sweep(cfg, progress=not args.quiet)
+                           device=args.device, controls=tuple(c.strip() for c in args.controls.split(",") if c.strip()),
+                           train=not args.no_train)
+    report = build_report(run_sweep(cfg, progress=not args.quiet))
+    write_json(Path(args.out) / "sweep.json", asdict(report))
+    if args.results:
+        Path(args.results).mkdir(parents=True, exist_ok=True)
+        for name, data in result_files(report).items():
+            write_json(Path(args.results) / f"{name}.json", data)
     _emit(args, report, to_markdown(report), lambda path: plot(report, path))
     return 0

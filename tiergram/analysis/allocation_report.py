@@ -1,0 +1,432 @@
+"""What an allocation sweep shows: loss per share, the controls, Engram-off loss, equal compute, and power.
+
+Every comparison is a paired difference over the same validation documents (document-bootstrap 95% interval,
+tiergram.analysis.stats) of the seed-mean per-document loss sums, with the per-seed differences beside it and a
+t interval over seeds: the document interval says how sure the evaluation sample makes a difference, the seed
+interval how much training noise moves it. The result files (result_files) hold exactly what the markdown
+tables print, so a table can be recomputed from its file.
+
+`verdict` says a U appears only when the lowest loss is at an interior share and both end points are worse than it
+with 95% paired intervals above zero; `power_analysis` says how many seeds per share a U of the DeepSeek paper's
+depth would need, given the measured seed-to-seed spread.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiergram.analysis.allocation import Point, StepRatio, SweepRun
+from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
+from tiergram.plots import save_figure, subplots
+
+PAPER_U_DEPTH = 0.014  # nats: the DeepSeek Engram paper's U, best share against the ends
+
+
+@dataclass
+class ShareResult:
+    """A share over its seeds: loss of the seed-mean per-document sums, and its paired delta against the best share."""
+
+    share: float
+    actual_share: float
+    n_experts: int
+    rows_per_head: int
+    loss: Estimate
+    seed_losses: list[float]
+    seed_sd: float | None = None  # sample SD of the per-seed losses (None below 2 seeds)
+    delta_vs_best: Estimate | None = None
+
+
+@dataclass
+class Comparison:
+    """loss(subject) - loss(reference) at one share, paired over documents; negative: the subject is better."""
+
+    what: str  # engram_vs_control | control_vs_share0 | engram_vs_share0 | engram_off | engram_vs_compute
+    share: float
+    n_experts: int
+    subject: str  # run name without the seed suffix ("share80", "moe03", "share80 (Engram off)")
+    reference: str
+    seeds: list[int]
+    delta: Estimate  # of the seed-mean per-document sums, document-bootstrap 95%
+    seed_deltas: list[float]
+    seed_ci95: list[float] | None = None  # t interval over seeds (None below 2 seeds)
+
+
+@dataclass
+class Power:
+    """Seeds per share that a two-sided two-sample t test on per-seed validation losses needs to detect a
+    difference of `delta` nats between two shares with the given power, from the measured seed spread."""
+
+    delta: float
+    alpha: float
+    power: float
+    seed_sd: dict[str, float]  # per share (percent) the sample SD over seeds
+    seeds_per_share: int  # seeds behind each SD (the smallest)
+    pooled_sd: float
+    pooled_df: int
+    pooled_sd_upper95: float  # one-sided 95% upper bound (chi-square)
+    seeds_needed: int  # per share, at the pooled SD
+    seeds_needed_upper: int  # per share, at the upper bound
+    seeds_needed_normal: float  # the normal approximation 2 (z_{1-a/2} + z_{power})^2 sd^2 / delta^2
+    detectable_now: float  # the difference detectable with 80% power at the seeds run
+    minutes_per_model: float  # mean training wall time of the sweep's models on this machine
+    shares: int
+
+
+@dataclass
+class AllocationReport:
+    """The sweep's points, the per-share summary, the controls, the power analysis and the verdict."""
+
+    config: dict[str, Any]
+    budget: int
+    points: list[Point]
+    shares: list[ShareResult] = field(default_factory=list)
+    comparisons: list[Comparison] = field(default_factory=list)
+    step_ratios: list[StepRatio] = field(default_factory=list)
+    power: Power | None = None
+    verdict: str = ""
+    missing: list[str] = field(default_factory=list)
+
+
+def seed_interval(values: list[float]) -> list[float] | None:
+    """Two-sided 95% t interval of the mean of per-seed values (None below 2 values)."""
+    from scipy import stats
+
+    if len(values) < 2:
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return [float(v.mean() - half), float(v.mean() + half)]
+
+
+def _stem(run: str) -> str:
+    """share80-s0 -> share80, moe03-compute-s1 -> moe03-compute."""
+    return run.rsplit("-s", 1)[0]
+
+
+def compare(result: SweepRun, what: str, share: float, subject: dict[int, str], reference: dict[int, str],
+            subject_key: str = "on", reference_key: str = "on") -> Comparison | None:
+    """The paired comparison of two sets of runs (seed -> run) over the seeds both have finished."""
+    seeds = sorted(s for s in subject if s in reference and subject[s] in result.sums
+                   and reference[s] in result.sums and subject_key in result.sums[subject[s]])
+    if not seeds:
+        return None
+    counts = result.counts
+    subj = [result.sums[subject[s]][subject_key] for s in seeds]
+    ref = [result.sums[reference[s]][reference_key] for s in seeds]
+    per_seed = [float((a.sum() - b.sum()) / counts.sum()) for a, b in zip(subj, ref, strict=True)]
+    point = next(p for p in result.points if p.run == subject[seeds[0]])
+    off = " (Engram off)" if subject_key == "off" else ""
+    return Comparison(what=what, share=share, n_experts=point.n_experts, subject=_stem(subject[seeds[0]]) + off,
+                      reference=_stem(reference[seeds[0]]), seeds=seeds,
+                      delta=paired_ratio_delta(np.mean(ref, axis=0), np.mean(subj, axis=0), counts),
+                      seed_deltas=per_seed, seed_ci95=seed_interval(per_seed))
+
+
+def comparisons(result: SweepRun) -> list[Comparison]:
+    """Per share > 0: Engram vs its MoE-only control, the control and the Engram model vs share 0 (16 experts),
+    Engram off vs on, and Engram vs the equal-compute control."""
+    runs: dict[tuple[str, float], dict[int, str]] = {}
+    for p in result.points:
+        runs.setdefault((p.kind, p.share), {})[p.seed] = p.run
+    base = runs.get(("sweep", 0.0), {})
+    out = []
+    for share in sorted({p.share for p in result.points if p.share > 0}):
+        engram = runs.get(("sweep", share), {})
+        for what, subject, reference, keys in (
+                ("engram_vs_control", engram, runs.get(("tokens", share), {}), ("on", "on")),
+                ("control_vs_share0", runs.get(("tokens", share), {}), base, ("on", "on")),
+                ("engram_vs_share0", engram, base, ("on", "on")),
+                ("engram_off", engram, engram, ("off", "on")),
+                ("engram_vs_compute", engram, runs.get(("compute", share), {}), ("on", "on"))):
+            c = compare(result, what, share, subject, reference, *keys)
+            if c is not None:
+                out.append(c)
+    return out
+
+
+def summarize_shares(result: SweepRun) -> list[ShareResult]:
+    """Per-share losses (seed-mean per-document sums) and paired deltas against the best share."""
+    shares, mean_sums = [], {}
+    for share in result.cfg.shares:
+        mine = [p for p in result.points if p.kind == "sweep" and p.share == share]
+        if not mine:
+            continue
+        mean_sums[share] = np.mean([result.sums[p.run]["on"] for p in mine], axis=0)
+        losses = [p.loss.value for p in mine]
+        shares.append(ShareResult(share=share, actual_share=mine[0].actual_share, n_experts=mine[0].n_experts,
+                                  rows_per_head=mine[0].rows_per_head,
+                                  loss=ratio_estimate(mean_sums[share], result.counts), seed_losses=losses,
+                                  seed_sd=float(np.std(losses, ddof=1)) if len(losses) > 1 else None))
+    if shares:
+        best = min(shares, key=lambda s: s.loss.value)
+        for s in shares:
+            s.delta_vs_best = paired_ratio_delta(mean_sums[best.share], mean_sums[s.share], result.counts)
+    return shares
+
+
+def t_test_power(delta: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of a two-sided two-sample t test with n per group to detect a difference `delta` at SD `sd`."""
+    from scipy import stats
+
+    df, ncp = 2 * n - 2, delta / (sd * np.sqrt(2 / n))
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    lower = float(np.nan_to_num(stats.nct.cdf(-crit, df, ncp)))  # scipy gives NaN far out in the tail, where it is 0
+    return float(stats.nct.sf(crit, df, ncp)) + lower
+
+
+def seeds_for_power(sd: float, delta: float, alpha: float = 0.05, power: float = 0.8, limit: int = 100000) -> int:
+    """Smallest seeds per group for a two-sided two-sample t test (equal groups) to reach `power` at `delta`."""
+    for n in range(2, limit):
+        if t_test_power(delta, sd, n, alpha) >= power:
+            return n
+    raise ValueError(f"more than {limit} seeds per group for a difference of {delta} at SD {sd}")
+
+
+def power_analysis(shares: list[ShareResult], points: list[Point], delta: float = PAPER_U_DEPTH, alpha: float = 0.05,
+                   power: float = 0.8) -> Power | None:
+    """How many seeds per share would detect `delta` (default: the paper's U depth), from the pooled seed SD."""
+    from scipy import optimize, stats
+
+    spread = [s for s in shares if s.seed_sd is not None]
+    if not spread:
+        return None
+    df = sum(len(s.seed_losses) - 1 for s in spread)
+    pooled = float(np.sqrt(sum((len(s.seed_losses) - 1) * s.seed_sd ** 2 for s in spread) / df))
+    upper = float(pooled * np.sqrt(df / stats.chi2.ppf(0.05, df)))
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    n_now = min(len(s.seed_losses) for s in spread)
+
+    detectable = float(optimize.brentq(lambda d: t_test_power(d, pooled, n_now, alpha) - power, 1e-9, 100 * pooled))
+    sweep = [p for p in points if p.kind == "sweep"]
+    return Power(delta=delta, alpha=alpha, power=power,
+                 seed_sd={f"{s.share * 100:.0f}": s.seed_sd for s in spread}, seeds_per_share=n_now,
+                 pooled_sd=pooled, pooled_df=df, pooled_sd_upper95=upper,
+                 seeds_needed=seeds_for_power(pooled, delta, alpha, power),
+                 seeds_needed_upper=seeds_for_power(upper, delta, alpha, power),
+                 seeds_needed_normal=float(2 * z ** 2 * pooled ** 2 / delta ** 2), detectable_now=detectable,
+                 minutes_per_model=float(np.mean([p.elapsed_s for p in sweep]) / 60) if sweep else 0.0,
+                 shares=len(shares))
+
+
+def verdict(shares: list[ShareResult], n_seeds: int) -> str:
+    """Whether a U appears: an interior minimum with both end points worse by a 95% interval above zero."""
+    if len(shares) < 3:
+        return f"{len(shares)} shares cannot show a U (at least 3 are needed)"
+    ordered = sorted(shares, key=lambda s: s.share)
+    best = min(ordered, key=lambda s: s.loss.value)
+    lo, hi = ordered[0], ordered[-1]
+    noise = "" if n_seeds > 1 else " (intervals over validation documents only; one seed, so training noise " \
+                                   "is not in them)"
+    if best is lo or best is hi:
+        side = "no Engram" if best is lo and best.share == 0 else f"Engram share {best.share:.0%}"
+        return f"no U: the lowest loss is at an end of the sweep ({side}, {best.loss.value:.4f} nats){noise}"
+    worse = [s for s in (lo, hi) if s.delta_vs_best.ci95[0] > 0]
+    if len(worse) == 2:
+        return (f"a U appears: the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats), "
+                f"and share {lo.share:.0%} (+{lo.delta_vs_best.value:.4f}) and share {hi.share:.0%} "
+                f"(+{hi.delta_vs_best.value:.4f}) are both worse{noise}")
+    return (f"no clear U: the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats), but "
+            f"{'neither end point is' if not worse else 'only one end point is'} worse by more than the 95% "
+            f"interval{noise}")
+
+
+def build_report(result: SweepRun) -> AllocationReport:
+    """The report of a swept folder: shares, comparisons, step-time ratios, power and verdict."""
+    cfg = result.cfg
+    shares = summarize_shares(result)
+    seeds = len({p.seed for p in result.points if p.kind == "sweep"})
+    return AllocationReport(config=cfg.public(), budget=cfg.budget, points=result.points, shares=shares,
+                            comparisons=comparisons(result), step_ratios=result.step_ratios,
+                            power=power_analysis(shares, result.points), verdict=verdict(shares, seeds),
+                            missing=result.missing)
+
+
+# ---- result files and their tables: each table is a function of its result file's dict, nothing else ----
+
+RESULT_FILES = ("sweep", "controls", "engram-off", "equal-compute", "power")
+_WHAT = {"controls": ("engram_vs_control", "control_vs_share0", "engram_vs_share0"), "engram-off": ("engram_off",),
+         "equal-compute": ("engram_vs_compute", "engram_vs_control")}
+
+
+def result_files(report: AllocationReport) -> dict[str, dict[str, Any]]:
+    """{name: contents} of the small result files (sweep, controls, engram-off, equal-compute, power)."""
+    r = asdict(report)
+    head = {"config": r["config"], "budget": r["budget"]}
+    kinds = {"sweep": ("sweep",), "controls": ("tokens",), "engram-off": ("sweep",), "equal-compute": ("compute",)}
+    out = {}
+    for name in RESULT_FILES[:-1]:
+        points = [p for p in r["points"] if p["kind"] in kinds[name]]
+        if name == "engram-off":
+            points = [p for p in points if p["loss_off"] is not None]
+        out[name] = head | {"points": points}
+    out["sweep"] |= {"shares": r["shares"], "verdict": r["verdict"], "missing": r["missing"]}
+    for name, whats in _WHAT.items():
+        out[name]["comparisons"] = [c for c in r["comparisons"] if c["what"] in whats]
+    out["equal-compute"]["step_ratios"] = r["step_ratios"]
+    out["power"] = head | {"power": r["power"]}
+    return out
+
+
+def _e(e: dict[str, Any], signed: bool = False) -> str:
+    f = "{:+.4f}" if signed else "{:.4f}"
+    return f"{f.format(e['value'])} [{f.format(e['ci95'][0])}, {f.format(e['ci95'][1])}]"
+
+
+def _seeds(c: dict[str, Any]) -> str:
+    """Per-seed deltas and the t interval over seeds."""
+    per = ", ".join(f"{v:+.4f}" for v in c["seed_deltas"])
+    ci = c["seed_ci95"]
+    return per + (f" | [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else " | –")
+
+
+def _by(data: dict[str, Any], what: str) -> dict[float, dict[str, Any]]:
+    return {c["share"]: c for c in data["comparisons"] if c["what"] == what}
+
+
+def sweep_table(data: dict[str, Any]) -> str:
+    """Loss per share over its seeds, the paired delta against the best share, the seed SD and the per-seed losses."""
+    lines = ["| Engram share (actual) | experts per block | rows per head | validation loss, seed mean | Δ vs best "
+             "(paired) | seed SD | per seed |", "|---|---|---|---|---|---|---|"]
+    for s in data["shares"]:
+        sd = "–" if s["seed_sd"] is None else f"{s['seed_sd']:.4f}"
+        lines.append(f"| {s['share']:.0%} ({s['actual_share']:.1%}) | {s['n_experts']} | {s['rows_per_head']:,} | "
+                     f"{_e(s['loss'])} | {_e(s['delta_vs_best'], True) if s['delta_vs_best']['value'] else '0'} | "
+                     f"{sd} | {', '.join(f'{v:.4f}' for v in s['seed_losses'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def controls_table(data: dict[str, Any]) -> str:
+    """Per share: Engram model minus its MoE-only control (same experts, same tokens), with the two parts of the
+    Engram model's gain over share 0: the control against share 0 (fewer experts) and Engram against the control."""
+    engram, fewer, total = (_by(data, w) for w in _WHAT["controls"])
+    lines = ["| Engram share | experts per block | Engram − MoE-only (same experts), seed mean | per seed | over "
+             "seeds (t 95%) | MoE-only − share 0 | Engram − share 0 |", "|---|---|---|---|---|---|---|"]
+    for share, c in sorted(engram.items()):
+        f = _e(fewer[share]["delta"], True) if share in fewer else "–"
+        t = _e(total[share]["delta"], True) if share in total else "–"
+        lines.append(f"| {share:.0%} | {c['n_experts']} | {_e(c['delta'], True)} | {_seeds(c)} | {f} | {t} |")
+    return "\n".join(lines) + "\n"
+
+
+def engram_off_table(data: dict[str, Any]) -> str:
+    """Per share: validation loss with Engram on and off (every position), and off − on paired over documents."""
+    on = {}
+    for p in data["points"]:
+        on.setdefault(p["share"], []).append((p["loss"]["value"], p["loss_off"]["value"]))
+    lines = ["| Engram share | on, seed mean | off, seed mean | off − on, seed mean | per seed | over seeds (t 95%) |",
+             "|---|---|---|---|---|---|"]
+    for share, c in sorted(_by(data, "engram_off").items()):
+        vals = np.array(on[share])
+        lines.append(f"| {share:.0%} | {vals[:, 0].mean():.4f} | {vals[:, 1].mean():.4f} | {_e(c['delta'], True)} "
+                     f"| {_seeds(c)} |")
+    return "\n".join(lines) + "\n"
+
+
+def equal_compute_table(data: dict[str, Any]) -> str:
+    """Per share: the measured step-time ratio, the equal-compute control's tokens, Engram − that control."""
+    ratios = {r["share"]: r for r in data["step_ratios"]}
+    tokens = {}
+    for p in data["points"]:
+        tokens.setdefault(p["share"], set()).add(p["tokens"])
+    same = _by(data, "engram_vs_control")
+    lines = ["| Engram share | experts per block | step time, Engram / MoE-only | MoE-only tokens | Engram − MoE-only "
+             "(equal compute), seed mean | per seed | over seeds (t 95%) | at equal tokens |",
+             "|---|---|---|---|---|---|---|---|"]
+    for share, c in sorted(_by(data, "engram_vs_compute").items()):
+        r = ratios[share]
+        s = _e(same[share]["delta"], True) if share in same else "–"
+        lines.append(f"| {share:.0%} | {c['n_experts']} | {r['ratio']:.3f} | "
+                     f"{', '.join(f'{t:,}' for t in sorted(tokens[share]))} | {_e(c['delta'], True)} | {_seeds(c)} | "
+                     f"{s} |")
+    return "\n".join(lines) + "\n"
+
+
+def power_table(data: dict[str, Any]) -> str:
+    """The seed spread and the seeds per share a difference of the paper's U depth needs."""
+    p = data["power"]
+    sds = ", ".join(f"{k}%: {v:.4f}" for k, v in p["seed_sd"].items())
+    hours = lambda n: n * p["shares"] * p["minutes_per_model"] / 60  # noqa: E731
+    return "\n".join([
+        "| quantity | value |", "|---|---|",
+        f"| seed SD of the validation loss per share ({p['seeds_per_share']} seeds) | {sds} |",
+        f"| pooled seed SD (df {p['pooled_df']}) [one-sided 95% upper bound] | {p['pooled_sd']:.4f} "
+        f"[{p['pooled_sd_upper95']:.4f}] |",
+        f"| difference to detect (the paper's U depth) | {p['delta']:.3f} nats |",
+        f"| seeds per share, two-sided two-sample t test, α {p['alpha']}, power {p['power']:.0%} | "
+        f"{p['seeds_needed']} (normal approximation {p['seeds_needed_normal']:.1f}); {p['seeds_needed_upper']} at the "
+        "upper bound |",
+        f"| this machine's time for {p['shares']} shares at that many seeds ({p['minutes_per_model']:.1f} min a "
+        f"model) | {hours(p['seeds_needed']):.0f} h; {hours(p['seeds_needed_upper']):.0f} h at the upper bound |",
+        f"| difference detectable with 80% power at {p['seeds_per_share']} seeds per share | "
+        f"{p['detectable_now']:.3f} nats |", ""])
+
+
+TABLES = {"sweep": sweep_table, "controls": controls_table, "engram-off": engram_off_table,
+          "equal-compute": equal_compute_table, "power": power_table}
+
+
+def to_markdown(report: AllocationReport) -> str:
+    """The whole report as markdown: one section per result file's table, then the verdict."""
+    c = report.config
+    files = result_files(report)
+    lines = [f"# Allocation sweep: {report.budget / 1e6:.2f}M sparse parameters, {c['tokens']:,} tokens per model",
+             "", f"d_model {c['d_model']}, {c['n_layers']} blocks, MoE in blocks {list(range(1, c['n_layers']))} "
+                 f"(top-{c['top_k']} of N experts of width {c['expert_ffn']}), seeds {list(c['seeds'])}; "
+                 f"validation loss in nats/token over {c['eval_tokens']} tokens per category, 95% document-bootstrap "
+                 "intervals; Δ = loss(first) − loss(second), paired over documents.", ""]
+    for name, table in TABLES.items():
+        data = files[name]
+        if data.get("shares") or data.get("comparisons") or data.get("power"):
+            lines += [f"## {name}", "", table(data)]
+    lines += [f"**{report.verdict}.**", ""]
+    if report.missing:
+        lines += [f"Not finished (not in the tables): {', '.join(report.missing)}.", ""]
+    return "\n".join(lines)
+
+
+def plot(report: AllocationReport, path: str | os.PathLike) -> None:
+    """Two panels against the actual Engram share, to a PNG: validation loss of the Engram models and of their
+    MoE-only controls (95% intervals over documents, one dot per seed), and the paired difference Engram − control
+    (same tokens, same compute; dots per seed)."""
+    fig, (ax, bx) = subplots(1, 2, figsize=(11, 4.2))
+    actual = {s.share: s.actual_share * 100 for s in report.shares}
+    x = np.array([s.actual_share * 100 for s in report.shares])
+    est = [s.loss for s in report.shares]
+    ax.errorbar(x, [e.value for e in est], yerr=_err(est), fmt="o-", capsize=4, label="Engram share s")
+    for s in report.shares:
+        ax.plot([s.actual_share * 100] * len(s.seed_losses), s.seed_losses, "k.", alpha=0.5)
+    for kind, style, label in (("tokens", "s--", "MoE-only, same experts, same tokens"),
+                               ("compute", "^:", "MoE-only, same experts, same compute")):
+        pts = [p for p in report.points if p.kind == kind and p.share in actual]
+        xs = sorted({p.share for p in pts})
+        if xs:
+            ax.plot([actual[s] for s in xs], [np.mean([p.loss.value for p in pts if p.share == s]) for s in xs],
+                    style, label=label + " (seed mean)")
+    ax.set_xlabel("Engram share of the sparse parameters (%)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.legend(fontsize=7)
+    for what, style, label in (("engram_vs_control", "s", "same tokens"), ("engram_vs_compute", "^", "same compute")):
+        cs = [c for c in report.comparisons if c.what == what and c.share in actual]
+        if cs:
+            xs = np.array([actual[c.share] for c in cs]) + (0.8 if what == "engram_vs_compute" else 0)
+            bx.errorbar(xs, [c.delta.value for c in cs], yerr=_err([c.delta for c in cs]), fmt=style, capsize=4,
+                        label=f"Engram − MoE-only, {label}")
+            for xi, c in zip(xs, cs, strict=True):
+                bx.plot([xi] * len(c.seed_deltas), c.seed_deltas, "k.", alpha=0.5)
+    bx.set_xlim(ax.get_xlim())
+    bx.axhline(0, color="gray", lw=0.8)
+    bx.set_xlabel("Engram share of the sparse parameters (%)")
+    bx.set_ylabel("Δ loss, paired over documents (dots: seeds)")
+    bx.legend(fontsize=7)
+    fig.suptitle(f"{report.budget / 1e6:.2f}M sparse parameters, {report.config['tokens']:,} tokens per model, "
+                 f"seeds {list(report.config['seeds'])}", fontsize=9)
+    save_figure(fig, Path(path))
+
+
+def _err(est: list[Estimate]) -> np.ndarray:
+    return np.array([[e.value - e.ci95[0] for e in est], [e.ci95[1] - e.value for e in est]])
