@@ -1,16 +1,21 @@
-"""The skip trade-off: share of row reads skipped vs held-out loss increase, for the predictor and baselines.
+"""The skip trade-off at matched skip rates: the predictor against baselines that need no evaluation text.
 
-A skipped read is a fetched row replaced by zeros (passed to the model as engram_rows=); a position whose
-every row is skipped is skipped as a whole (its Engram value and output are zero, as when the layer is off
-there), so skipping every read equals running without Engram. Thresholds are fixed on the fitting split
-(validation) at target skip rates, then applied to the held-out split (test); the achieved rates are
-reported. Baselines: oracle (the true gate, which needs the row: an upper bound), random positions, and
-cold rows (lowest sketch access count first, the "hot rows are the useful ones" hypothesis).
+A skipped read is a fetched row replaced by zeros (passed to the model as engram_rows=); a position whose every
+row is skipped is skipped as a whole (its Engram value and output are zero, as when the layer is off there), so
+skipping every read equals running without Engram. Every method ranks the held-out positions by a score and skips
+the lowest `rate` share of them in every layer (ties broken at random), so all methods skip exactly the same share
+of row reads and their losses are compared at equal skip rates, paired over the same documents:
+
+- predictor / sketch-only: the fitted SkipPredictor's predicted gate (fitted on the fit split's gate traces)
+- train-rare: mean log access count of the position's rows in the training run (tiergram.analysis.training_rows)
+- train-gate: mean gate of the position's rows on training-split tokens
+- random: positions at random, several seeds
+- oracle: the true gate on the held-out text, which needs the rows (a reference, not a baseline)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.analysis.capacity import spearman
-from tiergram.analysis.predictor import FEATURE_SETS, SkipPredictor, fit_predictor, loo_gates, target_gate
+from tiergram.analysis.predictor import FEATURE_SETS, SkipPredictor, fit_predictor, target_gate
 from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
 from tiergram.analysis.trace import EngramHooks, Trace
-from tiergram.model.evaluate import batches
+from tiergram.analysis.training_rows import TrainingRows
+from tiergram.model.evaluate import EvalDoc, batches
 from tiergram.model.model import EngramLM
 from tiergram.plots import save_figure, subplots
 
-METHODS = ("predictor", "sketch-only", "oracle", "random", "cold")
+METHODS = ("predictor", "sketch-only", "oracle", "train-rare", "train-gate", "random")
+BASELINES = ("train-rare", "train-gate", "random")  # the fair ones: nothing read from the evaluation text
+RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 
 @torch.no_grad()
@@ -42,8 +50,8 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
     n_docs = max(w.doc for w in tr.windows) + 1
     sums = {name: np.zeros(n_docs) for name in masks}
     counts = np.zeros(n_docs)
-    for idx, x, y in tqdm(list(batches(tr.windows, batch_size)), desc="skip eval", unit="batch",
-                          disable=not progress):
+    for idx, x, y in tqdm(list(batches(tr.windows, batch_size)), desc=f"skip eval ({len(masks)} configs)",
+                          unit="batch", disable=not progress):
         x, y = x.to(device), y.to(device)
         row_ids = model.engram_row_ids(x)
         fetched = {layer: model.blocks[layer].engram.table(row_ids[layer]) for layer in model.engram_layers}
@@ -71,15 +79,44 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
     return sums, counts
 
 
+def spread_documents(docs: list[EvalDoc], doc_tokens: int, tokens_per_category: int | None) -> list[EvalDoc]:
+    """Each document cut to its first doc_tokens tokens (after <|endoftext|>), then the documents in order until
+    a category has tokens_per_category (None: all): more, shorter documents make the document bootstrap tighter."""
+    if doc_tokens < 1:
+        raise ValueError(f"doc_tokens must be >= 1, got {doc_tokens}")
+    taken: dict[str, int] = {}
+    out = []
+    for d in docs:
+        room = doc_tokens if tokens_per_category is None else min(doc_tokens,
+                                                                  tokens_per_category - taken.get(d.category, 0))
+        if room > 0 and len(d.tokens) > 1:
+            out.append(EvalDoc(d.category, d.tokens[:room + 1]))
+            taken[d.category] = taken.get(d.category, 0) + len(out[-1].tokens) - 1
+    return out
+
+
+def lowest_share(score: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Bool [N]: True at the round(rate * N) positions of lowest score [N], ties broken at random."""
+    order = np.lexsort((rng.random(len(score)), score))
+    out = np.zeros(len(score), dtype=bool)
+    out[order[:int(round(rate * len(score)))]] = True
+    return out
+
+
+def config_name(method: str, rate: float, seed: int | None = None) -> str:
+    """Key of one (method, rate[, seed]) in the per-document sums: 'train-rare@0.3', 'random#2@0.3'."""
+    return f"{method}{'' if seed is None else f'#{seed}'}@{rate:g}"
+
+
 @dataclass
 class CurvePoint:
-    """One method at one threshold on the held-out split."""
+    """One method (one seed, for random) at one skip rate on the held-out split."""
 
     method: str
-    target_rate: float
-    thresholds: dict[int, float]  # per layer: skip where score < threshold
-    skipped_reads: float  # share of all row reads (every layer) skipped
-    skipped_by_layer: dict[int, float]
+    seed: int | None
+    rate: float  # the requested share of positions skipped in every layer
+    skipped_reads: float  # the share of all row reads (every layer) actually skipped: round(rate * N) / N
+    thresholds: dict[int, float]  # per layer: the score at the cut (for a predictor: skip where gate < this)
     loss: Estimate
     delta: Estimate  # vs no skipping, paired over documents
     relative_increase: float  # delta / loss without skipping
@@ -87,86 +124,150 @@ class CurvePoint:
 
 
 @dataclass
+class MatchedRow:
+    """One skip rate: every method's loss increase and the predictor minus the best fair baseline."""
+
+    rate: float
+    delta: dict[str, Estimate]  # method -> Δ loss vs no skipping (random: over the seed-mean sums)
+    random_spread: list[float]  # [min, max] of the single random seeds' Δ
+    best_baseline: str  # the fair baseline with the lowest Δ at this rate (chosen after the fact)
+    predictor_minus_best: Estimate  # paired over documents; an interval below 0 = the predictor wins
+    predictor_minus: dict[str, Estimate]  # against every fair baseline
+
+
+@dataclass
 class SkipReport:
-    """The whole study: predictor quality, the trade-off curve, and the target check."""
+    """The whole study: the fitted predictor's quality and the matched-rate comparison, with per-document sums."""
 
     model: str
     fit_split: str
     eval_split: str
     fit_positions: int
     eval_positions: int
+    training_rows: dict[str, Any]  # where the train-* baselines' statistics come from
+    methods: list[str]  # in the order of the table's columns (random last)
+    rates: list[float]
+    random_seeds: list[int]
     base_loss: Estimate
     off_loss: Estimate
     memory: dict[str, Any]  # predictor statistics bytes vs table bytes, per layer
     quality: dict[str, dict[int, float]]  # method -> layer -> Spearman(score, true gate) on the eval split
     curve: list[CurvePoint] = field(default_factory=list)
+    matched: list[MatchedRow] = field(default_factory=list)
     target: str = ""
+    doc_counts: list[float] = field(default_factory=list)  # tokens scored per held-out document
+    doc_sums: dict[str, list[float]] = field(default_factory=dict)  # config -> per-document loss sums
 
 
-def method_scores(model: EngramLM, fit: Trace, held: Trace, method: str, predictors: dict[str, SkipPredictor],
-                  seed: int = 0) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """({layer: score on fit positions}, {layer: score on held-out positions}); low score = skip first."""
-    rng = np.random.default_rng(seed)
-    fit_s, held_s = {}, {}
+def method_scores(model: EngramLM, held: Trace, method: str, predictors: dict[str, SkipPredictor],
+                  train: TrainingRows | None, seed: int = 0) -> dict[int, np.ndarray]:
+    """{layer: score [N] of every held-out position}; low score = skip first."""
+    out = {}
     for layer in held.layers:
+        offsets = np.asarray(model.hasher.head_offsets(layer), dtype=np.int64)
         if method in ("predictor", "sketch-only"):
-            p = predictors[method]
-            fit_s[layer] = loo_gates(p, fit, layer)
-            held_s[layer] = p.predict_gate(layer, held.row_ids[layer], held.pos)
+            out[layer] = predictors[method].predict_gate(layer, held.row_ids[layer], held.pos)
         elif method == "oracle":
-            fit_s[layer], held_s[layer] = target_gate(fit, layer), target_gate(held, layer)
+            out[layer] = target_gate(held, layer)
         elif method == "random":
-            fit_s[layer], held_s[layer] = rng.random(fit.n), rng.random(held.n)
-        elif method == "cold":  # mean log access count of the position's rows in the fitting trace's sketch
-            p = predictors["sketch-only"]
-            lm = p.layers[layer]
-            for tr, out, own in ((fit, fit_s, True), (held, held_s, False)):
-                flat = tr.row_ids[layer] + lm.offsets
-                c, _ = lm.sketch.query(flat, np.zeros(flat.size) if own else None)
-                out[layer] = np.log1p(c.reshape(flat.shape)).mean(1) + rng.random(tr.n) * 1e-6
+            out[layer] = np.random.default_rng([seed, layer]).random(held.n)
+        elif method in ("train-rare", "train-gate"):
+            if train is None:
+                raise ValueError(f"method {method!r} needs the training-split row statistics")
+            score = train.rare_score if method == "train-rare" else train.gate_score
+            out[layer] = score(layer, offsets, held.row_ids[layer])
         else:
             raise ValueError(f"unknown method {method!r} (valid: {', '.join(METHODS)})")
-    return fit_s, held_s
+    return out
 
 
-def skip_study(model: EngramLM, fit: Trace, held: Trace, *, rates: tuple[float, ...] = (0.3, 0.5, 0.7),
-               methods: tuple[str, ...] = METHODS, batch_size: int = 8, sketch_width: int = 2**16,
-               model_name: str = "", fit_split: str = "", eval_split: str = "",
-               progress: bool = False) -> tuple[SkipReport, SkipPredictor]:
-    """Fit the predictors on `fit`, evaluate every method at every rate on `held` (plus none/all skipped)."""
-    predictors = {"predictor": fit_predictor(model, fit, "full", sketch_width=sketch_width),
-                  "sketch-only": fit_predictor(model, fit, "sketch", sketch_width=sketch_width)}
+def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | None = None, *,
+               rates: tuple[float, ...] = RATES, methods: tuple[str, ...] = ("predictor", *BASELINES, "oracle"),
+               random_seeds: int = 5, batch_size: int = 8, sketch_width: int = 2**16, model_name: str = "",
+               fit_split: str = "", eval_split: str = "", progress: bool = False) -> tuple[SkipReport, SkipPredictor]:
+    """Fit the predictor(s) on `fit`, skip the lowest-scored share of `held`'s positions at every rate for every
+    method, and score all of it (plus none and every read skipped) in one pass over `held`."""
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "predictor" not in methods:
+        raise ValueError(f"methods must include 'predictor' and come from {', '.join(METHODS)}; got {methods}")
+    if not rates or any(not 0 < r < 1 for r in rates) or random_seeds < 1:
+        raise ValueError(f"rates must lie strictly between 0 and 1 and random_seeds be >= 1 ({rates}, {random_seeds})")
+    predictors = {"predictor": fit_predictor(model, fit, "full", sketch_width=sketch_width)}
+    if "sketch-only" in methods:
+        predictors["sketch-only"] = fit_predictor(model, fit, "sketch", sketch_width=sketch_width)
     h = {layer: held.row_ids[layer].shape[1] for layer in held.layers}
     masks: dict[str, dict[int, np.ndarray]] = {
         "none": {layer: np.zeros((held.n, h[layer]), dtype=bool) for layer in held.layers},
         "all": {layer: np.ones((held.n, h[layer]), dtype=bool) for layer in held.layers}}
-    meta: dict[str, tuple[str, float, dict[int, float]]] = {}
+    meta: dict[str, tuple[str, int | None, float, dict[int, float]]] = {}
     quality: dict[str, dict[int, float]] = {}
+    seeds = list(range(random_seeds))
+    tie_break = np.random.default_rng(12345)
     for method in methods:
-        fit_s, held_s = method_scores(model, fit, held, method, predictors)
-        quality[method] = {layer: spearman(held_s[layer], target_gate(held, layer)) for layer in held.layers}
-        for rate in rates:
-            thr = {layer: float(np.quantile(fit_s[layer], rate)) for layer in held.layers}
-            name = f"{method}@{rate:g}"
-            masks[name] = {layer: np.repeat((held_s[layer] < thr[layer])[:, None], h[layer], axis=1)
-                           for layer in held.layers}
-            meta[name] = (method, rate, thr)
+        for seed in seeds if method == "random" else [None]:
+            scores = method_scores(model, held, method, predictors, train, seed or 0)
+            if method != "random":
+                quality[method] = {layer: spearman(scores[layer], target_gate(held, layer)) for layer in held.layers}
+            for rate in rates:
+                skip = {layer: lowest_share(s, rate, tie_break) for layer, s in scores.items()}
+                name = config_name(method, rate, seed)
+                masks[name] = {layer: np.repeat(skip[layer][:, None], h[layer], axis=1) for layer in held.layers}
+                thr = {layer: float(scores[layer][skip[layer]].max()) if skip[layer].any() else float("-inf")
+                       for layer in held.layers}
+                meta[name] = (method, seed, rate, thr)
     sums, counts = skip_losses(model, held, masks, batch_size=batch_size, progress=progress)
-    base = ratio_estimate(sums["none"], counts)
-    effect = ratio_estimate(sums["all"], counts).value - base.value
+    sums = {name: np.round(s, 4) for name, s in sums.items()}  # what the JSON keeps is what the tables use
+    base, off = ratio_estimate(sums["none"], counts), ratio_estimate(sums["all"], counts)
+    effect = off.value - base.value
+    order = [m for m in methods if m != "random"] + (["random"] if "random" in methods else [])
     report = SkipReport(model=model_name, fit_split=fit_split, eval_split=eval_split, fit_positions=fit.n,
-                        eval_positions=held.n, base_loss=base, off_loss=ratio_estimate(sums["all"], counts),
-                        memory=memory_summary(model, predictors["predictor"]), quality=quality)
-    for name, (method, rate, thr) in meta.items():
-        by_layer = {layer: float(m.mean()) for layer, m in masks[name].items()}
+                        eval_positions=held.n, training_rows=_train_summary(train), methods=order,
+                        rates=[float(r) for r in rates], random_seeds=seeds,
+                        base_loss=base, off_loss=off, memory=memory_summary(model, predictors["predictor"]),
+                        quality=quality, doc_counts=counts.tolist(),
+                        doc_sums={name: s.tolist() for name, s in sums.items()})
+    for name, (method, seed, rate, thr) in meta.items():
         delta = paired_ratio_delta(sums["none"], sums[name], counts)
-        report.curve.append(CurvePoint(method=method, target_rate=rate, thresholds=thr,
-                                       skipped_reads=float(np.mean(list(by_layer.values()))),
-                                       skipped_by_layer=by_layer, loss=ratio_estimate(sums[name], counts),
-                                       delta=delta, relative_increase=delta.value / base.value,
+        reads = float(np.mean([m.mean() for m in masks[name].values()]))
+        report.curve.append(CurvePoint(method=method, seed=seed, rate=rate, skipped_reads=reads, thresholds=thr,
+                                       loss=ratio_estimate(sums[name], counts), delta=delta,
+                                       relative_increase=delta.value / base.value,
                                        share_of_engram_effect=delta.value / effect if effect else float("nan")))
+    report.matched = matched_rows(report.doc_sums, report.doc_counts, report.rates, seeds, order)
     report.target = target_summary(report)
     return report, predictors["predictor"]
+
+
+def _train_summary(train: TrainingRows | None) -> dict[str, Any]:
+    if train is None:
+        return {}
+    return {"source": train.source, "tokens_counted": train.tokens_counted, "tokens_gated": train.tokens_gated,
+            "rows_never_read": {str(la): float((c == 0).mean()) for la, c in train.counts.items()}}
+
+
+def matched_rows(doc_sums: dict[str, list[float]], doc_counts: list[float], rates: tuple[float, ...] | list[float],
+                 seeds: list[int], methods: list[str]) -> list[MatchedRow]:
+    """The matched-rate comparison from per-document loss sums alone (so a test can recompute it from the JSON)."""
+    counts = np.asarray(doc_counts)
+    none = np.asarray(doc_sums["none"])
+    out = []
+    for rate in rates:
+        per = {m: np.asarray(doc_sums[config_name(m, rate)]) for m in methods if m != "random"}
+        spread = []
+        if "random" in methods:
+            single = [np.asarray(doc_sums[config_name("random", rate, s)]) for s in seeds]
+            per["random"] = np.mean(single, axis=0)
+            deltas = [paired_ratio_delta(none, s, counts).value for s in single]
+            spread = [min(deltas), max(deltas)]
+        delta = {m: paired_ratio_delta(none, s, counts) for m, s in per.items()}
+        fair = [m for m in BASELINES if m in per]
+        if not fair:
+            raise ValueError("the matched comparison needs at least one of " + ", ".join(BASELINES))
+        best = min(fair, key=lambda m: delta[m].value)
+        vs = {m: paired_ratio_delta(per[m], per["predictor"], counts) for m in fair}
+        out.append(MatchedRow(rate=float(rate), delta=delta, random_spread=spread, best_baseline=best,
+                              predictor_minus_best=vs[best], predictor_minus=vs))
+    return out
 
 
 def memory_summary(model: EngramLM, pred: SkipPredictor) -> dict[str, Any]:
@@ -185,70 +286,96 @@ def target_summary(report: SkipReport, min_skip: float = 0.30, max_increase: flo
     point estimate, and by the upper end of the 95% interval."""
     base = report.base_loss.value
     pts = [p for p in report.curve if p.method == "predictor"]
-    best = max((p for p in pts if p.relative_increase <= max_increase), key=lambda p: p.skipped_reads, default=None)
-    sure = max((p for p in pts if p.delta.ci95[1] / base <= max_increase), key=lambda p: p.skipped_reads,
-               default=None)
+    best = max((p for p in pts if p.relative_increase <= max_increase), key=lambda p: p.rate, default=None)
+    sure = max((p for p in pts if p.delta.ci95[1] / base <= max_increase), key=lambda p: p.rate, default=None)
     if best is None:
         return "target not met: no predictor point stays within a 1% loss increase"
-    met = best.skipped_reads >= min_skip
-    text = (f"{'target met' if met else 'target not met'}: the predictor skips {best.skipped_reads:.1%} of reads "
+    met = best.rate >= min_skip
+    text = (f"{'target met' if met else 'target not met'}: the predictor skips {best.rate:.0%} of reads "
             f"for a {best.relative_increase:+.2%} loss increase (95% interval "
             f"[{best.delta.ci95[0] / base:+.2%}, {best.delta.ci95[1] / base:+.2%}])")
     if sure is not None and sure is not best:
-        text += (f"; with the whole interval within 1%: {sure.skipped_reads:.1%} of reads "
+        text += (f"; with the whole interval within 1%: {sure.rate:.0%} of reads "
                  f"({sure.relative_increase:+.2%}, up to {sure.delta.ci95[1] / base:+.2%})")
     elif sure is None:
         text += "; no point has its whole interval within 1%"
     return text
 
 
+def _ci(e: Estimate | dict[str, Any]) -> str:
+    e = e if isinstance(e, dict) else asdict(e)
+    return f"{e['value']:+.4f} [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]"
+
+
+def matched_markdown(rows: list[MatchedRow]) -> str:
+    """The matched-rate table: Δ loss (nats) per method, and the predictor minus the best fair baseline."""
+    methods = list(rows[0].delta)
+    head = ["reads skipped", *(f"{m} Δ" + (" (seed mean; seed range)" if m == "random" else "") for m in methods),
+            "predictor − best baseline"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r.rate:.0%}"]
+        for m in methods:
+            cell = _ci(r.delta[m])
+            if m == "random" and r.random_spread:
+                cell += f"; {r.random_spread[0]:+.4f} … {r.random_spread[1]:+.4f}"
+            cells.append(cell)
+        cells.append(f"{_ci(r.predictor_minus_best)} vs {r.best_baseline}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(report: SkipReport) -> str:
-    """The trade-off table."""
+    """The report: setting, target check, the matched-rate table, predictor quality and memory."""
+    tr = report.training_rows
     lines = [f"# Pre-retrieval skip predictor: {report.model}", "",
              f"Fitted on `{report.fit_split}` ({report.fit_positions} positions), evaluated on `{report.eval_split}` "
-             f"({report.eval_positions} positions). Loss without skipping {report.base_loss.value:.4f} "
-             f"[{report.base_loss.ci95[0]:.4f}, {report.base_loss.ci95[1]:.4f}]; with every read skipped (= Engram "
-             f"off) {report.off_loss.value:.4f} [{report.off_loss.ci95[0]:.4f}, {report.off_loss.ci95[1]:.4f}].", "",
-             f"**{report.target}.**", "",
-             "Spearman(score, true gate) on the held-out split: " +
-             "; ".join(f"{m} " + ", ".join(f"layer {la} {v:.3f}" for la, v in q.items())
-                       for m, q in report.quality.items()) + ".", "",
-             "| method | target rate | reads skipped | loss | Δ loss [95% CI] | relative | share of Engram's effect |",
-             "|---|---|---|---|---|---|---|"]
-    for p in sorted(report.curve, key=lambda p: (p.method, p.target_rate)):
-        lines.append(f"| {p.method} | {p.target_rate:.0%} | {p.skipped_reads:.1%} | {p.loss.value:.4f} | "
-                     f"{p.delta.value:+.5f} [{p.delta.ci95[0]:+.5f}, {p.delta.ci95[1]:+.5f}] | "
-                     f"{p.relative_increase:+.3%} | {p.share_of_engram_effect:.1%} |")
-    lines += ["", "Per-row statistics (bytes per layer): " + "; ".join(
-        f"layer {la}: static {m['static']}, sketch {m['sketch']} vs table {m['table_fp8_bytes']} at fp8"
-        for la, m in report.memory.items()) + ".", ""]
+             f"({report.eval_positions} positions, {len(report.doc_counts)} documents). Loss without skipping "
+             f"{report.base_loss.value:.4f} [{report.base_loss.ci95[0]:.4f}, {report.base_loss.ci95[1]:.4f}]; with "
+             f"every read skipped (= Engram off) {report.off_loss.value:.4f} "
+             f"[{report.off_loss.ci95[0]:.4f}, {report.off_loss.ci95[1]:.4f}]."]
+    if tr:
+        lines += ["", f"Training-split statistics: counts from the {tr['source']} ({tr['tokens_counted']} tokens), "
+                      f"mean gates from the first {tr['tokens_gated']} of those tokens."]
+    lines += ["", f"**{report.target}.**", "",
+              "Every method skips the same share of positions (all rows of a skipped position) in every layer; "
+              f"Δ loss in nats vs no skipping, 95% paired bootstrap intervals over documents; random: "
+              f"{len(report.random_seeds)} seeds.", "", matched_markdown(report.matched).rstrip(), "",
+              "Spearman(score, true gate) on the held-out split: " +
+              "; ".join(f"{m} " + ", ".join(f"layer {la} {v:.3f}" for la, v in q.items())
+                        for m, q in report.quality.items()) + ".", "",
+              "Per-row statistics (bytes per layer): " + "; ".join(
+                  f"layer {la}: static {m['static']}, sketch {m['sketch']} vs table {m['table_fp8_bytes']} at fp8"
+                  for la, m in report.memory.items()) + ".", ""]
     return "\n".join(lines)
 
 
 def plot(report: SkipReport, path: str) -> None:
-    """Reads skipped vs relative loss increase, and vs share of Engram's effect lost, per method, to a PNG."""
+    """Reads skipped vs loss increase per method (random: seed mean, with its seed range shaded), to a PNG."""
     fig, axes = subplots(1, 2, figsize=(12, 4.5))
-    base = report.base_loss.value
-    effect = report.off_loss.value - base
-    for method in dict.fromkeys(p.method for p in report.curve):
-        pts = sorted((p for p in report.curve if p.method == method), key=lambda p: p.skipped_reads)
-        x = [0.0] + [p.skipped_reads * 100 for p in pts]
-        for ax, scale in ((axes[0], base), (axes[1], effect)):
-            y = [0.0] + [p.delta.value / scale * 100 for p in pts]
-            lo = [0.0] + [(p.delta.value - p.delta.ci95[0]) / scale * 100 for p in pts]
-            hi = [0.0] + [(p.delta.ci95[1] - p.delta.value) / scale * 100 for p in pts]
-            ax.errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=method)
-    axes[0].set_ylabel("held-out loss increase (% of the loss)")
-    axes[0].set_title(f"loss increase; every read skipped: {effect / base * 100:+.3f}%")
-    axes[1].set_ylabel("loss increase (% of Engram's whole effect)")
-    axes[1].set_title("share of Engram's effect lost")
+    rows = report.matched
+    x = [0.0] + [r.rate * 100 for r in rows]
+    for m in rows[0].delta:
+        y = [0.0] + [r.delta[m].value for r in rows]
+        lo = [0.0] + [r.delta[m].value - r.delta[m].ci95[0] for r in rows]
+        hi = [0.0] + [r.delta[m].ci95[1] - r.delta[m].value for r in rows]
+        axes[0].errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=m)
+        if m == "random" and rows[0].random_spread:
+            axes[0].fill_between(x, [0.0] + [r.random_spread[0] for r in rows],
+                                 [0.0] + [r.random_spread[1] for r in rows], alpha=0.15, color="grey")
+    d = [r.predictor_minus_best for r in rows]
+    axes[1].errorbar(x[1:], [e.value for e in d], yerr=[[e.value - e.ci95[0] for e in d],
+                                                        [e.ci95[1] - e.value for e in d]], marker="o", capsize=3)
+    axes[1].axhline(0.0, color="grey", lw=0.8)
+    axes[0].set_ylabel("held-out loss increase (nats/token)")
+    axes[0].set_title(f"every read skipped: {report.off_loss.value - report.base_loss.value:+.4f} nats")
+    axes[1].set_ylabel("predictor − best fair baseline (nats/token)")
+    axes[1].set_title("below 0: the predictor wins")
     for ax in axes:
-        ax.axvline(30.0, color="grey", ls=":", lw=0.8)
         ax.set_xlabel("row reads skipped (%)")
-        ax.legend()
-    if effect / base * 100 >= 1.0:
-        axes[0].axhline(1.0, color="grey", ls="--", lw=0.8)
+    axes[0].legend()
     save_figure(fig, Path(path))
 
 
-__all__ = ["FEATURE_SETS", "METHODS", "skip_losses", "skip_study", "to_markdown", "plot"]
+__all__ = ["BASELINES", "FEATURE_SETS", "METHODS", "RATES", "matched_markdown", "matched_rows", "skip_losses",
+           "skip_study", "spread_documents", "to_markdown", "plot"]

@@ -62,18 +62,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(z, "--plot", plot="hexbin PNG of access count vs mean gate")
     z.set_defaults(func=cmd_analyze)
 
-    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces and measure the "
-                                         "reads-skipped vs loss trade-off")
+    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces and compare it with "
+                                         "training-split baselines and random skipping at matched skip rates")
     _common(r, "test", 3072, "evaluated")
     r.add_argument("--fit-split", default="validation", choices=["validation", "test"],
                    help="split whose gate traces fit the predictor (default validation)")
     r.add_argument("--fit-tokens", type=int, default=8192, help="tokens per category to fit on (0: all)")
-    r.add_argument("--rates", default="0.3,0.5,0.7", help="target skip rates, thresholds set on the fit split")
-    r.add_argument("--methods", default="predictor,sketch-only,oracle,random,cold",
-                   help="predictor, sketch-only, oracle, random, cold (comma separated)")
+    r.add_argument("--rates", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8",
+                   help="skip rates: every method skips this share of the held-out positions' reads "
+                        "(default 0.1,...,0.8)")
+    r.add_argument("--methods", default="predictor,train-rare,train-gate,random,oracle",
+                   help="predictor, sketch-only, oracle, train-rare, train-gate, random (comma separated; "
+                        "default predictor,train-rare,train-gate,random,oracle)")
+    r.add_argument("--doc-tokens", type=int, default=0,
+                   help="evaluate at most this many tokens of each held-out document, so --max-tokens spreads over "
+                        "more documents (0: whole documents; default 0)")
+    r.add_argument("--random-seeds", type=int, default=5, help="seeds of the random baseline (default 5)")
+    r.add_argument("--train-gate-tokens", type=int, default=131072,
+                   help="training tokens run through the model for the train-gate baseline's mean gates "
+                        "(default 131072)")
+    r.add_argument("--train-sample-tokens", type=int, default=524288,
+                   help="training-split tokens counted when DIR has no train_config.json / train_log.jsonl to "
+                        "replay its training batches from (default 524288)")
     r.add_argument("--sketch-width", type=int, default=2**16, help="count-min sketch cells per row (power of 2)")
     r.add_argument("--save", metavar="PATH", help="write the fitted SkipPredictor (.npz)")
-    add_common(r, "--plot", plot="trade-off curve PNG")
+    add_common(r, "--plot", plot="matched-rate comparison PNG")
     r.set_defaults(func=cmd_predictor)
 
     c = sub.add_parser("compare-layers", help="linear CKA between every layer of model A and every layer of model B "
@@ -201,8 +214,10 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
-    from tiergram.analysis.skipping import METHODS, plot, skip_study, to_markdown
+    from tiergram.analysis.skipping import METHODS, plot, skip_study, spread_documents, to_markdown
     from tiergram.analysis.trace import load_windows, trace
+    from tiergram.analysis.training_rows import training_rows
+    from tiergram.model.evaluate import make_windows
 
     rates = _floats(args.rates)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
@@ -213,12 +228,24 @@ def cmd_predictor(args: argparse.Namespace) -> int:
         methods = ("predictor", *methods)
     if args.fit_split == args.split:
         raise ValueError("--fit-split and --split must differ: the predictor is evaluated on held-out text")
+    if args.random_seeds < 1 or args.train_gate_tokens < 0 or args.doc_tokens < 0:
+        raise ValueError("--random-seeds must be >= 1, --train-gate-tokens and --doc-tokens >= 0")
     model, tokenizer, corpus = _load(args)
+    train = None
+    if {"train-rare", "train-gate"} & set(methods):
+        train = training_rows(model, args.dir, corpus, gate_tokens=args.train_gate_tokens,
+                              sample_tokens=args.train_sample_tokens, progress=not args.quiet)
     _, fit_windows = load_windows(model, corpus, args.fit_split, tokenizer, args.fit_tokens or None)
-    _, eval_windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
+    if args.doc_tokens:
+        docs, _ = load_windows(model, corpus, args.split, tokenizer, None)
+        eval_windows = make_windows(spread_documents(docs, args.doc_tokens, args.max_tokens or None),
+                                    model.config.max_seq)
+    else:
+        _, eval_windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
     fit = trace(model, fit_windows, batch_size=args.batch_size, progress=not args.quiet)
     held = trace(model, eval_windows, batch_size=args.batch_size, progress=not args.quiet)
-    report, predictor = skip_study(model, fit, held, rates=rates, methods=methods, batch_size=args.batch_size,
+    report, predictor = skip_study(model, fit, held, train, rates=rates, methods=methods,
+                                   random_seeds=args.random_seeds, batch_size=args.batch_size,
                                    sketch_width=args.sketch_width, model_name=str(args.dir),
                                    fit_split=args.fit_split, eval_split=args.split, progress=not args.quiet)
     if args.save:

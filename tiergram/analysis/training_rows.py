@@ -1,0 +1,105 @@
+"""Per-row statistics of the training split, for skip baselines that need nothing from the evaluation text.
+
+Row ids are a pure function of the tokens, so how often the training run read each table row is recomputed by
+hashing the very windows it trained on: a run's WindowSampler is seeded by its train_config.json, and replaying it
+for the run's step count gives the same batches. A directory without its training settings falls back to a sample
+of the training split drawn the same way (`source` says which). The mean gate per row is measured with the trained
+model on the first `gate_tokens` of those windows (a forward pass per batch, so a sample).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiergram.analysis.trace import EngramHooks
+from tiergram.model.data import WindowSampler, tokenize_split
+from tiergram.model.model import EngramLM
+
+
+@dataclass
+class TrainingRows:
+    """Access counts and gate sums per flat table row (head offsets as the hasher's), per Engram layer."""
+
+    source: str  # how the windows were obtained: the run's replayed batches, or a sample
+    tokens_counted: int  # training tokens hashed for the counts
+    tokens_gated: int  # of those, tokens run through the model for the gates
+    counts: dict[int, np.ndarray]  # layer -> int64 [rows]: reads of each row in the counted tokens
+    gate_sum: dict[int, np.ndarray]  # layer -> float64 [rows]: sum of the reading positions' gates
+    gate_n: dict[int, np.ndarray]  # layer -> int64 [rows]: reads in the gated tokens
+
+    def rare_score(self, layer: int, offsets: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+        """Mean log(1 + training reads) of each position's rows [N] from row ids [N, H]; low = rarely seen."""
+        return np.log1p(self.counts[layer][row_ids + offsets]).mean(1)
+
+    def gate_score(self, layer: int, offsets: np.ndarray, row_ids: np.ndarray, shrink: float = 2.0) -> np.ndarray:
+        """Mean training gate of each position's rows [N] from row ids [N, H], shrunk to the layer's mean gate
+        as if seen `shrink` extra times (rows never gated get the mean); low = skip first."""
+        n, s = self.gate_n[layer], self.gate_sum[layer]
+        prior = s.sum() / max(n.sum(), 1)
+        flat = row_ids + offsets
+        return ((s[flat] + shrink * prior) / (n[flat] + shrink)).mean(1)
+
+
+def training_windows(model_dir: str | os.PathLike, corpus: str | os.PathLike, max_seq: int,
+                     sample_tokens: int) -> tuple[WindowSampler, int, str]:
+    """(sampler, steps, source): the run's own batches when its settings are in model_dir, else a seeded sample."""
+    tokens = tokenize_split(corpus, "train", Path(corpus) / "tokenizer.json", progress=False)
+    cfg_path, log_path = Path(model_dir) / "train_config.json", Path(model_dir) / "train_log.jsonl"
+    if cfg_path.is_file() and log_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+        steps = max((int(r["step"]) for r in rows), default=0)
+        if steps:
+            sampler = WindowSampler(tokens, int(cfg["batch_size"]), max_seq, int(cfg["seed"]))
+            return sampler, steps, (f"replay of the training run's {steps} batches of {cfg['batch_size']} x {max_seq} "
+                                    f"tokens (seed {cfg['seed']})")
+    batch = 16
+    steps = max(1, -(-sample_tokens // (batch * max_seq)))
+    return (WindowSampler(tokens, batch, max_seq, 0), steps,
+            f"no training settings in the model directory: a sample of {steps} random training-split windows")
+
+
+@torch.no_grad()
+def training_rows(model: EngramLM, model_dir: str | os.PathLike, corpus: str | os.PathLike, *,
+                  gate_tokens: int = 131072, sample_tokens: int = 524288, progress: bool = False) -> TrainingRows:
+    """Count every row read of the training windows; run the model over the first gate_tokens for mean gates."""
+    from tqdm import tqdm
+
+    if not model.engram_layers:
+        raise ValueError("the model has no Engram layers")
+    if gate_tokens < 0:
+        raise ValueError(f"gate_tokens must be >= 0, got {gate_tokens}")
+    model.eval()
+    device = next(model.parameters()).device
+    sampler, steps, source = training_windows(model_dir, corpus, model.config.max_seq, sample_tokens)
+    size = {layer: int(sum(model.hasher.head_sizes(layer))) for layer in model.engram_layers}
+    offsets = {layer: np.asarray(model.hasher.head_offsets(layer), dtype=np.int64) for layer in model.engram_layers}
+    counts = {layer: np.zeros(n, dtype=np.int64) for layer, n in size.items()}
+    gate_sum = {layer: np.zeros(n) for layer, n in size.items()}
+    gate_n = {layer: np.zeros(n, dtype=np.int64) for layer, n in size.items()}
+    hooks = EngramHooks(record=True)
+    counted = gated = 0
+    for _ in tqdm(range(steps), desc="training rows", unit="batch", disable=not progress):
+        x, _ = sampler.next()
+        x = torch.from_numpy(x)
+        rows = {layer: r.cpu().numpy() + offsets[layer] for layer, r in model.engram_row_ids(x).items()}
+        for layer, r in rows.items():
+            counts[layer] += np.bincount(r.ravel(), minlength=size[layer])
+        counted += x.numel()
+        if gated < gate_tokens:
+            with hooks.installed(model):
+                model(x.to(device))
+            for layer, r in rows.items():
+                # the position's gate as the skip decision sees it: the largest over hyper-connection branches
+                g = hooks.gates[layer].float().amax(-1).cpu().numpy()  # [B, T]
+                gate_sum[layer] += np.bincount(r.ravel(), np.repeat(g.ravel(), r.shape[-1]), minlength=size[layer])
+                gate_n[layer] += np.bincount(r.ravel(), minlength=size[layer])
+            gated += x.numel()
+    return TrainingRows(source=source, tokens_counted=counted, tokens_gated=gated, counts=counts,
+                        gate_sum=gate_sum, gate_n=gate_n)
