@@ -96,6 +96,10 @@ def _validate_parser() -> argparse.ArgumentParser:
                    help="the CPU speed the points are predicted at: the median of the speed probes the sweep took "
                         "beside its rounds, against the spec's (default; the spec's where either has none), or the "
                         "spec's")
+    p.add_argument("--hit-rates", default=None, metavar="JSON",
+                   help="the file tier's cache hit rates from this `tiergram bench cache --capacity-of table "
+                        "--policies lru lru-hot --json` run on the model's geometry (out of sample), not from the "
+                        "sweep's pages")
     p.add_argument("--naive", action="store_true",
                    help="also the naive baseline's prediction of every point (calibration's own host server's "
                         "throughput at that concurrency) and its error beside the planner's (JSON: naive_tok_s)")
@@ -210,10 +214,12 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan import predict
-    from tiergram.plan.specs import load_hardware, load_model
+    from tiergram.plan.specs import load_hardware, load_model, with_hit_rates
 
     sweep = predict.merge_sweeps([predict.read_sweep(Path(name)) for name in a.sweep_json], list(a.sweep_json))
     model = load_model(a.model or sweep["config"]["model_dir"])
+    if a.hit_rates:
+        model = with_hit_rates(model, Path(a.hit_rates))
     hw = load_hardware(a.hardware)
     rows_first = {"auto": None, "on": True, "off": False}[a.prompt_rows_first]
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,

@@ -18,7 +18,7 @@ from tiergram.model.hot_rows import load_hot_rows
 from tiergram.model.model_dir import ModelDir
 from tiergram.store import TieredTable
 from tiergram.store.device_table import DeviceTable
-from tiergram.store.table import PRELOAD_PARTS
+from tiergram.store.table import PRELOAD_PARTS, budget_cache_bytes
 
 
 def export_dir_for(model: ModelDir, layers: list[int], codecs: set[str]) -> ModelDir:
@@ -127,7 +127,7 @@ def check_host_memory(path: Path, placement: Placement) -> tuple[int | None, int
         return 0, budget
     if not placement.cache_bytes:
         return None, budget  # the tier sizes its cache from the budget (what staging and index leave)
-    room = TieredTable._budget_cache_bytes(budget, m.row_bytes, "python")  # the larger index: a safe bound
+    room = budget_cache_bytes(budget, m.row_bytes, "python")  # the larger index: a safe bound
     if placement.cache_bytes > room:
         raise ValueError(f"{placement.kind} placement: a cache of {placement.cache_bytes:,} bytes for {path.name} does "
                          f"not fit its share of {budget:,} bytes of the host-memory budget (staging and the cache's "

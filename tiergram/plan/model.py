@@ -260,6 +260,13 @@ class Workload:
     # so a step waits only for its decode tokens' misses (the prompt's are read beside the steps and delay only
     # that request); alone (c = 1) a prompt starts at once and its step waits for its rows
     prompt_rows_first: bool = False
+    cached_len: float = 0.0  # mean prompt tokens a request finds in the prefix cache (not computed: plan.prefix)
+    think_s: float = 0.0  # mean seconds a user waits between its requests (its seat in the batch stays empty)
+
+    @property
+    def computed_len(self) -> float:
+        """Mean prompt tokens a request computes: those the prefix cache did not hold."""
+        return self.input_len - self.cached_len
 
     @property
     def seq_tokens(self) -> int:
@@ -279,6 +286,8 @@ class Point:
     binding: str  # the term that sets the step time
     terms: dict[str, float] = field(default_factory=dict)  # seconds per step of each cost term
     hit_rate: float | None = None
+    cycle_s: float = 0.0  # one user's request and think time
+    running: float = 0.0  # users whose request is in the engine at a time (c less those thinking)
 
 
 @dataclass
@@ -358,7 +367,7 @@ def _shared(own: float, other: float) -> float:
     return own + min(own, other)
 
 
-def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int
+def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: float
                ) -> tuple[float, dict[str, float], str, float | None]:
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
     context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
@@ -378,9 +387,10 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
 
 
 def decode_share(wl: Workload) -> float:
-    """The share of a request's computed tokens that are decode tokens: (L_out - 1) / (L_in + L_out - 1)."""
+    """The share of a request's computed tokens that are decode tokens: (L_out - 1) / (L_in + L_out - 1), L_in the
+    prompt tokens it computes (those the prefix cache did not hold)."""
     lo = max(1.0, wl.output_len)
-    return (lo - 1.0) / (wl.input_len + lo - 1.0)
+    return (lo - 1.0) / (wl.computed_len + lo - 1.0)
 
 
 def prompt_wait_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> float:
@@ -400,11 +410,11 @@ def placement_hit_rate(model: ModelSpec, placement: Placement) -> float:
 def prompt_read_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement) -> float:
     """Seconds to read a prompt's missed rows at the queue depth, plus one read's latency (a file placement)."""
     hit = placement_hit_rate(model, placement)
-    misses = wl.input_len * model.engram.rows_per_token * (1.0 - hit)
+    misses = wl.computed_len * model.engram.rows_per_token * (1.0 - hit)
     return misses / hw.disk.pages_per_s(wl.queue_depth) + hw.disk.latency_s if misses > 0 else 0.0
 
 
-def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int, tokens: float,
+def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: float, tokens: float,
                   context: float, waited_tokens: float | None = None, queue_s: float = 0.0,
                   decode_tokens: float | None = None) -> tuple[float, dict[str, float], str, float | None]:
     """step_terms for a step of `tokens` tokens over c sequences of `context` tokens each (a decode step: c).
@@ -528,36 +538,43 @@ def _binding(terms: dict[str, float], placement: Placement, step: float) -> str:
     return max(candidates, key=lambda k: candidates[k])
 
 
-def steps_per_request(wl: Workload, c: int, hw: HardwareSpec | None = None) -> float:
+def steps_per_request(wl: Workload, c: float, hw: HardwareSpec | None = None) -> float:
     """Steps one request spends in the engine: its prefill plus L_out - 1 decodes, or more when the step token
     budget cannot take every prompt and decode of a round at once; with `hw`, times its `request_steps_curve` at c
     (the steps that run with this user's seat empty while it is between requests)."""
     lo = max(1.0, wl.output_len)
-    steps = max(lo, c * (wl.input_len + lo - 1.0) / wl.max_num_batched_tokens)
+    steps = max(lo, c * (wl.computed_len + lo - 1.0) / wl.max_num_batched_tokens)
     if hw is not None and hw.kind == "cpu" and hw.request_steps_curve:
         steps *= max(1.0, interpolate(hw.request_steps_curve, c, log_x=True))
     return steps
 
 
-def tokens_per_step(wl: Workload, c: int, hw: HardwareSpec | None = None) -> float:
+def tokens_per_step(wl: Workload, c: float, hw: HardwareSpec | None = None) -> float:
     """Mean tokens one step computes with c closed-loop users: each request's tokens spread over its steps."""
-    return c * (wl.input_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c, hw)
+    return c * (wl.computed_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c, hw)
 
 
 def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> Point:
-    """Throughput and interactivity of c closed-loop users: each request costs L_out steps of c sequences."""
+    """Throughput and interactivity of c closed-loop users: each request costs L_out steps of the users running.
+
+    With think time, a user's seat is empty while it thinks: the steps run `running` = c x request / cycle
+    sequences, found by iterating (the step's time depends on the batch, the share of the cycle on the step)."""
     if c < 1:
         raise ValueError(f"concurrency must be >= 1, got {c}")
-    step, terms, binding, hit = step_terms(model, hw, wl, placement, c)
     lo = max(1.0, wl.output_len)
-    wait = prompt_wait_s(model, hw, wl, placement, c)
+    running: float = c
+    for _ in range(1 if wl.think_s <= 0 else 30):
+        step, terms, binding, hit = step_terms(model, hw, wl, placement, running)
+        wait = prompt_wait_s(model, hw, wl, placement, c)
+        # the steps that pass while the user is away (seats left empty) count in its cycle, not in its tokens' gaps
+        request = steps_per_request(wl, running, hw) * step + hw.request_overhead_s + wait
+        cycle = request + wl.think_s
+        running = max(1.0, c * request / cycle)
     if wait > 0:
         terms["prompt rows wait"] = wait  # once per request, not per step
-    # the steps that pass while the user is away (seats left empty) count in its cycle, not in its tokens' gaps
-    cycle = steps_per_request(wl, c, hw) * step + hw.request_overhead_s + wait
     throughput = c * (wl.input_len + lo) / cycle
-    itl = step * steps_per_request(wl, c) / lo  # one token per step, fewer when prefill chunks fill the budget
-    return Point(placement.label, c, step, throughput, 1.0 / itl, binding, terms, hit)
+    itl = step * steps_per_request(wl, running) / lo  # one token per step, fewer when prefill chunks fill the budget
+    return Point(placement.label, c, step, throughput, 1.0 / itl, binding, terms, hit, cycle, running)
 
 
 def levels(limit: int, max_concurrency: int) -> list[int]:

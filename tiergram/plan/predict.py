@@ -10,16 +10,21 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tiergram.plan.model import (
     Front,
     HardwareSpec,
     ModelSpec,
     Placement,
+    Point,
     Workload,
     interpolate,
     predict_point,
     steps_per_request,
 )
+from tiergram.plan.prefix import Conversations, Reuse
+from tiergram.plan.split import Split, conversations_workload, predict_conversations
 
 
 def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: bool = True,
@@ -141,6 +146,9 @@ class Compared:
     past_disk_limit: bool = False
     # the naive baseline: calibration's own host server's throughput at this concurrency (None: not asked for)
     naive_tok_s: float | None = None
+    # conversations: the prefix cache's hit rate (hit tokens / queried tokens), predicted and measured
+    predicted_prefix_hit: float | None = None
+    measured_prefix_hit: float | None = None
 
 
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
@@ -154,6 +162,75 @@ def sweep_workload(cfg: dict[str, Any]) -> Workload:
                     max_num_batched_tokens=int(cfg.get("max_num_batched_tokens", 512)),
                     block_size=int(cfg.get("block_size", 16)), max_input_len=int(cfg["input_len"]),
                     max_output_len=int(cfg["output_len"]))
+
+
+def sweep_conversations(cfg: dict[str, Any]) -> Conversations | None:
+    """The conversations a `--workload conversations` sweep sent (None for one-shot requests), as bench/load.py
+    builds them: documents of input_len tokens, questions of input_len // 8, answers of output_len."""
+    if cfg.get("workload", "requests") != "conversations":
+        return None
+    n = int(cfg["input_len"])
+    return Conversations(n, max(1, n // 8), int(cfg["output_len"]), int(cfg.get("turns", 4)), int(cfg.get("docs", 8)),
+                         float(cfg.get("think_time_s", 0.0)))
+
+
+def sweep_sessions(cfg: dict[str, Any], conv: Conversations, c: int) -> tuple[int, float]:
+    """(sessions per round at c, sessions a server ran before the middle of that point): every server runs each
+    level, lowest first, as a warm-up and then the rounds (bench/serve.py), so its cache saw all earlier ones."""
+    def per(requests: int) -> int:
+        return -(-requests // conv.turns)
+
+    levels = sorted({int(p["concurrency"]) for p in cfg.get("_levels", [])} | {c})
+    before = 0.0
+    for lv in levels:
+        warm, each = per(int(cfg.get("warmup_per_user", 1)) * lv), per(int(cfg.get("requests_per_user", 4)) * lv)
+        if lv == c:
+            return each, before + warm + int(cfg.get("rounds", 1)) * each / 2
+        before += warm + int(cfg.get("rounds", 1)) * each
+    raise AssertionError("unreachable")
+
+
+def round_thinks(cfg: dict[str, Any], conv: Conversations, c: int) -> list[list[float]]:
+    """Per round, each user's think seconds: the load generator's seeded draws (seed + round, one per turn after a
+    session's first; bench/load.closed_loop), dealt to the users in turn."""
+    each, _ = sweep_sessions(cfg, conv, c)
+    out = []
+    for r in range(int(cfg.get("rounds", 1))):
+        draws = np.random.default_rng(int(cfg.get("seed", 0)) + r).exponential(conv.think_s, each * (conv.turns - 1))
+        out.append([float(draws[u::c].sum()) for u in range(c)])
+    return out
+
+
+def predict_conversation_point(model: ModelSpec, hw: HardwareSpec, cfg: dict[str, Any], conv: Conversations,
+                               split: Split, c: int, hit_rate: float | None = None) -> tuple[Point, Reuse]:
+    """A conversations sweep's point as it was measured: each round predicted with its own think draws (a user's
+    requests take the predicted request time each, then its draws; the round lasts as long as its slowest user),
+    the point the median round, as `bench serve` reports it."""
+    each, before = sweep_sessions(cfg, conv, c)
+    thinks = round_thinks(cfg, conv, c) if conv.think_s > 0 else [[0.0] * c]
+    mean_think = sum(map(sum, thinks)) / max(1, len(thinks) * each * conv.turns)
+    base = conversations_workload(replace(conv, think_s=mean_think), int(cfg.get("max_num_seqs", 64)),
+                                  int(cfg.get("max_num_batched_tokens", 512)), int(cfg.get("block_size", 16)))
+    point, got = predict_conversations(model, hw, replace(conv, think_s=mean_think), split, c, base, before, hit_rate)
+    request_s = point.cycle_s - mean_think
+    tokens = each * sum(conv.prompt_len(k) + conv.answer_len for k in range(1, conv.turns + 1))
+    walls = []
+    for users in thinks:
+        turns = [conv.turns * len(range(u, each, c)) for u in range(c)]  # sessions are dealt to users in turn
+        walls.append(max(n * request_s + t for n, t in zip(turns, users, strict=True)))
+    point.throughput_tok_s = float(np.median([tokens / w for w in walls]))
+    return point, got
+
+
+def sweep_split(sweep: dict[str, Any], label: str) -> Split:
+    """The host budget a sweep's server ran with and its split (host_memory and kv_host_fraction of its settings)."""
+    engine = ((sweep.get("servers") or {}).get(label) or {}).get("settings", {}).get("engine") or {}
+    host = engine.get("host_memory") or sweep["config"].get("host_memory")
+    if not host:
+        raise ValueError(f"server {label!r} ran without host_memory: a conversations sweep is predicted per split of "
+                         "one host budget (bench serve --config with [engine] host_memory)")
+    return Split(float(host), float(engine.get("kv_host_fraction", 0.0)), engine.get("placement", label),
+                 bool(engine.get("hot_rows")))
 
 
 SWEEP_SCHEMA = 1  # the layout of `bench serve --json`: bench writes it, validate reads it
@@ -301,6 +378,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     if speed_from not in ("sweep", "spec"):
         raise ValueError(f"speed_from must be 'sweep' or 'spec', got {speed_from!r}")
     cfg = sweep["config"]
+    conv = sweep_conversations(cfg)
     base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)
     if cfg.get("device_memory") is not None:
         hw = replace(hw, device_memory_bytes=float(cfg["device_memory"]))
@@ -346,10 +424,17 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         if kind == "file":
             disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)  # new pages: the probe's and the curve's
             disk_sources[name] = "sweep" if disk_from == "sweep" and disk_limit else "spec"
-        first = pt.get("file_first_read_share") if kind == "file" else None
+        # the share of its page reads that were re-reads is the sweep's: a spec disk takes none of it
+        first = pt.get("file_first_read_share") if kind == "file" and disk_from == "sweep" else None
         if first is not None:  # its re-reads at the cache's rate, where the disk has a faster one under it
             hw_pt = replace(hw_pt, disk=hw_pt.disk.with_rereads(1.0 - float(first)))
-        p = predict_point(model, hw_pt, wl, pl, int(pt["concurrency"]))
+        got = None
+        if conv is not None:
+            p, got = predict_conversation_point(model, hw_pt, {**cfg, "_levels": sweep["points"]}, conv,
+                                                sweep_split(sweep, name), int(pt["concurrency"]), pl.hit_rate)
+            p.placement = name
+        else:
+            p = predict_point(model, hw_pt, wl, pl, int(pt["concurrency"]))
         measured = float(pt["throughput_tok_s"])
         inter = pt.get("interactivity_p50")
         stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
@@ -364,10 +449,12 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                              float(inter) if inter is not None else None, p.hit_rate, source, runs,
                              binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
                              None if first is None else round(float(first), 4), round(p.step_s * 1e3, 3),
-                             pt.get("server_step_ms"), round(steps_per_request(wl, p.concurrency, hw), 2),
+                             pt.get("server_step_ms"),
+                             # with think time a user's cycle holds the steps run while it thinks, as the server counts
+                             round(p.cycle_s / p.step_s if got else steps_per_request(wl, p.concurrency, hw), 2),
                              pt.get("steps_per_request"), int(pt["concurrency"]) in past_limit(sweep, name),
                              round(interpolate(hw.serve_tok_s_curve, p.concurrency, log_x=True), 1) if naive
-                             else None))
+                             else None, None if got is None else round(got.hit_rate, 4), pt.get("prefix_hit_rate")))
         if name not in limits:
             from tiergram.plan.model import concurrency_limit
 
@@ -375,6 +462,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
     errs = [abs(r.ratio - 1) for r in rows]
+    prefix = [abs(r.predicted_prefix_hit - r.measured_prefix_hit) * 100 for r in rows
+              if r.predicted_prefix_hit is not None and r.measured_prefix_hit is not None]
     naive_errs = [abs(r.measured_tok_s / r.naive_tok_s - 1) for r in rows if r.naive_tok_s]
     on_disk = [abs(r.ratio - 1) for r in rows if not r.past_disk_limit]
     stepped = [r for r in rows if r.measured_step_ms]
@@ -383,10 +472,12 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             "runs": sweep.get("runs", [1]),
             "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
             "disk": {"from": disk_sources, "pages_per_s": disks}, "speed": speed,
+            "best_split": best_of(rows) if conv is not None else {},
             "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
                         "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
                         "max_abs_error": max(errs) if errs else None,
                         "mean_abs_error": sum(errs) / len(errs) if errs else None,
+                        "prefix_mean_abs_points": sum(prefix) / len(prefix) if prefix else None,
                         # the server's mean step against the predicted, where the sweep has its counters
                         "steps_compared": len(step_errs),
                         "step_within_15pct": sum(e <= 0.15 for e in step_errs),
@@ -398,6 +489,22 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                         **({"naive_within_15pct": sum(e <= 0.15 for e in naive_errs),
                             "naive_mean_abs_error": sum(naive_errs) / len(naive_errs) if naive_errs else None}
                            if naive else {})}}
+
+
+def best_of(rows: list[Compared]) -> dict[int, dict[str, Any]]:
+    """Per concurrency, the server with the most throughput, predicted and measured, each with its margin (ratio
+    to the next best)."""
+    from tiergram.plan.split import best_splits
+
+    def points(key: str) -> dict[str, list[Point]]:
+        out: dict[str, list[Point]] = {}
+        for r in rows:
+            out.setdefault(r.placement, []).append(Point(r.placement, r.concurrency, 0.0, getattr(r, key), 0.0, ""))
+        return out
+
+    pred, meas = best_splits(points("predicted_tok_s")), best_splits(points("measured_tok_s"))
+    return {c: {"predicted": pred[c][0], "predicted_margin": round(pred[c][1], 4), "measured": meas[c][0],
+                "measured_margin": round(meas[c][1], 4)} for c in pred}
 
 
 def past_limit(sweep: dict[str, Any], label: str) -> set[int]:
@@ -417,6 +524,8 @@ def validate_text(res: dict[str, Any]) -> str:
             hit += f" ({r['first_read_share']:.0%} of its pages first reads)"
         if len(r["measured_runs"]) > 1:
             hit += " runs: " + ", ".join(f"{x:,.0f}" for x in r["measured_runs"])
+        if r.get("predicted_prefix_hit") is not None and r.get("measured_prefix_hit") is not None:
+            hit += f"; prefix hit {r['measured_prefix_hit']:.1%} [predicted {r['predicted_prefix_hit']:.1%}]"
         if r.get("naive_tok_s"):
             hit += f"; naive {r['naive_tok_s']:,.0f} ({r['measured_tok_s'] / r['naive_tok_s']:.3f})"
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
@@ -447,6 +556,11 @@ def validate_text(res: dict[str, Any]) -> str:
         lines.append(f"naive baseline (calibration's own throughput at each c): {s['naive_within_15pct']}/"
                      f"{s['points']} within 15%, mean |error| {s['naive_mean_abs_error']:.1%} (the planner's "
                      f"{s['mean_abs_error']:.1%})")
+    for c, b in res.get("best_split", {}).items():
+        lines.append(f"best split at c = {c}: predicted {b['predicted']} (by {b['predicted_margin'] - 1:.1%} over the "
+                     f"next), measured {b['measured']} (by {b['measured_margin'] - 1:.1%})")
+    if s.get("prefix_mean_abs_points") is not None:
+        lines.append(f"prefix-cache hit rate: mean |predicted - measured| {s['prefix_mean_abs_points']:.1f} points")
     if s.get("past_disk_limit"):
         lines.append(f"{s['past_disk_limit']} points read past the disk's new-page limit (a cache under the disk "
                      f"served them: not the disk's); without them {s['within_15pct_on_disk']}/"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -300,12 +300,11 @@ def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 1
     sizes = engram_head_table_sizes(e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram, e.layers)
     rows = tuple(sum(map(sum, sizes[layer])) for layer in sorted(e.layers))  # each layer's heads end to end
     row_bytes = e.dim + e.dim // 32 if codec == "fp8_e4m3" else e.dim * 4
-    hit = _hit_curve(model_dir)
     return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(params["active"]),
                      weight_bytes=float(params["bytes"]), active_weight_bytes=float(params["active"] * elem),
                      kv_bytes_per_token=float(kv), engram=EngramGeometry(tuple(sorted(e.layers)), e.n_heads,
                                                                           row_bytes, rows, e.dim, elem),
-                     activation_bytes=float(act), hit_rate_curve=hit)
+                     activation_bytes=float(act))
 
 
 def _backbone_params(cfg: Any) -> dict[str, int]:
@@ -332,9 +331,21 @@ def _backbone_params(cfg: Any) -> dict[str, int]:
     return {"bytes": total * 4, "active": active}
 
 
-def _hit_curve(model_dir: Path) -> tuple[tuple[float, float], ...]:
-    """A hit-rate curve measured for this model (plan/hit_rate.json beside it), if there is one."""
-    f = model_dir / "plan" / "hit_rate.json"
-    if not f.is_file():
-        return ()
-    return tuple((float(x), float(y)) for x, y in json.loads(f.read_text())["curve"])
+def with_hit_rates(model: ModelSpec, path: Path) -> ModelSpec:
+    """The model with the hit-rate curves of a `tiergram bench cache --capacity-of table --json` run (lru, and
+    lru-hot for caches preloaded with hot rows)."""
+    try:
+        res = json.loads(Path(path).read_text())
+        rates, of = res["hit_rate"], res["config"]["capacity_of"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SpecError(f"{path}: not a `tiergram bench cache --json` result ({e})") from None
+    if of != "table":
+        raise SpecError(f"{path}: capacities are fractions of the rows touched; the planner needs fractions of the "
+                        "table (`bench cache --capacity-of table`)")
+    if "lru" not in rates:
+        raise SpecError(f"{path}: no lru hit rates (`bench cache --policies lru lru-hot`)")
+
+    def curve(policy: str) -> tuple[tuple[float, float], ...]:
+        return tuple(sorted((float(k), float(v)) for k, v in rates.get(policy, {}).items()))
+
+    return replace(model, hit_rate_curve=curve("lru"), hot_hit_rate_curve=curve("lru-hot"))

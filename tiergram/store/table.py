@@ -103,7 +103,7 @@ class TieredTable(ManifestGeometry):
                              f"cache), not tier={tier!r} file_mode={file_mode!r} cache_policy={cache_policy!r}")
         self.pipeline = "native" if native_ok and pipeline != "python" else "python"
         if cache_bytes is None and host_memory_bytes is not None and tier != "host":
-            cache_bytes = self._budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
+            cache_bytes = budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
         cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
         self.cache = cache_cls.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
         self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None,
@@ -310,17 +310,6 @@ class TieredTable(ManifestGeometry):
         if self._closed:
             raise ValueError(f"TieredTable for {self.table.path} is closed")
 
-    @staticmethod
-    def _budget_cache_bytes(budget: int, row_bytes: int, pipeline: str, policy: str = "lru") -> int:
-        """Cache bytes a host-memory budget leaves: (budget - staging) rows of row_bytes + index; ValueError if none."""
-        per_row = row_bytes + INDEX_BYTES_PER_ROW[pipeline]
-        if pipeline == "native":
-            per_row += NATIVE_POLICY_EXTRA_BYTES_PER_ROW.get(policy, 0)
-        rows = (budget - STAGING_RESERVE_BYTES) // per_row
-        if rows < 1:
-            raise ValueError(f"host_memory_bytes={budget} leaves no room for a cache: staging takes "
-                             f"{STAGING_RESERVE_BYTES} bytes and one cached row {per_row} bytes")
-        return int(rows) * row_bytes
 
     def _output(self, id_shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         shape = (*id_shape, self.dim)
@@ -411,3 +400,15 @@ class TieredTable(ManifestGeometry):
         # a float32 tensor passes as numpy (cheaper than DLPack); bfloat16 has no numpy dtype
         _native.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows, rpp, codec, dim,
                       out.numpy() if out.dtype == torch.float32 else out, self.stats_.native, self.tier.native_counts)
+
+
+def budget_cache_bytes(budget: int, row_bytes: int, pipeline: str, policy: str = "lru") -> int:
+    """Cache bytes a host-memory budget leaves: (budget - staging) rows of row_bytes + index; ValueError if none."""
+    per_row = row_bytes + INDEX_BYTES_PER_ROW[pipeline]
+    if pipeline == "native":
+        per_row += NATIVE_POLICY_EXTRA_BYTES_PER_ROW.get(policy, 0)
+    rows = (budget - STAGING_RESERVE_BYTES) // per_row
+    if rows < 1:
+        raise ValueError(f"host_memory_bytes={budget} leaves no room for a cache: staging takes "
+                         f"{STAGING_RESERVE_BYTES} bytes and one cached row {per_row} bytes")
+    return int(rows) * row_bytes
