@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tiergram.analysis.stats import BOOTSTRAP, Estimate, ratio_estimate
 from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
 
@@ -48,14 +49,36 @@ class LayerProbe:
 
 
 @dataclass
+class GateEvidence:
+    """Whether a layer's gate (the largest over its branches) depends on the n-gram and the category beyond chance.
+
+    between_share is the share of the gate's variance over positions that lies between n-grams (eta squared over
+    the n-grams of this order seen at least min_count times); the shuffle null is the same share with the gates
+    permuted across those positions, which keeps the n-gram counts and breaks any n-gram-gate link. The category
+    gaps come with document-bootstrap intervals (documents resampled within each category).
+    """
+
+    layer: int
+    order: int
+    ngrams: int
+    positions: int  # positions of those n-grams
+    between_share: float
+    shuffle_null: list[float]  # [mean, 95th percentile] over the permutations
+    mean_gate: Estimate
+    category_gate: dict[str, Estimate]
+    code_minus_prose: Estimate
+
+
+@dataclass
 class ProbeReport:
-    """The whole probe: per layer and branch, over a corpus split."""
+    """The whole probe: per layer and branch, over a corpus split; evidence for the trained model and a null."""
 
     model: str
     split: str
     positions: int
     min_count: int
     layers: list[LayerProbe]
+    evidence: dict[str, list[GateEvidence]] = field(default_factory=dict)  # "trained" / "random-init" -> rows
 
 
 @dataclass
@@ -135,6 +158,73 @@ def probe(tr: Trace, tokenizer: Any, *, model: str = "", split: str = "", min_co
     return ProbeReport(model=model, split=split, positions=tr.n, min_count=min_count, layers=layers)
 
 
+def between_share(g: np.ndarray, groups: np.ndarray) -> float:
+    """Eta squared: the share of the variance of g [N] explained by the group means (groups int [N] in 0..U-1)."""
+    n = np.bincount(groups)
+    means = np.bincount(groups, weights=g) / np.maximum(n, 1)
+    total = ((g - g.mean()) ** 2).sum()
+    return float((n * (means - g.mean()) ** 2).sum() / total) if total > 0 else float("nan")
+
+
+def _category_estimates(g: np.ndarray, doc: np.ndarray, category: np.ndarray, seed: int = 0
+                        ) -> tuple[dict[str, Estimate], Estimate]:
+    """Per-category mean gate over documents, and code minus prose (documents resampled within each category)."""
+    out, boots = {}, {}
+    for k, c in enumerate(CATEGORIES):
+        sel = category == k
+        if not sel.any():
+            continue
+        docs, inv = np.unique(doc[sel], return_inverse=True)
+        sums, counts = np.bincount(inv, weights=g[sel]), np.bincount(inv).astype(np.float64)
+        out[c] = ratio_estimate(sums, counts, seed)
+        idx = np.random.default_rng(seed + k + 1).integers(0, len(docs), size=(BOOTSTRAP, len(docs)))
+        boots[c] = sums[idx].sum(1) / counts[idx].sum(1)
+    if "code" in out and "prose" in out:
+        d = boots["code"] - boots["prose"]
+        gap = Estimate(out["code"].value - out["prose"].value, [float(v) for v in np.percentile(d, [2.5, 97.5])],
+                       out["code"].n + out["prose"].n)
+    else:
+        gap = Estimate(float("nan"), [float("nan"), float("nan")], 0)
+    return out, gap
+
+
+def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, seed: int = 0) -> list[GateEvidence]:
+    """For every layer and n-gram order: the between-n-gram share of gate variance against its shuffle null, and
+    the mean gate overall and per category with document-bootstrap intervals."""
+    rng = np.random.default_rng(seed)
+    doc = np.array([w.doc for w in tr.windows])[tr.window]
+    out = []
+    for layer in tr.layers:
+        g = tr.gates[layer].max(axis=1).astype(np.float64)
+        _, inv = np.unique(doc, return_inverse=True)
+        mean = ratio_estimate(np.bincount(inv, weights=g), np.bincount(inv).astype(np.float64), seed)
+        by_cat, gap = _category_estimates(g, doc, tr.category, seed)
+        for order in range(2, tr.context.shape[1] + 1):
+            table = ngram_table(tr, order)
+            keep = table.counts[table.inverse] >= min_count
+            _, groups = np.unique(table.inverse[keep], return_inverse=True)
+            gk = g[keep]
+            null = [between_share(rng.permutation(gk), groups) for _ in range(permutations)]
+            out.append(GateEvidence(layer=layer, order=order, ngrams=int(groups.max() + 1) if len(groups) else 0,
+                                    positions=int(keep.sum()), between_share=between_share(gk, groups),
+                                    shuffle_null=[float(np.mean(null)), float(np.percentile(null, 95))],
+                                    mean_gate=mean, category_gate=by_cat, code_minus_prose=gap))
+    return out
+
+
+def evidence_markdown(evidence: dict[str, list[GateEvidence]]) -> str:
+    """One row per model, layer and order: mean gate, code minus prose, between-n-gram share vs its null."""
+    lines = ["| model | layer | order | mean gate [95% CI] | code − prose [95% CI] | n-grams | "
+             "between-n-gram share of gate variance | shuffle null (mean; 95th pct) |", "|---" * 8 + "|"]
+    for name, rows in evidence.items():
+        for e in rows:
+            lines.append(f"| {name} | {e.layer} | {e.order} | {e.mean_gate.value:.3f} "
+                         f"[{e.mean_gate.ci95[0]:.3f}, {e.mean_gate.ci95[1]:.3f}] | {e.code_minus_prose.value:+.4f} "
+                         f"[{e.code_minus_prose.ci95[0]:+.4f}, {e.code_minus_prose.ci95[1]:+.4f}] | {e.ngrams} | "
+                         f"{e.between_share:.3f} | {e.shuffle_null[0]:.3f}; {e.shuffle_null[1]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _cell(text: str, limit: int = 90) -> str:
     """Text safe inside a markdown table cell: visible whitespace, escaped pipes, shortened."""
     text = text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", "⏎").replace("\t", "⇥")
@@ -148,6 +238,10 @@ def to_markdown(report: ProbeReport) -> str:
              f"Split `{report.split}`, {report.positions} positions; n-grams need at least {report.min_count} "
              "occurrences; text is the first occurrence's tokens (the hashing merges case and whitespace variants); "
              "⏎ is a newline.", ""]
+    if report.evidence:
+        lines += ["Gate (largest over branches) against chance: 95% document-bootstrap intervals; the shuffle null "
+                  "permutes gates across the positions of the ranked n-grams.", "",
+                  evidence_markdown(report.evidence).rstrip(), ""]
     for lp in report.layers:
         lines += [f"## Layer {lp.layer}, branch {lp.branch}", "",
                   f"Mean gate {lp.mean_gate:.4f}; quantiles " +

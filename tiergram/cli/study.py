@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(p, "validation", 32768, "to probe")
     p.add_argument("--min-count", type=int, default=5, help="occurrences an n-gram needs to be ranked")
     p.add_argument("--top", type=int, default=30, help="n-grams listed per layer and order, highest and lowest")
+    p.add_argument("--permutations", type=int, default=200,
+                   help="gate shuffles for the between-n-gram null (0: no evidence table; default 200)")
+    p.add_argument("--null-seed", type=int, default=0,
+                   help="seed of the random-init model of the same config probed as the null (default 0)")
     p.set_defaults(func=cmd_probe)
 
     a = sub.add_parser("ablate", help="Engram off in prefill only / decode only / both / neither: loss and "
@@ -155,13 +159,24 @@ def _emit(args: argparse.Namespace, report: Any, markdown: str, draw: Callable[[
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from tiergram.analysis.probe import probe, to_markdown
-    from tiergram.analysis.trace import load_windows, trace
+    import torch
 
+    from tiergram.analysis.probe import gate_evidence, probe, to_markdown
+    from tiergram.analysis.trace import load_windows, trace
+    from tiergram.model.model import EngramLM
+
+    if args.permutations < 0:
+        raise ValueError(f"--permutations must be >= 0, got {args.permutations}")
     model, tokenizer, corpus = _load(args)
     _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
     tr = trace(model, windows, batch_size=args.batch_size, progress=not args.quiet)
     report = probe(tr, tokenizer, model=str(args.dir), split=args.split, min_count=args.min_count, top=args.top)
+    if args.permutations:
+        torch.manual_seed(args.null_seed)  # the null: the same config and hashing, weights as initialised
+        null = EngramLM(model.config, model.hasher).to(next(model.parameters()).device)
+        null_tr = trace(null, windows, batch_size=args.batch_size, progress=not args.quiet)
+        report.evidence = {name: gate_evidence(t, min_count=args.min_count, permutations=args.permutations)
+                           for name, t in (("trained", tr), ("random-init", null_tr))}
     _emit(args, report, to_markdown(report))
     return 0
 
