@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tiergram.analysis.stats import Estimate
 from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
 from tiergram.model.evaluate import Window
@@ -63,6 +64,9 @@ class CapacityReport:
     positions: int
     gate_positions: int
     layers: list[LayerCapacity]
+    # "trained" / "random-init" -> layer -> Spearman(row reads, mean gate) over rows with a gate observation, with a
+    # 95% interval from resampling the gate trace's documents (the read counts, over the whole split, stay fixed)
+    hotness_gate: dict[str, dict[int, Estimate]] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,6 +136,29 @@ def row_gates(tr: Trace, layer: int, offsets: np.ndarray, total_rows: int) -> Ro
     return RowGates(np.bincount(flat, weights=g, minlength=total_rows), np.bincount(flat, minlength=total_rows))
 
 
+def hotness_gate(reads: np.ndarray, tr: Trace, layer: int, offsets: np.ndarray, *, resamples: int = 200,
+                 seed: int = 0) -> Estimate:
+    """Spearman(row reads [rows], the row's mean gate in the trace) over rows the trace reads, with its interval
+    over resampled trace documents (a resampled document's positions count as often as it is drawn)."""
+    flat = (tr.row_ids[layer] + offsets).ravel()
+    g = np.repeat(tr.gates[layer].mean(axis=1).astype(np.float64), tr.row_ids[layer].shape[1])
+    _, doc = np.unique(np.array([w.doc for w in tr.windows])[tr.window], return_inverse=True)
+    doc = np.repeat(doc, tr.row_ids[layer].shape[1])
+    n_docs = int(doc.max()) + 1
+
+    def rho(weight: np.ndarray) -> float:
+        seen = np.bincount(flat, weights=weight, minlength=len(reads))
+        have = seen > 0
+        mean = np.bincount(flat, weights=g * weight, minlength=len(reads))[have] / seen[have]
+        return spearman(reads[have], mean)
+
+    rng = np.random.default_rng(seed)
+    boot = [rho(np.bincount(rng.integers(0, n_docs, n_docs), minlength=n_docs)[doc].astype(np.float64))
+            for _ in range(resamples)]
+    lo, hi = np.nanpercentile(boot, [2.5, 97.5]) if boot else (float("nan"), float("nan"))
+    return Estimate(rho(np.ones(len(flat))), [float(lo), float(hi)], n_docs)
+
+
 def layer_capacity(layer: int, rc: RowCounts, rg: RowGates | None, orders: list[int]) -> LayerCapacity:
     """The accounting of one layer."""
     counts = rc.counts
@@ -185,19 +212,25 @@ def head_orders(model: EngramLM) -> list[int]:
 
 
 def analyze(model: EngramLM, windows: list[Window], tr: Trace | None, *, model_name: str = "",
-            split: str = "") -> tuple[CapacityReport, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """(report, {layer: (access count, mean gate) of every row with a gate observation}) for the plot."""
+            split: str = "", null: Trace | None = None, resamples: int = 0
+            ) -> tuple[CapacityReport, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """(report, {layer: (access count, mean gate) of every row with a gate observation}) for the plot. With
+    resamples, Spearman(reads, gate) gets its interval, for `tr` and for `null` (a random-init model's trace)."""
     counts = count_rows(model, windows)
     orders = head_orders(model)
     layers, points = [], {}
+    report = CapacityReport(model=model_name, split=split, positions=int(sum(len(w.inputs) for w in windows)),
+                            gate_positions=tr.n if tr is not None else 0, layers=layers)
     for layer, rc in counts.items():
         rg = row_gates(tr, layer, rc.offsets, rc.counts.shape[1]) if tr is not None else None
         layers.append(layer_capacity(layer, rc, rg, orders))
         if rg is not None:
             have = rg.seen > 0
             points[layer] = (rc.counts.sum(0)[have], rg.gate_sum[have] / rg.seen[have])
-    report = CapacityReport(model=model_name, split=split, positions=int(sum(len(w.inputs) for w in windows)),
-                            gate_positions=tr.n if tr is not None else 0, layers=layers)
+        for name, t in (("trained", tr), ("random-init", null)):
+            if t is not None and resamples:
+                report.hotness_gate.setdefault(name, {})[layer] = hotness_gate(
+                    rc.counts.sum(0), t, layer, np.asarray(rc.offsets), resamples=resamples)
     return report, points
 
 
@@ -213,6 +246,15 @@ def plot(points: dict[int, tuple[np.ndarray, np.ndarray]], path: str) -> None:
     save_figure(fig, Path(path))
 
 
+def hotness_markdown(hotness: dict[str, dict[int, Estimate]]) -> str:
+    """Spearman(row reads, mean gate) per model and layer, with its document-bootstrap interval."""
+    lines = ["| model | layer | Spearman(row reads, mean gate) [95% CI] | gate-trace documents |", "|---|---|---|---|"]
+    for name, by_layer in hotness.items():
+        for layer, e in by_layer.items():
+            lines.append(f"| {name} | {layer} | {e.value:+.3f} [{e.ci95[0]:+.3f}, {e.ci95[1]:+.3f}] | {e.n} |")
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(report: CapacityReport) -> str:
     """The accounting as markdown tables."""
     lines = [f"# Capacity accounting: {report.model}", "",
@@ -225,6 +267,8 @@ def to_markdown(report: CapacityReport) -> str:
         lines.append(f"| {lc.layer} | {lc.rows} | {lc.touched} | {lc.never_touched_fraction:.3f} | {lc.accesses} | "
                      f"{lc.hot_access_share['top 1%']:.3f} | {lc.hot_access_share['top 10%']:.3f} | "
                      f"{lc.spearman_count_gate:.3f} | {lc.spearman_count_gate_min5:.3f} |")
+    if report.hotness_gate:
+        lines += ["", hotness_markdown(report.hotness_gate).rstrip()]
     lines += ["", "| layer | category | share of accesses | share of touched rows | rows touched only by it | "
               "distinct rows per 1000 accesses |", "|---|---|---|---|---|---|"]
     for lc in report.layers:

@@ -63,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     _common(z, "validation", 0, "hashed for the accounting")
     z.add_argument("--gate-tokens", type=int, default=16384,
                    help="tokens per category run through the model for the gates (default 16384)")
+    z.add_argument("--resamples", type=int, default=200,
+                   help="document resamples for the interval of Spearman(row reads, mean gate), computed for the "
+                        "model and a random-init model of the same config (0: neither; default 200)")
+    z.add_argument("--null-seed", type=int, default=0, help="seed of the random-init null model (default 0)")
     add_common(z, "--plot", plot="hexbin PNG of access count vs mean gate")
     z.set_defaults(func=cmd_analyze)
 
@@ -204,16 +208,27 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
+    import torch
+
     from tiergram.analysis.capacity import analyze, plot, to_markdown
     from tiergram.analysis.trace import load_windows, trace
+    from tiergram.model.model import EngramLM
 
+    if args.resamples < 0:
+        raise ValueError(f"--resamples must be >= 0, got {args.resamples}")
     model, tokenizer, corpus = _load(args)
     _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
     tr = None
     if args.gate_tokens:
         _, gate_windows = load_windows(model, corpus, args.split, tokenizer, args.gate_tokens)
         tr = trace(model, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
-    report, points = analyze(model, windows, tr, model_name=str(args.dir), split=args.split)
+    null_tr = None
+    if tr is not None and args.resamples:
+        torch.manual_seed(args.null_seed)  # the null: the same config and hashing, weights as initialised
+        null = EngramLM(model.config, model.hasher).to(next(model.parameters()).device)
+        null_tr = trace(null, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
+    report, points = analyze(model, windows, tr, model_name=str(args.dir), split=args.split, null=null_tr,
+                             resamples=args.resamples)
     _emit(args, report, to_markdown(report), (lambda path: plot(points, path)) if points else None)
     return 0
 
