@@ -262,6 +262,7 @@ class Workload:
     prompt_rows_first: bool = False
     cached_len: float = 0.0  # mean prompt tokens a request finds in the prefix cache (not computed: plan.prefix)
     think_s: float = 0.0  # mean seconds a user waits between its requests (its seat in the batch stays empty)
+    kv_host_len: float = 0.0  # of cached_len, the tokens a request's K/V is copied back for from the host K/V tier
 
     @property
     def computed_len(self) -> float:
@@ -562,16 +563,20 @@ def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
     if c < 1:
         raise ValueError(f"concurrency must be >= 1, got {c}")
     lo = max(1.0, wl.output_len)
+    # the host K/V tier's blocks come back over the link (a GPU) or through host memory (a CPU) before their step
+    kv_copy = wl.kv_host_len * model.kv_bytes_per_token / (hw.link_bw if hw.kind == "gpu" else hw.host_bw)
     running: float = c
     for _ in range(1 if wl.think_s <= 0 else 30):
         step, terms, binding, hit = step_terms(model, hw, wl, placement, running)
         wait = prompt_wait_s(model, hw, wl, placement, c)
         # the steps that pass while the user is away (seats left empty) count in its cycle, not in its tokens' gaps
-        request = steps_per_request(wl, running, hw) * step + hw.request_overhead_s + wait
+        request = steps_per_request(wl, running, hw) * step + hw.request_overhead_s + wait + kv_copy
         cycle = request + wl.think_s
         running = max(1.0, c * request / cycle)
     if wait > 0:
         terms["prompt rows wait"] = wait  # once per request, not per step
+    if kv_copy > 0:
+        terms["kv host copy"] = kv_copy  # once per request
     throughput = c * (wl.input_len + lo) / cycle
     itl = step * steps_per_request(wl, running) / lo  # one token per step, fewer when prefill chunks fill the budget
     return Point(placement.label, c, step, throughput, 1.0 / itl, binding, terms, hit, cycle, running)

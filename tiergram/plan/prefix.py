@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Conversations:
@@ -39,10 +41,10 @@ class Conversations:
             raise ValueError(f"think_s must be >= 0, got {self.think_s}")
 
     @property
-    def weights(self) -> list[float]:
-        """Each document's chance to open a session."""
-        w = [1.0 / (i + 1) for i in range(self.docs)]
-        return [x / sum(w) for x in w]
+    def weights(self) -> np.ndarray:
+        """Each document's chance to open a session, float64 [docs]."""
+        w = 1.0 / np.arange(1, self.docs + 1)
+        return w / w.sum()
 
     def prompt_len(self, turn: int) -> int:
         """Prompt tokens of turn 1..turns: the document, every question so far and the answers before."""
@@ -78,6 +80,7 @@ class Reuse:
     hit_rate: float  # hit tokens / queried tokens (the engine's tiergram_prefix_cache_hit_rate)
     host_hit_rate: float  # of it, the share of queried tokens copied back from the host tier
     cached_len: float  # mean prompt tokens per request served from the cache
+    host_len: float  # of them, the tokens copied back from the host tier
     doc_hit: float  # chance a session's document is cached at its start
     history_hit: float  # chance a session's history is cached at its next turn
     evictable_blocks: float  # E: device blocks no running request holds, plus the host tier's slots
@@ -95,6 +98,7 @@ def reuse(conv: Conversations, block: int, device_blocks: int, host_blocks: int,
     turns = range(2, conv.turns + 1)
     hist_tokens = sum(conv.history_hit_tokens(k, block) for k in turns)
     doc_tokens = conv.doc_hit_tokens(block)
+    p = conv.weights
     out = {}
     for pool in (free_dev, free_dev + host_blocks):  # device alone, then with the host tier behind it
         doc = hist = 1.0
@@ -109,10 +113,11 @@ def reuse(conv: Conversations, block: int, device_blocks: int, host_blocks: int,
             # of the c - 1 other users' live sessions holds it (as its history)
             window = max(pool / per_session if per_session > 0 else math.inf, (concurrency - 1) * hist)
             window = min(window, sessions_before)
-            doc = sum(p * (1.0 - (1.0 - p) ** window) for p in conv.weights) if window > 0 else 0.0
+            doc = float(np.sum(p * (1.0 - (1.0 - p) ** window))) if window > 0 else 0.0
         # a turn's history includes its document's blocks, which its own earlier turns kept as recent as the rest
         out[pool] = (doc, hist, doc * doc_tokens + hist * hist_tokens)
     doc, hist, hits = out[free_dev + host_blocks]
     host_hits = hits - out[free_dev][2]
     q = conv.queried()
-    return Reuse(hits / q, max(0.0, host_hits) / q, hits / conv.turns, doc, hist, free_dev + host_blocks)
+    host_hits = max(0.0, host_hits)
+    return Reuse(hits / q, host_hits / q, hits / conv.turns, host_hits / conv.turns, doc, hist, free_dev + host_blocks)

@@ -92,7 +92,8 @@ def predict_conversations(model: ModelSpec, hw: HardwareSpec, conv: Conversation
     point = predict_point(model, hw, wl, placement, c)
     for _ in range(10):  # reuse <-> step time: a few rounds settle it
         got = reuse(conv, wl.block_size, device, host, c, point.running, point.cycle_s, sessions_before)
-        point = predict_point(model, hw, replace(wl, cached_len=got.cached_len), placement, c)
+        point = predict_point(model, hw, replace(wl, cached_len=got.cached_len, kv_host_len=got.host_len), placement,
+                              c)
     point.placement = split.label
     return point, got
 

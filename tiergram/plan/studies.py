@@ -3,7 +3,9 @@
 (1) DRAM offload against HBM-resident tables for DeepSeek-V4.1-Flash on H200 and B200; (2) NVMe (prefetched,
 cached io_uring) against DRAM, by drive count; (3) K/V offload and Engram sharing host DRAM and the link at long
 contexts; (4) the exposed stall of a decode step on H200 with host (UVA) and NVMe tables, and what speculative
-prefetch of the top-k next tokens' rows would hide, with the demo model's measured top-k hit rate as the stand-in.
+prefetch of the top-k next tokens' rows would hide, with the demo model's measured top-k hit rate as the stand-in;
+(5) one host memory split between the prefix cache's host K/V tier and the Engram tables, for conversations over
+long shared documents.
 Every number here is a PREDICTION from the specs' figures and stated assumptions.
 """
 
@@ -18,6 +20,8 @@ import numpy as np
 
 from tiergram.plan import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_front, predict_point
 from tiergram.plan.model import concurrency_limit, step_terms_at
+from tiergram.plan.prefix import Conversations
+from tiergram.plan.split import Split, best_splits, conversations_workload, predict_conversations
 from tiergram.plots import save_figure
 
 QD_PER_DRIVE, READER_THREADS_PER_DRIVE = 128, 4
@@ -113,6 +117,36 @@ def contention(model: ModelSpec, hws: dict[str, HardwareSpec], workload: tuple[i
             out[(hname, pl.label)] = {"limit": limit.concurrency, "limit_binding": limit.binding,
                                       "peak_tok_s": max((p.throughput_tok_s for p in pts), default=0.0),
                                       "cliff_c": cliff.concurrency if cliff else None, "front": Front(pl, limit, pts)}
+    return out
+
+
+# (5): conversations over long shared documents: a codebase or a manual of 32K tokens opened by many users (document i
+# with weight 1/(i+1)), 4 turns of a 512-token question and a 1,024-token answer, 30 s of reading between turns
+SPLIT_CONV = Conversations(doc_len=32768, question_len=512, answer_len=1024, turns=4, docs=100_000, think_s=30.0)
+SPLIT_FRACTIONS = (0.0, 0.5, 0.85, 0.95)
+
+
+def kv_engram_split(model: ModelSpec, hws: dict[str, HardwareSpec], conv: Conversations = SPLIT_CONV,
+                    fractions: tuple[float, ...] = SPLIT_FRACTIONS, concurrencies: tuple[int, ...] = (256, 1024, 4096)
+                    ) -> dict[str, Any]:
+    """(5) per machine: each split of its host memory (tables in DRAM, or on NVMe behind a hot-row cache, the rest to
+    the host K/V tier) at each concurrency, with its prefix reuse; the best split per concurrency."""
+    wl = conversations_workload(conv, max_num_seqs=1 << 14, max_num_batched_tokens=16384)
+    out: dict[str, Any] = {}
+    for hname, hw in hws.items():
+        points: dict[str, list[Any]] = {}
+        reuse: dict[tuple[str, int], Any] = {}
+        for kind in ("host", "file"):
+            for f in fractions:
+                split = Split(hw.host_memory_bytes, f, kind, hot_rows=kind == "file")
+                if kind == "host" and split.engram_bytes < model.engram.table_bytes:
+                    continue
+                for c in concurrencies:
+                    p, got = predict_conversations(model, hw, conv, split, c, wl)
+                    points.setdefault(split.label, []).append(p)
+                    reuse[(split.label, c)] = got
+        out[hname] = {"points": points, "reuse": reuse, "best": best_splits(points),
+                      "block_bytes": wl.block_size * model.kv_bytes_per_token}
     return out
 
 
@@ -319,6 +353,8 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
     for (h, label), v in res3.items():
         md.append(f"| {h} | {label} | {v['limit']:,} ({v['limit_binding']}) | {v['peak_tok_s']:,.0f} | "
                   f"{v['cliff_c'] if v['cliff_c'] is not None else '-'} |")
+    # (5)
+    md.append(kv_split_markdown(kv_engram_split(model, {"H200": h200, "B200": b200})))
     # (4)
     hits = {1: 0.0, 4: 0.0, 16: 0.0}
     measured = ""
@@ -339,3 +375,24 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
         md.append(f"| {r['placement']} | {r['c']} | {r['step_ms']:.2f} | {r['fetch_ms']:.3f} | {r['hide_ms']:.3f} | "
                   f"{r['exposed_ms']:.3f} | " + " | ".join(f"{r[f'spec_k{k}_exposed_ms']:.3f}" for k in hits) + " |")
     return "\n".join(md) + "\n"
+
+
+def kv_split_markdown(res: dict[str, Any], conv: Conversations = SPLIT_CONV) -> str:
+    """(5) as a table: every split and concurrency, its prefix reuse and throughput; the best split per c."""
+    md = [f"\n### (5) One host memory for the host K/V tier and the Engram tables ({conv.docs:,} shared documents of "
+          f"{conv.doc_len // 1024}K tokens, {conv.turns} turns of {conv.question_len} + {conv.answer_len}, "
+          f"{conv.think_s:g} s between turns)\n",
+          "| machine | split (tables + K/V share of host memory) | c | prefix hit | of it from host | prefix cache, GB "
+          "(device room + host tier) | running | tok/s | binds |", "|---|---|---|---|---|---|---|---|---|"]
+    for hname, r in res.items():
+        for label, pts in r["points"].items():
+            for p in pts:
+                g = r["reuse"][(label, p.concurrency)]
+                md.append(f"| {hname} | {label} | {p.concurrency:,} | {g.hit_rate:.1%} | {g.host_hit_rate:.1%} | "
+                          f"{g.evictable_blocks * r['block_bytes'] / 1e9:,.0f} | {p.running:,.0f} | "
+                          f"{p.throughput_tok_s:,.0f} | {p.binding} |")
+        md.append("")
+        md.append(f"{hname} best split: " + "; ".join(f"c = {c:,}: {name} (by {m - 1:.1%})"
+                                                      for c, (name, m) in r["best"].items()))
+        md.append("")
+    return "\n".join(md)
