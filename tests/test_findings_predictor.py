@@ -1,0 +1,49 @@
+"""docs/findings.md sections 1, 3 and 4: each table between `<!-- data:NAME begin -->` and `end` is rebuilt from
+its result file under docs/findings/data/ (the skip comparison from the per-document loss sums themselves)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiergram.analysis.skipping import BASELINES, matched_markdown, matched_rows
+from tiergram.analysis.stats import Estimate
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "findings" / "data"
+MODEL = "share40-s0"
+
+
+def block(name: str) -> str:
+    """The text of docs/findings.md between `<!-- data:NAME begin -->` and `<!-- data:NAME end -->`."""
+    text = (ROOT / "docs" / "findings.md").read_text()
+    m = re.search(rf"<!-- data:{re.escape(name)} begin[^>]*-->\n(.*?)<!-- data:{re.escape(name)} end -->", text, re.S)
+    assert m, f"docs/findings.md has no data:{name} block"
+    return m.group(1)
+
+
+def load(name: str) -> dict[str, Any]:
+    return json.loads((DATA / f"{name}.json").read_text())
+
+
+def estimate(d: dict[str, Any]) -> Estimate:
+    return Estimate(d["value"], d["ci95"], d["n"])
+
+
+def test_skip_table_is_rebuilt_from_the_per_document_sums() -> None:
+    data = load(f"predictor/{MODEL}")
+    rows = matched_rows(data["doc_sums"], data["doc_counts"], data["rates"], data["random_seeds"], data["methods"])
+    assert block(f"predictor/{MODEL}").strip() == matched_markdown(rows).strip()
+    # the stored comparison is the one the sums give, and the setting is the documented one
+    assert [r["predictor_minus_best"]["ci95"] for r in data["matched"]] == [r.predictor_minus_best.ci95 for r in rows]
+    assert data["rates"] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    assert set(BASELINES) <= set(data["methods"]) and len(data["random_seeds"]) >= 3
+    assert data["training_rows"]["source"].startswith("replay")
+    counts = {p["method"]: 0 for p in data["curve"]}
+    for p in data["curve"]:
+        counts[p["method"]] += 1
+    assert counts["random"] == 8 * len(data["random_seeds"]) and counts["predictor"] == 8
