@@ -170,3 +170,15 @@ def test_validate_predicts_a_conversations_sweep_per_split() -> None:
     del sweep["servers"]["host"]["settings"]["engine"]["host_memory"]
     with pytest.raises(ValueError, match="without host_memory"):
         validate(sweep, MODEL, CPU, speed_from="spec")
+
+
+def test_validate_markdown_lists_every_point_with_both_errors() -> None:
+    from dataclasses import replace
+
+    from tiergram.plan.predict import validate_markdown
+
+    hw = replace(CPU, serve_tok_s_curve=((1.0, 400.0), (4.0, 1200.0)))
+    md = validate_markdown(validate(_conversation_sweep(), MODEL, hw, speed_from="spec", naive=True))
+    rows = [line for line in md.splitlines() if line.startswith("| host")]
+    assert len(rows) == 4 and all(line.count("|") == 10 for line in rows)
+    assert "| host-kv50 | 2 |" in md and "naive:" in md and "best split at c = 2" in md

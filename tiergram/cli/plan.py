@@ -104,6 +104,7 @@ def _validate_parser() -> argparse.ArgumentParser:
                    help="also the naive baseline's prediction of every point (calibration's own host server's "
                         "throughput at that concurrency) and its error beside the planner's (JSON: naive_tok_s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead")
     return p
 
 
@@ -235,6 +236,8 @@ def _validate(a: argparse.Namespace) -> int:
         predict.plot(lines, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured)
     if a.json:
         print(json.dumps(res, indent=2))
+    elif a.markdown:
+        print(predict.validate_markdown(res))
     else:
         print(predict.validate_text(res))
     return 0

@@ -571,6 +571,34 @@ def validate_text(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def validate_markdown(res: dict[str, Any]) -> str:
+    """The comparison as a markdown table: every point's predicted, measured and naive throughput, the errors,
+    the prefix-cache hit rates where the sweep had conversations; the summary below it."""
+    conv = any(r.get("predicted_prefix_hit") is not None for r in res["points"])
+    naive = any(r.get("naive_tok_s") for r in res["points"])
+    head = "| server | c | predicted tok/s | measured tok/s | measured / predicted |"
+    head += " naive tok/s | measured / naive |" if naive else ""
+    head += " prefix hit, predicted | measured |" if conv else ""
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in res["points"]:
+        row = (f"| {r['placement']} | {r['concurrency']} | {r['predicted_tok_s']:,.0f} | {r['measured_tok_s']:,.0f} | "
+               f"{r['ratio']:.3f} |")
+        if naive:
+            row += f" {r['naive_tok_s']:,.0f} | {r['measured_tok_s'] / r['naive_tok_s']:.3f} |"
+        if conv:
+            row += f" {100 * r['predicted_prefix_hit']:.1f}% | {100 * (r['measured_prefix_hit'] or 0):.1f}% |"
+        lines.append(row)
+    s = res["summary"]
+    lines.append("")
+    lines.append(f"planner: {s['within_15pct']}/{s['points']} within ±15%, mean |error| {s['mean_abs_error']:.1%}"
+                 + (f"; naive: {s['naive_within_15pct']}/{s['points']}, {s['naive_mean_abs_error']:.1%}"
+                    if s.get("naive_mean_abs_error") is not None else ""))
+    for c, b in res.get("best_split", {}).items():
+        lines.append(f"best split at c = {c}: predicted {b['predicted']} (by {b['predicted_margin'] - 1:.1%}), "
+                     f"measured {b['measured']} (by {b['measured_margin'] - 1:.1%})")
+    return "\n".join(lines)
+
+
 def _cycle_text(r: dict[str, Any]) -> str:
     """' step M/P ms x M/P steps per request' (measured / predicted), where the sweep has the server's counters."""
     if not r.get("measured_step_ms"):
