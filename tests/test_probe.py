@@ -35,6 +35,10 @@ def test_between_share():
     assert between_share(np.array([1.0, 1.0, 2.0, 2.0, 5.0, 5.0]), groups) == pytest.approx(1.0)
     assert between_share(np.array([1.0, 2.0, 1.0, 2.0, 1.0, 2.0]), groups) == pytest.approx(0.0)
     assert np.isnan(between_share(np.ones(6), groups))
+    g = np.array([1.0, 2.0, 2.0, 2.0, 5.0, 7.0])
+    # counting a position twice is the same as listing it twice
+    twice = between_share(np.append(g, g[0]), np.append(groups, groups[0]))
+    assert between_share(g, groups, np.array([2, 1, 1, 1, 1, 1])) == pytest.approx(twice)
 
 
 def test_evidence_separates_ngram_gates_from_shuffled_ones(setup):
@@ -48,9 +52,10 @@ def test_evidence_separates_ngram_gates_from_shuffled_ones(setup):
         ev = next(e for e in gate_evidence(tr, min_count=3, permutations=50) if e.layer == layer and e.order == 2)
         assert ev.ngrams > 10 and ev.shuffle_null[0] <= ev.shuffle_null[1]
         if expect_signal:
-            assert ev.between_share == pytest.approx(1.0) and ev.between_share > ev.shuffle_null[1]
+            assert ev.between_share.value == pytest.approx(1.0) and ev.between_share.ci95[0] > ev.shuffle_null[1]
         else:
-            assert ev.between_share < 2 * ev.shuffle_null[1]
+            assert ev.between_share.value < 2 * ev.shuffle_null[1]
+        assert ev.between_share.ci95[0] <= ev.between_share.value + 1e-9 <= ev.between_share.ci95[1] + 2e-9
         assert ev.mean_gate.ci95[0] <= ev.mean_gate.value <= ev.mean_gate.ci95[1]
         assert abs(ev.mean_gate.value - gates.mean()) < 0.05  # a ratio over documents, close to the plain mean
         cats = ev.category_gate

@@ -62,7 +62,7 @@ class GateEvidence:
     order: int
     ngrams: int
     positions: int  # positions of those n-grams
-    between_share: float
+    between_share: Estimate  # with its interval over resampled documents
     shuffle_null: list[float]  # [mean, 95th percentile] over the permutations
     mean_gate: Estimate
     category_gate: dict[str, Estimate]
@@ -158,12 +158,15 @@ def probe(tr: Trace, tokenizer: Any, *, model: str = "", split: str = "", min_co
     return ProbeReport(model=model, split=split, positions=tr.n, min_count=min_count, layers=layers)
 
 
-def between_share(g: np.ndarray, groups: np.ndarray) -> float:
-    """Eta squared: the share of the variance of g [N] explained by the group means (groups int [N] in 0..U-1)."""
-    n = np.bincount(groups)
-    means = np.bincount(groups, weights=g) / np.maximum(n, 1)
-    total = ((g - g.mean()) ** 2).sum()
-    return float((n * (means - g.mean()) ** 2).sum() / total) if total > 0 else float("nan")
+def between_share(g: np.ndarray, groups: np.ndarray, weight: np.ndarray | None = None) -> float:
+    """Eta squared: the share of the variance of g [N] explained by the group means (groups int [N] in 0..U-1),
+    each position counted `weight` [N] times (a bootstrap resample's multiplicities; None: once)."""
+    w = np.ones(len(g)) if weight is None else np.asarray(weight, dtype=np.float64)
+    n = np.bincount(groups, weights=w)
+    mean = (w * g).sum() / w.sum()
+    means = np.bincount(groups, weights=w * g) / np.maximum(n, 1e-12)
+    total = (w * (g - mean) ** 2).sum()
+    return float((n * (means - mean) ** 2).sum() / total) if total > 0 else float("nan")
 
 
 def _category_estimates(g: np.ndarray, doc: np.ndarray, category: np.ndarray, seed: int = 0
@@ -193,6 +196,9 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
     the mean gate overall and per category with document-bootstrap intervals."""
     rng = np.random.default_rng(seed)
     doc = np.array([w.doc for w in tr.windows])[tr.window]
+    _, doc_index = np.unique(doc, return_inverse=True)
+    n_docs = int(doc_index.max()) + 1
+    draws = [np.bincount(rng.integers(0, n_docs, n_docs), minlength=n_docs) for _ in range(BOOTSTRAP // 5)]
     out = []
     for layer in tr.layers:
         g = tr.gates[layer].max(axis=1).astype(np.float64)
@@ -205,8 +211,11 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
             _, groups = np.unique(table.inverse[keep], return_inverse=True)
             gk = g[keep]
             null = [between_share(rng.permutation(gk), groups) for _ in range(permutations)]
+            boot = [between_share(gk, groups, d[doc_index[keep]]) for d in draws]
+            share = Estimate(between_share(gk, groups), [float(v) for v in np.nanpercentile(boot, [2.5, 97.5])],
+                             n_docs)
             out.append(GateEvidence(layer=layer, order=order, ngrams=int(groups.max() + 1) if len(groups) else 0,
-                                    positions=int(keep.sum()), between_share=between_share(gk, groups),
+                                    positions=int(keep.sum()), between_share=share,
                                     shuffle_null=[float(np.mean(null)), float(np.percentile(null, 95))],
                                     mean_gate=mean, category_gate=by_cat, code_minus_prose=gap))
     return out
@@ -215,13 +224,15 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
 def evidence_markdown(evidence: dict[str, list[GateEvidence]]) -> str:
     """One row per model, layer and order: mean gate, code minus prose, between-n-gram share vs its null."""
     lines = ["| model | layer | order | mean gate [95% CI] | code − prose [95% CI] | n-grams | "
-             "between-n-gram share of gate variance | shuffle null (mean; 95th pct) |", "|---" * 8 + "|"]
+             "between-n-gram share of gate variance [95% CI] | shuffle null (mean; 95th pct) |", "|---" * 8 + "|"]
     for name, rows in evidence.items():
         for e in rows:
             lines.append(f"| {name} | {e.layer} | {e.order} | {e.mean_gate.value:.3f} "
                          f"[{e.mean_gate.ci95[0]:.3f}, {e.mean_gate.ci95[1]:.3f}] | {e.code_minus_prose.value:+.4f} "
                          f"[{e.code_minus_prose.ci95[0]:+.4f}, {e.code_minus_prose.ci95[1]:+.4f}] | {e.ngrams} | "
-                         f"{e.between_share:.3f} | {e.shuffle_null[0]:.3f}; {e.shuffle_null[1]:.3f} |")
+                         f"{e.between_share.value:.3f} "
+                         f"[{e.between_share.ci95[0]:.3f}, {e.between_share.ci95[1]:.3f}] | "
+                         f"{e.shuffle_null[0]:.3f}; {e.shuffle_null[1]:.3f} |")
     return "\n".join(lines) + "\n"
 
 
