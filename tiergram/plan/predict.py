@@ -405,7 +405,11 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         source = None
         if kind == "file":
             if model.hit_rate_curve:
-                source = "model spec"
+                # a server that preloaded hot rows reads the hot curve, where the spec has one
+                engine = ((sweep.get("servers") or {}).get(name) or {}).get("settings", {}).get("engine") or {}
+                hot = bool(engine.get("hot_rows") or cfg.get("hot_rows")) and bool(model.hot_hit_rate_curve)
+                pl = replace(pl, hot_rows=hot)
+                source = "model spec" + (" (hot rows)" if hot else "")
             elif pt.get("file_pages_per_s") and pt.get("throughput_tok_s"):
                 # the pages the file tier read per row served: the engine's read-ahead warms rows before their
                 # step (they count as hits, but were read all the same), so the reported hit rate undercounts
