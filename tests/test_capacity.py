@@ -9,7 +9,7 @@ import pytest
 import torch
 from support import fixture_corpus, tiny_config_for
 
-from tiergram.analysis.capacity import count_rows, hotness_gate
+from tiergram.analysis.capacity import basic_interval, count_rows, hotness_gate
 from tiergram.analysis.trace import load_windows, trace
 from tiergram.cli import main
 from tiergram.corpus.tokenizer import load_tokenizer
@@ -40,10 +40,16 @@ def test_hotness_gate_follows_the_gates_and_brackets_its_value(setup):
     first = tr.row_ids[layer][:, 0] + offsets[0]
     tr.gates[layer] = np.repeat((1.0 / (1.0 + reads[first]))[:, None], tr.gates[layer].shape[1], 1).astype(np.float32)
     est = hotness_gate(reads, tr, layer, offsets, resamples=30)
-    assert est.value < -0.3 and est.ci95[0] <= est.value <= est.ci95[1] + 1e-9
+    assert est.value < -0.3 and est.ci95[0] <= est.ci95[1] < 0
     assert est.n == len({w.doc for w in tr.windows})
     none = hotness_gate(reads, tr, layer, offsets, resamples=0)
     assert none.value == est.value and np.isnan(none.ci95).all()
+
+
+def test_basic_interval_reflects_the_resamples_around_the_estimate():
+    boot = np.linspace(0.0, 1.0, 1001)  # percentiles 2.5 and 97.5: 0.025 and 0.975
+    assert basic_interval(0.4, boot) == pytest.approx([-0.175, 0.775])
+    assert np.isnan(basic_interval(0.4, [])).all()
 
 
 def test_cli_analyze_reports_trained_and_null(setup, tmp_path):

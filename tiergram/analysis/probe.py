@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tiergram.analysis.capacity import basic_interval
 from tiergram.analysis.stats import BOOTSTRAP, Estimate, ratio_estimate
 from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
@@ -62,7 +63,7 @@ class GateEvidence:
     order: int
     ngrams: int
     positions: int  # positions of those n-grams
-    between_share: Estimate  # with its interval over resampled documents
+    between_share: Estimate  # with its basic bootstrap interval over resampled documents
     shuffle_null: list[float]  # [mean, 95th percentile] over the permutations
     mean_gate: Estimate
     category_gate: dict[str, Estimate]
@@ -212,8 +213,8 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
             gk = g[keep]
             null = [between_share(rng.permutation(gk), groups) for _ in range(permutations)]
             boot = [between_share(gk, groups, d[doc_index[keep]]) for d in draws]
-            share = Estimate(between_share(gk, groups), [float(v) for v in np.nanpercentile(boot, [2.5, 97.5])],
-                             n_docs)
+            value = between_share(gk, groups)
+            share = Estimate(value, basic_interval(value, boot), n_docs)
             out.append(GateEvidence(layer=layer, order=order, ngrams=int(groups.max() + 1) if len(groups) else 0,
                                     positions=int(keep.sum()), between_share=share,
                                     shuffle_null=[float(np.mean(null)), float(np.percentile(null, 95))],
