@@ -564,7 +564,7 @@ def test_studies_write_their_plots_and_label_every_figure_a_prediction(tmp_path:
 
     md = run(tmp_path, None, progress=False)
     assert md.startswith("All figures below are PREDICTIONS")
-    for name in ("offload-vs-resident", "ssd-vs-dram", "kv-engram-contention", "decode-stall-h200"):
+    for name in ("offload-vs-resident", "ssd-vs-dram", "kv-engram-contention", "decode-stall-h200", "kv-engram-split"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
     assert "| H200 | host + KV offload |" in md and "top-16 spec. exposed ms" in md
     assert "| H200 | host + 85% K/V |" in md and "B200 best split: c = 256" in md

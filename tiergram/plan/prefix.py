@@ -6,7 +6,8 @@ blocks named by their prefix, LRU over the blocks no running request holds, evic
 when it has slots. The model (docs/planner.md, "Prefix reuse"):
 
 - a freed block survives the next E new block allocations, E = the blocks no running request holds (device pool
-  less the running requests' blocks) plus the host tier's slots: LRU evicts the block freed longest ago first;
+  less the running requests' own blocks and the live sessions' distinct documents, which they share) plus the host
+  tier's slots: LRU evicts the block freed longest ago first;
 - a session's history comes back at its next turn when the others allocated fewer than E blocks during its think
   time (exponential, so P = 1 - exp(-E / the mean allocations in one think));
 - a document comes back at a session's start when it was opened within the last E / (allocations per session)
@@ -93,12 +94,15 @@ def reuse(conv: Conversations, block: int, device_blocks: int, host_blocks: int,
     if block < 1 or device_blocks < 0 or host_blocks < 0:
         raise ValueError(f"block {block}, device_blocks {device_blocks}, host_blocks {host_blocks}: need block >= 1 "
                          "and no negative pool")
-    held = running * sum(conv.blocks_held(k, block) for k in range(1, conv.turns + 1)) / conv.turns
+    p = conv.weights
+    doc_tokens = conv.doc_hit_tokens(block)
+    # running requests hold their own blocks; the users' sessions share their documents' blocks, held once for the
+    # distinct documents the c live sessions opened
+    own = sum(conv.blocks_held(k, block) for k in range(1, conv.turns + 1)) / conv.turns - doc_tokens / block
+    held = running * own + float(np.sum(1.0 - (1.0 - p) ** concurrency)) * doc_tokens / block
     free_dev = max(0.0, device_blocks - held)
     turns = range(2, conv.turns + 1)
     hist_tokens = sum(conv.history_hit_tokens(k, block) for k in turns)
-    doc_tokens = conv.doc_hit_tokens(block)
-    p = conv.weights
     out = {}
     for pool in (free_dev, free_dev + host_blocks):  # device alone, then with the host tier behind it
         doc = hist = 1.0

@@ -290,6 +290,21 @@ def plot_contention(res: dict[Any, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def plot_split(res: dict[str, Any], path: Path) -> Path:
+    """(5) per machine: throughput of each split against the users, one line per split."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(res), figsize=(5.0 * len(res), 3.8), dpi=100, squeeze=False)
+    for ax, (hname, r) in zip(axes.flat, res.items(), strict=True):
+        for label, pts in r["points"].items():
+            ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker="o" if "host" in label
+                    else ".", ls="-" if "host" in label else "--", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        _label(ax, "users (closed loop, 30 s think)", "tok/s", f"PREDICTED {hname}: K/V tier vs Engram tables in DRAM",
+               legend=6)
+    return save_figure(fig, path)
+
+
 def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> Path:
     """(4) exposed stall per decode step, without and with speculative top-k prefetch."""
 
@@ -354,7 +369,9 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
         md.append(f"| {h} | {label} | {v['limit']:,} ({v['limit_binding']}) | {v['peak_tok_s']:,.0f} | "
                   f"{v['cliff_c'] if v['cliff_c'] is not None else '-'} |")
     # (5)
-    md.append(kv_split_markdown(kv_engram_split(model, {"H200": h200, "B200": b200})))
+    res5 = kv_engram_split(model, {"H200": h200, "B200": b200})
+    plot_split(res5, out / "kv-engram-split.png")
+    md.append(kv_split_markdown(res5))
     # (4)
     hits = {1: 0.0, 4: 0.0, 16: 0.0}
     measured = ""
