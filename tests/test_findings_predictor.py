@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tiergram.analysis.capacity import hotness_markdown
+from tiergram.analysis.probe import GateEvidence, evidence_markdown
 from tiergram.analysis.skipping import BASELINES, matched_markdown, matched_rows
 from tiergram.analysis.stats import Estimate
 
@@ -47,3 +49,22 @@ def test_skip_table_is_rebuilt_from_the_per_document_sums() -> None:
     for p in data["curve"]:
         counts[p["method"]] += 1
     assert counts["random"] == 8 * len(data["random_seeds"]) and counts["predictor"] == 8
+
+
+def test_probe_table_is_its_result_file() -> None:
+    data = load(f"probe/{MODEL}")
+    evidence = {name: [GateEvidence(**(e | {"mean_gate": estimate(e["mean_gate"]),
+                                             "between_share": estimate(e["between_share"]),
+                                             "code_minus_prose": estimate(e["code_minus_prose"]),
+                                             "category_gate": {c: estimate(v) for c, v in e["category_gate"].items()}}))
+                       for e in rows] for name, rows in data["evidence"].items()}
+    assert list(evidence) == ["trained", "random-init"]
+    assert block(f"probe/{MODEL}").strip() == evidence_markdown(evidence).strip()
+
+
+def test_capacity_table_is_its_result_file() -> None:
+    data = load(f"capacity/{MODEL}")
+    hot = {name: {int(layer): estimate(e) for layer, e in by_layer.items()}
+           for name, by_layer in data["hotness_gate"].items()}
+    assert list(hot) == ["trained", "random-init"]
+    assert block(f"capacity/{MODEL}").strip() == hotness_markdown(hot).strip()
