@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import fixture_corpus, tiny_config_for
 
-from tiergram.analysis.skipping import config_name, lowest_share, matched_rows, skip_study, spread_documents
+from tiergram.analysis.skipping import (
+    config_name,
+    lowest_share,
+    matched_rows,
+    seeds_markdown,
+    skip_study,
+    spread_documents,
+)
 from tiergram.analysis.trace import load_windows, trace
 from tiergram.analysis.training_rows import training_rows
 from tiergram.cli import main
@@ -101,6 +108,10 @@ def test_matched_rows_pick_the_best_fair_baseline_and_pair_by_document():
         assert row.predictor_minus_best.value == pytest.approx(-0.015, abs=1e-3)
         assert row.predictor_minus_best.ci95[1] < 0  # paired: the shared per-document noise cancels
         assert set(row.predictor_minus) == {"train-rare", "random"}
+    table = seeds_markdown({"s0": rows, "s1": rows})
+    assert table.count("vs random") == 4 and table.splitlines()[0] == "| reads skipped | s0 | s1 |"
+    with pytest.raises(ValueError, match="different skip rates"):
+        seeds_markdown({"s0": rows, "s1": rows[:1]})
     with pytest.raises(ValueError, match="needs at least one"):
         matched_rows({k: list(v) for k, v in sums.items()}, list(counts), [0.2], [], ["predictor", "oracle"])
 

@@ -325,6 +325,19 @@ def matched_markdown(rows: list[MatchedRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seeds_markdown(runs: dict[str, list[MatchedRow]]) -> str:
+    """Predictor minus the best fair baseline at every rate, one column per run (e.g. per training seed)."""
+    names = list(runs)
+    rates = [r.rate for r in runs[names[0]]]
+    if any([r.rate for r in rows] != rates for rows in runs.values()):
+        raise ValueError("the runs were measured at different skip rates")
+    lines = ["| reads skipped | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+    for i, rate in enumerate(rates):
+        cells = [f"{_ci(runs[n][i].predictor_minus_best)} vs {runs[n][i].best_baseline}" for n in names]
+        lines.append(f"| {rate:.0%} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(report: SkipReport) -> str:
     """The report: setting, target check, the matched-rate table, predictor quality and memory."""
     tr = report.training_rows
@@ -377,5 +390,5 @@ def plot(report: SkipReport, path: str) -> None:
     save_figure(fig, Path(path))
 
 
-__all__ = ["BASELINES", "FEATURE_SETS", "METHODS", "RATES", "matched_markdown", "matched_rows", "skip_losses",
-           "skip_study", "spread_documents", "to_markdown", "plot"]
+__all__ = ["BASELINES", "FEATURE_SETS", "METHODS", "RATES", "matched_markdown", "matched_rows", "seeds_markdown",
+           "skip_losses", "skip_study", "spread_documents", "to_markdown", "plot"]
