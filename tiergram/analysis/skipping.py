@@ -202,10 +202,10 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
     meta: dict[str, tuple[str, int | None, float, dict[int, float]]] = {}
     quality: dict[str, dict[int, float]] = {}
     seeds = list(range(random_seeds))
-    tie_break = np.random.default_rng(12345)
+    tie_break = np.random.default_rng(12345)  # fixed: a rerun skips the same positions
     for method in methods:
         for seed in seeds if method == "random" else [None]:
-            scores = method_scores(model, held, method, predictors, train, seed or 0)
+            scores = method_scores(model, held, method, predictors, train, 0 if seed is None else seed)
             if method != "random":
                 quality[method] = {layer: spearman(scores[layer], target_gate(held, layer)) for layer in held.layers}
             for rate in rates:
