@@ -380,9 +380,9 @@ def to_markdown(report: AllocationReport) -> str:
                  f"validation loss in nats/token over {c['eval_tokens']} tokens per category, 95% document-bootstrap "
                  "intervals; Δ = loss(first) − loss(second), paired over documents.", ""]
     for name, table in TABLES.items():
-        data = files[name]
-        if data.get("shares") or data.get("comparisons") or data.get("power"):
-            lines += [f"## {name}", "", table(data)]
+        shown = {"sweep": "shares", "power": "power"}.get(name)
+        if files[name].get(shown) if shown else any(c["what"] == _WHAT[name][0] for c in files[name]["comparisons"]):
+            lines += [f"## {name}", "", table(files[name])]
     lines += [f"**{report.verdict}.**", ""]
     if report.missing:
         lines += [f"Not finished (not in the tables): {', '.join(report.missing)}.", ""]
