@@ -1,4 +1,4 @@
-"""The allocation sweep: the geometry keeps the sparse budget, the power analysis, and a tiny sweep with its controls."""
+"""The allocation sweep: the geometry keeps the budget, the power analysis, and a tiny sweep with its controls."""
 
 from __future__ import annotations
 
@@ -103,12 +103,14 @@ def test_tiny_sweep_with_controls_trains_scores_and_reports(tmp_path, capsys):
     assert half["loss_off"]["value"] != half["loss"]["value"] and runs["share00-s0"]["loss_off"] is None
     what = {c["what"]: c for c in result["comparisons"]}
     assert set(what) == {"engram_vs_control", "control_vs_share0", "engram_vs_share0", "engram_off",
-                         "engram_vs_compute"}
+                         "off_vs_control", "engram_vs_compute"}
     c = what["engram_vs_control"]
     assert c["subject"] == "share50" and c["reference"] == "moe02" and c["seeds"] == [0] and c["seed_ci95"] is None
     assert c["seed_deltas"][0] == pytest.approx(half["loss"]["value"] - control["loss"]["value"], abs=1e-9)
     assert c["delta"]["value"] == pytest.approx(c["seed_deltas"][0], abs=1e-9)
     assert what["engram_off"]["delta"]["value"] == pytest.approx(half["loss_off"]["value"] - half["loss"]["value"])
+    assert what["off_vs_control"]["delta"]["value"] == pytest.approx(half["loss_off"]["value"]
+                                                                     - control["loss"]["value"])
     assert "cannot show a U" in result["verdict"] and png.stat().st_size > 1000
     report = md.read_text()
     for name, table in ar.TABLES.items():  # every result file renders the table the report prints

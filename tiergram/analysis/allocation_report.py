@@ -45,7 +45,8 @@ class ShareResult:
 class Comparison:
     """loss(subject) - loss(reference) at one share, paired over documents; negative: the subject is better."""
 
-    what: str  # engram_vs_control | control_vs_share0 | engram_vs_share0 | engram_off | engram_vs_compute
+    what: str  # engram_vs_control | control_vs_share0 | engram_vs_share0 | engram_off | off_vs_control |
+    # engram_vs_compute
     share: float
     n_experts: int
     subject: str  # run name without the seed suffix ("share80", "moe03", "share80 (Engram off)")
@@ -142,6 +143,7 @@ def comparisons(result: SweepRun) -> list[Comparison]:
                 ("control_vs_share0", runs.get(("tokens", share), {}), base, ("on", "on")),
                 ("engram_vs_share0", engram, base, ("on", "on")),
                 ("engram_off", engram, engram, ("off", "on")),
+                ("off_vs_control", engram, runs.get(("tokens", share), {}), ("off", "on")),
                 ("engram_vs_compute", engram, runs.get(("compute", share), {}), ("on", "on"))):
             c = compare(result, what, share, subject, reference, *keys)
             if c is not None:
@@ -249,7 +251,8 @@ def build_report(result: SweepRun) -> AllocationReport:
 # ---- result files and their tables: each table is a function of its result file's dict, nothing else ----
 
 RESULT_FILES = ("sweep", "controls", "engram-off", "equal-compute", "power")
-_WHAT = {"controls": ("engram_vs_control", "control_vs_share0", "engram_vs_share0"), "engram-off": ("engram_off",),
+_WHAT = {"controls": ("engram_vs_control", "control_vs_share0", "engram_vs_share0"),
+         "engram-off": ("engram_off", "off_vs_control"),
          "equal-compute": ("engram_vs_compute", "engram_vs_control")}
 
 
@@ -314,16 +317,19 @@ def controls_table(data: dict[str, Any]) -> str:
 
 
 def engram_off_table(data: dict[str, Any]) -> str:
-    """Per share: validation loss with Engram on and off (every position), and off − on paired over documents."""
+    """Per share: validation loss with Engram on and off (every position), off − on paired over documents, and the
+    Engram-off model against the MoE-only control with the same experts."""
     on = {}
     for p in data["points"]:
         on.setdefault(p["share"], []).append((p["loss"]["value"], p["loss_off"]["value"]))
-    lines = ["| Engram share | on, seed mean | off, seed mean | off − on, seed mean | per seed | over seeds (t 95%) |",
-             "|---|---|---|---|---|---|"]
+    control = _by(data, "off_vs_control")
+    lines = ["| Engram share | on, seed mean | off, seed mean | off − on, seed mean | per seed | over seeds (t 95%) | "
+             "off − MoE-only (same experts) |", "|---|---|---|---|---|---|---|"]
     for share, c in sorted(_by(data, "engram_off").items()):
         vals = np.array(on[share])
+        vs = _e(control[share]["delta"], True) if share in control else "–"
         lines.append(f"| {share:.0%} | {vals[:, 0].mean():.4f} | {vals[:, 1].mean():.4f} | {_e(c['delta'], True)} "
-                     f"| {_seeds(c)} |")
+                     f"| {_seeds(c)} | {vs} |")
     return "\n".join(lines) + "\n"
 
 
