@@ -66,14 +66,15 @@ def test_power_pools_the_seed_spread_of_every_share():
         return ar.ShareResult(s, s, 4, 0, est(np.mean(losses), 0, 9), losses, float(np.std(losses, ddof=1)))
 
     shares = [share(0.0, [6.0, 6.02, 6.04]), share(0.5, [6.0, 6.04, 6.08])]  # SD 0.02 and 0.04
-    p = ar.power_analysis(shares, [], delta=0.014)
+    p = ar.power_analysis(shares, [], delta=0.014, grid=5)
     assert p.pooled_df == 4 and p.pooled_sd == pytest.approx((0.02 ** 2 / 2 + 0.04 ** 2 / 2) ** 0.5)
     assert p.pooled_sd_upper95 > p.pooled_sd and p.seeds_needed_upper > p.seeds_needed
     assert p.seeds_needed == ar.seeds_for_power(p.pooled_sd, 0.014)
     assert p.seeds_needed_normal == pytest.approx(2 * (1.95996 + 0.84162) ** 2 * p.pooled_sd ** 2 / 0.014 ** 2,
                                                   rel=1e-4)
     assert p.seeds_needed_normal < p.seeds_needed <= p.seeds_needed_normal + 2  # the t test needs a seed or two more
-    assert p.seeds_per_share == 3 and p.seed_sd == {"0": pytest.approx(0.02), "50": pytest.approx(0.04)}
+    assert p.shares == 5 and p.seeds_per_share == 3
+    assert p.seed_sd == {"0": pytest.approx(0.02), "50": pytest.approx(0.04)}
     assert ar.t_test_power(p.detectable_now, p.pooled_sd, 3) == pytest.approx(0.8) and p.detectable_now > 0.014
     assert ar.power_analysis([ar.ShareResult(0.0, 0.0, 4, 0, est(6, 0, 9), [6.0])], []) is None  # one seed: no spread
 

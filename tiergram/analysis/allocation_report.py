@@ -190,8 +190,9 @@ def seeds_for_power(sd: float, delta: float, alpha: float = 0.05, power: float =
 
 
 def power_analysis(shares: list[ShareResult], points: list[Point], delta: float = PAPER_U_DEPTH, alpha: float = 0.05,
-                   power: float = 0.8) -> Power | None:
-    """How many seeds per share would detect `delta` (default: the paper's U depth), from the pooled seed SD."""
+                   power: float = 0.8, grid: int | None = None) -> Power | None:
+    """How many seeds per share would detect `delta` (default: the paper's U depth), from the pooled seed SD;
+    `grid` shares (default: those given) price the machine time."""
     from scipy import optimize, stats
 
     spread = [s for s in shares if s.seed_sd is not None]
@@ -212,7 +213,7 @@ def power_analysis(shares: list[ShareResult], points: list[Point], delta: float 
                  seeds_needed_upper=seeds_for_power(upper, delta, alpha, power),
                  seeds_needed_normal=float(2 * z ** 2 * pooled ** 2 / delta ** 2), detectable_now=detectable,
                  minutes_per_model=float(np.mean([p.elapsed_s for p in sweep]) / 60) if sweep else 0.0,
-                 shares=len(shares))
+                 shares=grid or len(shares))
 
 
 def verdict(shares: list[ShareResult], n_seeds: int) -> str:
@@ -244,7 +245,8 @@ def build_report(result: SweepRun) -> AllocationReport:
     seeds = len({p.seed for p in result.points if p.kind == "sweep"})
     return AllocationReport(config=cfg.public(), budget=cfg.budget, points=result.points, shares=shares,
                             comparisons=comparisons(result), step_ratios=result.step_ratios,
-                            power=power_analysis(shares, result.points), verdict=verdict(shares, seeds),
+                            power=power_analysis(shares, result.points, grid=len(cfg.shares)),
+                            verdict=verdict(shares, seeds),
                             missing=result.missing)
 
 
