@@ -12,7 +12,7 @@ import pytest
 
 from tiergram.analysis.capacity import hotness_markdown
 from tiergram.analysis.probe import GateEvidence, evidence_markdown
-from tiergram.analysis.skipping import BASELINES, matched_markdown, matched_rows
+from tiergram.analysis.skipping import BASELINES, matched_markdown, matched_rows, seeds_markdown
 from tiergram.analysis.stats import Estimate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,16 @@ def test_skip_table_is_rebuilt_from_the_per_document_sums() -> None:
     for p in data["curve"]:
         counts[p["method"]] += 1
     assert counts["random"] == 8 * len(data["random_seeds"]) and counts["predictor"] == 8
+
+
+def test_seed_table_is_rebuilt_from_each_seeds_sums() -> None:
+    runs = {}
+    for seed in (0, 1, 2):
+        data = load(f"predictor/share40-s{seed}")
+        assert data["training_rows"]["source"].endswith(f"(seed {seed})")  # each run's own training batches
+        runs[f"seed {seed}"] = matched_rows(data["doc_sums"], data["doc_counts"], data["rates"],
+                                            data["random_seeds"], data["methods"])
+    assert block("predictor/seeds").strip() == seeds_markdown(runs).strip()
 
 
 def test_probe_table_is_its_result_file() -> None:
