@@ -18,6 +18,7 @@ from tiergram.analysis.stats import Estimate
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "findings" / "data"
 MODEL = "share40-s0"
+SEEDS = (0, 1, 2)  # training seeds of the share40 model
 
 
 def block(name: str) -> str:
@@ -61,20 +62,28 @@ def test_seed_table_is_rebuilt_from_each_seeds_sums() -> None:
     assert block("predictor/seeds").strip() == seeds_markdown(runs).strip()
 
 
-def test_probe_table_is_its_result_file() -> None:
-    data = load(f"probe/{MODEL}")
-    evidence = {name: [GateEvidence(**(e | {"mean_gate": estimate(e["mean_gate"]),
-                                             "between_share": estimate(e["between_share"]),
-                                             "code_minus_prose": estimate(e["code_minus_prose"]),
-                                             "category_gate": {c: estimate(v) for c, v in e["category_gate"].items()}}))
-                       for e in rows] for name, rows in data["evidence"].items()}
-    assert list(evidence) == ["trained", "random-init"]
-    assert block(f"probe/{MODEL}").strip() == evidence_markdown(evidence).strip()
+def gate_evidence_of(data: dict[str, Any], name: str) -> list[GateEvidence]:
+    """The GateEvidence rows of one model ("trained" / "random-init") from a probe result file."""
+    return [GateEvidence(**(e | {"mean_gate": estimate(e["mean_gate"]), "between_share": estimate(e["between_share"]),
+                                 "code_minus_prose": estimate(e["code_minus_prose"]),
+                                 "category_gate": {c: estimate(v) for c, v in e["category_gate"].items()}}))
+            for e in data["evidence"][name]]
 
 
-def test_capacity_table_is_its_result_file() -> None:
-    data = load(f"capacity/{MODEL}")
-    hot = {name: {int(layer): estimate(e) for layer, e in by_layer.items()}
-           for name, by_layer in data["hotness_gate"].items()}
-    assert list(hot) == ["trained", "random-init"]
-    assert block(f"capacity/{MODEL}").strip() == hotness_markdown(hot).strip()
+def test_probe_table_is_its_result_files() -> None:
+    files = {seed: load(f"probe/share40-s{seed}") for seed in SEEDS}
+    evidence = {f"seed {seed}": gate_evidence_of(data, "trained") for seed, data in files.items()}
+    evidence["random-init"] = gate_evidence_of(files[0], "random-init")
+    assert all(data["evidence"]["random-init"] == files[0]["evidence"]["random-init"] for data in files.values())
+    assert block("probe/seeds").strip() == evidence_markdown(evidence).strip()
+
+
+def test_capacity_table_is_its_result_files() -> None:
+    files = {seed: load(f"capacity/share40-s{seed}") for seed in SEEDS}
+
+    def hot(data: dict[str, Any], name: str) -> dict[int, Estimate]:
+        return {int(layer): estimate(e) for layer, e in data["hotness_gate"][name].items()}
+
+    table = {f"seed {seed}": hot(data, "trained") for seed, data in files.items()} | {
+        "random-init": hot(files[0], "random-init")}
+    assert block("capacity/seeds").strip() == hotness_markdown(table).strip()
