@@ -6,27 +6,17 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from support import fixture_corpus, tiny_config_for
+from support import tiny_saved_model
 
 from tiergram.analysis.capacity import basic_interval, count_rows, hotness_gate
 from tiergram.analysis.trace import load_windows, trace
 from tiergram.cli import main
-from tiergram.corpus.tokenizer import load_tokenizer
-from tiergram.model import EngramLM
-from tiergram.model.checkpoint import save_pretrained
-from tiergram.model.model import make_hasher
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(corpus, model dir, model, windows, trace) of a tiny random-init Engram model on the validation split."""
-    corpus = fixture_corpus(tmp_path_factory.mktemp("cache"))
-    tok = load_tokenizer(corpus / "tokenizer.json")
-    cfg = tiny_config_for(tok)
-    torch.manual_seed(0)
-    model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok)).eval()
-    out = save_pretrained(model, tmp_path_factory.mktemp("model") / "tiny", tokenizer=tok)
+    corpus, tok, model, out = tiny_saved_model(tmp_path_factory)
     _, windows = load_windows(model, corpus, "validation", tok, 1500)
     return corpus, out, model, windows, trace(model, windows)
 

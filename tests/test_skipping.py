@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import fixture_corpus, tiny_config_for
+from support import tiny_saved_model
 
 from tiergram.analysis.skipping import (
     config_name,
@@ -22,23 +22,15 @@ from tiergram.analysis.skipping import (
 from tiergram.analysis.trace import load_windows, trace
 from tiergram.analysis.training_rows import training_rows
 from tiergram.cli import main
-from tiergram.corpus.tokenizer import load_tokenizer
-from tiergram.model import EngramLM
-from tiergram.model.checkpoint import save_pretrained
 from tiergram.model.data import WindowSampler, tokenize_split
 from tiergram.model.evaluate import EvalDoc
-from tiergram.model.model import make_hasher
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(corpus, model dir, model, tokenizer): a tiny random-init Engram model."""
-    corpus = fixture_corpus(tmp_path_factory.mktemp("cache"))
-    tok = load_tokenizer(corpus / "tokenizer.json")
-    cfg = tiny_config_for(tok)
-    torch.manual_seed(0)
-    model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok)).eval()
-    return corpus, save_pretrained(model, tmp_path_factory.mktemp("model") / "tiny", tokenizer=tok), model, tok
+    corpus, tok, model, out = tiny_saved_model(tmp_path_factory)
+    return corpus, out, model, tok
 
 
 @settings(max_examples=60, deadline=None)
