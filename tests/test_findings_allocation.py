@@ -42,7 +42,8 @@ def test_the_result_files_are_one_sweep_with_three_seeds() -> None:
     assert {0.0, 0.8} <= {s["share"] for s in shares} and all(len(s["seed_losses"]) == 3 for s in shares)
     for share in shares:  # a share in the table has none of its seeds missing
         assert not [m for m in files["sweep"]["missing"] if m.startswith(f"share{share['share'] * 100:02.0f}-")]
-    for comparison in files["controls"]["comparisons"]:  # every claim of section 6 rests on 3 seeds
+    # every claim of section 6 rests on 3 seeds
+    for comparison in files["controls"]["comparisons"] + files["equal-compute"]["comparisons"]:
         assert comparison["seeds"] == [0, 1, 2], comparison["subject"]
 
 
