@@ -55,20 +55,6 @@ def tiny_config_for(tok: Tokenizer) -> ModelConfig:
 
 
 @torch.no_grad()
-def tiny_saved_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tokenizer, EngramLM, Path]:
-    """(corpus, tokenizer, model, model dir): a tiny random-init Engram model (seed 0, eval mode), saved."""
-    from tiergram.corpus.tokenizer import load_tokenizer
-    from tiergram.model.checkpoint import save_pretrained
-    from tiergram.model.model import make_hasher
-
-    corpus = fixture_corpus(tmp_path_factory.mktemp("cache"))
-    tok = load_tokenizer(corpus / "tokenizer.json")
-    cfg = tiny_config_for(tok)
-    torch.manual_seed(0)
-    model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok)).eval()
-    return corpus, tok, model, save_pretrained(model, tmp_path_factory.mktemp("model") / "tiny", tokenizer=tok)
-
-
 def spread(model: EngramLM, seed: int) -> EngramLM:
     """Re-draw the dense weights larger than the training init (and the convs and biases non-zero), in eval mode.
 
@@ -84,6 +70,20 @@ def spread(model: EngramLM, seed: int) -> EngramLM:
             p.copy_(torch.randn(p.shape, generator=g))  # rows of unit scale, so fp8 rounding visibly matters
     model.tok_emb.weight.mul_(10)
     return model.eval()
+
+
+def tiny_saved_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tokenizer, EngramLM, Path]:
+    """(corpus, tokenizer, model, model dir): a tiny random-init Engram model (seed 0, eval mode), saved."""
+    from tiergram.corpus.tokenizer import load_tokenizer
+    from tiergram.model.checkpoint import save_pretrained
+    from tiergram.model.model import make_hasher
+
+    corpus = fixture_corpus(tmp_path_factory.mktemp("cache"))
+    tok = load_tokenizer(corpus / "tokenizer.json")
+    cfg = tiny_config_for(tok)
+    torch.manual_seed(0)
+    model = EngramLM(cfg, make_hasher(cfg, tokenizer=tok)).eval()
+    return corpus, tok, model, save_pretrained(model, tmp_path_factory.mktemp("model") / "tiny", tokenizer=tok)
 
 
 def offline_default_sources(monkeypatch: pytest.MonkeyPatch, root: Path) -> Path:
