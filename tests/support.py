@@ -98,3 +98,14 @@ def offline_default_sources(monkeypatch: pytest.MonkeyPatch, root: Path) -> Path
     for name in ("linux-docs", "perl-doc"):
         monkeypatch.setitem(SOURCES, name, directory_source(name, notes, "CC0-1.0"))
     return root / "cache" / "corpus"
+
+
+def doc_block(doc: Path, name: str) -> str:
+    """The text of a doc between `<!-- data:NAME begin ... -->` and `<!-- data:NAME end -->` (a table a test
+    recomputes from its result file)."""
+    import re
+
+    m = re.search(rf"<!-- data:{re.escape(name)} begin[^>]*-->\n(.*?)<!-- data:{re.escape(name)} end -->",
+                  doc.read_text(), re.S)
+    assert m, f"{doc.name} has no data:{name} block"
+    return m.group(1)

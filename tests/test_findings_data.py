@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from support import doc_block
 
 from tiergram.bench.split import best_split, split_points, to_markdown
 
@@ -15,11 +16,8 @@ DATA = ROOT / "docs" / "findings" / "data"
 
 
 def block(name: str) -> str:
-    """The text of docs/findings.md between `<!-- data:NAME begin -->` and `<!-- data:NAME end -->`."""
-    text = (ROOT / "docs" / "findings.md").read_text()
-    m = re.search(rf"<!-- data:{re.escape(name)} begin[^>]*-->\n(.*?)<!-- data:{re.escape(name)} end -->", text, re.S)
-    assert m, f"docs/findings.md has no data:{name} block"
-    return m.group(1)
+    """The text of docs/findings.md between its `data:NAME` markers."""
+    return doc_block(ROOT / "docs" / "findings.md", name)
 
 
 @pytest.mark.parametrize("name", ["split/demo", "split/v41"])

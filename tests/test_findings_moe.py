@@ -5,10 +5,10 @@ each is re-rendered from its files and compared with the doc's text."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
+from support import doc_block
 
 from tiergram.analysis.cka import LayerComparison, alignment, to_markdown
 
@@ -19,11 +19,8 @@ REROUTE = ROOT / "docs" / "findings" / "data" / "reroute"
 
 
 def block(name: str) -> str:
-    """The text of docs/findings.md between `<!-- data:NAME begin -->` and `<!-- data:NAME end -->`."""
-    text = (ROOT / "docs" / "findings.md").read_text()
-    m = re.search(rf"<!-- data:{re.escape(name)} begin[^>]*-->\n(.*?)<!-- data:{re.escape(name)} end -->", text, re.S)
-    assert m, f"docs/findings.md has no data:{name} block"
-    return m.group(1)
+    """The text of docs/findings.md between its `data:NAME` markers."""
+    return doc_block(ROOT / "docs" / "findings.md", name)
 
 
 def test_the_results_are_there() -> None:

@@ -4,11 +4,11 @@ its result file under docs/findings/data/ (the skip comparison from the per-docu
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import doc_block
 
 from tiergram.analysis.capacity import hotness_markdown
 from tiergram.analysis.probe import GateEvidence, evidence_markdown
@@ -22,11 +22,8 @@ SEEDS = (0, 1, 2)  # training seeds of the share40 model
 
 
 def block(name: str) -> str:
-    """The text of docs/findings.md between `<!-- data:NAME begin -->` and `<!-- data:NAME end -->`."""
-    text = (ROOT / "docs" / "findings.md").read_text()
-    m = re.search(rf"<!-- data:{re.escape(name)} begin[^>]*-->\n(.*?)<!-- data:{re.escape(name)} end -->", text, re.S)
-    assert m, f"docs/findings.md has no data:{name} block"
-    return m.group(1)
+    """The text of docs/findings.md between its `data:NAME` markers."""
+    return doc_block(ROOT / "docs" / "findings.md", name)
 
 
 def load(name: str) -> dict[str, Any]:

@@ -4,10 +4,10 @@ table is recomputed from its result file, and the inputs frozen before the sweep
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
+from support import doc_block
 
 from tiergram.plan.predict import validate_markdown
 from tiergram.plan.specs import load_hardware
@@ -18,11 +18,8 @@ NAMES = sorted(p.stem for p in (VALIDATION / "results").glob("*.json") if "." no
 
 
 def block(name: str) -> str:
-    """The text of docs/planner-validation.md between `<!-- data:NAME begin -->` and `<!-- data:NAME end -->`."""
-    text = (ROOT / "docs" / "planner-validation.md").read_text()
-    m = re.search(rf"<!-- data:{re.escape(name)} begin[^>]*-->\n(.*?)<!-- data:{re.escape(name)} end -->", text, re.S)
-    assert m, f"docs/planner-validation.md has no data:{name} block"
-    return m.group(1)
+    """The text of docs/planner-validation.md between its `data:NAME` markers."""
+    return doc_block(ROOT / "docs" / "planner-validation.md", name)
 
 
 def test_every_validated_sweep_has_its_result_and_table() -> None:
