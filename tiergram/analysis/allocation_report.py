@@ -358,7 +358,10 @@ def power_table(data: dict[str, Any]) -> str:
     """The seed spread and the seeds per share a difference of the paper's U depth needs."""
     p = data["power"]
     sds = ", ".join(f"{k}%: {v:.4f}" for k, v in p["seed_sd"].items())
-    hours = lambda n: n * p["shares"] * p["minutes_per_model"] / 60  # noqa: E731
+
+    def hours(n: float) -> float:
+        return n * p["shares"] * p["minutes_per_model"] / 60
+
     return "\n".join([
         "| quantity | value |", "|---|---|",
         f"| seed SD of the validation loss per share ({p['seeds_per_share']} seeds) | {sds} |",
