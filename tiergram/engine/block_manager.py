@@ -32,8 +32,7 @@ class PrefixStats:
     device_hit_tokens: int = 0  # of those, found in device blocks
     host_hit_tokens: int = 0  # found in the host K/V tier and copied back
     evicted_blocks: int = 0  # cached device blocks reused for other tokens
-    host_saved_blocks: int = 0  # of those, copied to the host tier first
-    host_lost_blocks: int = 0  # ... or not (no host tier, or every host slot pinned)
+    host_saved_blocks: int = 0  # of those, kept in the host tier (copied there, or there already)
 
 
 @dataclass
@@ -102,8 +101,6 @@ class BlockManager:
             elif (slot := self.host.put(name) if self.host is not None else None) is not None:
                 self.copies.to_host.append((block, slot))
                 self.stats.host_saved_blocks += 1
-            else:
-                self.stats.host_lost_blocks += 1
         self.ref[block] = 1
         return block
 

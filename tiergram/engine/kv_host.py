@@ -28,7 +28,6 @@ class HostKVStats:
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     wait_s: float = 0.0  # time steps waited for their copies before the forward (the exposed part)
-    copy_s: float = 0.0  # time the copies took on the worker
 
 
 class HostKV:
@@ -130,7 +129,7 @@ class HostKV:
                 self._free.append(slot)
 
     def _copy_blocks(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
-        t0, bs = time.perf_counter(), self.block_size
+        bs = self.block_size
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
             for block, slot in to_host:
                 for dev, host in zip(self.device_caches, self.host_caches, strict=True):
@@ -146,7 +145,6 @@ class HostKV:
             st.blocks_to_device += len(to_device)
             st.bytes_to_host += len(to_host) * self.slot_bytes
             st.bytes_to_device += len(to_device) * self.slot_bytes
-            st.copy_s += time.perf_counter() - t0
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

@@ -294,8 +294,7 @@ class LLMEngine:
             for layer, s in result.stall_by_layer.items():
                 st.stall_by_layer_s[layer] += s
             self.degrader.observe(result.stall_s, result.skipped_rows)  # the level the next step runs at
-            st.last_step_time_s = time.perf_counter() - t0
-            st.step_time_s += st.last_step_time_s
+            st.step_time_s += time.perf_counter() - t0
         return outputs
 
     def _finish_deferred(self, outputs: list[RequestOutput]) -> None:
@@ -328,7 +327,6 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
-            self._stats.num_finished += 1
         return seq.output([token])
 
     # -- conveniences ---------------------------------------------------------------------------------------

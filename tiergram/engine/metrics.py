@@ -44,14 +44,12 @@ class EngineMetrics:
     last_step_stall_s: float = gauge("tiergram_engram_last_step_stall_seconds",
                                      "Prefetch stall exposed in the last step.", 0.0)
     step_time_s: float = counter("tiergram_engine_step_seconds", "Wall time inside steps that ran the model.", 0.0)
-    last_step_time_s: float = 0.0
     # total_bytes, weights_bytes, device_table_bytes, activation_bytes, kv_bytes, kv_blocks...
     budget: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0  # tokens emitted
     computed_tokens: int = counter("tiergram_engine_computed_tokens",
                                    "Tokens run through the model (recomputation included).")
-    num_finished: int = 0
     hash_time_s: float = 0.0  # hashing row ids and starting prefetches at step entry
     stall_by_layer_s: dict[int, float] = field(default_factory=dict)  # per Engram layer
     degrade_level: int = gauge("tiergram_degrade_level", "Degrade level: 0 normal, 1 decode Engram reads skipped, 2 "
