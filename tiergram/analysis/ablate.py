@@ -78,6 +78,12 @@ class AblationReport:
     prefill_minus_decode: dict[str, Estimate]  # loss(prefill off) - loss(decode off), decode positions
     tasks: int
     answer_prefill_minus_decode: Estimate | None = None  # the same on the doctest answers
+    # the per-unit sums every estimate above comes from, so several models' results can be pooled (seeds_markdown)
+    doc_sums: dict[str, list[list[float]]] = field(default_factory=dict)  # setting -> [all, decode] x documents
+    doc_counts: list[list[float]] = field(default_factory=list)  # tokens scored: [all, decode] x documents
+    doc_category: list[str] = field(default_factory=list)
+    answer_sums: dict[str, list[float]] = field(default_factory=dict)  # setting -> answer-token loss per task
+    answer_tokens: list[float] = field(default_factory=list)
 
 
 def keep_mask(prefill: list[int], t: int, setting: Setting) -> torch.Tensor:
@@ -254,9 +260,12 @@ def ablate(model: EngramLM, windows: list[Window], tokenizer: Any, tasks: list[D
     sums = ablate_loss(model, windows, batch_size=batch_size, progress=progress)
     gen = ablate_generation(model, tokenizer, tasks, max_new=max_new, progress=progress) if tasks else []
     report = AblationReport(model=model_name, split=split, loss=sums.results(), generation=gen,
-                            prefill_minus_decode=sums.delta("decode", "prefill", 1), tasks=len(tasks))
+                            prefill_minus_decode=sums.delta("decode", "prefill", 1), tasks=len(tasks),
+                            doc_sums={name: sm.tolist() for name, sm in sums.sums.items()},
+                            doc_counts=sums.counts.tolist(), doc_category=sums.doc_category)
     if tasks:
         asums, acounts = answer_losses(model, tokenizer, tasks, batch_size=batch_size)
+        report.answer_sums, report.answer_tokens = {k: v.tolist() for k, v in asums.items()}, acounts.tolist()
         for g in gen:
             g.answer_loss = ratio_estimate(asums[g.setting], acounts)
             g.answer_loss_delta = paired_ratio_delta(asums["none"], asums[g.setting], acounts)
@@ -283,9 +292,11 @@ def verdict(report: AblationReport) -> str:
     return f"no significant difference between prefill and decode here ({_est(d, True)} nats)"
 
 
+NAMES = {"none": "none (plain)", "prefill": "prefill only", "decode": "decode only", "both": "both (no Engram)"}
+
+
 def to_markdown(report: AblationReport) -> str:
     """The ablation tables."""
-    names = {"none": "none (plain)", "prefill": "prefill only", "decode": "decode only", "both": "both (no Engram)"}
     lines = [f"# Engram ablation: {report.model}", "",
              f"Split `{report.split}`. Teacher-forced: each window's first half is the prefill, its second half the "
              "decode; Engram off = its output and value zeroed at those positions. Loss in nats/token, 95% "
@@ -297,7 +308,7 @@ def to_markdown(report: AblationReport) -> str:
                   "|---|" + "---|" * (len(cats) + 1)]
         for r in report.loss:
             vals = [_est(getattr(r, attr)[c]) for c in cats]
-            lines.append(f"| {names.get(r.setting, r.setting)} | " + " | ".join(vals)
+            lines.append(f"| {NAMES.get(r.setting, r.setting)} | " + " | ".join(vals)
                          + f" | {_est(getattr(r, dattr)['all'], True)} |")
         lines.append("")
     lines += ["Prefill vs decode (decode-position loss, off-in-prefill minus off-in-decode): " +
@@ -313,13 +324,79 @@ def to_markdown(report: AblationReport) -> str:
         for g in report.generation:
             al = "" if g.answer_loss is None else _est(g.answer_loss)
             ad = "" if g.answer_loss_delta is None else _est(g.answer_loss_delta, True)
-            lines.append(f"| {names.get(g.setting, g.setting)} | {_est(g.exact_match)} | "
+            lines.append(f"| {NAMES.get(g.setting, g.setting)} | {_est(g.exact_match)} | "
                          f"{_est(g.delta_vs_none, True)} | {g.mean_generated_tokens:.1f} | {al} | {ad} |")
         lines.append("")
         if report.answer_prefill_minus_decode is not None:
             lines += ["Answer loss, off-in-prefill minus off-in-decode: "
                       f"{_est(report.answer_prefill_minus_decode, True)}.", ""]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ several models (e.g. training seeds)
+
+
+def seed_delta(sums_a: list[np.ndarray], sums_b: list[np.ndarray],
+               counts: np.ndarray) -> tuple[Estimate, list[float], list[float] | None]:
+    """loss(b) - loss(a) over several models scored on the same units: of the model-mean per-unit sums (unit
+    bootstrap), per model, and the t interval over models."""
+    from tiergram.analysis.allocation_report import seed_interval
+
+    per = [float((b.sum() - a.sum()) / counts.sum()) for a, b in zip(sums_a, sums_b, strict=True)]
+    return paired_ratio_delta(np.mean(sums_a, 0), np.mean(sums_b, 0), counts), per, seed_interval(per)
+
+
+def _same(runs: list[dict[str, Any]], key: str) -> np.ndarray:
+    """runs[i][key], which must be equal in every result file (the same documents or tasks were scored)."""
+    first = np.asarray(runs[0][key], dtype=np.float64)
+    if any(not np.array_equal(np.asarray(r[key], dtype=np.float64), first) for r in runs[1:]):
+        raise ValueError(f"the ablation results differ in {key!r}: they did not score the same documents and tasks")
+    return first
+
+
+def _seed_cells(sums_a: list[np.ndarray], sums_b: list[np.ndarray], counts: np.ndarray) -> str:
+    delta, per, ci = seed_delta(sums_a, sums_b, counts)
+    over = "–" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+    return f"{_est(delta, True)} | " + ", ".join(f"{v:+.4f}" for v in per) + f" | {over}"
+
+
+_SEED_HEAD = "Δ vs none, seed mean | per seed | over seeds (t 95%) |"
+
+
+def loss_seeds_markdown(runs: list[dict[str, Any]]) -> str:
+    """Teacher-forced loss of several ablation result files (as `tiergram ablate --json` writes them) on the same
+    documents: per setting, the loss of the seed-mean per-document sums and its Δ vs none (document bootstrap), the
+    per-seed Δ and the t interval over seeds; decode positions, then all positions."""
+    counts = _same(runs, "doc_counts")
+    lines = ["| Engram off in | positions scored | loss, seed mean | " + _SEED_HEAD, "|---|---|---|---|---|---|"]
+    for row, where in ((1, "decode"), (0, "all")):
+        sums = {s.name: [np.asarray(r["doc_sums"][s.name][row]) for r in runs] for s in SETTINGS}
+        for s in SETTINGS:
+            cells = "0 | – | –" if s.name == "none" else _seed_cells(sums["none"], sums[s.name], counts[row])
+            loss = _est(ratio_estimate(np.mean(sums[s.name], 0), counts[row]))
+            lines.append(f"| {NAMES[s.name]} | {where} | {loss} | {cells} |")
+        if row == 1:
+            lines.append("| prefill only − decode only | decode | – | "
+                         f"{_seed_cells(sums['decode'], sums['prefill'], counts[1])} |")
+    return "\n".join(lines) + "\n"
+
+
+def generation_seeds_markdown(runs: list[dict[str, Any]]) -> str:
+    """The doctest task of several ablation result files on the same tasks: exact match and mean generated tokens
+    per seed, and the answer loss as loss_seeds_markdown gives the loss (intervals over tasks)."""
+    counts, tasks = _same(runs, "answer_tokens"), int(_same(runs, "tasks"))
+    gen = [{g["setting"]: g for g in r["generation"]} for r in runs]
+    sums = {s.name: [np.asarray(r["answer_sums"][s.name]) for r in runs] for s in SETTINGS}
+    lines = ["| Engram off in | exact match, per seed | mean generated tokens, per seed | answer loss, seed mean | "
+             + _SEED_HEAD, "|---|---|---|---|---|---|---|"]
+    for s in SETTINGS:
+        exact = ", ".join(f"{round(g[s.name]['exact_match']['value'] * tasks)}/{tasks}" for g in gen)
+        generated = ", ".join(f"{g[s.name]['mean_generated_tokens']:.1f}" for g in gen)
+        cells = "0 | – | –" if s.name == "none" else _seed_cells(sums["none"], sums[s.name], counts)
+        loss = _est(ratio_estimate(np.mean(sums[s.name], 0), counts))
+        lines.append(f"| {NAMES[s.name]} | {exact} | {generated} | {loss} | {cells} |")
+    lines.append(f"| prefill only − decode only | | | – | {_seed_cells(sums['decode'], sums['prefill'], counts)} |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------- experts that reroute (MoE)
