@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiergram.analysis.stats import Estimate
+from tiergram.analysis.stats import Estimate, interval, md_table
 from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
 from tiergram.model.evaluate import Window
@@ -258,11 +258,9 @@ def plot(points: dict[int, tuple[np.ndarray, np.ndarray]], path: str) -> None:
 
 def hotness_markdown(hotness: dict[str, dict[int, Estimate]]) -> str:
     """Spearman(row reads, mean gate) per model and layer, with its document-bootstrap interval."""
-    lines = ["| model | layer | Spearman(row reads, mean gate) [95% CI] | gate-trace documents |", "|---|---|---|---|"]
-    for name, by_layer in hotness.items():
-        for layer, e in by_layer.items():
-            lines.append(f"| {name} | {layer} | {e.value:+.3f} [{e.ci95[0]:+.3f}, {e.ci95[1]:+.3f}] | {e.n} |")
-    return "\n".join(lines) + "\n"
+    return md_table(["model", "layer", "Spearman(row reads, mean gate) [95% CI]", "gate-trace documents"],
+                    ([name, layer, interval(e, "+.3f"), e.n] for name, by_layer in hotness.items()
+                     for layer, e in by_layer.items())) + "\n"
 
 
 def to_markdown(report: CapacityReport) -> str:
@@ -270,26 +268,22 @@ def to_markdown(report: CapacityReport) -> str:
     lines = [f"# Capacity accounting: {report.model}", "",
              f"Split `{report.split}`: {report.positions} positions hashed; gates from {report.gate_positions} "
              "positions.", "",
-             "| layer | rows | touched | never touched | accesses | top 1% rows' accesses | top 10% | "
-             "Spearman(count, gate) | rows seen ≥5 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for lc in report.layers:
-        lines.append(f"| {lc.layer} | {lc.rows} | {lc.touched} | {lc.never_touched_fraction:.3f} | {lc.accesses} | "
-                     f"{lc.hot_access_share['top 1%']:.3f} | {lc.hot_access_share['top 10%']:.3f} | "
-                     f"{lc.spearman_count_gate:.3f} | {lc.spearman_count_gate_min5:.3f} |")
+             md_table(["layer", "rows", "touched", "never touched", "accesses", "top 1% rows' accesses", "top 10%",
+                       "Spearman(count, gate)", "rows seen ≥5"],
+                      ([lc.layer, lc.rows, lc.touched, f"{lc.never_touched_fraction:.3f}", lc.accesses,
+                        f"{lc.hot_access_share['top 1%']:.3f}", f"{lc.hot_access_share['top 10%']:.3f}",
+                        f"{lc.spearman_count_gate:.3f}", f"{lc.spearman_count_gate_min5:.3f}"]
+                       for lc in report.layers))]
     if report.hotness_gate:
         lines += ["", hotness_markdown(report.hotness_gate).rstrip()]
-    lines += ["", "| layer | category | share of accesses | share of touched rows | rows touched only by it | "
-              "distinct rows per 1000 accesses |", "|---|---|---|---|---|---|"]
+    by_category = []
     for lc in report.layers:
-        for c in CATEGORIES:
-            lines.append(f"| {lc.layer} | {c} | {lc.access_share[c]:.3f} | {lc.touched_row_share[c]:.3f} | "
-                         f"{lc.exclusive_rows[c]} | {lc.rows_per_1k_accesses[c]:.0f} |")
-        lines.append(f"| {lc.layer} | (shared) | | | {lc.shared_rows} rows touched by several | |")
-    lines += ["", "| layer | head | order | rows | touched | never touched | top 1% rows' accesses |",
-              "|---|---|---|---|---|---|---|"]
-    for lc in report.layers:
-        for h in lc.heads:
-            lines.append(f"| {lc.layer} | {h.head} | {h.order} | {h.rows} | {h.touched} | "
-                         f"{h.never_touched_fraction:.3f} | {h.top1pct_access_share:.3f} |")
+        by_category += [[lc.layer, c, f"{lc.access_share[c]:.3f}", f"{lc.touched_row_share[c]:.3f}",
+                         lc.exclusive_rows[c], f"{lc.rows_per_1k_accesses[c]:.0f}"] for c in CATEGORIES]
+        by_category.append([lc.layer, "(shared)", "", "", f"{lc.shared_rows} rows touched by several", ""])
+    lines += ["", md_table(["layer", "category", "share of accesses", "share of touched rows",
+                            "rows touched only by it", "distinct rows per 1000 accesses"], by_category),
+              "", md_table(["layer", "head", "order", "rows", "touched", "never touched", "top 1% rows' accesses"],
+                           ([lc.layer, h.head, h.order, h.rows, h.touched, f"{h.never_touched_fraction:.3f}",
+                             f"{h.top1pct_access_share:.3f}"] for lc in report.layers for h in lc.heads))]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tiergram.analysis.stats import md_table
 from tiergram.model.evaluate import Window, batches
 from tiergram.model.model import EngramLM
 from tiergram.plots import save_figure, subplots
@@ -165,17 +166,13 @@ def verdict(result: LayerComparison) -> str:
 
 def to_markdown(result: LayerComparison) -> str:
     """The CKA matrix and the alignment as markdown."""
-    la, lb = len(result.cka), len(result.cka[0])
-    lines = [f"# Layer similarity (linear CKA): A = {result.model_a}, B = {result.model_b}", "",
-             f"Split `{result.split}`, {result.positions} positions. Layer k = residual stream after k blocks "
-             f"(0 = embeddings). Sampling spread (max |half 1 - half 2|): {result.half_spread:.4f}.", "",
-             "| A \\ B | " + " | ".join(str(j) for j in range(lb)) + " | best B | soft index |",
-             "|---|" + "---|" * (lb + 2)]
-    for i in range(la):
-        lines.append(f"| {i} | " + " | ".join(f"{v:.3f}" for v in result.cka[i])
-                     + f" | {result.best_match[i]} | {result.soft_index[i]:.2f} |")
-    lines += ["", f"**{verdict(result)}.**", ""]
-    return "\n".join(lines)
+    table = md_table(["A \\ B", *map(str, range(len(result.cka[0]))), "best B", "soft index"],
+                     ([i, *(f"{v:.3f}" for v in row), result.best_match[i], f"{result.soft_index[i]:.2f}"]
+                      for i, row in enumerate(result.cka)))
+    return "\n".join([f"# Layer similarity (linear CKA): A = {result.model_a}, B = {result.model_b}", "",
+                      f"Split `{result.split}`, {result.positions} positions. Layer k = residual stream after k "
+                      f"blocks (0 = embeddings). Sampling spread (max |half 1 - half 2|): {result.half_spread:.4f}.",
+                      "", table, "", f"**{verdict(result)}.**", ""])
 
 
 def plot(result: LayerComparison, path: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from tiergram.analysis.capacity import basic_interval
-from tiergram.analysis.stats import BOOTSTRAP, Estimate, ratio_estimate
+from tiergram.analysis.stats import BOOTSTRAP, Estimate, interval, md_table, ratio_estimate
 from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
 
@@ -224,17 +224,11 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
 
 def evidence_markdown(evidence: dict[str, list[GateEvidence]]) -> str:
     """One row per model, layer and order: mean gate, code minus prose, between-n-gram share vs its null."""
-    lines = ["| model | layer | order | mean gate [95% CI] | code − prose [95% CI] | n-grams | "
-             "between-n-gram share of gate variance [95% CI] | shuffle null (mean; 95th pct) |", "|---" * 8 + "|"]
-    for name, rows in evidence.items():
-        for e in rows:
-            lines.append(f"| {name} | {e.layer} | {e.order} | {e.mean_gate.value:.3f} "
-                         f"[{e.mean_gate.ci95[0]:.3f}, {e.mean_gate.ci95[1]:.3f}] | {e.code_minus_prose.value:+.4f} "
-                         f"[{e.code_minus_prose.ci95[0]:+.4f}, {e.code_minus_prose.ci95[1]:+.4f}] | {e.ngrams} | "
-                         f"{e.between_share.value:.3f} "
-                         f"[{e.between_share.ci95[0]:.3f}, {e.between_share.ci95[1]:.3f}] | "
-                         f"{e.shuffle_null[0]:.3f}; {e.shuffle_null[1]:.3f} |")
-    return "\n".join(lines) + "\n"
+    return md_table(["model", "layer", "order", "mean gate [95% CI]", "code − prose [95% CI]", "n-grams",
+                     "between-n-gram share of gate variance [95% CI]", "shuffle null (mean; 95th pct)"],
+                    ([name, e.layer, e.order, interval(e.mean_gate, ".3f"), interval(e.code_minus_prose), e.ngrams,
+                      interval(e.between_share, ".3f"), f"{e.shuffle_null[0]:.3f}; {e.shuffle_null[1]:.3f}"]
+                     for name, rows in evidence.items() for e in rows)) + "\n"
 
 
 def _cell(text: str, limit: int = 90) -> str:
@@ -264,13 +258,9 @@ def to_markdown(report: ProbeReport) -> str:
             lines.append("")
             for title, rows in (("highest", lp.top[order]), ("lowest", lp.bottom[order])):
                 lines += [f"### Layer {lp.layer}, order {order}: {title} mean gate", "",
-                          "| # | n-gram | count | mean gate | code | prose | boilerplate | example |",
-                          "|---|---|---|---|---|---|---|---|"]
-                for r, ng in enumerate(rows, 1):
-                    s = ng.category_share
-                    lines.append(f"| {r} | {_cell(ng.text, 40)} | {ng.count} | {ng.mean_gate:.4f} | "
-                                 f"{s.get('code', 0):.2f} | {s.get('prose', 0):.2f} | "
-                                 f"{s.get('boilerplate-heavy', 0):.2f} | "
-                                 f"{_cell(ng.examples[0]) if ng.examples else ''} |")
-                lines.append("")
+                          md_table(["#", "n-gram", "count", "mean gate", "code", "prose", "boilerplate", "example"],
+                                   ([r, _cell(ng.text, 40), ng.count, f"{ng.mean_gate:.4f}",
+                                     *(f"{ng.category_share.get(c, 0):.2f}" for c in CATEGORIES),
+                                     _cell(ng.examples[0]) if ng.examples else ""] for r, ng in enumerate(rows, 1))),
+                          ""]
     return "\n".join(lines)

@@ -15,7 +15,7 @@ of row reads and their losses are compared at equal skip rates, paired over the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tiergram.analysis.capacity import spearman
 from tiergram.analysis.predictor import FEATURE_SETS, SkipPredictor, fit_predictor, target_gate
-from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
+from tiergram.analysis.stats import Estimate, interval, md_table, paired_ratio_delta, ratio_estimate
 from tiergram.analysis.trace import EngramHooks, Trace
 from tiergram.analysis.training_rows import TrainingRows
 from tiergram.model.evaluate import EvalDoc, batches
@@ -302,27 +302,18 @@ def target_summary(report: SkipReport, min_skip: float = 0.30, max_increase: flo
     return text
 
 
-def _ci(e: Estimate | dict[str, Any]) -> str:
-    e = e if isinstance(e, dict) else asdict(e)
-    return f"{e['value']:+.4f} [{e['ci95'][0]:+.4f}, {e['ci95'][1]:+.4f}]"
-
-
 def matched_markdown(rows: list[MatchedRow]) -> str:
     """The matched-rate table: Δ loss (nats) per method, and the predictor minus the best fair baseline."""
     methods = list(rows[0].delta)
-    head = ["reads skipped", *(f"{m} Δ" + (" (seed mean; seed range)" if m == "random" else "") for m in methods),
-            "predictor − best baseline"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [f"{r.rate:.0%}"]
-        for m in methods:
-            cell = _ci(r.delta[m])
-            if m == "random" and r.random_spread:
-                cell += f"; {r.random_spread[0]:+.4f} … {r.random_spread[1]:+.4f}"
-            cells.append(cell)
-        cells.append(f"{_ci(r.predictor_minus_best)} vs {r.best_baseline}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+
+    def cell(r: MatchedRow, m: str) -> str:
+        spread = f"; {r.random_spread[0]:+.4f} … {r.random_spread[1]:+.4f}" if m == "random" and r.random_spread else ""
+        return interval(r.delta[m]) + spread
+
+    return md_table(["reads skipped", *(f"{m} Δ" + (" (seed mean; seed range)" if m == "random" else "")
+                                       for m in methods), "predictor − best baseline"],
+                    ([f"{r.rate:.0%}", *(cell(r, m) for m in methods),
+                      f"{interval(r.predictor_minus_best)} vs {r.best_baseline}"] for r in rows)) + "\n"
 
 
 def seeds_markdown(runs: dict[str, list[MatchedRow]]) -> str:
@@ -331,11 +322,9 @@ def seeds_markdown(runs: dict[str, list[MatchedRow]]) -> str:
     rates = [r.rate for r in runs[names[0]]]
     if any([r.rate for r in rows] != rates for rows in runs.values()):
         raise ValueError("the runs were measured at different skip rates")
-    lines = ["| reads skipped | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
-    for i, rate in enumerate(rates):
-        cells = [f"{_ci(runs[n][i].predictor_minus_best)} vs {runs[n][i].best_baseline}" for n in names]
-        lines.append(f"| {rate:.0%} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return md_table(["reads skipped", *names],
+                    ([f"{rate:.0%}", *(f"{interval(runs[n][i].predictor_minus_best)} vs {runs[n][i].best_baseline}"
+                                       for n in names)] for i, rate in enumerate(rates))) + "\n"
 
 
 def to_markdown(report: SkipReport) -> str:
@@ -344,9 +333,8 @@ def to_markdown(report: SkipReport) -> str:
     lines = [f"# Pre-retrieval skip predictor: {report.model}", "",
              f"Fitted on `{report.fit_split}` ({report.fit_positions} positions), evaluated on `{report.eval_split}` "
              f"({report.eval_positions} positions, {len(report.doc_counts)} documents). Loss without skipping "
-             f"{report.base_loss.value:.4f} [{report.base_loss.ci95[0]:.4f}, {report.base_loss.ci95[1]:.4f}]; with "
-             f"every read skipped (= Engram off) {report.off_loss.value:.4f} "
-             f"[{report.off_loss.ci95[0]:.4f}, {report.off_loss.ci95[1]:.4f}]."]
+             f"{interval(report.base_loss, '.4f')}; with every read skipped (= Engram off) "
+             f"{interval(report.off_loss, '.4f')}."]
     if tr:
         lines += ["", f"Training-split statistics: counts from the {tr['source']} ({tr['tokens_counted']} tokens), "
                       f"mean gates from the first {tr['tokens_gated']} of those tokens."]

@@ -1,8 +1,11 @@
-"""Bootstrap intervals for the study tools: per-document loss means, paired differences, and rates."""
+"""Bootstrap intervals for the study tools (per-document loss means, paired differences, rates) and the markdown
+the study reports print them in."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,3 +42,15 @@ def mean_estimate(values: np.ndarray, seed: int = 0) -> Estimate:
     """Mean of per-unit values (e.g. exact-match 0/1 per task) with its bootstrap interval."""
     values = np.asarray(values, dtype=np.float64)
     return ratio_estimate(values, np.ones_like(values), seed)
+
+
+def interval(e: Estimate | dict[str, Any], spec: str = "+.4f") -> str:
+    """'value [low, high]' of an Estimate (or its JSON form), every number in one format spec."""
+    value, (low, high) = (e["value"], e["ci95"]) if isinstance(e, dict) else (e.value, e.ci95)
+    return f"{value:{spec}} [{low:{spec}}, {high:{spec}}]"
+
+
+def md_table(head: list[str], rows: Iterable[Iterable[Any]]) -> str:
+    """A markdown table (no trailing newline): the header, its rule, one line per row of cells."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
