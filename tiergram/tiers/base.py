@@ -47,16 +47,30 @@ class Tier(Protocol):
         ...
 
 
-def gather_distinct(tier: Tier, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-    """`Tier.gather` of a tier that reads pages: each distinct row read once by `read_rows`, then decoded into out.
+class TableTier:
+    """What every tier shares: its table's geometry, and its ids checked in the native core."""
 
-    Returns (the sorted distinct global rows read, pages read)."""
-    tier.check_ids(ids)
-    uniq, inverse = np.unique((ids + tier.table.head_offsets).reshape(-1), return_inverse=True)
-    buf, offsets, pages = tier.read_rows(uniq)
-    m = tier.manifest
-    _native.decode_at(buf, offsets[inverse.reshape(-1)], m.codec_id, m.dim, out)
-    return uniq, pages
+    def __init__(self, table: TableFile) -> None:
+        self.table = table
+        self.manifest = table.manifest
+        self.head_offsets = table.head_offsets  # int64 [H]
+        self.head_rows = table.head_rows  # int64 [H]
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
+        _native.check_ids(ids, self.head_rows)
+
+
+class PageTier(TableTier):
+    """A tier that reads pages (file, Mooncake): `gather` reads each distinct row once by its `read_rows`."""
+
+    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
+        """Rows of ids int64 [N, H] into out; (the sorted distinct global rows read, pages read)."""
+        self.check_ids(ids)
+        uniq, inverse = np.unique((ids + self.head_offsets).reshape(-1), return_inverse=True)
+        buf, offsets, pages = self.read_rows(uniq)
+        _native.decode_at(buf, offsets[inverse.reshape(-1)], self.manifest.codec_id, self.manifest.dim, out)
+        return uniq, pages
 
 
 def row_offsets(manifest: TableManifest, rows: np.ndarray) -> np.ndarray:

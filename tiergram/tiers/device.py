@@ -13,8 +13,8 @@ import warnings
 import numpy as np
 import torch
 
-from tiergram import _native
 from tiergram.format import TableFile
+from tiergram.tiers.base import TableTier
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: visible to every context
 CUDA_HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: mapped into the device address space (UVA)
@@ -108,18 +108,16 @@ def _cuda_ok(err) -> bool:
     return int(getattr(err, "value", err)) == 0
 
 
-class DeviceTier:
+class DeviceTier(TableTier):
     """A whole table resident in device memory: its page-structured data region as one uint8 tensor."""
 
     name = "device"
 
     def __init__(self, table: TableFile, device: torch.device | str, *, host_data: np.ndarray | None = None,
                  progress: bool = False) -> None:
-        self.table = table
-        self.manifest = m = table.manifest
+        super().__init__(table)
+        m = self.manifest
         self.device = resolve_device(device)
-        self.head_offsets = table.head_offsets
-        self.head_rows = table.head_rows
         src = host_data if host_data is not None else table.read_data(progress=progress)  # pages verified
         if src.dtype != np.uint8 or src.size != m.data_bytes:
             raise ValueError(f"host data must be uint8 [{m.data_bytes}], got {src.dtype} [{src.size}]")
@@ -129,10 +127,6 @@ class DeviceTier:
     @property
     def nbytes(self) -> int:
         return int(self.data.numel())
-
-    def check_ids(self, ids: np.ndarray) -> None:
-        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
-        _native.check_ids(ids, self.head_rows)
 
     def close(self) -> None:
         """Free the device copy."""

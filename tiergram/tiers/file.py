@@ -7,12 +7,11 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from tiergram import _native
 from tiergram.format import TableFile
 from tiergram.tiers.aligned import aligned_empty
-from tiergram.tiers.base import gather_distinct, row_offsets
+from tiergram.tiers.base import PageTier, row_offsets
 
 FILE_MODES = ("direct", "buffered", "mmap")
 # Staging a reading thread keeps between calls (4,096 pages of 4 KiB: a 170-position x 24-head lookup that misses
@@ -29,7 +28,7 @@ class FileCounters:
     bytes_read: int = 0
 
 
-class FileTier:
+class FileTier(PageTier):
     """Rows straight from the table file: one batched read per lookup of every page it needs, each verified.
 
     mode 'direct' reads with O_DIRECT (the page cache neither helps nor hides the disk), 'buffered' without
@@ -44,11 +43,9 @@ class FileTier:
                  backend: str = "auto") -> None:
         if mode not in FILE_MODES:
             raise ValueError(f"unknown file mode {mode!r} (valid: {', '.join(FILE_MODES)})")
-        self.table = table
-        self.manifest = m = table.manifest
+        super().__init__(table)
+        m = self.manifest
         self.requested_mode = mode
-        self.head_offsets = table.head_offsets
-        self.head_rows = table.head_rows
         self._counters = FileCounters()
         self.native_counts = np.zeros(2, dtype=np.int64)  # rows, pages: the native fetch pipeline adds here
         self._lock = threading.Lock()
@@ -75,10 +72,6 @@ class FileTier:
     def backend(self) -> str:
         """How pages are read: 'io_uring', 'threads' or 'mmap'."""
         return "mmap" if self.reader is None else self.reader.backend
-
-    def check_ids(self, ids: np.ndarray) -> None:
-        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
-        _native.check_ids(ids, self.head_rows)
 
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
@@ -130,10 +123,6 @@ class FileTier:
             grown = min(STAGING_KEEP_BYTES, 2 * buf.size) if buf is not None else 0
             buf = self._local.staging = aligned_empty(max(nbytes, grown))
         return buf[:nbytes]
-
-    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out; (the sorted distinct global rows read, pages read)."""
-        return gather_distinct(self, ids, out)
 
     def stats(self) -> dict[str, object]:
         """How pages are read: backend, mode, and the reader's counts of its kinds of reads."""

@@ -15,21 +15,18 @@ import torch
 
 from tiergram import _native
 from tiergram.format import TableFile
-from tiergram.tiers.base import row_offsets
+from tiergram.tiers.base import TableTier, row_offsets
 
 SHM_DIR = Path("/dev/shm")
 
 
-class HostTier:
+class HostTier(TableTier):
     """Every row of one table in DRAM; gathers and dequantises in the native core."""
 
     name = "host"
 
     def __init__(self, table: TableFile, *, shared: bool = False, progress: bool = False) -> None:
-        self.table = table
-        self.manifest = table.manifest
-        self.head_offsets = table.head_offsets
-        self.head_rows = table.head_rows
+        super().__init__(table)
         self.shm_path: Path | None = None
         self.reader = None  # rows are gathered in memory: the native fetch pipeline has no pages to read here
         self.native_counts = np.zeros(2, dtype=np.int64)
@@ -53,10 +50,6 @@ class HostTier:
         huge = huge_page_bytes(self.data.ctypes.data, self.data.nbytes) if self.data.nbytes else 0
         return {"bytes": self.nbytes, "shared": self.shm_path is not None, "huge_page_bytes": huge,
                 "huge_pages": huge >= self.nbytes // 2 and huge > 0, "thp": thp_mode(shared=self.shm_path is not None)}
-
-    def check_ids(self, ids: np.ndarray) -> None:
-        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
-        _native.check_ids(ids, self.head_rows)
 
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """(the table's rows in memory, int64 byte offsets [n], 0 pages read) of the global rows [n]."""

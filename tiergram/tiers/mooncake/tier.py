@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from tiergram import _native
 from tiergram.format import TableFile
 from tiergram.tiers.aligned import aligned_empty
-from tiergram.tiers.base import gather_distinct
+from tiergram.tiers.base import PageTier
 from tiergram.tiers.file import FileTier
 from tiergram.tiers.mooncake.client import (
     CHECKSUM_MISMATCH,
@@ -59,7 +58,7 @@ class RemoteCounters:
     latencies: deque = field(default_factory=lambda: deque(maxlen=4096))  # seconds per call, the latest
 
 
-class MooncakeTier:
+class MooncakeTier(PageTier):
     """Rows of a table held in Mooncake Store, one object per page: a `Tier`.
 
     `fallback`: a local copy of the same table file; pages Mooncake cannot serve are read from it (counted in
@@ -80,10 +79,9 @@ class MooncakeTier:
         self.store = store
         self.table_name = table_name
         self.master = master
-        self.manifest = m = manifest
-        self.table = TableFile(Path(table_uri(master, table_name) if master else table_name), m, data_offset)
-        self.head_offsets = self.table.head_offsets
-        self.head_rows = self.table.head_rows
+        super().__init__(TableFile(Path(table_uri(master, table_name) if master else table_name), manifest,
+                                   data_offset))
+        m = manifest
         self.timeout_s = timeout_s
         self.counters = RemoteCounters()
         self._owns_store = owns_store
@@ -130,10 +128,6 @@ class MooncakeTier:
     def backend(self) -> str:
         return "mooncake"
 
-    def check_ids(self, ids: np.ndarray) -> None:
-        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
-        _native.check_ids(ids, self.head_rows)
-
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
 
@@ -147,10 +141,6 @@ class MooncakeTier:
         with self._lock:
             self.counters.rows += rows.size
         return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
-
-    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out; (the sorted distinct global rows read, pages read)."""
-        return gather_distinct(self, ids, out)
 
     def read_pages(self, pages: np.ndarray) -> np.ndarray:
         """The verified pages int64 [M] (distinct) as uint8 [M * page_size], page i at i * page_size."""
