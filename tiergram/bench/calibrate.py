@@ -107,13 +107,7 @@ def file_tier_times(table_path: Path, heads: int, cache_fraction: float = 0.1, s
     """The file tier behind a host cache: `hits`, [rows, seconds per call] of the same ids looked up again and
     again (all cached) at T = 8 and 128; `misses`, the process's CPU seconds and the pages read over `calls`
     lookups of `rows_per_call` fresh random ids (a 10% cache catches about 10% of them)."""
-    import resource
-
     from tiergram.store import TieredTable
-
-    def cpu() -> float:
-        u = resource.getrusage(resource.RUSAGE_SELF)
-        return u.ru_utime + u.ru_stime
 
     rng = np.random.default_rng(2)
     cache_bytes = max(1 << 20, int(cache_fraction * table_path.stat().st_size))
@@ -124,10 +118,10 @@ def file_tier_times(table_path: Path, heads: int, cache_fraction: float = 0.1, s
             ids = rng.integers(0, n_rows, (1, t, heads), dtype=np.int64)
             table.lookup(ids)
             hits.append([t * heads, mean_call_s(lambda ids=ids: table.lookup(ids), seconds)[0]])
-        pages, spent = table.stats()["pages_read"], cpu()
+        pages, spent = table.stats()["pages_read"], time.process_time()
         _, calls = mean_call_s(lambda: table.lookup(rng.integers(0, n_rows, (1, 64, heads), dtype=np.int64)), seconds)
         misses = {"calls": calls, "rows_per_call": 64 * heads, "pages": table.stats()["pages_read"] - pages,
-                  "cpu_s": cpu() - spent}
+                  "cpu_s": time.process_time() - spent}
     return {"cache_fraction": cache_fraction, "hits": hits, "misses": misses}
 
 
@@ -139,12 +133,9 @@ def disk_curve(table_path: Path, seconds: float = 1.0) -> dict[str, Any]:
 
     curve, cpu = [], []
     for qd in QUEUE_DEPTHS:
-        reader = LimitReader(TableFile.open(table_path), qd)
-        try:
+        with LimitReader(TableFile.open(table_path), qd) as reader:
             reader.segment(0.2)  # warm-up
             f = reader.segment(seconds).figures()
-        finally:
-            reader.close()
         curve.append([qd, round(f["pages_per_s"])])
         if f.get("cpu_us_per_page") is not None:
             cpu.append(f["cpu_us_per_page"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import sysconfig
 import time
@@ -93,6 +94,15 @@ def draw_ids(dist: str, shape: tuple[int, ...], rows: np.ndarray, rng: np.random
         # scatter ranks over the table so hot rows are not adjacent (n-gram hashes are spread out)
         return ((ranks * 2654435761 + 12345) % rows).astype(np.int64)
     raise ValueError(f"unknown id distribution {dist!r} (valid: uniform, zipf)")
+
+
+def drop_page_cache(path: str | os.PathLike) -> None:
+    """Ask the kernel to forget the file's cached pages (clean pages go; O_DIRECT and mmap then read the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def cached_table(path: Path, manifest: TableManifest, create: Callable[[Path], object]) -> TableFile:

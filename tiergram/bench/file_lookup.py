@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.bench.common import cached_table, draw_ids, python_calls
+from tiergram.bench.common import cached_table, draw_ids, drop_page_cache, python_calls
 from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
 from tiergram.paths import cache_dir
@@ -144,15 +143,6 @@ def table_manifest(cfg: FileLookupBenchConfig) -> TableManifest:
     return TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(rows,) * cfg.heads, provenance=prov)
 
 
-def drop_page_cache(path: str | os.PathLike) -> None:
-    """Ask the kernel to forget the file's cached pages (clean pages go; O_DIRECT and mmap then read the disk)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def bench_file_table(cfg: FileLookupBenchConfig, progress: bool = True) -> TableFile:
     """The benchmark's table file, created once (tiled random valid rows, fsynced) and dropped from the page cache."""
     m = table_manifest(cfg)
@@ -197,11 +187,6 @@ class Segment:
         return out
 
 
-def _cpu() -> float:
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-
-
 class LimitReader:
     """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd.
 
@@ -218,24 +203,29 @@ class LimitReader:
         self.reader.read_pages(self.rng.integers(0, m.n_pages, self.batch), self.out, verify=False)  # warm-up
 
     def segment(self, seconds: float) -> Segment:
-        done, t0, c0 = 0, time.perf_counter(), _cpu()
+        done, t0, c0 = 0, time.perf_counter(), time.process_time()
         while True:
             self.reader.read_pages(self.rng.integers(0, self.manifest.n_pages, self.batch), self.out, verify=False)
             done += self.batch
             dt = time.perf_counter() - t0
             if dt >= seconds:
-                return Segment(done, 0, dt, _cpu() - c0)
+                return Segment(done, 0, dt, time.process_time() - c0)
 
     def close(self) -> None:
         self.reader.close()
+
+    def __enter__(self) -> LimitReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def reread_rates(table: TableFile, pages: int = 20000, qd: int = 128) -> tuple[float, float]:
     """Pages/s reading `pages` random pages no probe chose before, then the same pages again (native reader, O_DIRECT:
     not the guest's page cache). Equal on a bare device; several times faster the second time where a cache sits
     under the VM's disk (this machine's volume: docs/benchmarks.md, this VM's disk)."""
-    reader = LimitReader(table, qd)
-    try:
+    with LimitReader(table, qd) as reader:
         if not reader.reader.direct:
             raise RuntimeError(f"{table.path}: the filesystem refuses O_DIRECT; no figure would be the disk's")
         ids = reader.rng.integers(0, table.manifest.n_pages, pages)
@@ -247,8 +237,6 @@ def reread_rates(table: TableFile, pages: int = 20000, qd: int = 128) -> tuple[f
                 reader.reader.read_pages(chunk, reader.out[: chunk.size * table.manifest.page_size], verify=False)
             rates.append(ids.size / (time.perf_counter() - t0))
         return rates[0], rates[1]
-    finally:
-        reader.close()
 
 
 class PythonThreads:
@@ -286,7 +274,7 @@ class PythonThreads:
         threads = [threading.Thread(target=work, args=(i,)) for i in range(self.n)]
         for t in threads:
             t.start()
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0 = time.perf_counter(), time.process_time()
         stop[0] = t0 + seconds
         start.wait()
         for t in threads:
@@ -294,7 +282,7 @@ class PythonThreads:
         dt = time.perf_counter() - t0
         if errors:
             raise errors[0]
-        return Segment(sum(counts), 0, dt, _cpu() - c0)
+        return Segment(sum(counts), 0, dt, time.process_time() - c0)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -326,7 +314,7 @@ class TiergramLookup:
 
     def segment(self, seconds: float) -> Segment:
         self.batches = self.draw()  # new ids each segment, none an earlier one read (unless by chance)
-        pages0, rows, t0, c0 = self.store.stats()["pages_read"], 0, time.perf_counter(), _cpu()
+        pages0, rows, t0, c0 = self.store.stats()["pages_read"], 0, time.perf_counter(), time.process_time()
         while True:
             ids = self.batches[self.calls % len(self.batches)]
             self.store.lookup(ids, out=self.out)
@@ -334,7 +322,7 @@ class TiergramLookup:
             rows += ids.size
             dt = time.perf_counter() - t0
             if dt >= seconds:
-                return Segment(self.store.stats()["pages_read"] - pages0, rows, dt, _cpu() - c0)
+                return Segment(self.store.stats()["pages_read"] - pages0, rows, dt, time.process_time() - c0)
 
     def close(self) -> None:
         self.store.close()
@@ -376,10 +364,10 @@ class MmapLookup:
             if ids is None:  # out of untouched pages: what was measured stands
                 break
             page_ids = np.unique((ids + self.table.head_offsets) // self.table.manifest.rows_per_page)
-            t0, c0 = time.perf_counter(), _cpu()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.store.lookup(ids, out=self.out)
             dt += time.perf_counter() - t0
-            cpu += _cpu() - c0
+            cpu += time.process_time() - c0
             self.touched[page_ids] = True
             pages += page_ids.size
             rows += ids.size

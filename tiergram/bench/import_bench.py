@@ -21,20 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tiergram.bench.common import drop_page_cache
 from tiergram.bench.table_io import BLOCK
 from tiergram.bench.v41_checkpoint import rows_for_gib, write_v41_checkpoint
 from tiergram.format.safetensors_index import TensorLocation, locate_tensors
 from tiergram.format.writer import aligned_pages, free_bytes
-
-
-def drop_cache(paths: list[Path]) -> None:
-    """Evict the files' clean pages, so the next read of them comes from the disk."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def copy_limit(ranges: list[TensorLocation], directory: Path) -> float:
@@ -138,7 +129,8 @@ def run(gib: float, directory: Path, *, rounds: int = 2, progress: bool = True) 
     copies, imports = [], []
     for r in range(rounds):
         for op in (("copy", "import") if r % 2 == 0 else ("import", "copy")):
-            drop_cache(shards)
+            for shard in shards:
+                drop_page_cache(shard)
             if op == "copy":
                 copies.append(copy_limit(tensors, directory))
                 if progress:

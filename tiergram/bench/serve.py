@@ -91,13 +91,8 @@ def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
     from tiergram.bench.file_lookup import LimitReader
     from tiergram.format import TableFile
 
-    reader = LimitReader(TableFile.open(path), 128)
-    try:
-        if not reader.reader.direct:
-            return None
-        return reader.segment(seconds).figures()["pages_per_s"]
-    finally:
-        reader.close()
+    with LimitReader(TableFile.open(path), 128) as reader:
+        return reader.segment(seconds).figures()["pages_per_s"] if reader.reader.direct else None
 
 
 def speed_probe(seconds: float) -> float | None:
