@@ -152,8 +152,7 @@ def hotness_gate(reads: np.ndarray, tr: Trace, layer: int, offsets: np.ndarray, 
     bootstrap interval over resampled trace documents (a document's positions count as often as it is drawn)."""
     flat = (tr.row_ids[layer] + offsets).ravel()
     g = np.repeat(tr.gates[layer].mean(axis=1).astype(np.float64), tr.row_ids[layer].shape[1])
-    _, doc = np.unique(np.array([w.doc for w in tr.windows])[tr.window], return_inverse=True)
-    doc = np.repeat(doc, tr.row_ids[layer].shape[1])
+    doc = np.repeat(tr.documents(), tr.row_ids[layer].shape[1])
     n_docs = int(doc.max()) + 1
 
     def rho(weight: np.ndarray) -> float:

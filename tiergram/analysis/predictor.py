@@ -89,8 +89,3 @@ def fit_predictor(model: EngramLM, tr: Trace, features: str = "full", *, sketch_
         lm.coef = np.concatenate([[w[0] - (w[1:] * mu / sd).sum()], w[1:] / sd])
     return pred
 
-
-def loo_gates(pred: SkipPredictor, tr: Trace, layer: int) -> np.ndarray:
-    """Predicted gates of the positions the predictor was fitted on, each without its own observation."""
-    x = pred.feature_matrix(layer, tr.row_ids[layer], tr.pos, own_gates=target_gate(tr, layer))
-    return 1.0 / (1.0 + np.exp(-(x @ pred.layers[layer].coef)))

@@ -196,15 +196,13 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
     """For every layer and n-gram order: the between-n-gram share of gate variance against its shuffle null, and
     the mean gate overall and per category with document-bootstrap intervals."""
     rng = np.random.default_rng(seed)
-    doc = np.array([w.doc for w in tr.windows])[tr.window]
-    _, doc_index = np.unique(doc, return_inverse=True)
-    n_docs = int(doc_index.max()) + 1
+    doc = tr.documents()
+    n_docs = int(doc.max()) + 1
     draws = [np.bincount(rng.integers(0, n_docs, n_docs), minlength=n_docs) for _ in range(BOOTSTRAP // 5)]
     out = []
     for layer in tr.layers:
         g = tr.gates[layer].max(axis=1).astype(np.float64)
-        _, inv = np.unique(doc, return_inverse=True)
-        mean = ratio_estimate(np.bincount(inv, weights=g), np.bincount(inv).astype(np.float64), seed)
+        mean = ratio_estimate(np.bincount(doc, weights=g), np.bincount(doc).astype(np.float64), seed)
         by_cat, gap = _category_estimates(g, doc, tr.category, seed)
         for order in range(2, tr.context.shape[1] + 1):
             table = ngram_table(tr, order)
@@ -212,7 +210,7 @@ def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, see
             _, groups = np.unique(table.inverse[keep], return_inverse=True)
             gk = g[keep]
             null = [between_share(rng.permutation(gk), groups) for _ in range(permutations)]
-            boot = [between_share(gk, groups, d[doc_index[keep]]) for d in draws]
+            boot = [between_share(gk, groups, d[doc[keep]]) for d in draws]
             value = between_share(gk, groups)
             share = Estimate(value, basic_interval(value, boot), n_docs)
             out.append(GateEvidence(layer=layer, order=order, ngrams=int(groups.max() + 1) if len(groups) else 0,

@@ -113,6 +113,10 @@ class Trace:
         """Number of positions."""
         return len(self.pos)
 
+    def documents(self) -> np.ndarray:
+        """int [N]: each position's document, numbered 0..D-1 in document order."""
+        return np.unique(np.array([w.doc for w in self.windows])[self.window], return_inverse=True)[1].reshape(-1)
+
     def window_starts(self) -> dict[int, int]:
         """{window: index of its first position in the flat arrays}."""
         first = np.flatnonzero(self.pos == 0)
