@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tiergram.bench import cache, lookup
@@ -191,24 +194,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     sk.set_defaults(func=cmd_soak)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+def _numbers(cast: type, valid: Callable[[float], bool], what: str) -> Callable[[str], tuple]:
+    """An option type: comma-separated numbers, each cast and valid (else an error naming `what` was expected)."""
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(cast(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values or not all(valid(v) for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+        return values
+    return parse
 
 
-def _fractions(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated fractions like 0.01,0.1, got {text!r}") from None
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"fractions must lie in (0, 1], got {text!r}")
-    return values
+_ints = _numbers(int, lambda v: v >= 1, "positive integers")
+_fractions = _numbers(float, lambda v: 0 < v <= 1, "fractions in (0, 1] like 0.01,0.1")
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -270,8 +270,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_table(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tiergram.bench import table_io
     from tiergram.paths import cache_dir
 
@@ -280,8 +278,6 @@ def cmd_table(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from tiergram.bench import import_bench
     from tiergram.paths import cache_dir
 
@@ -324,17 +320,10 @@ def sweep_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import sys
-
     from tiergram.bench import serve
-    from tiergram.settings import ConfigError
 
-    try:
-        cfg = sweep_config(args)
-        cfg.labels()  # a variant of a server the sweep does not run: said before any server starts
-    except (ConfigError, ValueError) as e:
-        print(f"tiergram: error: {e}", file=sys.stderr)
-        return 2
+    cfg = sweep_config(args)  # a bad file or option: a ValueError, said by `tiergram` (exit status 2)
+    cfg.labels()  # a variant of a server the sweep does not run: said before any server starts
     if "mooncake" in cfg.placements and not cfg.mooncake_master:
         from tiergram.bench.mooncake_cluster import private_netns, run_in_netns
 
@@ -350,8 +339,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_split(args: argparse.Namespace) -> int:
-    import sys
-
     from tiergram.bench import split
 
     try:
@@ -364,9 +351,6 @@ def cmd_split(args: argparse.Namespace) -> int:
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
-    import json
-    import sys
-
     from tiergram.bench.serve_stats import pool_rounds
 
     sweeps, targets = [], set()
@@ -398,9 +382,6 @@ def cmd_pool(args: argparse.Namespace) -> int:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    import sys
-    from pathlib import Path
-
     from tiergram.bench import soak
     from tiergram.paths import cache_dir
 
