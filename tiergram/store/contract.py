@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import torch
 
@@ -79,9 +79,11 @@ class RowStore(Protocol):
 
 
 class ManifestGeometry:
-    """`num_heads` and `dim` of a table that keeps its TableManifest as `self.manifest` (TieredTable, DeviceTable)."""
+    """What TieredTable and DeviceTable share: `num_heads` and `dim` of `self.manifest`, their cache's stats, and
+    `with` (which calls their close())."""
 
     manifest: TableManifest
+    cache: RowCache | NativeRowCache | None
 
     @property
     def num_heads(self) -> int:
@@ -92,3 +94,15 @@ class ManifestGeometry:
     def dim(self) -> int:
         """D: values per row."""
         return self.manifest.dim
+
+    def cache_stats(self) -> dict[str, object]:
+        """The hot-row cache's occupancy, policy and counters, as stats() reports them under "cache"."""
+        c = self.cache
+        return {"rows": len(c), "capacity_rows": c.capacity, "bytes": c.nbytes, "policy": c.policy.name,
+                **vars(c.counters)}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

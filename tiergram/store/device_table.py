@@ -132,8 +132,7 @@ class DeviceTable(ManifestGeometry):
         snap = self.stats_.snapshot()
         snap.update(tier=self.tier.name, device=str(self.device), kernel_backend=self.kernel_backend)
         if self.cache is not None:
-            snap["cache"] = {"rows": len(self.cache), "capacity_rows": self.cache.capacity, "bytes": self.cache.nbytes,
-                             "policy": self.cache.policy.name, **vars(self.cache.counters)}
+            snap["cache"] = self.cache_stats()
         return snap
 
     def close(self) -> None:
@@ -144,12 +143,6 @@ class DeviceTable(ManifestGeometry):
         if self.pinned is not None:
             self.pinned.close()
         self.tier.close()
-
-    def __enter__(self) -> DeviceTable:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- internals -------------------------------------------------------------------------------------
 

@@ -138,15 +138,7 @@ class TieredTable(ManifestGeometry):
         flat = ids.reshape(-1, self.num_heads)
         out = torch.empty((*ids.shape, self.dim), dtype=self.dtype)
         if self.pipeline == "native":  # the queue checks the ids in this call (a bad id fails here, not in wait())
-            rpp, codec, dim = self._native_table
-            try:
-                job = self._queue.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows,
-                                        rpp, codec, dim, out.numpy() if out.dtype == torch.float32 else out,
-                                        self.stats_.native, self.tier.native_counts)
-            except ValueError:
-                self._check_open()  # close() ran meanwhile: say so
-                raise
-            return NativeTicket(job, out)
+            return NativeTicket(self._native(self._queue.fetch, flat, _native_out(out), self.stats_.native), out)
         self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
         uniq = batch = None
         if self.cache is not None and self.pipeline == "python":
@@ -178,15 +170,8 @@ class TieredTable(ManifestGeometry):
             return None
         flat = check_row_ids(row_ids, self._head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
         if self.pipeline == "native":  # the queue checks the ids in this call
-            rpp, codec, dim = self._native_table
-            try:
-                queue = self._queue if urgent else self._warm_queue
-                job = queue.warm(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows, rpp, codec,
-                                 dim, self.stats_.native_warm, self.tier.native_counts)
-            except ValueError:
-                self._check_open()
-                raise
-            return NativeTicket(job, None)
+            queue = self._queue if urgent else self._warm_queue
+            return NativeTicket(self._native(queue.warm, flat, self.stats_.native_warm), None)
         self.tier.check_ids(flat)
         cancelled = threading.Event()
         keys = np.unique(flat + self._offsets)
@@ -281,9 +266,7 @@ class TieredTable(ManifestGeometry):
             miss_bytes = snap["misses"] * self.manifest.row_bytes
             snap["read_amplification"] = remote_bytes / miss_bytes if miss_bytes and remote_bytes else None
         if self.cache is not None:
-            snap["cache"] = {"rows": len(self.cache), "capacity_rows": self.cache.capacity,
-                             "bytes": self.cache.nbytes, "policy": self.cache.policy.name,
-                             **vars(self.cache.counters)}
+            snap["cache"] = self.cache_stats()
         return snap
 
     def close(self) -> None:
@@ -297,12 +280,6 @@ class TieredTable(ManifestGeometry):
         if self._warm_executor is not None:
             self._warm_executor.shutdown(wait=True, cancel_futures=True)
         self.tier.close()
-
-    def __enter__(self) -> TieredTable:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- internals -------------------------------------------------------------------------------------
 
@@ -396,10 +373,22 @@ class TieredTable(ManifestGeometry):
         """
         if self._native_cache is not None and cancelled is not None and cancelled.is_set():
             raise CancelledError  # as the reference path: a cached fetch stops before it reads (no cache: it runs)
-        rpp, codec, dim = self._native_table
-        # a float32 tensor passes as numpy (cheaper than DLPack); bfloat16 has no numpy dtype
-        _native.fetch(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows, rpp, codec, dim,
-                      out.numpy() if out.dtype == torch.float32 else out, self.stats_.native, self.tier.native_counts)
+        self._native(_native.fetch, flat, _native_out(out), self.stats_.native)
+
+    def _native(self, call, flat: np.ndarray, *args: object) -> object:
+        """call(reader, cache, flat ids [N, H], offsets, head rows, rows per page, codec, dim, *args, tier counts): a
+        native fetch or warm-up (a ValueError after close() says the table is closed)."""
+        try:
+            return call(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows,
+                        *self._native_table, *args, self.tier.native_counts)
+        except ValueError:
+            self._check_open()
+            raise
+
+
+def _native_out(out: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A float32 tensor passes to the native core as numpy (cheaper than DLPack); bfloat16 has no numpy dtype."""
+    return out.numpy() if out.dtype == torch.float32 else out
 
 
 def budget_cache_bytes(budget: int, row_bytes: int, pipeline: str, policy: str = "lru") -> int:
