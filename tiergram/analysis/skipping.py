@@ -181,17 +181,22 @@ def method_scores(model: EngramLM, held: Trace, method: str, predictors: dict[st
     return out
 
 
+def check_settings(rates: tuple[float, ...], methods: tuple[str, ...], random_seeds: int) -> None:
+    """ValueError unless the methods are known and include 'predictor', rates lie in (0, 1) and random_seeds >= 1."""
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "predictor" not in methods:
+        raise ValueError(f"methods must include 'predictor' and come from {', '.join(METHODS)}; got {methods}")
+    if not rates or any(not 0 < r < 1 for r in rates) or random_seeds < 1:
+        raise ValueError(f"rates must lie strictly between 0 and 1 and random_seeds be >= 1 ({rates}, {random_seeds})")
+
+
 def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | None = None, *,
                rates: tuple[float, ...] = RATES, methods: tuple[str, ...] = ("predictor", *BASELINES, "oracle"),
                random_seeds: int = 5, batch_size: int = 8, sketch_width: int = 2**16, model_name: str = "",
                fit_split: str = "", eval_split: str = "", progress: bool = False) -> tuple[SkipReport, SkipPredictor]:
     """Fit the predictor(s) on `fit`, skip the lowest-scored share of `held`'s positions at every rate for every
     method, and score all of it (plus none and every read skipped) in one pass over `held`."""
-    bad = [m for m in methods if m not in METHODS]
-    if bad or "predictor" not in methods:
-        raise ValueError(f"methods must include 'predictor' and come from {', '.join(METHODS)}; got {methods}")
-    if not rates or any(not 0 < r < 1 for r in rates) or random_seeds < 1:
-        raise ValueError(f"rates must lie strictly between 0 and 1 and random_seeds be >= 1 ({rates}, {random_seeds})")
+    check_settings(rates, methods, random_seeds)
     predictors = {"predictor": fit_predictor(model, fit, "full", sketch_width=sketch_width)}
     if "sketch-only" in methods:
         predictors["sketch-only"] = fit_predictor(model, fit, "sketch", sketch_width=sketch_width)
@@ -378,5 +383,5 @@ def plot(report: SkipReport, path: str) -> None:
     save_figure(fig, Path(path))
 
 
-__all__ = ["BASELINES", "FEATURE_SETS", "METHODS", "RATES", "matched_markdown", "matched_rows", "seeds_markdown",
-           "skip_losses", "skip_study", "spread_documents", "to_markdown", "plot"]
+__all__ = ["BASELINES", "FEATURE_SETS", "METHODS", "RATES", "check_settings", "matched_markdown", "matched_rows",
+           "seeds_markdown", "skip_losses", "skip_study", "spread_documents", "to_markdown", "plot"]

@@ -191,19 +191,21 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from tiergram.analysis.trace import load_windows
 
     model, tokenizer, corpus = _load(args)
+    splits = [s for s in args.doctest_splits.split(",") if s]
     if args.reroute:
         from tiergram.analysis.ablate import reroute, reroute_markdown
 
-        tasks = extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
+        tasks = extract_tasks(corpus, splits)
         report = reroute(model, tokenizer, tasks, batch_size=args.batch_size, model_name=str(args.dir),
                          progress=not args.quiet)
-        _emit(args, report, reroute_markdown(report), extra={"doctest_tasks": [vars(t) for t in tasks]})
-        return 0
-    _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
-    tasks = [] if args.no_generation else extract_tasks(corpus, [s for s in args.doctest_splits.split(",") if s])
-    report = ablate(model, windows, tokenizer, tasks, model_name=str(args.dir), split=args.split,
-                    batch_size=args.batch_size, max_new=args.max_new, progress=not args.quiet)
-    _emit(args, report, to_markdown(report), extra={"doctest_tasks": [vars(t) for t in tasks]})
+        markdown = reroute_markdown(report)
+    else:
+        _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
+        tasks = [] if args.no_generation else extract_tasks(corpus, splits)
+        report = ablate(model, windows, tokenizer, tasks, model_name=str(args.dir), split=args.split,
+                        batch_size=args.batch_size, max_new=args.max_new, progress=not args.quiet)
+        markdown = to_markdown(report)
+    _emit(args, report, markdown, extra={"doctest_tasks": [vars(t) for t in tasks]})
     return 0
 
 
@@ -233,33 +235,24 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"--rates must be comma-separated numbers, got {text!r}") from None
-    if not vals or any(not 0 < v < 1 for v in vals):
-        raise ValueError(f"--rates must lie strictly between 0 and 1, got {text!r}")
-    return vals
-
-
 def cmd_predictor(args: argparse.Namespace) -> int:
-    from tiergram.analysis.skipping import METHODS, plot, skip_study, spread_documents, to_markdown
+    from tiergram.analysis.skipping import check_settings, plot, skip_study, spread_documents, to_markdown
     from tiergram.analysis.trace import load_windows, trace
     from tiergram.analysis.training_rows import training_rows
     from tiergram.model.evaluate import make_windows
 
-    rates = _floats(args.rates)
+    try:
+        rates = tuple(float(v) for v in args.rates.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise ValueError(f"unknown --methods {bad} (valid: {', '.join(METHODS)})")
     if "predictor" not in methods:
         methods = ("predictor", *methods)
+    check_settings(rates, methods, args.random_seeds)  # before the model runs, not after the traces
     if args.fit_split == args.split:
         raise ValueError("--fit-split and --split must differ: the predictor is evaluated on held-out text")
-    if args.random_seeds < 1 or args.train_gate_tokens < 0 or args.doc_tokens < 0:
-        raise ValueError("--random-seeds must be >= 1, --train-gate-tokens and --doc-tokens >= 0")
+    if args.train_gate_tokens < 0 or args.doc_tokens < 0:
+        raise ValueError("--train-gate-tokens and --doc-tokens must be >= 0")
     model, tokenizer, corpus = _load(args)
     train = None
     if {"train-rare", "train-gate"} & set(methods):
