@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,37 +78,11 @@ def check_slots(slots: Ids, capacity: int, n: int, name: str) -> None:
 def gather_dequant(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
                    head_rows: np.ndarray, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                    device: torch.device | str | None = None, offsets_dev: torch.Tensor | None = None,
-                   block_rows: int | None = None, num_warps: int = 4, backend: str = "auto") -> torch.Tensor:
-    """Rows [..., H, D] float32/bfloat16 of per-head ids int64 [..., H] from data uint8 [bytes] laid out as `layout`."""
-    return _gather(data, ids, layout, head_offsets, head_rows, out=out, dtype=dtype, device=device,
-                   offsets_dev=offsets_dev, block_rows=block_rows, num_warps=num_warps, backend=backend)
-
-
-def gather_dequant_cached(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
-                          head_rows: np.ndarray, cache: torch.Tensor, slots: Ids, fill: Ids | None = None, *,
-                          out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                          device: torch.device | str | None = None, offsets_dev: torch.Tensor | None = None,
-                          block_rows: int | None = None, num_warps: int = 4, backend: str = "auto") -> torch.Tensor:
-    """As gather_dequant, but id i with slots[i] >= 0 is read from cache uint8 [S, row_bytes] row slots[i].
-
-    A miss with fill[i] >= 0 is copied into cache row fill[i] as it is read (give each slot to one id only).
-    """
-    return _gather(data, ids, layout, head_offsets, head_rows, cache=cache, slots=slots, fill=fill, out=out,
-                   dtype=dtype, device=device, offsets_dev=offsets_dev, block_rows=block_rows, num_warps=num_warps,
-                   backend=backend)
-
-
-def default_block_rows(dim: int) -> int:
-    """Rows per program: about 2048 values per program."""
-    return max(1, min(128, 2048 // _next_pow2(dim)))
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=None, fill=None, out, dtype, device,
-            offsets_dev, block_rows, num_warps, backend) -> torch.Tensor:
+                   block_rows: int | None = None, num_warps: int = 4, backend: str = "auto",
+                   cache: torch.Tensor | None = None, slots: Ids | None = None,
+                   fill: Ids | None = None) -> torch.Tensor:
+    """Rows [..., H, D] float32/bfloat16 of per-head ids int64 [..., H] from data uint8 [bytes] laid out as `layout`
+    (through an HBM row cache when given: see gather_dequant_cached)."""
     head_offsets = np.ascontiguousarray(head_offsets, dtype=np.int64).reshape(-1)
     head_rows = np.ascontiguousarray(head_rows, dtype=np.int64).reshape(-1)
     h = head_rows.size
@@ -136,6 +111,25 @@ def _gather(data, ids, layout, head_offsets, head_rows, *, cache=None, slots=Non
     launch_unchecked(data, ids_dev, off, out, layout, cache=cache, slots=slots_dev, fill=fill_dev,
                      block_rows=block_rows, num_warps=num_warps, backend=backend)
     return out
+
+
+def gather_dequant_cached(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
+                          head_rows: np.ndarray, cache: torch.Tensor, slots: Ids, fill: Ids | None = None,
+                          **kw: Any) -> torch.Tensor:
+    """As gather_dequant, but id i with slots[i] >= 0 is read from cache uint8 [S, row_bytes] row slots[i].
+
+    A miss with fill[i] >= 0 is copied into cache row fill[i] as it is read (give each slot to one id only).
+    """
+    return gather_dequant(data, ids, layout, head_offsets, head_rows, cache=cache, slots=slots, fill=fill, **kw)
+
+
+def default_block_rows(dim: int) -> int:
+    """Rows per program: about 2048 values per program."""
+    return max(1, min(128, 2048 // _next_pow2(dim)))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.Tensor, out: torch.Tensor,
