@@ -149,10 +149,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
         for placement in labels:
             cb = caches[placement]
             log(progress, f"[{placement}] starting the server" + (f" (host cache {cb} bytes)" if cb else ""))
+            model_dir = cfg.big_model_dir if placement == "file-big" else cfg.model_dir
             waiting = max(256, 2 * cfg.max_concurrency)
-            server = stack.enter_context(ServerProcess(
-                cfg, placement, cb, max_waiting=waiting,
-                model_dir=cfg.big_model_dir if placement == "file-big" else None))
+            server = stack.enter_context(ServerProcess(cfg, placement, cb, max_waiting=waiting, model_dir=model_dir))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
             limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))
@@ -160,12 +159,10 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                   "max_model_len": health["max_model_len"],
                                   "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
                                   "base": cfg.base_of(placement), "settings": server.settings.to_dict(),
-                                  "model_dir": cfg.big_model_dir if placement == "file-big" else cfg.model_dir,
-                                  "table_bytes": sum(layer_table_bytes(cfg.big_model_dir if placement == "file-big"
-                                                                       else cfg.model_dir)),
+                                  "model_dir": model_dir, "table_bytes": sum(layer_table_bytes(model_dir)),
                                   "peak_rss_bytes_at_start": peak_rss(server.proc.pid)}
             if cfg.kind_of(placement) == "file":
-                servers[placement]["file_mode"] = file_mode(layer_tables(servers[placement]["model_dir"])[0])
+                servers[placement]["file_mode"] = file_mode(layer_tables(model_dir)[0])
             started = scrape(server.url)
             if started.get("tiergram_engram_hot_rows_preloaded"):  # the start's cost of the preload
                 servers[placement]["hot_rows_preloaded"] = int(started["tiergram_engram_hot_rows_preloaded"])

@@ -87,10 +87,6 @@ class SweepResult:
     plot: str | None = None
 
 
-def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
 @dataclass
 class Round:
     """One placement's share of one round: its requests' timings, the wall time, /metrics around it."""
@@ -117,7 +113,7 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     out_share = sum(t.output_tokens for t in timings) / max(1, sum(r.tokens for r in rounds))
 
     def total(key: str) -> float:
-        return sum(_delta(r.after, r.before, key) for r in rounds)
+        return sum(r.after.get(key, 0.0) - r.before.get(key, 0.0) for r in rounds)
 
     lookups = total("tiergram_engram_cache_probes_total")
     hit = total("tiergram_engram_cache_hits_total") / lookups if lookups > 0 else None  # None: no cache
@@ -293,7 +289,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
             continue
         r = _ratios(res, label, ref)
         target = FILE_TARGET if cfg.base_of(label) != "file-big" else BIG_TARGET
-        out[_check_key(label, ref)] = {
+        out[f"{label}_vs_{ref}"] = {  # file_vs_host, file-10%_vs_host, file-t1_vs_host-t1, ...
             "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target, "reference": ref,
             **_spread(res, label, ref), **resolution(res, label, ref, target),
             "cache_fraction": _fraction(res, label),
@@ -342,12 +338,6 @@ def disk_share_needed(res: SweepResult, label: str, target: float, ref: str = "h
 
 
 BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller tables
-
-
-def _check_key(label: str, ref: str = "host") -> str:
-    """file_vs_host for the file placement (its historical key), file-10%_vs_host etc. for the others,
-    file-t1_vs_host-t1 for a file server held against host at its own torch threads."""
-    return f"{label}_vs_{ref}"
 
 
 def _fraction(res: SweepResult, label: str) -> float:
