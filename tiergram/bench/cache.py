@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import stdlib_files
+from tiergram.bench.common import log, stdlib_files
 from tiergram.cache.native import NativeRowCache
 from tiergram.cache.policies import POLICIES, belady_hit_rate
 from tiergram.hashing import NgramHasher, build_compression
@@ -339,8 +339,8 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
                 res.hit_rate[name][key] = belady_hit_rate(flat, eff)
             else:
                 res.hit_rate[name][key] = replay(steps, eff, name, cfg.window, cfg.row_bytes)
-            if progress and res.hit_rate[name][key] is not None:
-                print(f"  {name:<10} {key:>5} ({cap} rows): {100 * res.hit_rate[name][key]:6.2f}%", flush=True)
+            if res.hit_rate[name][key] is not None:
+                log(progress, f"  {name:<10} {key:>5} ({cap} rows): {100 * res.hit_rate[name][key]:6.2f}%")
         res.seconds[name] = time.perf_counter() - t0
     if cfg.plot != "":
         res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "cache_hit_rate.png"))
@@ -376,9 +376,8 @@ def run(cfg: CacheBenchConfig, docs: TokenDocs | None = None, progress: bool = T
               "vocab_size": docs.vocab_size, "compressed_vocab_size": compressed, "heads": hasher.num_heads,
               "orders": f"2..{cfg.max_ngram_size}", "table_rows": table_rows,
               "prepare_s": round(time.perf_counter() - t0, 2)}
-    if progress:
-        print(f"stream: {stream['tokens']} tokens of {docs.source}, {len(requests)} requests, "
-              f"{len(steps)} steps, prepared in {stream['prepare_s']} s", flush=True)
+    log(progress, f"stream: {stream['tokens']} tokens of {docs.source}, {len(requests)} requests, {len(steps)} steps, "
+                  f"prepared in {stream['prepare_s']} s")
     return run_steps(steps, cfg, stream, progress, hot)
 
 

@@ -27,7 +27,6 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.bench.common import cached_table, draw_ids, drop_page_cache, python_calls
+from tiergram.bench.common import cached_table, draw_ids, drop_page_cache, log, python_calls
 from tiergram.codecs import get_codec
 from tiergram.format import TableFile, TableManifest, write_table
 from tiergram.paths import cache_dir
@@ -385,7 +384,6 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     if not cfg.queue_depths or not cfg.py_threads or not cfg.dists:
         raise ValueError("at least one queue depth, Python thread count and id distribution are needed")
     t_start = time.perf_counter()
-    say = print if progress else (lambda *a, **k: None)
     table = bench_file_table(cfg, progress)
     m = table.manifest
     info = {"path": str(table.path), "bytes": table.data_offset + m.data_bytes, "pages": m.n_pages,
@@ -404,7 +402,7 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
             readers["tiergram", f"uniform +{cfg.cache_fraction:.0%} cache"] = TiergramLookup(
                 table, cfg, "uniform", seed=30, cache_rows=rows)
         readers["mmap", "uniform"] = MmapLookup(table, cfg, seed=99)
-        best = interleaved_rounds(readers, cfg, say)
+        best = interleaved_rounds(readers, cfg, progress)
         if ("mmap", "uniform") not in best:
             raise RuntimeError(f"{table.path}: no untouched pages left for the mmap measurement; use a larger "
                                f"table or fewer positions")
@@ -426,14 +424,14 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
         for reader in readers.values():
             reader.close()
     if cfg.hit_positions:
-        say("  all-hit lookups: file tier + cache vs host tier", flush=True)
+        log(progress, "  all-hit lookups: file tier + cache vs host tier")
         res.all_hits = all_hit_lookups(table, cfg)
     res.seconds = time.perf_counter() - t_start
     return res
 
 
 def interleaved_rounds(readers: dict[tuple[str, str], Any], cfg: FileLookupBenchConfig,
-                       say: Callable[..., object]) -> dict[tuple[str, str], dict[str, float]]:
+                       progress: bool) -> dict[tuple[str, str], dict[str, float]]:
     """Each reader's figures: throughput from its best segment (others' work only slows one down), CPU per page or
     row the median over the rounds (one segment's CPU swings by +-10% on a shared machine), and the rounds' CPU
     figures themselves (`*_rounds`, for paired ratios)."""
@@ -450,9 +448,8 @@ def interleaved_rounds(readers: dict[tuple[str, str], Any], cfg: FileLookupBench
                     cpus.setdefault(key, {}).setdefault(name, []).append(fig[name])
             if key not in best or fig["pages_per_s"] > best[key]["pages_per_s"]:
                 best[key] = fig
-        say(f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{k[0]} {k[1]} {v['pages_per_s']:.0f}"
-                                                         for k, v in best.items()) + " pages/s (best so far)",
-            flush=True)
+        log(progress, f"  round {r + 1}/{cfg.rounds}: " + ", ".join(f"{k[0]} {k[1]} {v['pages_per_s']:.0f}"
+                                                                   for k, v in best.items()) + " pages/s (best so far)")
     for key, by_name in cpus.items():
         best[key].update({name: float(np.median(v)) for name, v in by_name.items()})
         best[key].update({f"{name}_rounds": v for name, v in by_name.items()})

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tiergram.bench.common import drop_page_cache
+from tiergram.bench.common import drop_page_cache, log
 from tiergram.bench.table_io import BLOCK
 from tiergram.bench.v41_checkpoint import rows_for_gib, write_v41_checkpoint
 from tiergram.format.safetensors_index import TensorLocation, locate_tensors
@@ -133,15 +133,12 @@ def run(gib: float, directory: Path, *, rounds: int = 2, progress: bool = True) 
                 drop_page_cache(shard)
             if op == "copy":
                 copies.append(copy_limit(tensors, directory))
-                if progress:
-                    print(f"round {r + 1}: disk copy limit {copies[-1] / 2**30:.2f} GiB/s", file=sys.stderr)
+                log(progress, f"round {r + 1}: disk copy limit {copies[-1] / 2**30:.2f} GiB/s")
             else:
                 imports.append(import_once(ckpt, out))
-                if progress:
-                    i = imports[-1]
-                    print(f"round {r + 1}: import {i['table_bytes'] / i['tables_s'] / 2**30:.2f} GiB/s (tables), "
-                          f"{i['wall_s']:.1f} s whole command, peak RSS {i['peak_rss_bytes'] / 2**20:.0f} MiB",
-                          file=sys.stderr)
+                i = imports[-1]
+                log(progress, f"round {r + 1}: import {i['table_bytes'] / i['tables_s'] / 2**30:.2f} GiB/s (tables), "
+                              f"{i['wall_s']:.1f} s whole command, peak RSS {i['peak_rss_bytes'] / 2**20:.0f} MiB")
     ratios = [i["table_bytes"] / i["tables_s"] / c for i, c in zip(imports, copies, strict=True)]
     return {"checkpoint_bytes": ckpt_bytes, "checkpoint_write_s": write_s, "checkpoint": str(ckpt),
             "model": str(out), "copy_limit": copies, "imports": imports, "ratios": ratios,

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from tiergram.bench.common import draw_ids
+from tiergram.bench.common import draw_ids, log
 from tiergram.bench.file_lookup import FileLookupBenchConfig, bench_file_table
 from tiergram.format import TableFile
 from tiergram.store import TieredTable
@@ -175,7 +175,6 @@ def run(cfg: PrefetchBenchConfig, progress: bool = True) -> PrefetchBenchResult:
         if kind not in STORES:
             raise ValueError(f"unknown store {kind!r} (valid: {', '.join(STORES)})")
     t_start = time.perf_counter()
-    say = print if progress else (lambda *a, **k: None)
     table = bench_file_table(FileLookupBenchConfig(table_gib=cfg.table_gib, heads=cfg.heads,
                                                    rows_per_head=cfg.rows_per_head, dim=cfg.dim, codec=cfg.codec,
                                                    table=cfg.table), progress)
@@ -192,8 +191,8 @@ def run(cfg: PrefetchBenchConfig, progress: bool = True) -> PrefetchBenchResult:
         compute = Compute(cfg.positions, cfg.hidden, cfg.seed)
         for kind in cfg.stores:
             res.per_store[kind] = d = run_store(table, kind, cfg, warm, steps, compute)
-            say(f"  {kind}: stall {d['stall_ms']['mean']:.3f} ms vs synchronous {d['sync_stall_ms']['mean']:.3f} ms",
-                flush=True)
+            log(progress, f"  {kind}: stall {d['stall_ms']['mean']:.3f} ms vs synchronous "
+                          f"{d['sync_stall_ms']['mean']:.3f} ms")
     finally:
         torch.set_num_threads(threads)
     res.seconds = time.perf_counter() - t_start
