@@ -23,13 +23,6 @@ SPECIAL_TOKENS = [EOT, PAD]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
 
-def _meta(corpus: Path, vocab_size: int) -> dict:
-    """What a cached tokenizer must have been trained with to be reused."""
-    manifest = read_manifest(corpus)
-    return {"vocab_size": vocab_size, "corpus_sha256": manifest["content_sha256"], "special_tokens": SPECIAL_TOKENS,
-            "kind": "byte-level-bpe"}
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None, progress: bool = False
               ) -> Tokenizer:
     """A byte-level BPE (no normaliser, so decoding is lossless) with SPECIAL_TOKENS first, trained on texts."""
@@ -47,14 +40,17 @@ def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool 
     corpus = Path(corpus)
     if vocab_size < MIN_VOCAB:
         raise CorpusError(f"vocab size {vocab_size} is below the minimum {MIN_VOCAB} (256 bytes + specials)")
-    want = _meta(corpus, vocab_size)
+    manifest = read_manifest(corpus)
+    # what a cached tokenizer must have been trained with to be reused
+    want = {"vocab_size": vocab_size, "corpus_sha256": manifest["content_sha256"], "special_tokens": SPECIAL_TOKENS,
+            "kind": "byte-level-bpe"}
     path, meta_path = corpus / "tokenizer.json", corpus / "tokenizer.meta.json"
     if not force and path.is_file() and meta_path.is_file():
         have = json.loads(meta_path.read_text())
         if {k: have.get(k) for k in want} == want:
             return path
     t0 = time.perf_counter()
-    n_docs = read_manifest(corpus)["splits"]["train"]["documents"]
+    n_docs = manifest["splits"]["train"]["documents"]
     if n_docs == 0:
         raise CorpusError(f"the train split of {corpus} is empty")
     tok = train_bpe(iter_texts(corpus, "train"), vocab_size, length=n_docs, progress=progress)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +73,8 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
     counts = {layer: np.zeros(sum(hasher.head_sizes(layer)), dtype=np.uint32) for layer in layers}
     history = np.full((1, hasher.max_ngram_size - 1), hasher.pad_id, dtype=np.int64)
     bar = tqdm(total=tokens.size, desc="counting hot rows", unit="tok", unit_scale=True, disable=not progress)
-    for chunk in _chunks(tokens):
+    for start in range(0, tokens.size, CHUNK_TOKENS):
+        chunk = np.asarray(tokens[start:start + CHUNK_TOKENS], dtype=np.int64)
         ids = hasher.row_ids_with_history(chunk[None], history)
         for layer, rows in ids.items():  # [1, T, H]
             keys = (rows[0] + hasher.head_offsets(layer)).reshape(-1)
@@ -122,11 +122,6 @@ def count_model_hot_rows(model_dir: str | os.PathLike, *, corpus: str | os.PathL
     hot = count_hot_rows(hasher, tokens, max_fraction=max_fraction, progress=progress,
                          source=f"{split} split of {folder}")
     return save_hot_rows(hot, Path(out) if out is not None else model_dir / HOT_ROWS), hot
-
-
-def _chunks(tokens: np.ndarray) -> Iterator[np.ndarray]:
-    for start in range(0, tokens.size, CHUNK_TOKENS):
-        yield np.asarray(tokens[start:start + CHUNK_TOKENS], dtype=np.int64)
 
 
 def save_hot_rows(hot: HotRows, path: str | os.PathLike) -> Path:

@@ -88,15 +88,6 @@ def check_room(out: Path, tables: int, need: int, replaced: int = 0) -> None:
                       f"{free:,} bytes ({free / 2**30:.2f} GiB) free; nothing was written")
 
 
-def engram_settings(geo: EngramGeometry, rows_per_head: int, layers: list[int], pad_id: int,
-                    seed: int = 0) -> EngramSettings:
-    """The model config's Engram settings for a geometry at rows_per_head rows per head."""
-    return EngramSettings(layers=list(layers), max_ngram_size=geo.max_ngram_size,
-                          n_head_per_ngram=geo.n_head_per_ngram,
-                          engram_vocab_size=[int(rows_per_head)] * (geo.max_ngram_size - 1), dim=geo.dim,
-                          conv_kernel=geo.conv_kernel, seed=seed, pad_id=pad_id)
-
-
 def write_servable_dir(out: Path, mconfig: ModelConfig, hasher: NgramHasher, tokenizer: Path,
                        tables: dict[int, str], extra: dict[str, Any], *, seed: int = 0) -> None:
     """Beside table files already in out: a random backbone (model.safetensors without the tables), tokenizer.json,
@@ -139,7 +130,10 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     if len(layers) < geo.n_layers:
         layers = list(range(base.n_layers - geo.n_layers, base.n_layers))
     rows = geo.rows_per_head(int(table_gib * 2**30))
-    mconfig = dataclasses.replace(base, engram=engram_settings(geo, rows, layers, pad, seed))
+    engram = EngramSettings(layers=list(layers), max_ngram_size=geo.max_ngram_size,
+                            n_head_per_ngram=geo.n_head_per_ngram, engram_vocab_size=[rows] * (geo.max_ngram_size - 1),
+                            dim=geo.dim, conv_kernel=geo.conv_kernel, seed=seed, pad_id=pad)
+    mconfig = dataclasses.replace(base, engram=engram)
     hasher = make_hasher(mconfig, tokenizer=tok)
     manifests = {layer: TableManifest(codec=CODEC, dim=geo.dim, head_rows=tuple(hasher.head_sizes(layer)),
                                       page_size=PAGE_SIZE, layer_id=layer, hashing=hasher.config(),

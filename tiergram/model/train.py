@@ -109,14 +109,6 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int | None) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
-    """Log records up to a step (a resumed run redoes the steps after its checkpoint)."""
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["step"] <= upto_step]
-
-
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
           evaluate_at_end: bool = True, model_config: ModelConfig | None = None) -> dict[str, Any]:
     """Train (or resume) into cfg.out; stop_after ends this run after that many steps (with a checkpoint).
@@ -166,8 +158,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
         step, elapsed, total_steps = state["step"], state["elapsed_s"], state["total_steps"]
     else:
         write_json(out / "train_config.json", dataclasses.asdict(cfg))
-    log_rows = _read_log(out / LOG, step)
-    (out / LOG).write_text("".join(json.dumps(r) + "\n" for r in log_rows))
+    # a resumed run redoes the steps after its checkpoint: their log records go
+    logged = (out / LOG).read_text().splitlines() if (out / LOG).is_file() else []
+    (out / LOG).write_text("".join(line + "\n" for line in logged if line.strip() and json.loads(line)["step"] <= step))
 
     def checkpoint() -> None:
         save_checkpoint(ckpt_path, {
