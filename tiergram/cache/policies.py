@@ -8,6 +8,7 @@ Pinned keys are never chosen as victims.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 
@@ -53,13 +54,7 @@ class LRUPolicy:
 
     def victims(self, count: int, pinned: Pinned) -> list[int]:
         """Up to `count` unpinned keys, least recently used first, in one pass (a whole admit's victims)."""
-        out: list[int] = []
-        for k in self._order:
-            if len(out) == count:
-                break
-            if not pinned(k):
-                out.append(k)
-        return out
+        return list(itertools.islice((k for k in self._order if not pinned(k)), count))
 
 
 class LFUPolicy:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -147,17 +148,15 @@ def device_bytes(source: Any, placement: Placement, device: torch.device) -> int
 def table_stats(sources: dict[int, Any], placements: dict[int, Placement]) -> dict[str, Any]:
     """{cache_hit_rate, cache_hits, cache_probes, bytes_read {tier: n}, pages_read, pages_first_read, pages_stalled,
     warmed_rows, per_layer} over every table."""
-    total: dict[str, int] = {}
-    hits = probed = pages = first = stalled = warmed = 0
+    total: Counter[str] = Counter()
+    sums = dict.fromkeys(("pages_read", "pages_first_read", "pages_stalled", "warmed_rows"), 0)
+    hits = probed = 0
     per_layer = {}
     for layer, source in sources.items():
         s = source.stats()
-        for tier, n in s["bytes_read"].items():
-            total[tier] = total.get(tier, 0) + n
-        pages += s["pages_read"]
-        first += s.get("pages_first_read", 0)
-        stalled += s.get("pages_stalled", 0)
-        warmed += s.get("warmed_rows", 0)
+        total.update(s["bytes_read"])
+        for key in sums:
+            sums[key] += s.get(key, 0)
         if "cache" in s:
             hits, probed = hits + s["hits"], probed + s["hits"] + s["misses"]
         p = placements[layer]
@@ -166,5 +165,4 @@ def table_stats(sources: dict[int, Any], placements: dict[int, Placement]) -> di
                             "bytes_read": s["bytes_read"], "pages_read": s["pages_read"],
                             "warmed_rows": s.get("warmed_rows", 0)}
     return {"cache_hit_rate": hits / probed if probed else None, "cache_hits": hits, "cache_probes": probed,
-            "bytes_read": total, "pages_read": pages, "pages_first_read": first, "pages_stalled": stalled,
-            "warmed_rows": warmed, "per_layer": per_layer}
+            "bytes_read": dict(total), **sums, "per_layer": per_layer}

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tiergram.engram.sketch import CountMinSketch
+from tiergram.hashing.compression import to_numpy
 
 FEATURE_SETS = {"full": ("static", "sketch", "position"), "sketch": ("sketch", "position"),
                 "static": ("static", "position")}
@@ -69,9 +70,9 @@ class SkipPredictor:
 
     def predict_gate(self, layer: int, row_ids: Any, positions: Any) -> np.ndarray:
         """Predicted gate in [0, 1) of each position: row_ids [..., H], positions broadcastable to [...]."""
-        ids = _numpy(row_ids)
+        ids = to_numpy(row_ids)
         lead = ids.shape[:-1]
-        pos = np.broadcast_to(_numpy(positions), lead).reshape(-1)
+        pos = np.broadcast_to(to_numpy(positions), lead).reshape(-1)
         x = self.feature_matrix(layer, ids.reshape(-1, ids.shape[-1]), pos)
         g = 1.0 / (1.0 + np.exp(-(x @ self.layers[layer].coef)))
         return np.minimum(g, np.nextafter(1.0, 0.0)).reshape(lead)
@@ -84,9 +85,9 @@ class SkipPredictor:
         """
         thr = self.threshold if threshold is None else threshold
         skip = self.predict_gate(layer, row_ids, positions) < thr
-        mask = np.broadcast_to(skip[..., None], _numpy(row_ids).shape).copy()
+        mask = np.broadcast_to(skip[..., None], to_numpy(row_ids).shape).copy()
         if isinstance(row_ids, torch.Tensor):
-            return torch.from_numpy(mask).to(row_ids.device)
+            return torch.fromto_numpy(mask).to(row_ids.device)
         return mask
 
     def nbytes(self) -> dict[int, dict[str, int]]:
@@ -131,7 +132,3 @@ class SkipPredictor:
                                           z[p + "static"] if p + "static" in z else None,
                                           z[p + "static_scale"] if p + "static_scale" in z else None, sketch)
         return cls(layers, tuple(meta["features"]), meta["max_ngram_size"], meta["threshold"], meta["shrink"])
-
-
-def _numpy(x: Any) -> np.ndarray:
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

@@ -9,6 +9,7 @@ names the shard of every tensor. Nothing here reads a tensor's bytes: callers pr
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -61,9 +62,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
             raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        count = 1
-        for s in shape:
-            count *= s
+        count = math.prod(shape)
         if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi) or hi - lo != count * DTYPE_BYTES[dtype]:
             raise ValueError(f"{path}: tensor {name!r} {dtype} {list(shape)} has data_offsets {[lo, hi]}, which do "
                              f"not span its {count * DTYPE_BYTES[dtype]:,} bytes")

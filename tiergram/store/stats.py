@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,7 +20,7 @@ class StoreStats:
     unique: np.ndarray = field(init=False)  # distinct ids per call, summed, per head
     hits: np.ndarray = field(init=False)  # unique ids served from the cache, per head
     misses: np.ndarray = field(init=False)  # unique ids read from the tier below, per head
-    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    bytes_by_tier: Counter[str] = field(default_factory=Counter)
     pages_read: int = 0
     warmed_rows: int = 0  # rows read into the cache ahead of their lookup (TieredTable.warm)
     page_size: int = 0  # bytes per page read (for the native counters' tier bytes)
@@ -46,16 +47,14 @@ class StoreStats:
             for name, value in (("unique", unique), ("hits", hits), ("misses", misses)):
                 if value is not None:
                     getattr(self, name).__iadd__(value)
-            for tier, n in (tier_bytes or {}).items():
-                self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + int(n)
+            self.bytes_by_tier.update({tier: int(n) for tier, n in (tier_bytes or {}).items()})
             self.pages_read += pages
 
     def record_warm(self, rows: int, tier_bytes: dict[str, int], pages: int) -> None:
         """Add one read-ahead: rows admitted to the cache, bytes per tier and pages it read."""
         with self._lock:
             self.warmed_rows += rows
-            for tier, n in tier_bytes.items():
-                self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + int(n)
+            self.bytes_by_tier.update({tier: int(n) for tier, n in tier_bytes.items()})
             self.pages_read += pages
 
     def snapshot(self) -> dict:

@@ -255,11 +255,9 @@ class TieredTable(ManifestGeometry):
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
         snap = self.stats_.snapshot()
-        snap["tier"] = self.tier.name
-        snap["pipeline"] = self.pipeline
+        snap.update(tier=self.tier.name, pipeline=self.pipeline, host_memory_bytes=self.host_memory_bytes)
         if isinstance(self.tier, FileTier):  # its mode in use ('buffered' where O_DIRECT was refused), its reads
             snap.update(self.tier.stats())
-        snap["host_memory_bytes"] = self.host_memory_bytes
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
             remote_bytes = snap["bytes_read"].get("mooncake", 0)  # counted apart from the file tier's

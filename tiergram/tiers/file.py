@@ -82,21 +82,17 @@ class FileTier(PageTier):
         m = self.manifest
         rows = np.asarray(rows, dtype=np.int64)
         if self.reader is None:
-            with self._lock:
-                self._counters.rows += rows.size
+            self.count(rows.size, 0)
             return self.data, row_offsets(m, rows), 0
         page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
         pages, which = np.unique(page_of_row, return_inverse=True)
         buf = self._staging(pages.size * m.page_size)
         self.reader.read_pages(pages, buf)
-        with self._lock:
-            self._counters.rows += rows.size
-            self._counters.pages_read += pages.size
-            self._counters.bytes_read += pages.size * m.page_size
+        self.count(rows.size, pages.size)
         return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
     def count(self, rows: int, pages: int) -> None:
-        """Add reads made outside read_rows (the native read-ahead) to the counters."""
+        """Add reads to the counters (read_rows's, and the native read-ahead's, made outside it)."""
         with self._lock:
             self._counters.rows += rows
             self._counters.pages_read += pages
