@@ -11,7 +11,7 @@ import numpy as np
 
 from tiergram.bench.serve_stats import ABOVE_LIMIT, SweepResult
 from tiergram.plan.predict import SWEEP_SCHEMA
-from tiergram.plots import save_figure
+from tiergram.plots import save_figure, subplots
 
 
 def rounds_text(check: dict) -> str:
@@ -115,12 +115,7 @@ def checks_text(res: SweepResult) -> str:
 
 def plot(res: SweepResult, path: Path) -> Path:
     """Throughput against interactivity: every point faint, each placement's front as a line, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    fig, ax = subplots(figsize=(6.4, 4.4))
     for placement in res.config.labels():
         pts = sorted((p for p in res.points if p.placement == placement), key=lambda p: p.concurrency)
         if not pts:

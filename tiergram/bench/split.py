@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,9 @@ def to_markdown(points: list[SplitPoint]) -> str:
 def plot(points: list[SplitPoint], path: Path, title: str = "") -> Path:
     """Throughput, TTFT p90 and prefix hit rate against the K/V share, a line per Engram tier and concurrency."""
     fig, axes = subplots(1, 3, figsize=(12.8, 4.0))
-    for (engram, c), pts in sorted(_lines(points).items()):
-        pts = sorted(pts, key=lambda s: s.kv_host_fraction)
+    ordered = sorted(points, key=lambda s: (s.engram, s.concurrency, s.kv_host_fraction))
+    for (engram, c), line in groupby(ordered, key=lambda s: (s.engram, s.concurrency)):
+        pts = list(line)
         x = [100 * s.kv_host_fraction for s in pts]
         style = "-o" if engram == "host" else "--s"
         axes[0].plot(x, [s.throughput_tok_s for s in pts], style, label=f"Engram {engram}, c={c}")
@@ -109,13 +111,6 @@ def plot(points: list[SplitPoint], path: Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
-
-
-def _lines(points: list[SplitPoint]) -> dict[tuple[str, int], list[SplitPoint]]:
-    out: dict[tuple[str, int], list[SplitPoint]] = {}
-    for s in points:
-        out.setdefault((s.engram, s.concurrency), []).append(s)
-    return out
 
 
 def report(sweep_path: str | Path, plot_path: str | Path | None = None) -> tuple[list[SplitPoint], str]:
