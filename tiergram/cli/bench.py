@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from tiergram.bench import cache, lookup
 from tiergram.cli.common import add_common, config_from
@@ -221,51 +222,49 @@ def _size(text: str) -> int:
     return byte_size(text)
 
 
+def _run(bench: ModuleType, cfg: object, args: argparse.Namespace) -> object:
+    """bench.run(cfg) with its report printed: bench.to_json with --json, else bench.to_text (progress on stderr)."""
+    res = bench.run(cfg, progress=not args.json)
+    print(bench.to_json(res) if args.json else bench.to_text(res))
+    return res
+
+
 def cmd_lookup(args: argparse.Namespace) -> int:
     if args.rounds is None:
         args.rounds = 12 if args.tier == "mooncake" else 4
-    if args.tier == "file":
-        return cmd_lookup_file(args)
     if args.tier == "mooncake":
         from tiergram.bench import remote  # optional dependency (the remote extra)
 
         return remote.cmd_lookup(args)
-    cfg = lookup.LookupBenchConfig(heads=args.heads, rows_per_head=args.rows_per_head or 65537, dim=args.dim,
-                                   codec=args.codec, positions=args.positions or 2048, dtype=args.dtype,
-                                   rounds=args.rounds, seconds=(args.min_time or 1.0) / args.rounds,
-                                   threads=args.threads, table_gib=args.table_gib, keep_table=args.keep_table)
-    res = lookup.run(cfg, progress=not args.json)
-    print(lookup.to_json(res) if args.json else lookup.to_text(res))
-    return 0
-
-
-def cmd_lookup_file(args: argparse.Namespace) -> int:
+    if args.tier == "host":
+        _run(lookup, lookup.LookupBenchConfig(
+            heads=args.heads, rows_per_head=args.rows_per_head or 65537, dim=args.dim, codec=args.codec,
+            positions=args.positions or 2048, dtype=args.dtype, rounds=args.rounds,
+            seconds=(args.min_time or 1.0) / args.rounds, threads=args.threads, table_gib=args.table_gib,
+            keep_table=args.keep_table), args)
+        return 0
     from tiergram import _native
     from tiergram.bench import file_lookup
 
     if args.threads:
         _native.set_num_threads(args.threads)
-    cfg = file_lookup.FileLookupBenchConfig(
+    _run(file_lookup, file_lookup.FileLookupBenchConfig(
         table_gib=args.table_gib or 2.0, heads=args.heads, rows_per_head=args.rows_per_head or 0, dim=args.dim,
         codec=args.codec, positions=args.positions or 256, queue_depths=args.queue_depths,
         store_queue_depth=args.queue_depth, py_threads=args.py_threads, min_time=args.min_time or 4.0,
-        rounds=args.rounds, dtype=args.dtype, backend=args.backend, table=args.table)
-    res = file_lookup.run(cfg, progress=not args.json)
-    print(file_lookup.to_json(res) if args.json else file_lookup.to_text(res))
+        rounds=args.rounds, dtype=args.dtype, backend=args.backend, table=args.table), args)
     return 0
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from tiergram.bench import prefetch
 
-    res = prefetch.run(config_from(prefetch.PrefetchBenchConfig, args), progress=not args.json)
-    print(prefetch.to_json(res) if args.json else prefetch.to_text(res))
+    _run(prefetch, config_from(prefetch.PrefetchBenchConfig, args), args)
     return 0
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    res = cache.run(config_from(cache.CacheBenchConfig, args), progress=not args.json)
-    print(cache.to_json(res) if args.json else cache.to_text(res))
+    _run(cache, config_from(cache.CacheBenchConfig, args), args)
     return 0
 
 
@@ -330,11 +329,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not private_netns():  # Mooncake's clients listen on every interface: fence the local cluster
             return run_in_netns([sys.executable, "-m", "tiergram", *sys.argv[1:]]).returncode
     try:
-        res = serve.run(cfg, progress=not args.json)
+        _run(serve, cfg, args)
     except RuntimeError as e:  # a server that did not start, or a request that failed: say which, no traceback
         print(f"tiergram: error: {e}", file=sys.stderr)
         return 1
-    print(serve.to_json(res) if args.json else serve.to_text(res))
     return 0
 
 
@@ -391,9 +389,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     if args.slow_only and args.slow_clients < 1:
         raise ValueError(f"--slow-only measures slow clients: give --slow-clients >= 1, got {args.slow_clients}")
     try:
-        res = soak.run(config_from(soak.SoakConfig, args), progress=not args.json)
+        res = _run(soak, config_from(soak.SoakConfig, args), args)
     except RuntimeError as e:  # a server that did not start: say which, no traceback
         print(f"tiergram: error: {e}", file=sys.stderr)
         return 1
-    print(soak.to_json(res) if args.json else soak.to_text(res))
     return 0 if all(soak.checks(res).values()) else 1
