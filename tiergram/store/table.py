@@ -68,31 +68,27 @@ class TieredTable(ManifestGeometry):
             raise ValueError(f"unknown pipeline {pipeline!r} (valid: {', '.join(PIPELINES)})")
         if host_memory_bytes is not None and host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be positive, got {host_memory_bytes}")
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
+        if tier == "host" and cache_bytes:
+            raise ValueError("a host-tier table is already in DRAM: cache_bytes applies to the file tier")
         self._closed = False
         self.host_memory_bytes = host_memory_bytes
-        remote = None
+        self.dtype = dtype
         if tier == "mooncake":  # path is mooncake://HOST:PORT/NAME; the manifest lives beside the pages
             from tiergram.tiers.mooncake import MooncakeTier  # optional dependency (the remote extra)
 
-            remote = MooncakeTier.open(str(path), **(remote_options or {}))
-            self.table = remote.table
-        else:
-            self.table = TableFile.open(Path(path))
-        self.manifest = m = self.table.manifest
-        self.dtype = dtype
-        if tier == "host":
-            if cache_bytes:
-                raise ValueError("a host-tier table is already in DRAM: cache_bytes applies to the file tier")
-            if host_memory_bytes is not None and m.data_bytes > host_memory_bytes:
-                raise ValueError(f"{path}: a host-tier table needs {m.data_bytes} bytes of host memory, more than "
-                                 f"the budget of {host_memory_bytes} bytes (use tier='file')")
-            self.tier: Tier = HostTier(self.table, shared=shared, progress=progress)
+            self.tier: Tier = MooncakeTier.open(str(path), **(remote_options or {}))
         elif tier == "file":
-            self.tier = FileTier(self.table, mode=file_mode, queue_depth=queue_depth, backend=backend)
-        elif remote is not None:
-            self.tier = remote
+            self.tier = FileTier(TableFile.open(Path(path)), mode=file_mode, queue_depth=queue_depth, backend=backend)
         else:
-            raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
+            table = TableFile.open(Path(path))
+            if host_memory_bytes is not None and table.manifest.data_bytes > host_memory_bytes:
+                raise ValueError(f"{path}: a host-tier table needs {table.manifest.data_bytes} bytes of host memory, "
+                                 f"more than the budget of {host_memory_bytes} bytes (use tier='file')")
+            self.tier = HostTier(table, shared=shared, progress=progress)
+        self.table = self.tier.table
+        self.manifest = m = self.table.manifest
         wants_cache = bool(cache_bytes) or (cache_bytes is None and host_memory_bytes is not None and tier != "host")
         # a tier with a native page source: the file tier's reads (not mmap) and the remote tier's
         native_ok = (self.tier.reader is not None
