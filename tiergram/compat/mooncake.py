@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from tiergram.format import TableManifest, create_table
+from tiergram.format.create import ValueSource, stacked_values
 from tiergram.store import TieredTable
 from tiergram.tiers import mooncake as mc
 
@@ -201,17 +202,6 @@ class EngramStore:
             pass
 
 
-def _rows_of(buffers: list) -> Any:
+def _rows_of(buffers: list) -> ValueSource:
     """A value source over the heads' arrays in global row order: float32 [n, D] for rows [start, start + n)."""
-    starts = np.concatenate([[0], np.cumsum([b.shape[0] for b in buffers])])
-
-    def values(start: int, n: int) -> np.ndarray:
-        parts, g = [], start
-        while g < start + n:
-            h = int(np.searchsorted(starts, g, side="right") - 1)
-            take = min(start + n, int(starts[h + 1])) - g
-            parts.append(np.asarray(buffers[h][g - starts[h]: g - starts[h] + take], dtype=np.float32))
-            g += take
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
-
-    return values
+    return stacked_values([b.shape[0] for b in buffers], lambda h, lo, hi: buffers[h][lo:hi])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +100,23 @@ def random_values(dim: int, seed: int = 0, std: float = 1.0) -> ValueSource:
     def values(start: int, n: int) -> np.ndarray:
         rng = np.random.default_rng([seed, start])
         return (rng.standard_normal((n, dim), dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    return values
+
+
+def stacked_values(rows: Sequence[int], read: Callable[[int, int, int], np.ndarray]) -> ValueSource:
+    """The row space of parts of `rows[i]` rows laid end to end (heads, tensors), read(i, lo, hi) giving rows
+    [lo, hi) of part i: float32 [n, D] for global rows [start, start + n)."""
+    starts = np.cumsum([0, *rows])
+
+    def values(start: int, n: int) -> np.ndarray:
+        parts, g = [], start
+        while g < start + n:
+            i = int(np.searchsorted(starts, g, side="right") - 1)
+            hi = min(start + n, int(starts[i + 1]))
+            parts.append(np.asarray(read(i, g - int(starts[i]), hi - int(starts[i])), dtype=np.float32))
+            g = hi
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     return values
 

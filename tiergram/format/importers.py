@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors import safe_open
 
-from tiergram.format.create import ValueSource
+from tiergram.format.create import ValueSource, stacked_values
 
 
 @dataclass
@@ -21,27 +21,14 @@ class SafetensorsSource:
     dim: int
 
     def values(self) -> ValueSource:
-        """A ValueSource over the global row space (heads end to end)."""
-        starts = np.concatenate([[0], np.cumsum([self._rows(n) for n in self.names])])
+        """A ValueSource over the global row space (the tensors end to end)."""
 
-        def read(start: int, n: int) -> np.ndarray:
-            out = np.empty((n, self.dim), dtype=np.float32)
+        def read(t: int, lo: int, hi: int) -> np.ndarray:
             with safe_open(self.path, framework="pt") as f:
-                done = 0
-                while done < n:
-                    g = start + done
-                    t = int(np.searchsorted(starts, g, side="right") - 1)
-                    take = min(n - done, int(starts[t + 1]) - g)
-                    local = g - int(starts[t])
-                    out[done:done + take] = f.get_slice(self.names[t])[local:local + take].float().numpy()
-                    done += take
-            return out
+                return f.get_slice(self.names[t])[lo:hi].float().numpy()
 
-        return read
-
-    def _rows(self, name: str) -> int:
         with safe_open(self.path, framework="pt") as f:
-            return int(f.get_slice(name).get_shape()[0])
+            return stacked_values([int(f.get_slice(n).get_shape()[0]) for n in self.names], read)
 
 
 def open_safetensors(path: str | os.PathLike, tensor: str, head_rows: tuple[int, ...] | None,
