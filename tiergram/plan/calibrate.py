@@ -185,9 +185,7 @@ def fit(raw: dict[str, Any]) -> Calibration:
         "file_gather_mrows_s": round(fc["hit_rows_per_s"] / 1e6, 3),
         "file_call_us": round(fc["per_call_s"] * 1e6 * n_layers, 1),
         "link_gbps": 0.0, "cores": raw["cpus"], "cpu_speed_ms": round(float(np.median(speed)), 3),
-        **({"server_step_curve": srv["server_step_curve"]} if srv["server_step_curve"] else {}),
-        **({"request_steps_curve": srv["request_steps_curve"]} if srv["request_steps_curve"] else {}),
-        **({"serve_tok_s_curve": srv["serve_tok_s_curve"]} if srv.get("serve_tok_s_curve") else {}),
+        **{k: srv[k] for k in ("server_step_curve", "request_steps_curve", "serve_tok_s_curve") if srv.get(k)},
     }
     cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
                 "iops_curve": d["iops_curve"], "cache_pages_per_s": d["reread_pages_per_s"]}

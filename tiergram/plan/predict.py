@@ -19,6 +19,7 @@ from tiergram.plan.model import (
     Placement,
     Point,
     Workload,
+    concurrency_limit,
     interpolate,
     predict_point,
     steps_per_request,
@@ -82,14 +83,9 @@ def plot(lines: dict[str, list[tuple[float, float, int, str]]], path: Path, titl
          measured: dict[str, list[tuple[float, float]]] | None = None) -> Path:
     """Throughput against interactivity: each server's predicted points [(interactivity, tok/s, c, binding)] as a
     line labelled with its last concurrency and what binds there; measured (interactivity, tok/s) as markers."""
-    import matplotlib
+    from tiergram.plots import save_figure, subplots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from tiergram.plots import save_figure
-
-    fig, ax = plt.subplots(figsize=(7.0, 4.6), dpi=110)
+    fig, ax = subplots(figsize=(7.0, 4.6))
     colors: dict[str, Any] = {}
     for name, pts in lines.items():
         line, = ax.plot([x for x, *_ in pts], [y for _, y, *_ in pts], marker=".", label=f"{name} (predicted)")
@@ -460,8 +456,6 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                              round(interpolate(hw.serve_tok_s_curve, p.concurrency, log_x=True), 1) if naive
                              else None, None if got is None else round(got.hit_rate, 4), pt.get("prefix_hit_rate")))
         if name not in limits:
-            from tiergram.plan.model import concurrency_limit
-
             lim = concurrency_limit(model, hw, wl, pl)
             limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
@@ -578,22 +572,24 @@ def validate_text(res: dict[str, Any]) -> str:
 def validate_markdown(res: dict[str, Any]) -> str:
     """The comparison as a markdown table: every point's predicted, measured and naive throughput, the errors,
     the prefix-cache hit rates where the sweep had conversations; the summary below it."""
+    from tiergram.analysis.stats import md_table  # (tiergram.analysis imports torch: only where a table is written)
+
     conv = any(r.get("predicted_prefix_hit") is not None for r in res["points"])
     naive = any(r.get("naive_tok_s") for r in res["points"])
-    head = "| server | c | predicted tok/s | measured tok/s | measured / predicted |"
-    head += " naive tok/s | measured / naive |" if naive else ""
-    head += " prefix hit, predicted | measured |" if conv else ""
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    head = ["server", "c", "predicted tok/s", "measured tok/s", "measured / predicted"]
+    head += ["naive tok/s", "measured / naive"] if naive else []
+    head += ["prefix hit, predicted", "measured"] if conv else []
+    rows = []
     for r in res["points"]:
-        row = (f"| {r['placement']} | {r['concurrency']} | {r['predicted_tok_s']:,.0f} | {r['measured_tok_s']:,.0f} | "
-               f"{r['ratio']:.3f} |")
+        row = [r["placement"], r["concurrency"], f"{r['predicted_tok_s']:,.0f}", f"{r['measured_tok_s']:,.0f}",
+               f"{r['ratio']:.3f}"]
         if naive:
-            row += f" {r['naive_tok_s']:,.0f} | {r['measured_tok_s'] / r['naive_tok_s']:.3f} |"
+            row += [f"{r['naive_tok_s']:,.0f}", f"{r['measured_tok_s'] / r['naive_tok_s']:.3f}"]
         if conv:
-            row += f" {100 * r['predicted_prefix_hit']:.1f}% | {100 * (r['measured_prefix_hit'] or 0):.1f}% |"
-        lines.append(row)
+            row += [f"{100 * r['predicted_prefix_hit']:.1f}%", f"{100 * (r['measured_prefix_hit'] or 0):.1f}%"]
+        rows.append(row)
+    lines = [md_table(head, rows), ""]
     s = res["summary"]
-    lines.append("")
     lines.append(f"planner: {s['within_15pct']}/{s['points']} within ±15%, mean |error| {s['mean_abs_error']:.1%}"
                  + (f"; naive: {s['naive_within_15pct']}/{s['points']}, {s['naive_mean_abs_error']:.1%}"
                     if s.get("naive_mean_abs_error") is not None else ""))

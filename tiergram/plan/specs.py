@@ -257,8 +257,7 @@ def resolve(spec: str | Path, what: str) -> Path:
             return cand
     if str(spec) == "this-machine":
         raise SpecError(f"no calibrated spec at {calibrated_path()}: run `tiergram plan calibrate` first")
-    names = sorted(x.stem for x in SPEC_DIR.glob("*.toml"))
-    raise SpecError(f"no {what} spec named {spec!r} (shipped: {', '.join(names)}; or a .toml path)")
+    raise SpecError(f"no {what} spec named {spec!r} (shipped: {', '.join(shipped())}; or a .toml path)")
 
 
 def calibrated_path() -> Path:

@@ -22,7 +22,7 @@ from tiergram.plan import Front, HardwareSpec, ModelSpec, Placement, Workload, p
 from tiergram.plan.model import concurrency_limit, step_terms_at
 from tiergram.plan.prefix import Conversations
 from tiergram.plan.split import Split, best_splits, conversations_workload, predict_conversations
-from tiergram.plots import save_figure
+from tiergram.plots import save_figure, subplots
 
 QD_PER_DRIVE, READER_THREADS_PER_DRIVE = 128, 4
 WORKLOADS = {"8K/1K": (8192, 1024), "1K/8K": (1024, 8192), "128K/4K": (131072, 4096)}
@@ -221,23 +221,12 @@ def _label(ax, x: str, y: str, title: str, *, legend: int = 7) -> None:
     ax.legend(fontsize=legend)
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_offload(res: dict[str, Any], path: Path) -> Path:
     """(1) device vs host fronts, one panel per machine and workload."""
-
-    plt = _plt()
     keys = list(res)
     cols = len(WORKLOADS)
     rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), dpi=100, squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), dpi=100, squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
         for f in res[key]["fronts"]:
             pts = f.pareto
@@ -256,9 +245,7 @@ def plot_offload(res: dict[str, Any], path: Path) -> Path:
 
 def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
     """(2) file / host best throughput against drive count."""
-
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.0, 4.0), dpi=100)
+    fig, ax = subplots(figsize=(6.0, 4.0), dpi=100)
     for hname, label in sorted({(h, c) for h, c, _ in res}):
         ds = sorted(d for h, c, d in res if h == hname and c == label)
         ax.plot(ds, [res[(hname, label, d)]["max_tok_s_ratio"] for d in ds], marker="o",
@@ -273,10 +260,8 @@ def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
 
 def plot_contention(res: dict[Any, Any], path: Path) -> Path:
     """(3) throughput against concurrency with K/V offload, tables in HBM or in host DRAM."""
-
-    plt = _plt()
     hnames = sorted({h for h, _ in res})
-    fig, axes = plt.subplots(1, len(hnames), figsize=(5.0 * len(hnames), 3.8), dpi=100, squeeze=False)
+    fig, axes = subplots(1, len(hnames), figsize=(5.0 * len(hnames), 3.8), dpi=100, squeeze=False)
     for ax, h in zip(axes.flat, hnames, strict=True):
         for (hh, label), r in res.items():
             if hh != h or not r["front"].points:
@@ -292,8 +277,7 @@ def plot_contention(res: dict[Any, Any], path: Path) -> Path:
 
 def plot_split(res: dict[str, Any], path: Path) -> Path:
     """(5) per machine: throughput of each split against the users, one line per split."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(res), figsize=(5.0 * len(res), 3.8), dpi=100, squeeze=False)
+    fig, axes = subplots(1, len(res), figsize=(5.0 * len(res), 3.8), dpi=100, squeeze=False)
     for ax, (hname, r) in zip(axes.flat, res.items(), strict=True):
         for label, pts in r["points"].items():
             ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker="o" if "host" in label
@@ -307,9 +291,7 @@ def plot_split(res: dict[str, Any], path: Path) -> Path:
 
 def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> Path:
     """(4) exposed stall per decode step, without and with speculative top-k prefetch."""
-
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
+    fig, axes = subplots(1, 2, figsize=(10, 3.8), dpi=100)
     for ax, pl in zip(axes, sorted({r["placement"] for r in rows}), strict=True):
         rs = [r for r in rows if r["placement"] == pl]
         cs = [r["c"] for r in rs]
@@ -325,6 +307,7 @@ def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> 
 
 def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: int = 20000) -> str:
     """All four studies: PNGs into `out`, a markdown summary returned (every figure labelled a prediction)."""
+    from tiergram.analysis.stats import md_table  # (tiergram.analysis imports torch)
     from tiergram.plan.specs import load_hardware, load_model
 
     out.mkdir(parents=True, exist_ok=True)
@@ -333,19 +316,18 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
     md = ["All figures below are PREDICTIONS of `tiergram plan` from the shipped specs (`tiergram plan studies`)."]
     # (1)
     md.append("\n### (1) DRAM offload against HBM-resident tables\n")
-    md.append("| machine, workload (in/out) | K/V bytes/token | limit resident → host | host / resident at equal "
-              "interactivity: median, max | share of the range where host is >1% better |")
-    md.append("|---|---|---|---|---|")
-    res1 = {}
+    res1, rows1 = {}, []
     # V3.2's MLA cache (61 layers x 576 bf16 values = 70,272 B per token): a model whose K/V binds memory first
     mla = replace(model, kv_bytes_per_token=70272.0)
     for label, m in (("V4.1 spec", model), ("MLA K/V (V3.2-style)", mla)):
         r = offload_vs_resident(m, {"H200": h200, "B200": b200})
         for key, v in r.items():
             res1[f"{key} ({label})"] = v
-            md.append(f"| {key} | {m.kv_bytes_per_token:,.0f} | {v['device_limit']:,} ({v['device_binding']}) → "
-                      f"{v['host_limit']:,} ({v['host_binding']}) | {v['median_ratio']:.3f}, {v['max_ratio']:.3f} | "
-                      f"{v['share_host_better']:.0%} |")
+            rows1.append([key, f"{m.kv_bytes_per_token:,.0f}", f"{v['device_limit']:,} ({v['device_binding']}) → "
+                          f"{v['host_limit']:,} ({v['host_binding']})", f"{v['median_ratio']:.3f}, "
+                          f"{v['max_ratio']:.3f}", f"{v['share_host_better']:.0%}"])
+    md.append(md_table(["machine, workload (in/out)", "K/V bytes/token", "limit resident → host", "host / resident at "
+                        "equal interactivity: median, max", "share of the range where host is >1% better"], rows1))
     plot_offload({k: v for k, v in res1.items() if "V4.1" in k}, out / "offload-vs-resident.png")
     plot_offload({k: v for k, v in res1.items() if "MLA" in k}, out / "offload-vs-resident-mla-kv.png")
     # (2)
@@ -353,21 +335,17 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
     plot_ssd(res2, out / "ssd-vs-dram.png")
     md.append("\n### (2) NVMe against DRAM, by drive count (8K/1K; file / host best throughput = tokens per $)\n")
     drives = sorted({d for _, _, d in res2})
-    md.append("| machine | cache | " + " | ".join(f"{d} drives" for d in drives) + " |")
-    md.append("|---|---|" + "---|" * len(drives))
-    for h, c in sorted({(h, c) for h, c, _ in res2}):
-        md.append(f"| {h} | {c} | " + " | ".join(
-            f"{res2[(h, c, d)]['max_tok_s_ratio']:.2f} ({res2[(h, c, d)]['binding_at_max']})" for d in drives) + " |")
+    md.append(md_table(["machine", "cache", *(f"{d} drives" for d in drives)], (
+        [h, c, *(f"{res2[(h, c, d)]['max_tok_s_ratio']:.2f} ({res2[(h, c, d)]['binding_at_max']})" for d in drives)]
+        for h, c in sorted({(h, c) for h, c, _ in res2}))))
     # (3)
     res3 = contention(model, {"H200": h200, "B200": b200, "GB300": gb300})
     plot_contention(res3, out / "kv-engram-contention.png")
     md.append("\n### (3) K/V offload and Engram sharing host DRAM and the link (128K in / 4K out)\n")
-    md.append("| machine | placement | concurrency limit (binds) | peak tok/s | cliff: first c where the K/V link "
-              "binds |")
-    md.append("|---|---|---|---|---|")
-    for (h, label), v in res3.items():
-        md.append(f"| {h} | {label} | {v['limit']:,} ({v['limit_binding']}) | {v['peak_tok_s']:,.0f} | "
-                  f"{v['cliff_c'] if v['cliff_c'] is not None else '-'} |")
+    md.append(md_table(["machine", "placement", "concurrency limit (binds)", "peak tok/s",
+                        "cliff: first c where the K/V link binds"],
+                       ([h, label, f"{v['limit']:,} ({v['limit_binding']})", f"{v['peak_tok_s']:,.0f}",
+                         "-" if v["cliff_c"] is None else v["cliff_c"]] for (h, label), v in res3.items())))
     # (5)
     res5 = kv_engram_split(model, {"H200": h200, "B200": b200})
     plot_split(res5, out / "kv-engram-split.png")
@@ -385,12 +363,11 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
     md.append("\n### (4) Decode on H200: exposed stall per step (8K context, file with a 10% host cache)\n")
     if measured:
         md.append(measured + "\n")
-    md.append("| placement | c | step ms | fetch ms | hidden by embedding + block 0, ms | exposed ms | "
-              + " | ".join(f"top-{k} spec. exposed ms" for k in hits) + " |")
-    md.append("|---|---|---|---|---|---|" + "---|" * len(hits))
-    for r in rows:
-        md.append(f"| {r['placement']} | {r['c']} | {r['step_ms']:.2f} | {r['fetch_ms']:.3f} | {r['hide_ms']:.3f} | "
-                  f"{r['exposed_ms']:.3f} | " + " | ".join(f"{r[f'spec_k{k}_exposed_ms']:.3f}" for k in hits) + " |")
+    md.append(md_table(["placement", "c", "step ms", "fetch ms", "hidden by embedding + block 0, ms", "exposed ms",
+                        *(f"top-{k} spec. exposed ms" for k in hits)],
+                       ([r["placement"], r["c"], f"{r['step_ms']:.2f}", f"{r['fetch_ms']:.3f}", f"{r['hide_ms']:.3f}",
+                         f"{r['exposed_ms']:.3f}", *(f"{r[f'spec_k{k}_exposed_ms']:.3f}" for k in hits)]
+                        for r in rows)))
     return "\n".join(md) + "\n"
 
 
