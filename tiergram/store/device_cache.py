@@ -43,12 +43,6 @@ class DeviceRowCache(RowCache):
         self.tags = torch.full((self.capacity,), -1, dtype=torch.int64, device=self.device)
         self.rows = _DeviceRows(self.slots)  # replaces the host slot array RowCache allocated (never touched)
 
-    @classmethod
-    def from_bytes(cls, capacity_bytes: int, row_bytes: int, policy: str = "lru", *,
-                   device: torch.device | str = "cpu") -> DeviceRowCache:
-        """A device cache sized in bytes of row storage."""
-        return cls(max(1, int(capacity_bytes) // int(row_bytes)), row_bytes, device, policy)
-
     def plan(self, keys: np.ndarray, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(slots, fill) int64 [n] for unique keys [n]: hit slots (pinned until `unpin(slots)`), and per miss the
         slot it was admitted to (-1: kept out), which the next launch on the cache's stream must fill."""
