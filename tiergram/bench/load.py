@@ -8,7 +8,6 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,6 @@ import numpy as np
 from tiergram.bench.common import stdlib_files
 
 # ------------------------------------------------------------------------------------------------ the trace
-
-def _stdlib_texts() -> Iterator[str]:
-    """The Python standard library's source files (tests and site-packages left out), in sorted order."""
-    for path in stdlib_files(exclude=("test", "tests", "site-packages")):
-        yield path.read_text(encoding="utf-8", errors="replace")
-
 
 def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
                  ) -> tuple[np.ndarray, str]:
@@ -36,7 +29,9 @@ def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | 
         raise ValueError(f"unknown trace source {source!r} (valid: auto, corpus, stdlib)")
     folder = ensure_corpus(corpus, tokenizer=False) if source == "corpus" else Path(corpus) if corpus else corpus_dir()
     use_corpus = source == "corpus" or (source == "auto" and (folder / "test.jsonl").is_file())
-    texts = (doc.text for doc in load_split(folder, "test")) if use_corpus else _stdlib_texts()
+    texts = ((doc.text for doc in load_split(folder, "test")) if use_corpus else  # stdlib: tests left out
+             (path.read_text(encoding="utf-8", errors="replace")
+              for path in stdlib_files(exclude=("test", "tests", "site-packages"))))
     what = f"corpus test split ({folder})" if use_corpus else "Python stdlib source"
     eot = tokenizer.token_to_id(EOT)
     parts: list[np.ndarray] = []

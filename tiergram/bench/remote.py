@@ -71,9 +71,7 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
         engram = EngramStore(0, ecfg, store)
         engram.populate([values])
         uri = push_table(path, cluster.master_addr, "bench", progress=progress, store=store)
-        m_rows = cfg.rows
-        row_bytes = cfg.dim * 4
-        cache_bytes = int(cfg.cache_fraction * m_rows * row_bytes)
+        cache_bytes = int(cfg.cache_fraction * table_bytes)
         tables = {
             "tiergram_mooncake": TieredTable(uri, tier="mooncake", remote_options={"store": store}),
             "tiergram_mooncake_cache10": TieredTable(uri, tier="mooncake", cache_bytes=cache_bytes,
@@ -104,15 +102,15 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
             **{name: (lambda ids, name=name: tables[name].lookup(ids.reshape(-1, 1))) for name in tables},
         }
         # the outputs agree before anything is timed
-        probe = np.arange(0, m_rows, max(1, m_rows // 97), dtype=np.int64)
+        probe = np.arange(0, cfg.rows, max(1, cfg.rows // 97), dtype=np.int64)
         want = engram.lookup(probe.reshape(1, -1, 1)).reshape(-1, cfg.dim)
         for name, t in tables.items():
             got = t.lookup(probe.reshape(-1, 1)).reshape(-1, cfg.dim).numpy()
             if not np.array_equal(got, want):
                 raise AssertionError(f"{name} returned rows that differ from Mooncake's EngramStore")
         rng = np.random.default_rng(cfg.seed + 1)
-        heads = np.array([m_rows], dtype=np.int64)
-        stream = _token_stream(m_rows, cfg.seed) if "stream" in cfg.dists else np.zeros(0, dtype=np.int64)
+        heads = np.array([cfg.rows], dtype=np.int64)
+        stream = _token_stream(cfg.rows, cfg.seed) if "stream" in cfg.dists else np.zeros(0, dtype=np.int64)
         cursor = 0
 
         def draw(dist: str, batch: int) -> np.ndarray:

@@ -101,11 +101,8 @@ def speed_probe(seconds: float) -> float | None:
 
 
 def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
-    """Sweep every placement; the result holds the points, fronts and checks (plot/markdown written if asked).
-
-    Every placement's server runs from the start; at each concurrency the placements take turns, round by round
-    (the order rotating), on the same requests, so that a drift of the machine's speed hits them all alike.
-    """
+    """Sweep every server (all running from the start, taking turns round by round as the module says); the result
+    holds the points, fronts and checks (plot/markdown written if asked)."""
     import httpx
 
     from tiergram.model.checkpoint import load_tokenizer_of
