@@ -258,34 +258,19 @@ def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def plot_contention(res: dict[Any, Any], path: Path) -> Path:
-    """(3) throughput against concurrency with K/V offload, tables in HBM or in host DRAM."""
-    hnames = sorted({h for h, _ in res})
-    fig, axes = subplots(1, len(hnames), figsize=(5.0 * len(hnames), 3.8), dpi=100, squeeze=False)
-    for ax, h in zip(axes.flat, hnames, strict=True):
-        for (hh, label), r in res.items():
-            if hh != h or not r["front"].points:
-                continue
-            pts = r["front"].points
-            ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker=".",
-                    label=f"{label} (c<={r['limit']:,})")
+def plot_by_users(panels: dict[str, dict[str, list[Any]]], path: Path, xlabel: str, title: str,
+                  split_styles: bool = False) -> Path:
+    """(3), (5): per machine (`title` formats its name), each line's points' throughput against concurrency; with
+    split_styles, host lines solid and file lines dashed."""
+    fig, axes = subplots(1, len(panels), figsize=(5.0 * len(panels), 3.8), dpi=100, squeeze=False)
+    for ax, (hname, lines) in zip(axes.flat, panels.items(), strict=True):
+        for label, pts in lines.items():
+            host = split_styles and "host" in label
+            ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker="o" if host else ".",
+                    ls="-" if host or not split_styles else "--", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        _label(ax, "concurrency", "tok/s", f"PREDICTED {h}: 128K in / 4K out", legend=6)
-    return save_figure(fig, path)
-
-
-def plot_split(res: dict[str, Any], path: Path) -> Path:
-    """(5) per machine: throughput of each split against the users, one line per split."""
-    fig, axes = subplots(1, len(res), figsize=(5.0 * len(res), 3.8), dpi=100, squeeze=False)
-    for ax, (hname, r) in zip(axes.flat, res.items(), strict=True):
-        for label, pts in r["points"].items():
-            ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker="o" if "host" in label
-                    else ".", ls="-" if "host" in label else "--", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        _label(ax, "users (closed loop, 30 s think)", "tok/s", f"PREDICTED {hname}: K/V tier vs Engram tables in DRAM",
-               legend=6)
+        _label(ax, xlabel, "tok/s", title.format(hname), legend=6)
     return save_figure(fig, path)
 
 
@@ -340,7 +325,9 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
         for h, c in sorted({(h, c) for h, c, _ in res2}))))
     # (3)
     res3 = contention(model, {"H200": h200, "B200": b200, "GB300": gb300})
-    plot_contention(res3, out / "kv-engram-contention.png")
+    lines3 = {h: {f"{label} (c<={r['limit']:,})": r["front"].points for (hh, label), r in res3.items()
+                  if hh == h and r["front"].points} for h in sorted({h for h, _ in res3})}
+    plot_by_users(lines3, out / "kv-engram-contention.png", "concurrency", "PREDICTED {}: 128K in / 4K out")
     md.append("\n### (3) K/V offload and Engram sharing host DRAM and the link (128K in / 4K out)\n")
     md.append(md_table(["machine", "placement", "concurrency limit (binds)", "peak tok/s",
                         "cliff: first c where the K/V link binds"],
@@ -348,7 +335,8 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
                          "-" if v["cliff_c"] is None else v["cliff_c"]] for (h, label), v in res3.items())))
     # (5)
     res5 = kv_engram_split(model, {"H200": h200, "B200": b200})
-    plot_split(res5, out / "kv-engram-split.png")
+    plot_by_users({h: r["points"] for h, r in res5.items()}, out / "kv-engram-split.png", "users (closed loop, 30 s "
+                  "think)", "PREDICTED {}: K/V tier vs Engram tables in DRAM", split_styles=True)
     md.append(kv_split_markdown(res5))
     # (4)
     hits = {1: 0.0, 4: 0.0, 16: 0.0}
