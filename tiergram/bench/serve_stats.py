@@ -199,17 +199,9 @@ def round_ratios(num: Point, den: Point) -> list[float]:
     return [x / y for x, y in zip(num.throughput_rounds, den.throughput_rounds, strict=True)]
 
 
-def _spread(res: SweepResult, num: str, den: str) -> dict[str, Any]:
-    """The rounds behind a paired throughput ratio, and the ratio of the two medians (the unpaired statistic)."""
-    a, b = _by_c(res, num), _by_c(res, den)
-    common = sorted(set(a) & set(b))
-    return {"round_ratios": {c: [round(x, 4) for x in round_ratios(a[c], b[c])] for c in common},
-            "median_ratios": {c: a[c].throughput_tok_s / b[c].throughput_tok_s for c in common
-                              if b[c].throughput_tok_s}}
-
-
-def resolution(res: SweepResult, num: str, den: str, target: float) -> dict[str, Any]:
-    """How well the rounds resolve num / den against `target`, and the verdict that follows.
+def against(res: SweepResult, num: str, den: str, target: float) -> dict[str, Any]:
+    """num's throughput over den's held against `target`: the paired ratios, the rounds behind them and the ratio
+    of the two medians (the unpaired statistic), how well the rounds resolve the ratio, and the verdict.
 
     One round's log ratio spreads sigma (pooled over the check's points: a point has only a few rounds); a point's
     mean over its n rounds has standard error sigma / sqrt(n). A point whose median misses the target is "below"
@@ -217,11 +209,16 @@ def resolution(res: SweepResult, num: str, den: str, target: float) -> dict[str,
     every median meets the target, "fail" when a point is below, else "within noise"; "pass"/"fail" by the medians
     alone when no point has two rounds."""
     a, b = _by_c(res, num), _by_c(res, den)
-    logs = {c: np.log(r) for c in sorted(set(a) & set(b)) if (r := round_ratios(a[c], b[c])) and min(r) > 0}
+    common = sorted(set(a) & set(b))
+    logs = {c: np.log(r) for c in common if (r := round_ratios(a[c], b[c])) and min(r) > 0}
     medians = _ratios(res, num, den)
     df = sum(len(v) - 1 for v in logs.values())
     short = [c for c, r in medians.items() if r < target]
-    out: dict[str, Any] = {"sigma_log": None, "below": [], "within_noise": []}
+    out: dict[str, Any] = {
+        "ratios": medians, "target": target, "passed": bool(medians) and not short,
+        "round_ratios": {c: [round(x, 4) for x in round_ratios(a[c], b[c])] for c in common},
+        "median_ratios": {c: a[c].throughput_tok_s / b[c].throughput_tok_s for c in common if b[c].throughput_tok_s},
+        "sigma_log": None, "below": [], "within_noise": []}
     if df == 0:
         out["verdict"] = "fail" if short or not medians else "pass"
         return out
@@ -266,10 +263,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
     out: dict[str, Any] = {}
     limits = {p: s["concurrency_limit"] for p, s in res.servers.items()}
     if "device" in limits and "host" in limits:
-        r = _ratios(res, "host", "device")
-        out["host_vs_device"] = {"ratios": r, "target": HOST_TARGET, **_spread(res, "host", "device"),
-                                 "passed": bool(r) and min(r.values()) >= HOST_TARGET,
-                                 **resolution(res, "host", "device", HOST_TARGET),
+        out["host_vs_device"] = {**against(res, "host", "device", HOST_TARGET),
                                  "memory_binds": limits["device"] < limits["host"]}
         offloaded = [p.throughput_tok_s for p in res.points if p.placement == "host"]
         resident = [p.throughput_tok_s for p in res.points if p.placement == "device"]
@@ -287,11 +281,9 @@ def checks(res: SweepResult) -> dict[str, Any]:
         ref = variant.reference if variant is not None and variant.reference else "host"
         if ref not in limits:
             continue
-        r = _ratios(res, label, ref)
         target = FILE_TARGET if cfg.base_of(label) != "file-big" else BIG_TARGET
         out[f"{label}_vs_{ref}"] = {  # file_vs_host, file-10%_vs_host, file-t1_vs_host-t1, ...
-            "ratios": r, "target": target, "passed": bool(r) and min(r.values()) >= target, "reference": ref,
-            **_spread(res, label, ref), **resolution(res, label, ref, target),
+            **against(res, label, ref, target), "reference": ref,
             "cache_fraction": _fraction(res, label),
             "cache_bytes": res.servers[label]["cache_bytes"],
             "file_mode": res.servers[label].get("file_mode"),  # buffered: O_DIRECT refused, reads via the page cache
