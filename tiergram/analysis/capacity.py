@@ -15,7 +15,7 @@ import numpy as np
 from tiergram.analysis.stats import Estimate, interval, md_table
 from tiergram.analysis.trace import Trace
 from tiergram.corpus import CATEGORIES
-from tiergram.model.evaluate import Window
+from tiergram.model.evaluate import Window, batches
 from tiergram.model.model import EngramLM
 from tiergram.plots import save_figure, subplots
 
@@ -85,16 +85,10 @@ def count_rows(model: EngramLM, windows: list[Window], batch: int = 256) -> dict
     for layer in model.engram_layers:
         offsets, sizes = model.hasher.head_offsets(layer), model.hasher.head_sizes(layer)
         out[layer] = RowCounts(np.zeros((len(CATEGORIES), int(sum(sizes))), dtype=np.int64), offsets, sizes)
-    for s in range(0, len(windows), batch):
-        chunk = windows[s:s + batch]
-        t = max(len(w.inputs) for w in chunk)
-        x = np.full((len(chunk), t), model.hasher.pad_id, dtype=np.int64)
-        valid = np.zeros((len(chunk), t), dtype=bool)
-        for j, w in enumerate(chunk):
-            x[j, :len(w.inputs)] = w.inputs
-            valid[j, :len(w.inputs)] = True
-        cats = np.repeat(np.array([cat_index[w.category] for w in chunk]), t).reshape(len(chunk), t)[valid]
-        for layer, rows in model.hasher.row_ids(x).items():
+    for idx, x, y in batches(windows, batch):  # the padding after a window cannot change its n-grams
+        valid = (y != -100).numpy()
+        cats = np.repeat([cat_index[windows[i].category] for i in idx], x.shape[1]).reshape(valid.shape)[valid]
+        for layer, rows in model.hasher.row_ids(x.numpy()).items():
             rc = out[layer]
             flat = rows[valid] + rc.offsets  # [n, H]
             for c in range(len(CATEGORIES)):

@@ -57,8 +57,7 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
         fetched = {layer: model.blocks[layer].engram.table(row_ids[layer]) for layer in model.engram_layers}
         docs = [tr.windows[i].doc for i in idx]
         valid = (y != -100).cpu().numpy()
-        for j, d in enumerate(docs):
-            counts[d] += valid[j].sum()
+        np.add.at(counts, docs, valid.sum(1))
         for name, per_layer in masks.items():
             rows, keep = {}, {}
             for layer, m in per_layer.items():
@@ -73,9 +72,7 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
             with hooks.installed(model):
                 logits, _ = model(x, engram_rows=rows)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
-            loss = (loss.double().cpu().numpy() * valid).sum(1)
-            for j, d in enumerate(docs):
-                sums[name][d] += loss[j]
+            np.add.at(sums[name], docs, (loss.double().cpu().numpy() * valid).sum(1))
     return sums, counts
 
 
