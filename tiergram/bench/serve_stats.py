@@ -290,43 +290,32 @@ def checks(res: SweepResult) -> dict[str, Any]:
             "table_bytes": res.servers[label].get("table_bytes"),
             "file_pages_per_s": {c: p.file_pages_per_s for c, p in _by_c(res, label).items()},
             "cpu_per_token_vs_host": _ratios(res, label, ref, "cpu_ms_per_token"),
-            "disk_pages_per_s": disk_limits(res, label),
-            "disk_share_needed": disk_share_needed(res, label, target, ref),
-            "above_disk_limit": above_disk_limit(res, label)}
+            **disk_figures(res, label, target, ref)}
     return out
-
-
-def disk_limits(res: SweepResult, label: str) -> dict[str, float]:
-    """The disk's limit before/after the sweep on the tables `label` read (file-big: the big model's)."""
-    big = res.config.base_of(label) == "file-big" and res.big_disk_pages_per_s
-    return res.big_disk_pages_per_s if big else res.disk_pages_per_s
 
 
 # a server reading this much faster than the disk's limit for new pages was served by a cache under the disk
 ABOVE_LIMIT = 1.25
 
 
-def above_disk_limit(res: SweepResult, label: str) -> list[int]:
-    """The concurrencies at which `label` read more pages/s than ABOVE_LIMIT x the higher of the disk's limits
-    measured on new pages: a cache under the disk (this VM's volume keeps what it served, across processes, for
-    tens of minutes) served pages an earlier run had read, so those points do not measure the disk."""
-    limits = [v for v in disk_limits(res, label).values() if v]
-    if not limits:
-        return []
-    return [c for c, p in sorted(_by_c(res, label).items()) if p.file_pages_per_s > ABOVE_LIMIT * max(limits)]
-
-
-def disk_share_needed(res: SweepResult, label: str, target: float, ref: str = "host") -> dict[int, float]:
-    """Per concurrency: the share of the disk's limit (mean of the sweep's before/after) that `label` would have
-    to read at to serve target x `ref`'s tokens/s, at the pages per token it read. Near or above 1 the disk binds:
-    no scheduling reaches the target on this disk at that point."""
-    limits = [v for v in disk_limits(res, label).values() if v]
-    if not limits:
-        return {}
-    limit = sum(limits) / len(limits)
-    file, host = _by_c(res, label), _by_c(res, ref)
-    return {c: file[c].file_pages_per_s / file[c].throughput_tok_s * target * host[c].throughput_tok_s / limit
-            for c in sorted(set(file) & set(host)) if file[c].throughput_tok_s > 0}
+def disk_figures(res: SweepResult, label: str, target: float, ref: str) -> dict[str, Any]:
+    """What the disk says of `label`'s reads: its limits before/after the sweep on the tables `label` read (file-big:
+    the big model's); the concurrencies at which `label` read more pages/s than ABOVE_LIMIT x the higher limit (a
+    cache under the disk, which on this VM's volume keeps what it served across processes for tens of minutes,
+    served pages an earlier run had read: those points do not measure the disk); and per concurrency the share of
+    the limits' mean `label` would have to read at to serve target x `ref`'s tokens/s at its pages per token (near
+    or above 1 the disk binds: no scheduling reaches the target on this disk there)."""
+    big = res.config.base_of(label) == "file-big" and res.big_disk_pages_per_s
+    measured = res.big_disk_pages_per_s if big else res.disk_pages_per_s
+    out: dict[str, Any] = {"disk_pages_per_s": measured, "disk_share_needed": {}, "above_disk_limit": []}
+    if limits := [v for v in measured.values() if v]:
+        file, host = _by_c(res, label), _by_c(res, ref)
+        mean = sum(limits) / len(limits)
+        out["disk_share_needed"] = {c: file[c].file_pages_per_s / file[c].throughput_tok_s * target
+                                    * host[c].throughput_tok_s / mean
+                                    for c in sorted(set(file) & set(host)) if file[c].throughput_tok_s > 0}
+        out["above_disk_limit"] = [c for c, p in sorted(file.items()) if p.file_pages_per_s > ABOVE_LIMIT * max(limits)]
+    return out
 
 
 BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller tables
