@@ -124,10 +124,6 @@ class MooncakeTier(PageTier):
         return cls(store, name, manifest=manifest, data_offset=data_offset, master=master, timeout_s=timeout_s,
                    fallback=fallback, owns_store=owns)
 
-    @property
-    def backend(self) -> str:
-        return "mooncake"
-
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
 
