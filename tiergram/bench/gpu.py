@@ -201,14 +201,14 @@ def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
     from tiergram.engine import EngineConfig, LLMEngine, Placement, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = cfg.model or os.environ.get("TIERGRAM_MODEL") or str(default_model(Path(tmp), cfg.decode_preset,
-                                                                                      cfg.seed))
+        given = cfg.model or os.environ.get("TIERGRAM_MODEL")
+        model_dir = given or str(default_model(Path(tmp), cfg.decode_preset, cfg.seed))
         cache_bytes = int(0.1 * min(layer_table_bytes(model_dir)))  # exports the fp8 tables the engine reads
         rng = np.random.default_rng(cfg.seed)
         prompts = [rng.integers(2, 1000, cfg.decode_prompt).tolist() for _ in range(cfg.decode_requests)]
         params = SamplingParams(max_tokens=cfg.decode_output, ignore_eos=True)
         tokens = cfg.decode_requests * (cfg.decode_prompt + cfg.decode_output)
-        result: dict = {"model": cfg.model or os.environ.get("TIERGRAM_MODEL") or f"{cfg.decode_preset} (random)",
+        result: dict = {"model": given or f"{cfg.decode_preset} (random)",
                         "requests": cfg.decode_requests, "prompt": cfg.decode_prompt, "output": cfg.decode_output,
                         "file_cache_bytes": cache_bytes}
         placements = {"device": Placement("device"), "host": Placement("host"),
@@ -233,10 +233,8 @@ def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
                 if modes:
                     result[name]["file_mode"] = ",".join(sorted(modes))
     device, host, file = (result[p]["tok_s"] for p in ("device", "host", "file"))
-    result["host_vs_device"] = host / device
-    result["host_target"] = HOST_TARGET
-    result["host_meets_target"] = host / device >= HOST_TARGET
-    result["file_vs_host"] = file / host
+    result.update(host_vs_device=host / device, host_target=HOST_TARGET, host_meets_target=host / device >= HOST_TARGET,
+                  file_vs_host=file / host)
     return result
 
 
