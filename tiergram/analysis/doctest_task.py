@@ -78,26 +78,13 @@ def document_tasks(text: str, split: str, origin: str, path: str, *, max_output_
     return tasks
 
 
-def training_examples(corpus: str | os.PathLike, sources: Iterable[str] = SOURCES) -> set[tuple[str, str]]:
-    """(source, output) of every example in the training split's documents of these sources."""
-    keep = set(sources)
-    out = set()
-    for doc in load_split(corpus, "train"):
-        if doc.source in keep:
-            for session in sessions(doc.text):
-                out.update((e.source.strip(), e.want.strip()) for e in session)
-    return out
-
-
-def extract_tasks(corpus: str | os.PathLike, splits: Iterable[str] = HELD_OUT, *, max_output_chars: int = 20,
-                  max_context_examples: int = 4, drop_seen_in_training: bool = True) -> list[DoctestTask]:
+def extract_tasks(corpus: str | os.PathLike, splits: Iterable[str] = HELD_OUT) -> list[DoctestTask]:
     """Doctest tasks from the held-out splits' standard-library documents (never the training split)."""
     splits = list(splits)
     bad = [s for s in splits if s not in HELD_OUT]
     if bad:
         raise ValueError(f"doctest tasks come only from held-out splits {HELD_OUT}, not {bad}")
-    manifest = read_manifest(corpus)
-    stdlib = manifest.get("python_stdlib", {}).get("splits", {})
+    stdlib = read_manifest(corpus).get("python_stdlib", {}).get("splits", {})
     trained_paths = set(stdlib.get("train", []))
     tasks = []
     for split in splits:
@@ -107,10 +94,10 @@ def extract_tasks(corpus: str | os.PathLike, splits: Iterable[str] = HELD_OUT, *
             if doc.source == "python-stdlib" and (doc.path in trained_paths or
                                                    (stdlib and doc.path not in stdlib.get(split, []))):
                 raise ValueError(f"{doc.path} is in the {split} split but the manifest does not list it there")
-            tasks += document_tasks(doc.text, split, doc.source, doc.path, max_output_chars=max_output_chars,
-                                    max_context_examples=max_context_examples)
-    if drop_seen_in_training and tasks:
-        seen = training_examples(corpus)
+            tasks += document_tasks(doc.text, split, doc.source, doc.path)
+    if tasks:  # an example whose source and output the training split holds too would test recall
+        seen = {(e.source.strip(), e.want.strip()) for doc in load_split(corpus, "train") if doc.source in SOURCES
+                for session in sessions(doc.text) for e in session}
         tasks = [t for t in tasks if (t.code, t.expected.strip()) not in seen]
     return tasks
 
