@@ -87,7 +87,7 @@ class SkipPredictor:
         skip = self.predict_gate(layer, row_ids, positions) < thr
         mask = np.broadcast_to(skip[..., None], to_numpy(row_ids).shape).copy()
         if isinstance(row_ids, torch.Tensor):
-            return torch.fromto_numpy(mask).to(row_ids.device)
+            return torch.from_numpy(mask).to(row_ids.device)
         return mask
 
     def nbytes(self) -> dict[int, dict[str, int]]:
