@@ -15,6 +15,7 @@ import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -155,7 +156,7 @@ class _Generation:
         new = list(out.new_token_ids)
         if new:
             if self.last_t is None:
-                self.state.metrics.observe_first_token(now - self.arrival)
+                self.state.metrics.ttft.observe(now - self.arrival)
             else:
                 self.state.metrics.observe_tokens(now - self.last_t, len(new))
             self.last_t = now
@@ -278,6 +279,15 @@ def _overloaded(message: str, code: str) -> APIError:
     return APIError(429, message, "rate_limit_error", code=code, headers={"retry-after": str(RETRY_AFTER_S)})
 
 
+def _refusal(state: ServerState, e: Exception) -> APIError:
+    """The answer to a request refused before it ran: 429 (queue full), 503 (engine stopped), else 400."""
+    if isinstance(e, QueueFullError):
+        return _overloaded(f"the server is at capacity ({e}); retry later", "queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, state.shown(str(e)), "server_error")
+    return e if isinstance(e, APIError) else bad(str(e))
+
+
 def _json(raw: bytes) -> Any:
     """Strict JSON: UTF-8, no NaN / Infinity, bounded nesting; 400 otherwise."""
     try:
@@ -378,12 +388,11 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
         req = validate_request(kind, body, model_name=state.model_name, max_model_len=state.max_model_len,
                                vocab_size=state.vocab_size, limits=settings)
         if req.prompt_text is not None:
-            args = (req, tok)
-            kw = {"max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+            run = partial(tokenize, req, tok, max_model_len=state.max_model_len, vocab_size=state.vocab_size)
             if len(req.prompt_text) > INLINE_TOKENIZE_CHARS:  # a long prompt would hold up every other request
-                await asyncio.to_thread(tokenize, *args, **kw)
+                await asyncio.to_thread(run)
             else:
-                tokenize(*args, **kw)
+                run()
         return req
 
     async def generate(kind: str, request: Request) -> Response:
@@ -393,13 +402,12 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
                            code="draining")
         try:
             aengine.check_capacity()  # a request that will get 429 costs nothing: not even its body is parsed
-        except QueueFullError as e:
+            if state.reading >= settings.max_reading:  # bodies held in memory, prompts waiting for a tokenizer
+                raise _overloaded(f"{state.reading} requests are being read or tokenized, this server's limit; "
+                                  "retry later", "too_many_reading")
+        except (QueueFullError, APIError) as e:
             state.metrics.finished.labels(reason="rejected").inc()
-            raise _overloaded(f"the server is at capacity ({e}); retry later", "queue_full") from None
-        if state.reading >= settings.max_reading:  # bodies held in memory, prompts waiting for a tokenizer
-            state.metrics.finished.labels(reason="rejected").inc()
-            raise _overloaded(f"{state.reading} requests are being read or tokenized, this server's limit; retry "
-                              "later", "too_many_reading")
+            raise _refusal(state, e) from None
         state.reading += 1
         try:
             req = await _admit(kind, request)
@@ -409,15 +417,9 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
         gen = _Generation(state, req, arrival)
         try:
             q = await aengine.add(req.request_id, req.prompt_token_ids, req.params)
-        except QueueFullError as e:
+        except (QueueFullError, ValueError, EngineDeadError) as e:
             gen.fail("rejected")
-            raise _overloaded(f"the server is at capacity ({e}); retry later", "queue_full") from None
-        except ValueError as e:
-            gen.fail("rejected")
-            raise bad(str(e)) from None
-        except EngineDeadError as e:
-            gen.fail("rejected")
-            raise APIError(503, state.shown(str(e)), "server_error") from None
+            raise _refusal(state, e) from None
         except BaseException:
             gen.fail("abort")
             raise

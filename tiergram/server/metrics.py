@@ -59,10 +59,6 @@ class ServerMetrics:
         """One answered request (status: the HTTP status it got)."""
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    def observe_first_token(self, seconds: float) -> None:
-        """Arrival to first token of one request."""
-        self.ttft.observe(seconds)
-
     def observe_tokens(self, gap_s: float, n: int) -> None:
         """n tokens arrived gap_s after the previous ones: n inter-token gaps of gap_s / n."""
         for _ in range(n):

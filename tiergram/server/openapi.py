@@ -9,6 +9,7 @@ from tiergram.server.protocol import CHAT_ROLES
 from tiergram.settings import ServerSettings
 
 INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
+JSON_OBJECT = {"content": {"application/json": {"schema": {"type": "object"}}}}
 
 
 def _ids(max_items: int, vocab_size: int, min_items: int = 0) -> dict[str, Any]:
@@ -115,11 +116,10 @@ def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits:
             "/v1/completions": generation("CompletionRequest", "text completion"),
             "/v1/chat/completions": generation("ChatRequest", "chat completion"),
             "/v1/models": {"get": {"summary": "the served model", "responses": {"200": {
-                "description": "one model", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+                "description": "one model", **JSON_OBJECT}}}},
             "/health": {"get": {"summary": "liveness and fault counts", "responses": {
-                "200": {"description": "serving", "content": {"application/json": {"schema": {"type": "object"}}}},
-                "503": {"description": "draining, stopped, or every step failing",
-                        "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+                "200": {"description": "serving", **JSON_OBJECT},
+                "503": {"description": "draining, stopped, or every step failing", **JSON_OBJECT}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
                 "description": "text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },

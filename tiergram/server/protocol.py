@@ -235,10 +235,8 @@ def _unsupported(kind: str, body: dict[str, Any]) -> None:
                   unknown[0])
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise bad("'model' must be a string", "model")
-    if _int(body, "n", 1, 1, 1) != 1:
-        raise bad("only n = 1 is supported", "n")
-    if _int(body, "best_of", 1, 1, 1) != 1:
-        raise bad("best_of is not supported", "best_of")
+    _int(body, "n", 1, 1, 1)  # only one choice
+    _int(body, "best_of", 1, 1, 1)
     if _bool(body, "echo"):
         raise bad("echo is not supported", "echo")
     logprobs = body.get("logprobs")
@@ -349,43 +347,41 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def _object(req: GenerationRequest, choices: list[dict[str, Any]], streamed: bool, **extra: Any) -> dict[str, Any]:
+    """A response object or streamed chunk around its choices (`extra`: the usage)."""
+    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk" if streamed else "chat.completion"
+    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": choices,
+            **extra}
+
+
+def _choice(key: str, value: Any, token_ids: list[int], finish_reason: str | None) -> list[dict[str, Any]]:
+    """The one choice: its text (`key` text, message or delta) and token ids."""
+    return [{"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}]
+
+
 def response(req: GenerationRequest, text: str, token_ids: list[int], finish_reason: str | None,
              prompt_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """The complete (non-streamed) response object."""
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason, "token_ids": token_ids}
-        obj = "chat.completion"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
-            "usage": usage(prompt_tokens, len(token_ids), cached_tokens)}
+    key, value = ("text", text) if req.kind == "completion" else ("message", {"role": "assistant", "content": text})
+    return _object(req, _choice(key, value, token_ids, finish_reason), False,
+                   usage=usage(prompt_tokens, len(token_ids), cached_tokens))
 
 
 def chunk(req: GenerationRequest, text: str | None, token_ids: list[int], finish_reason: str | None,
           *, role: bool = False) -> dict[str, Any]:
     """One streamed chunk (text delta and its token ids; the finish reason on the last)."""
     if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason,
-                  "token_ids": token_ids}
-        obj = "text_completion"
-    else:
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                  "token_ids": token_ids}
-        obj = "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [choice]}
+        return _object(req, _choice("text", text or "", token_ids, finish_reason), True)
+    delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if text:
+        delta["content"] = text
+    return _object(req, _choice("delta", delta, token_ids, finish_reason), True)
 
 
 def usage_chunk(req: GenerationRequest, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
                 ) -> dict[str, Any]:
     """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": req.request_id, "object": obj, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+    return _object(req, [], True, usage=usage(prompt_tokens, completion_tokens, cached_tokens))
 
 
 class Detokenizer:
