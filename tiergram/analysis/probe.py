@@ -130,11 +130,10 @@ def probe_layer(tr: Trace, tokenizer: Any, layer: int, branch: int, tables: dict
                 min_count: int = 5, top: int = 30, n_examples: int = 3) -> LayerProbe:
     """Gate summary and top/bottom n-grams of one layer and branch."""
     g = tr.gates[layer][:, branch].astype(np.float64)
-    qs = np.quantile(g, [0.01, 0.1, 0.5, 0.9, 0.99])
+    qs = (0.01, 0.1, 0.5, 0.9, 0.99)
     by_cat = {c: float(g[tr.category == k].mean()) for k, c in enumerate(CATEGORIES) if (tr.category == k).any()}
     out = LayerProbe(layer=layer, branch=branch, mean_gate=float(g.mean()),
-                     quantiles={f"p{int(q * 100):02d}": float(v) for q, v in zip([0.01, 0.1, 0.5, 0.9, 0.99], qs,
-                                                                               strict=True)},
+                     quantiles={f"p{int(q * 100):02d}": float(v) for q, v in zip(qs, np.quantile(g, qs), strict=True)},
                      mean_gate_by_category=by_cat, attributed={}, distinct={})
     for order, table in tables.items():
         sums = np.bincount(table.inverse, weights=g, minlength=len(table.counts))

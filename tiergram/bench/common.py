@@ -36,10 +36,8 @@ def stdlib_files(exclude: Collection[str] = ("site-packages", "dist-packages")) 
     return sorted(p for p in root.rglob("*.py") if not set(exclude) & set(p.relative_to(root).parts) and p.is_file())
 
 
-def rate(fn: Callable[[], object], items: int, *, min_time: float = 0.5, warmup: int = 1) -> float:
-    """Items per second of fn(), best of repeated timed rounds of about min_time/3 each."""
-    for _ in range(warmup):
-        fn()
+def rate(fn: Callable[[], object], items: int, min_time: float) -> float:
+    """Items per second of fn(), the best of its calls over about min_time seconds."""
     best = 0.0
     deadline = time.perf_counter() + min_time
     while True:
@@ -60,7 +58,7 @@ def rates_interleaved(fns: dict[str, Callable[[], object]], items: int, *, round
         fn()  # warm-up: page faults, caches
     for _ in range(rounds):
         for name, fn in fns.items():
-            best[name] = max(best[name], rate(fn, items, min_time=seconds, warmup=0))
+            best[name] = max(best[name], rate(fn, items, seconds))
     return best
 
 

@@ -123,11 +123,10 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     log(progress, f"trace: {len(tokens)} tokens of the {source}")
     # the disk's limit on each model's own tables: the volume under this VM serves blocks it served recently several
     # times faster than others, so one file's rate says little about another's
-    disk: dict[str, float] = {}
-    big_disk: dict[str, float] = {}
     limit_tables = {"": tables[0]}
     if cfg.big_model_dir and any(cfg.kind_of(lb) == "file" for lb in labels):
         limit_tables["big"] = layer_tables(cfg.big_model_dir)[0]
+    disk: dict[str, dict[str, float]] = {which: {} for which in limit_tables}  # before/after, pages/s
     points: list[Point] = []
     servers: dict[str, dict[str, Any]] = {}
     live: dict[str, tuple[str, str, list[int]]] = {}  # label -> (url, model name, its concurrency levels)
@@ -180,9 +179,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                     log(progress, f"{table}: the filesystem refuses O_DIRECT; the file servers read through the "
                                    "page cache and no disk limit is measured")
                     continue
-                (big_disk if which else disk)["before"] = before
+                disk[which]["before"] = before
                 log(progress, f"disk limit on {table.name}{' (big model)' if which else ''} (native reader, QD128, "
-                               f"O_DIRECT, new pages): {before:.0f} pages/s")
+                              f"O_DIRECT, new pages): {before:.0f} pages/s")
         trace = workload(cfg, tokens, max_model_len=min(s["max_model_len"] for s in servers.values()))
         think = cfg.think_time_s if cfg.workload == "conversations" else 0.0
         for c in sorted({c for _, _, lv in live.values() for c in lv}):
@@ -220,15 +219,14 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
         for pl, pid in procs.items():
             servers[pl]["peak_rss_bytes"] = peak_rss(pid)
     for which, table in limit_tables.items():
-        got = big_disk if which else disk
-        if got and (after := disk_limit(table)) is not None:
-            got["after"] = after
+        if disk[which] and (after := disk_limit(table)) is not None:
+            disk[which]["after"] = after
             log(progress, f"disk limit on {table.name}{' (big model)' if which else ''} after the sweep: "
-                           f"{after:.0f} pages/s")
+                          f"{after:.0f} pages/s")
     points.sort(key=lambda p: (labels.index(p.placement), p.concurrency))
     fronts = {pl: [p.concurrency for p in pareto([q for q in points if q.placement == pl])] for pl in labels}
-    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk,
-                      big_disk_pages_per_s=big_disk)
+    res = SweepResult(cfg, source, points, fronts, servers, {}, 0.0, disk_pages_per_s=disk[""],
+                      big_disk_pages_per_s=disk.get("big", {}))
     res.checks = checks(res)
     res.seconds = round(time.perf_counter() - t_start, 1)
     res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "serve-sweep.png"))

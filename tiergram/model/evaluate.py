@@ -70,11 +70,8 @@ def eval_documents(corpus: str | os.PathLike, split: str, tokenizer: Any, *,
 
 def document_windows(docs: list[EvalDoc], seq_len: int) -> list[tuple[int, np.ndarray]]:
     """(document index, tokens [<= seq_len + 1]) windows; consecutive windows overlap by one token."""
-    out = []
-    for d, doc in enumerate(docs):
-        for s in range(0, len(doc.tokens) - 1, seq_len):
-            out.append((d, doc.tokens[s:s + seq_len + 1]))
-    return out
+    return [(d, doc.tokens[s:s + seq_len + 1]) for d, doc in enumerate(docs)
+            for s in range(0, len(doc.tokens) - 1, seq_len)]
 
 
 @dataclass
@@ -146,11 +143,7 @@ def evaluate(model: EngramLM, corpus: str | os.PathLike, split: str, tokenizer: 
     if not docs:
         raise ValueError(f"the {split} split of {corpus} has no documents to evaluate")
     score_documents(model, docs, batch_size=batch_size, engram_enabled=engram_enabled, progress=progress)
-    cats = {}
-    for cat in CATEGORIES:
-        mine = [d for d in docs if d.category == cat]
-        if mine:
-            cats[cat] = vars(summarize(mine, seed))
+    cats = {c: vars(summarize(mine, seed)) for c in CATEGORIES if (mine := [d for d in docs if d.category == c])}
     on = model.active_engram_layers(engram_enabled)
     return {"split": split, "engram_enabled": bool(on), "engram_layers_on": on,
             "max_tokens_per_category": max_tokens_per_category, "categories": cats, "all": vars(summarize(docs, seed))}

@@ -395,11 +395,8 @@ class EngramLM(nn.Module):
 
     def num_params(self) -> dict[str, int]:
         """{'backbone': parameters outside the Engram tables, 'tables': table values}."""
-        tables = {id(p) for p in self.table_parameters()}
-        counts = {"backbone": 0, "tables": 0}
-        for p in self.parameters():
-            counts["tables" if id(p) in tables else "backbone"] += p.numel()
-        return counts
+        tables = sum(p.numel() for p in self.table_parameters())
+        return {"backbone": sum(p.numel() for p in self.parameters()) - tables, "tables": tables}
 
 
 def check_hasher(hasher: NgramHasher, config: ModelConfig) -> None:
