@@ -328,14 +328,10 @@ def resolve_sources(names: str | list[str | Source] | None) -> list[Source]:
         names = list(DEFAULT_SOURCES)
     if isinstance(names, str):
         names = list(SOURCES) if names.strip() == "all" else [n.strip() for n in names.split(",") if n.strip()]
-    out: list[Source] = []
-    for n in names:
-        if isinstance(n, Source):
-            out.append(n)
-        elif n in SOURCES:
-            out.append(SOURCES[n])
-        else:
-            raise ValueError(f"unknown corpus source {n!r}; known: {', '.join(SOURCES)}")
+    unknown = [n for n in names if not isinstance(n, Source) and n not in SOURCES]
+    if unknown:
+        raise ValueError(f"unknown corpus source {unknown[0]!r}; known: {', '.join(SOURCES)}")
+    out = [n if isinstance(n, Source) else SOURCES[n] for n in names]
     if len({s.name for s in out}) != len(out):
         raise ValueError("corpus sources must have distinct names")
     if not out:

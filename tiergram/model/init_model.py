@@ -146,11 +146,9 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     need = sum(m.encode()[1] + m.data_bytes for m in manifests.values())
     check_room(out, len(layers), need)
     t0 = time.perf_counter()
-    files = {}
+    files = {layer: table_filename(layer, CODEC) for layer in layers}
     for layer, m in manifests.items():
-        name = table_filename(layer, CODEC)
-        create_random_table(out / name, m, seed=seed + layer, std=table_std, progress=progress)
-        files[layer] = name
+        create_random_table(out / files[layer], m, seed=seed + layer, std=table_std, progress=progress)
     write_s = time.perf_counter() - t0
     info: dict[str, Any] = {"geometry": geo.name, "backbone": backbone, "random_weights": True,
                             "table_gib": table_gib, "rows_per_head": rows, "table_bytes": need,
