@@ -70,10 +70,7 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str, log
 
 
 def _tail(log: Path, n: int = 2000) -> str:
-    try:
-        return log.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
+    return _read_bytes(log).decode(errors="replace")[-n:]
 
 
 def master_binary() -> str:

@@ -66,12 +66,9 @@ def split_points(sweep: dict[str, Any]) -> list[SplitPoint]:
 
 
 def best_split(points: list[SplitPoint]) -> dict[int, str]:
-    """{concurrency: the server with the highest throughput there}."""
-    best: dict[int, SplitPoint] = {}
-    for s in points:
-        if s.concurrency not in best or s.throughput_tok_s > best[s.concurrency].throughput_tok_s:
-            best[s.concurrency] = s
-    return {c: s.server for c, s in sorted(best.items())}
+    """{concurrency: the server with the highest throughput there} (the first listed on a tie)."""
+    by_c = groupby(sorted(points, key=lambda s: s.concurrency), key=lambda s: s.concurrency)
+    return {c: max(at, key=lambda s: s.throughput_tok_s).server for c, at in by_c}
 
 
 def to_markdown(points: list[SplitPoint]) -> str:
