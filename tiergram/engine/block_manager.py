@@ -140,10 +140,12 @@ class BlockManager:
             return 0
         for block in on_device:  # held first, so taking blocks below cannot evict them
             self._hold(block)
+        # host hits pinned first too: a block taken below may be evicted into the host tier, which must not drop them
+        slots = {name: self.host.get(name) for name, block in hits if block is None}
         for name, block in hits:
             if block is None:
                 block = self._take()
-                self.copies.to_device.append((self.host.get(name), block))
+                self.copies.to_device.append((slots[name], block))
                 self.cached[name] = block
                 self.hash_of[block] = name
             seq.block_table.append(block)
