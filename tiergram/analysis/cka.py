@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tiergram.analysis.stats import md_table
-from tiergram.model.evaluate import Window, batches
+from tiergram.model.evaluate import Window, eval_batches
 from tiergram.model.model import EngramLM
 from tiergram.plots import save_figure, subplots
 
@@ -84,17 +84,12 @@ def collect_states(model: EngramLM, windows: list[Window], *, batch_size: int = 
                    progress: bool = False) -> tuple[list[torch.Tensor], np.ndarray]:
     """(states [L+1] of float64 [n, d] over every valid position of the windows, in window order of `batches`;
     window index [n] of each position)."""
-    from tqdm import tqdm
-
-    model.eval()
-    device = next(model.parameters()).device
     parts: list[list[torch.Tensor]] = [[] for _ in range(len(model.blocks) + 1)]
     owner: list[np.ndarray] = []
     with residual_states(model) as states:
-        for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="layer states", unit="batch",
-                              disable=not progress):
-            model(x.to(device))
-            valid = (y != -100).to(device)
+        for idx, x, y in eval_batches(model, windows, batch_size, "layer states", progress):
+            model(x)
+            valid = y != -100
             for k, s in enumerate(states):
                 parts[k].append(s[valid].double().cpu())
             owner.append(np.repeat(np.array(idx), valid.sum(1).cpu().numpy()))

@@ -28,7 +28,7 @@ from tiergram.analysis.predictor import FEATURE_SETS, SkipPredictor, fit_predict
 from tiergram.analysis.stats import Estimate, interval, md_table, paired_ratio_delta, ratio_estimate
 from tiergram.analysis.trace import EngramHooks, Trace
 from tiergram.analysis.training_rows import TrainingRows
-from tiergram.model.evaluate import EvalDoc, batches
+from tiergram.model.evaluate import EvalDoc, eval_batches
 from tiergram.model.model import EngramLM
 from tiergram.plots import save_figure, subplots
 
@@ -42,17 +42,11 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
                 batch_size: int = 8, progress: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """({config: per-document loss sums}, per-document token counts) over the trace's windows, where
     masks[config][layer] is a bool [N, H] over the trace's positions: True = that row read is skipped."""
-    from tqdm import tqdm
-
-    model.eval()
-    device = next(model.parameters()).device
     starts = tr.window_starts()
     n_docs = max(w.doc for w in tr.windows) + 1
     sums = {name: np.zeros(n_docs) for name in masks}
     counts = np.zeros(n_docs)
-    for idx, x, y in tqdm(list(batches(tr.windows, batch_size)), desc=f"skip eval ({len(masks)} configs)",
-                          unit="batch", disable=not progress):
-        x, y = x.to(device), y.to(device)
+    for idx, x, y in eval_batches(model, tr.windows, batch_size, f"skip eval ({len(masks)} configs)", progress):
         row_ids = model.engram_row_ids(x)
         fetched = {layer: model.blocks[layer].engram.table(row_ids[layer]) for layer in model.engram_layers}
         docs = [tr.windows[i].doc for i in idx]
@@ -65,7 +59,7 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
                 for j, i in enumerate(idx):
                     n = len(tr.windows[i].inputs)
                     skip[j, :n] = m[starts[i]:starts[i] + n]
-                s = torch.from_numpy(skip).to(device)
+                s = torch.from_numpy(skip).to(x.device)
                 rows[layer] = fetched[layer].masked_fill(s[..., None], 0.0)
                 keep[layer] = ~s.all(-1)
             hooks = EngramHooks(record=False, keep=keep)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.corpus import CATEGORIES
-from tiergram.model.evaluate import EvalDoc, Window, batches, eval_documents, make_windows
+from tiergram.model.evaluate import EvalDoc, Window, eval_batches, eval_documents, make_windows
 from tiergram.model.model import EngramLM
 
 
@@ -137,21 +137,17 @@ def trace(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progre
     """Run the model over windows (Engram on) and record gates, row ids, n-gram contexts and losses."""
     if not model.engram_layers:
         raise ValueError("the model has no Engram layers to trace")
-    from tqdm import tqdm
-
-    model.eval()
-    device = next(model.parameters()).device
     hooks = EngramHooks(record=True, record_query=True)
     qsum = {layer: 0.0 for layer in model.engram_layers}
     parts: dict[str, list] = {k: [] for k in ("window", "pos", "context", "loss")}
     gates: dict[int, list] = {layer: [] for layer in model.engram_layers}
     rows: dict[int, list] = {layer: [] for layer in model.engram_layers}
     with hooks.installed(model):
-        for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="trace", unit="batch", disable=not progress):
-            logits, _ = model(x.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
+        for idx, x, y in eval_batches(model, windows, batch_size, "trace", progress):
+            logits, _ = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
             row_ids = model.engram_row_ids(x)
-            ctx = compressed_context(model, x.numpy())
+            ctx = compressed_context(model, x.cpu().numpy())
             for j, i in enumerate(idx):
                 n = len(windows[i].inputs)
                 parts["window"].append(np.full(n, i, dtype=np.int32))

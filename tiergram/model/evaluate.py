@@ -105,17 +105,24 @@ def batches(windows: list[Window], batch_size: int) -> Iterator[tuple[list[int],
         yield idx, x, y
 
 
+def eval_batches(model: EngramLM, windows: list[Window], batch_size: int, desc: str, progress: bool
+                 ) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """batches() moved to the model's device, with the model in eval mode and a progress bar named desc."""
+    model.eval()
+    device = next(model.parameters()).device
+    for idx, x, y in tqdm(batches(windows, batch_size), total=-(-len(windows) // batch_size), desc=desc, unit="batch",
+                          disable=not progress):
+        yield idx, x.to(device), y.to(device)
+
+
 @torch.no_grad()
 def score_documents(model: EngramLM, docs: list[EvalDoc], *, batch_size: int = 16,
                     engram_enabled: bool | Iterable[int] = True, progress: bool = True) -> None:
     """Fill each document's loss_sum and count (summed next-token cross-entropy, in nats)."""
-    model.eval()
-    device = next(model.parameters()).device
     windows = make_windows(docs, model.config.max_seq)
-    for idx, x, y in tqdm(batches(windows, batch_size), total=-(-len(windows) // batch_size), desc="eval",
-                          unit="batch", disable=not progress):
-        logits, _ = model(x.to(device), engram_enabled=engram_enabled)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
+    for idx, x, y in eval_batches(model, windows, batch_size, "eval", progress):
+        logits, _ = model(x, engram_enabled=engram_enabled)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
         loss = loss.cpu().double()
         for j, i in enumerate(idx):
             doc, n = docs[windows[i].doc], len(windows[i].inputs)
