@@ -83,11 +83,6 @@ def _rows_to_numpy(rows, row_bytes: int) -> np.ndarray:
     return np.ascontiguousarray(r)
 
 
-def _float32_rounding_bound(x: np.ndarray) -> np.ndarray:
-    """float64 [N, D]: worst-case |x - float32(x)| (half an ulp, relative 2^-24, plus subnormal slack)."""
-    return np.abs(x) * 2.0**-24 + 2.0**-150
-
-
 def _bf16_bits(x32: np.ndarray) -> np.ndarray:
     """float32 -> uint16 bfloat16 bits, round to nearest even (ties keep the even upper half)."""
     bits = x32.view(np.uint32).astype(np.uint64)
@@ -132,7 +127,8 @@ class Codec:
         x32 = _values_to_float32(values)
         self._check_dim(x32.shape[1])
         x = _to_numpy(values).astype(np.float64)
-        return self._quant_bound(x32) + _float32_rounding_bound(x)
+        # plus rounding the input to float32: half an ulp (relative 2^-24) and subnormal slack
+        return self._quant_bound(x32) + np.abs(x) * 2.0**-24 + 2.0**-150
 
     # --- per-codec parts -------------------------------------------------------------------------
 

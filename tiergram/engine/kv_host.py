@@ -112,13 +112,6 @@ class HostKV:
         with self._lock:
             self.stats.wait_s += time.perf_counter() - t0
 
-    def _copy(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
-        try:
-            self._copy_blocks(to_host, to_device)
-        except BaseException:
-            self.forget([slot for _, slot in to_host])  # half-written slots must not be found by name
-            raise
-
     def forget(self, slots: list[int]) -> None:
         """Drop the names of these slots (their contents are not what the names say) and free them."""
         for slot in slots:
@@ -128,17 +121,21 @@ class HostKV:
                 self._name_of[slot] = None
                 self._free.append(slot)
 
-    def _copy_blocks(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
-        bs = self.block_size
-        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-            for block, slot in to_host:
-                for dev, host in zip(self.device_caches, self.host_caches, strict=True):
-                    host[slot].copy_(dev[:, block * bs:(block + 1) * bs], non_blocking=self._stream is not None)
-            for slot, block in to_device:
-                for dev, host in zip(self.device_caches, self.host_caches, strict=True):
-                    dev[:, block * bs:(block + 1) * bs].copy_(host[slot], non_blocking=self._stream is not None)
-            if self._stream is not None:
-                self._stream.synchronize()
+    def _copy(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]]) -> None:
+        bs, non_blocking = self.block_size, self._stream is not None
+        try:
+            with torch.cuda.stream(self._stream) if non_blocking else nullcontext():
+                for block, slot in to_host:
+                    for dev, host in zip(self.device_caches, self.host_caches, strict=True):
+                        host[slot].copy_(dev[:, block * bs:(block + 1) * bs], non_blocking=non_blocking)
+                for slot, block in to_device:
+                    for dev, host in zip(self.device_caches, self.host_caches, strict=True):
+                        dev[:, block * bs:(block + 1) * bs].copy_(host[slot], non_blocking=non_blocking)
+                if non_blocking:
+                    self._stream.synchronize()
+        except BaseException:
+            self.forget([slot for _, slot in to_host])  # half-written slots must not be found by name
+            raise
         with self._lock:
             st = self.stats
             st.blocks_to_host += len(to_host)

@@ -25,14 +25,9 @@ def engram_normalizer() -> tokenizers.normalizers.Normalizer:
                                  normalizers.Replace(SENTINEL, " ")])
 
 
-def _backend(tokenizer: Any) -> tokenizers.Tokenizer:
-    # transformers' fast tokenizers wrap a `tokenizers.Tokenizer`; use it directly.
-    return getattr(tokenizer, "backend_tokenizer", tokenizer)
-
-
 def build_compression(tokenizer: Any) -> tuple[np.ndarray, int]:
     """(lookup int64 [V], C): lookup[token_id] -> compressed id in 0..C-1, ids given by first appearance."""
-    tok = _backend(tokenizer)
+    tok = getattr(tokenizer, "backend_tokenizer", tokenizer)  # transformers' fast tokenizers wrap a Tokenizer
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     if vocab_size <= 0:
         raise ValueError("tokenizer has an empty vocabulary")

@@ -133,14 +133,11 @@ class NgramHasher:
                 out[layer].append(row)
         return out
 
-    def _check_layer(self, layer_id: int) -> int:
-        if layer_id not in self.multipliers:
-            raise ValueError(f"layer {layer_id} is not an Engram layer of this hasher ({self.layer_ids})")
-        return layer_id
-
     def head_sizes(self, layer_id: int) -> list[int]:
         """Table size (rows) of each head of a layer, length H, order-2 heads first."""
-        return [s for order in self.head_table_sizes[self._check_layer(layer_id)] for s in order]
+        if layer_id not in self.head_table_sizes:
+            raise ValueError(f"layer {layer_id} is not an Engram layer of this hasher ({self.layer_ids})")
+        return [s for order in self.head_table_sizes[layer_id] for s in order]
 
     def head_offsets(self, layer_id: int) -> np.ndarray:
         """int64 [H]: each head's first row in the layer's rows laid end to end (a row's key = offset + row id)."""

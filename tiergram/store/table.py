@@ -305,22 +305,23 @@ class TieredTable(ManifestGeometry):
     def _fetch(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None,
                announced: tuple[np.ndarray | None, int | None] | None) -> None:
         """Fill out [N, H, D] with the rows of flat ids [N, H] from cache and tier."""
-        if self.pipeline == "native":
-            self._fetch_native(flat, out, cancelled)
+        if self.pipeline == "native":  # the whole lookup in one call without the GIL, statistics counted there
+            if self._native_cache is not None and cancelled is not None and cancelled.is_set():
+                raise CancelledError  # as the reference path: a cached fetch stops before it reads (no cache: it runs)
+            self._native(_native.fetch, flat, _native_out(out), self.stats_.native)
+            return
+        if self.cache is not None:
+            self._fetch_cached(flat, out, cancelled, announced)
             return
         m = self.manifest
         per_head_ids = np.full(self.num_heads, flat.shape[0], dtype=np.int64)
-        if self.cache is None:
-            uniq, pages = self.tier.gather(flat, out)
-            if isinstance(self.tier, HostTier):  # it reads every id as it comes: no distinct rows to count
-                self.stats_.record(ids=per_head_ids, tier_bytes={"host": uniq.size * m.row_bytes})
-                return
-            # every distinct row is a miss of the (absent) cache
-            counts = per_head_counts(uniq, self._offsets)
-            self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
-                               tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)
+        uniq, pages = self.tier.gather(flat, out)
+        if isinstance(self.tier, HostTier):  # it reads every id as it comes: no distinct rows to count
+            self.stats_.record(ids=per_head_ids, tier_bytes={"host": uniq.size * m.row_bytes})
             return
-        self._fetch_cached(flat, out, cancelled, announced)
+        counts = per_head_counts(uniq, self._offsets)  # every distinct row is a miss of the (absent) cache
+        self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
+                           tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)
 
     def _fetch_cached(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None,
                       announced: tuple[np.ndarray | None, int | None] | None) -> None:
@@ -359,15 +360,6 @@ class TieredTable(ManifestGeometry):
             unique=per_head_counts(uniq, self._offsets), hits=per_head_counts(uniq[hit], self._offsets),
             misses=per_head_counts(miss_keys, self._offsets),
             tier_bytes={"cache": int(hit.sum()) * m.row_bytes, self.tier.name: pages * m.page_size}, pages=pages)
-
-    def _fetch_native(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None) -> None:
-        """The whole lookup in one native call without the GIL (see `_native.fetch`); it counts the statistics too.
-
-        Python's share is this call, whatever the number of rows.
-        """
-        if self._native_cache is not None and cancelled is not None and cancelled.is_set():
-            raise CancelledError  # as the reference path: a cached fetch stops before it reads (no cache: it runs)
-        self._native(_native.fetch, flat, _native_out(out), self.stats_.native)
 
     def _native(self, call, flat: np.ndarray, *args: object) -> object:
         """call(reader, cache, flat ids [N, H], offsets, head rows, rows per page, codec, dim, *args, tier counts): a

@@ -294,7 +294,9 @@ class MooncakeTier(PageTier):
                 with self._lock:
                     self._registered.append(buf)
             if old is not None:  # outgrown: this thread's earlier calls are done with it
-                self._release(old)
+                with self._lock:
+                    self._registered = [b for b in self._registered if b is not old]
+                self.store.unregister_buffer(old.ctypes.data)
             self._staging[me] = buf
         return buf[:nbytes]
 
@@ -307,11 +309,6 @@ class MooncakeTier(PageTier):
                     del self._abandoned[k]
                     return buf
         return None
-
-    def _release(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._registered = [b for b in self._registered if b is not buf]
-        self.store.unregister_buffer(buf.ctypes.data)
 
     def _abandon(self, buf: np.ndarray) -> None:
         """Never hand this thread's staging buffer out again: a transfer may still be writing into it."""
