@@ -212,7 +212,7 @@ def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask],
             n_gen.append(len(ids))
         results.append(GenerationResult(s.name, mean_estimate(hits[s.name]),
                                         mean_estimate(hits[s.name] - hits[settings[0].name]),
-                                        float(np.mean(n_gen)) if n_gen else 0.0, answers))
+                                        float(np.mean(n_gen)) if n_gen else 0.0, answers=answers))
     return results
 
 
