@@ -75,14 +75,6 @@ def _values_to_float32(values) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
-def _rows_to_numpy(rows, row_bytes: int) -> np.ndarray:
-    """uint8 [N, row_bytes] (numpy or torch) -> contiguous numpy uint8; ValueError on a bad shape."""
-    r = _to_numpy(rows)
-    if r.dtype != np.uint8 or r.ndim != 2 or r.shape[1] != row_bytes:
-        raise ValueError(f"expected uint8 rows of shape [N, {row_bytes}], got {r.dtype} {tuple(r.shape)}")
-    return np.ascontiguousarray(r)
-
-
 def _bf16_bits(x32: np.ndarray) -> np.ndarray:
     """float32 -> uint16 bfloat16 bits, round to nearest even (ties keep the even upper half)."""
     bits = x32.view(np.uint32).astype(np.uint64)
@@ -116,9 +108,11 @@ class Codec:
         """uint8 [N, row_bytes(dim)] (numpy or torch) -> CPU tensor [N, dim] of float32 or bfloat16."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"decode dtype must be torch.float32 or torch.bfloat16, got {dtype}")
-        r = _rows_to_numpy(rows, self.row_bytes(dim))
+        r, row_bytes = _to_numpy(rows), self.row_bytes(dim)
+        if r.dtype != np.uint8 or r.ndim != 2 or r.shape[1] != row_bytes:
+            raise ValueError(f"expected uint8 rows of shape [N, {row_bytes}], got {r.dtype} {tuple(r.shape)}")
         with np.errstate(over="ignore"):  # bytes no encoder writes may overflow to inf: that is the value
-            values = self._decode(r, dim)
+            values = self._decode(np.ascontiguousarray(r), dim)
         out = torch.from_numpy(np.array(values, dtype=np.float32, order="C", copy=True))
         return out if dtype == torch.float32 else out.to(torch.bfloat16)
 

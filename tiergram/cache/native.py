@@ -13,19 +13,14 @@ docs/benchmarks.md, "File-tier lookup, fetch pipeline and cache"); its index cos
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from tiergram import _native
 from tiergram.cache.row_cache import CacheCounters, SlotCache
 
 NATIVE_POLICIES = ("lru", "lfu", "lookahead")
-
-
-class _PolicyName:
-    """What callers read of a policy (`cache.policy.name`); the native cache's policy lives in C++."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
 
 
 class NativeRowCache(SlotCache):
@@ -36,7 +31,7 @@ class NativeRowCache(SlotCache):
             raise ValueError(f"the native row cache has policies {', '.join(NATIVE_POLICIES)}, not {policy!r} "
                              "(use tiergram.cache.RowCache for the others)")
         super().__init__(capacity, row_bytes)
-        self.policy = _PolicyName(policy)
+        self.policy = SimpleNamespace(name=policy)  # what callers read of it (policy.name): it lives in C++
         self.native = _native.RowCache(self.capacity, self.row_bytes, policy)
         # views of the native arrays (they live as long as self.native)
         self.rows: np.ndarray = self.native.rows
