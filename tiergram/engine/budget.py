@@ -17,9 +17,9 @@ def budget_bytes(device: torch.device, configured: int | None) -> int:
     """The device budget: configured, else CUDA's free memory now, else $TIERGRAM_DEVICE_BYTES or 2 GiB on the CPU."""
     if configured is not None:
         return int(configured)
-    if device.type == "cuda":
+    if device.type == "cuda" or os.environ.get(DEVICE_BYTES_ENV):
         return device_memory_budget(device)
-    return device_memory_budget(device) if os.environ.get(DEVICE_BYTES_ENV) else DEFAULT_CPU_BYTES
+    return DEFAULT_CPU_BYTES
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
