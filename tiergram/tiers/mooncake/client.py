@@ -81,15 +81,6 @@ def table_uri(master: str, name: str) -> str:
     return f"{URI_SCHEME}{master}/{name}"
 
 
-def _import_store() -> Any:
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as e:
-        raise ImportError(f"the mooncake tier needs Mooncake Store: pip install 'tiergram[remote]' "
-                          f"(and apt-get install libibverbs1); import failed: {e}") from None
-    return MooncakeDistributedStore
-
-
 def mooncake_bound_s(env: Mapping[str, str] = os.environ) -> float | None:
     """Longest a store call can take before Mooncake itself fails it, by the timeouts in env; None when one is unset
     (then Mooncake's defaults allow a 60-s hang). A hung holder fails after 2 x the TCP timeout (measured)."""
@@ -125,7 +116,12 @@ def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: in
         socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 5.0)).close()
     except OSError as e:
         raise ConnectionError(f"Mooncake master {master} is not reachable: {e}") from None
-    store = _import_store()()
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ImportError(f"the mooncake tier needs Mooncake Store: pip install 'tiergram[remote]' "
+                          f"(and apt-get install libibverbs1); import failed: {e}") from None
+    store = MooncakeDistributedStore()
     caller = Caller(timeout_s)
     try:  # an unreachable master makes setup retry for ~90 s
         rc = caller(store.setup, local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, "",
