@@ -76,21 +76,21 @@ def settings_of(args: argparse.Namespace) -> ServeSettings:
 
     from tiergram import settings
 
-    base = settings.load(args.config) if getattr(args, "config", None) else ServeSettings()
+    base = settings.load(args.config) if args.config else ServeSettings()
     raw = {"engine": asdict(base.engine), "server": asdict(base.server)}
     given = {key: (sect, getattr(args, key)) for sect, keys in FLAGS.items() for key in keys
-             if getattr(args, key, None) is not None}
+             if getattr(args, key) is not None}
     for key, (sect, value) in given.items():
         raw[sect][key] = value
     if raw["server"]["api_key"] is None:
         raw["server"]["api_key"] = os.environ.get("TIERGRAM_API_KEY") or None
     try:
-        out = settings.from_dict(raw, f"{args.config}" if getattr(args, "config", None) else "the configuration")
+        out = settings.from_dict(raw, args.config or "the configuration")
     except ConfigError as e:  # a value a flag gave is named by its flag
         if e.key not in given:
             raise
         raise ConfigError(f"--{e.key.replace('_', '-')}: {e.detail}") from None
-    out.engram = settings.engram_config(args.engram_config) if getattr(args, "engram_config", None) else base.engram
+    out.engram = settings.engram_config(args.engram_config) if args.engram_config else base.engram
     return out
 
 

@@ -25,7 +25,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    10.0, 20.0, 40.0, 80.0)
 
 
-class ServerMetrics:
+class ServerMetrics(Collector):
     """Request-level metrics of the HTTP server (thread-safe) and the rendering of /metrics.
 
     Each ServerMetrics has its own registry, so several servers in one process (tests) do not share counters.
@@ -52,7 +52,7 @@ class ServerMetrics:
         self.e2e = Histogram("tiergram_e2e_request_latency_seconds", "Time from request arrival to its last token.",
                              buckets=LATENCY_BUCKETS, registry=r)
         self._state, self._engine_cpu = state, engine_cpu
-        r.register(_StateCollector(self))
+        r.register(self)  # collect(): the HTTP side's gauges and the engine snapshot, read when scraped
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, open fds, ...
 
     def count_request(self, endpoint: str, status: int) -> None:
@@ -76,17 +76,11 @@ class ServerMetrics:
         """The /metrics text."""
         return generate_latest(self.registry).decode()
 
-
-class _StateCollector(Collector):
-    """HTTP-side gauges and the engine snapshot's metrics, read when scraped."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
-
     def collect(self) -> Iterator[Any]:
-        if self.metrics._state is None:
+        """HTTP-side gauges and the engine snapshot's metrics (the registry calls it when scraped)."""
+        if self._state is None:
             return
-        engine, in_flight, draining, (connections, reading, streams) = self.metrics._state()
+        engine, in_flight, draining, (connections, reading, streams) = self._state()
         yield _gauge("tiergram_requests_in_flight", "HTTP generation requests being served.", in_flight)
         yield _gauge("tiergram_http_connections", "Open HTTP connections.", connections)
         yield _gauge("tiergram_requests_reading", "Requests reading their body or being tokenized.", reading)
@@ -94,9 +88,9 @@ class _StateCollector(Collector):
         yield _gauge("tiergram_draining", "1 while the server drains before exiting.", int(draining))
         if engine is not None:
             yield from engine_metrics(engine)
-        if self.metrics._engine_cpu is not None:  # process_cpu_seconds_total counts this (HTTP) process only
+        if self._engine_cpu is not None:  # process_cpu_seconds_total counts this (HTTP) process only
             yield _counter("tiergram_engine_process_cpu_seconds", "CPU seconds of the engine process (all threads).",
-                           self.metrics._engine_cpu())
+                           self._engine_cpu())
 
 
 def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
