@@ -62,19 +62,11 @@ def unpack_header(fd: int, path: str, file_bytes: int) -> tuple[TableManifest, i
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str, what: str) -> bytes:
-    data = os_pread(fd, n, offset)
-    if len(data) != n:
-        raise TableFormatError(f"{path}: file too short to hold its {what} ({len(data)} of {n} bytes)")
-    return data
-
-
-def os_pread(fd: int, n: int, offset: int) -> bytes:
-    """pread that loops over partial reads until n bytes or end of file."""
+    """n bytes at offset (pread looped over partial reads); TableFormatError when the file ends first."""
     parts, got = [], 0
-    while got < n:
-        chunk = os.pread(fd, n - got, offset + got)
-        if not chunk:
-            break
+    while got < n and (chunk := os.pread(fd, n - got, offset + got)):
         parts.append(chunk)
         got += len(chunk)
+    if got != n:
+        raise TableFormatError(f"{path}: file too short to hold its {what} ({got} of {n} bytes)")
     return b"".join(parts)
