@@ -81,7 +81,6 @@ def _validate_parser() -> argparse.ArgumentParser:
                         "are compared by their mean")
     p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
     p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
-    p.add_argument("--plot", default=None, help="PNG of the predicted points (lines) with the measured ones")
     p.add_argument("--host-traffic-gbps", type=float, default=0.0,
                    help="other traffic that streamed through host memory during the sweep, GB/s (e.g. "
                         "`python -m tiergram.bench.stream`)")
@@ -103,7 +102,8 @@ def _validate_parser() -> argparse.ArgumentParser:
     p.add_argument("--naive", action="store_true",
                    help="also the naive baseline's prediction of every point (calibration's own host server's "
                         "throughput at that concurrency) and its error beside the planner's (JSON: naive_tok_s)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    add_common(p, "--plot", "--json", plot="PNG of the predicted points (lines) with the measured ones",
+               json="print JSON instead of the table")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead")
     return p
 
