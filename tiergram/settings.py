@@ -273,11 +273,10 @@ def engram_config(text: str) -> EngramSettings:
     """`--engram-config`: inline JSON, or the path of a JSON or TOML file holding the same object."""
     if text.lstrip().startswith("{"):
         try:
-            return engram_from(json.loads(text), "--engram-config")
+            raw = json.loads(text)
         except ValueError as e:
-            if isinstance(e, ConfigError):
-                raise
             raise ConfigError(f"--engram-config: not valid JSON ({e})") from None
+        return engram_from(raw, "--engram-config")
     raw = read_file(text, f"--engram-config {text}")
     return engram_from(raw.get("engram", raw), text)
 
