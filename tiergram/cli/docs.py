@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import io
 import sys
-from contextlib import redirect_stdout
 
 from tiergram.cli import build_parser
 
@@ -16,17 +14,13 @@ Every command and its options, as `--help` prints them. Regenerate with
 """
 
 
-def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def _walk(parser: argparse.ArgumentParser, path: list[str]):
+    """(command words, parser) of this parser and of every subcommand below it, depth first."""
+    yield path, parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
-
-
-def _walk(parser: argparse.ArgumentParser, path: list[str]):
-    yield path, parser
-    for name, child in _subparsers(parser).items():
-        yield from _walk(child, [*path, name])
+            for name, child in action.choices.items():
+                yield from _walk(child, [*path, name])
 
 
 def render() -> str:
@@ -34,10 +28,7 @@ def render() -> str:
     out = [HEADER]
     for path, parser in _walk(build_parser(), ["tiergram"]):
         parser.prog = " ".join(path)
-        buf = io.StringIO()
-        with redirect_stdout(buf):
-            parser.print_help()
-        out.append(f"## `{' '.join(path)}`\n\n```text\n{buf.getvalue().rstrip()}\n```\n")
+        out.append(f"## `{' '.join(path)}`\n\n```text\n{parser.format_help().rstrip()}\n```\n")
     return "\n".join(out)
 
 
