@@ -13,6 +13,7 @@ live in a tiergram table (fp32 codec, page checksums) on the tier chosen:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -196,10 +197,8 @@ class EngramStore:
                                        f"[{m.head_rows[h]}, {m.dim}]")
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to release
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
-            pass
 
 
 def _rows_of(buffers: list) -> ValueSource:

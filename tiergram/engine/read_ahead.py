@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -88,7 +89,5 @@ def await_rows(tickets: list[Any], since: float) -> None:
         left = since + PROMPT_ROWS_MAX_WAIT_S - time.perf_counter()
         if left <= 0:
             return
-        try:
+        with contextlib.suppress(Exception):  # timeout, cancelled or failed read-ahead: the step reads the rows
             ticket.wait(left)
-        except Exception:  # noqa: BLE001, S110 - timeout, cancelled or failed read-ahead: the step reads the rows
-            pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from dataclasses import dataclass
@@ -138,8 +139,6 @@ class FileTier(PageTier):
         self.data = np.empty(0, dtype=np.uint8)
         self._local = threading.local()  # this thread's staging buffer goes (the prefetch worker's with it)
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a view; the memory goes when it does
                 self._mmap.close()
-            except BufferError:
-                pass
             self._mmap = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -82,11 +83,9 @@ class HostTier(TableTier):
         """Drop this process's mapping (the /dev/shm file stays for other processes)."""
         self.data = np.empty(0, dtype=np.uint8)
         for mapping in (self._private, self._mmap):
-            try:
-                if mapping is not None:
+            if mapping is not None:
+                with contextlib.suppress(BufferError):  # a caller still holds a view; the memory goes when it does
                     mapping.close()
-            except BufferError:  # a caller still holds a view; the memory goes when it does
-                pass
         self._private = self._mmap = None
 
 
@@ -110,10 +109,8 @@ def _advise_huge(mm: mmap.mmap, start: int, length: int) -> None:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or length <= 0:
         return
-    try:
+    with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages, as before
         mm.madvise(advice, start, length)
-    except OSError:  # a kernel without THP: 4 KiB pages, as before
-        pass
 
 
 def thp_mode(*, shared: bool = False) -> str:
@@ -241,10 +238,8 @@ def _shared_copy(table: TableFile, *, progress: bool) -> Path:
                 table.read_data(view, progress=progress)
                 del view  # the mapping cannot close while a view exports it
             finally:
-                try:
+                with contextlib.suppress(BufferError):  # a failed read's traceback still holds the view: the error wins
                     mm.close()
-                except BufferError:  # a failed read's traceback still holds the view: the error must win
-                    pass
         os.replace(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)

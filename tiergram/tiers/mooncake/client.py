@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -177,11 +178,9 @@ def lower_thread_priority() -> str:
     """Put the calling thread at the lowest CPU priority the kernel grants it: SCHED_IDLE, else nice 19; returns
     which ("idle", "nice" or "" when neither was allowed). Linux applies both to the thread alone."""
     tid = threading.get_native_id()
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         return "idle"
-    except (AttributeError, OSError):
-        pass
     try:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
         return "nice"

@@ -3,6 +3,7 @@ local fallback."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -202,10 +203,8 @@ class MooncakeTier(PageTier):
             self._owns_store = False  # never released: the shared client stays open for the process's life
         for buf in self._registered:
             if not any(buf is a for _, a in self._abandoned):
-                try:
+                with contextlib.suppress(Exception):  # a dead client cannot unregister; the process frees the memory
                     self.store.unregister_buffer(buf.ctypes.data)
-                except Exception:  # noqa: BLE001 - a dead client cannot unregister; the process frees the memory
-                    pass
         self._registered.clear()
         with self._lock:  # a late transfer may still land in these: they live as long as the process
             _UNSAFE_BUFFERS.extend(buf for _, buf in self._abandoned)
