@@ -112,9 +112,7 @@ class Scheduler:
         self.blocks.free(seq)
         seq.reset()
         seq.status = Status.WAITING
-        i = 0
-        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
-            i += 1
+        i = next((k for k, s in enumerate(self.waiting) if s.arrival >= seq.arrival), len(self.waiting))
         self.waiting.insert(i, seq)
         self.num_preemptions += 1
 

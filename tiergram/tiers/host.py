@@ -172,10 +172,9 @@ def shared_copies(directory: Path = SHM_DIR) -> list[Path]:
 
 def remove_shared_copies(directory: Path = SHM_DIR) -> list[Path]:
     """Remove this user's shared copies; a process still mapping one keeps its mapping until it exits."""
-    removed = []
-    for path in shared_copies(directory):
+    removed = shared_copies(directory)
+    for path in removed:
         path.unlink(missing_ok=True)
-        removed.append(path)
     return removed
 
 
