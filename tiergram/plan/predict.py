@@ -554,9 +554,7 @@ def validate_text(res: dict[str, Any]) -> str:
         lines.append(f"naive baseline (calibration's own throughput at each c): {s['naive_within_15pct']}/"
                      f"{s['points']} within 15%, mean |error| {s['naive_mean_abs_error']:.1%} (the planner's "
                      f"{s['mean_abs_error']:.1%})")
-    for c, b in res.get("best_split", {}).items():
-        lines.append(f"best split at c = {c}: predicted {b['predicted']} (by {b['predicted_margin'] - 1:.1%} over the "
-                     f"next), measured {b['measured']} (by {b['measured_margin'] - 1:.1%})")
+    lines += _best_split_lines(res)
     if s.get("prefix_mean_abs_points") is not None:
         lines.append(f"prefix-cache hit rate: mean |predicted - measured| {s['prefix_mean_abs_points']:.1f} points")
     if s.get("past_disk_limit"):
@@ -593,10 +591,14 @@ def validate_markdown(res: dict[str, Any]) -> str:
     lines.append(f"planner: {s['within_15pct']}/{s['points']} within ±15%, mean |error| {s['mean_abs_error']:.1%}"
                  + (f"; naive: {s['naive_within_15pct']}/{s['points']}, {s['naive_mean_abs_error']:.1%}"
                     if s.get("naive_mean_abs_error") is not None else ""))
-    for c, b in res.get("best_split", {}).items():
-        lines.append(f"best split at c = {c}: predicted {b['predicted']} (by {b['predicted_margin'] - 1:.1%}), "
-                     f"measured {b['measured']} (by {b['measured_margin'] - 1:.1%})")
+    lines += _best_split_lines(res)
     return "\n".join(lines)
+
+
+def _best_split_lines(res: dict[str, Any]) -> list[str]:
+    """Per concurrency, the best split predicted and measured, each by its margin over the next best."""
+    return [f"best split at c = {c}: predicted {b['predicted']} (by {b['predicted_margin'] - 1:.1%}), measured "
+            f"{b['measured']} (by {b['measured_margin'] - 1:.1%})" for c, b in res.get("best_split", {}).items()]
 
 
 def _cycle_text(r: dict[str, Any]) -> str:

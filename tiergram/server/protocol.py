@@ -132,13 +132,13 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
+    within = f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}]"
     try:
         value = float(value)
     except OverflowError:  # an integer of hundreds of digits
-        raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}], got an integer too large "
-                  "for a number", name) from None
+        raise bad(f"{within}, got an integer too large for a number", name) from None
     if not (lo < value <= hi if open_lo else lo <= value <= hi):
-        raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}], got {value!r}", name)
+        raise bad(f"{within}, got {value!r}", name)
     return value
 
 
