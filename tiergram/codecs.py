@@ -24,6 +24,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 32  # values per ue8m0 scale byte
 UE8M0_NAN = 255
+OUT_DTYPES = (torch.float32, torch.bfloat16)  # what rows decode to, here and in every reader of a table
 
 _TINY = 2.0**-140  # absolute slack covering float32 subnormal rounding in the error bounds
 
@@ -106,8 +107,7 @@ class Codec:
 
     def decode(self, rows, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """uint8 [N, row_bytes(dim)] (numpy or torch) -> CPU tensor [N, dim] of float32 or bfloat16."""
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"decode dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+        check_out_dtype(dtype)
         r, row_bytes = _to_numpy(rows), self.row_bytes(dim)
         if r.dtype != np.uint8 or r.ndim != 2 or r.shape[1] != row_bytes:
             raise ValueError(f"expected uint8 rows of shape [N, {row_bytes}], got {r.dtype} {tuple(r.shape)}")
@@ -294,6 +294,12 @@ CODECS: dict[str, Codec] = {
         Fp8E4m3Codec("fp8_e4m3", 3),
     )
 }
+
+
+def check_out_dtype(dtype: torch.dtype) -> None:
+    """ValueError unless rows can be decoded to dtype (OUT_DTYPES)."""
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
 
 
 def get_codec(name: str) -> Codec:

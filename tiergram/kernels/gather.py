@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiergram.codecs import OUT_DTYPES, check_out_dtype
 from tiergram.format.ids import RowIds, check_row_ids
 from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import gather_dequant_torch
@@ -38,7 +39,6 @@ def interpreted() -> bool:
 
 
 BACKENDS = ("auto", "triton", "torch")
-OUT_DTYPES = (torch.float32, torch.bfloat16)
 Ids = RowIds
 
 
@@ -202,8 +202,7 @@ def _check_data(data: torch.Tensor, layout: RowLayout, head_offsets: np.ndarray,
 
 
 def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    if dtype not in OUT_DTYPES:
-        raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
+    check_out_dtype(dtype)
     if out is None:
         return torch.empty(shape, dtype=dtype, device=dev)
     if tuple(out.shape) != shape or out.dtype not in OUT_DTYPES or not out.is_contiguous() or out.device != dev:

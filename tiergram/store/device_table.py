@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
+from tiergram.codecs import check_out_dtype
 from tiergram.format import TableFile
 from tiergram.format.ids import check_in_range, check_row_ids
 from tiergram.kernels import RowLayout, gather_dequant, gather_dequant_cached, pick_backend
@@ -24,7 +25,6 @@ from tiergram.tiers import FileTier, HostTier
 from tiergram.tiers.device import DeviceTier, PinnedHost, resolve_device
 
 TIERS = ("device", "host", "file")
-OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class DeviceTicket(Ticket):
@@ -63,8 +63,7 @@ class DeviceTable(ManifestGeometry):
                  dtype: torch.dtype = torch.float32, cache_bytes: int = 0, cache_policy: str = "lru",
                  shared: bool = False, file_mode: str = "direct", queue_depth: int = 128, kernel_backend: str = "auto",
                  staging_tokens: int = 0, n_staging: int = 2, progress: bool = False) -> None:
-        if dtype not in OUT_DTYPES:
-            raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
+        check_out_dtype(dtype)
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
         if tier == "device" and cache_bytes:

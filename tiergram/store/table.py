@@ -13,6 +13,7 @@ import torch
 from tiergram import _native
 from tiergram.cache import RowCache
 from tiergram.cache.native import NATIVE_POLICIES, NativeRowCache
+from tiergram.codecs import check_out_dtype
 from tiergram.format import TableFile
 from tiergram.format.ids import check_row_ids
 from tiergram.store.contract import ManifestGeometry
@@ -21,7 +22,6 @@ from tiergram.store.ticket import NativeTicket, Ticket
 from tiergram.tiers import FileTier, HostTier, Tier
 from tiergram.tiers.file import STAGING_KEEP_BYTES
 
-OUT_DTYPES = (torch.float32, torch.bfloat16)
 TIERS = ("host", "file", "mooncake")
 PIPELINES = ("auto", "native", "python")
 # Host-memory budget (host_memory_bytes without cache_bytes): what the cache does not get. Staging: the buffer each
@@ -62,8 +62,7 @@ class TieredTable(ManifestGeometry):
                  file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
                  remote_options: dict | None = None, host_memory_bytes: int | None = None,
                  pipeline: str = "auto") -> None:
-        if dtype not in OUT_DTYPES:
-            raise ValueError(f"dtype must be one of {OUT_DTYPES}, got {dtype}")
+        check_out_dtype(dtype)
         if pipeline not in PIPELINES:
             raise ValueError(f"unknown pipeline {pipeline!r} (valid: {', '.join(PIPELINES)})")
         if host_memory_bytes is not None and host_memory_bytes <= 0:
