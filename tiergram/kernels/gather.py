@@ -39,7 +39,6 @@ def interpreted() -> bool:
 
 
 BACKENDS = ("auto", "triton", "torch")
-Ids = RowIds
 
 
 def triton_usable(device: torch.device) -> tuple[bool, str]:
@@ -64,7 +63,7 @@ def pick_backend(device: torch.device, backend: str = "auto") -> str:
     return "triton" if ok else "torch"
 
 
-def check_slots(slots: Ids, capacity: int, n: int, name: str) -> None:
+def check_slots(slots: RowIds, capacity: int, n: int, name: str) -> None:
     """ValueError unless slots hold n values in -1 .. capacity-1."""
     if (slots.numel() if isinstance(slots, torch.Tensor) else slots.size) != n:
         raise ValueError(f"{name} must hold one slot per id ({n}), got shape {list(slots.shape)}")
@@ -75,12 +74,12 @@ def check_slots(slots: Ids, capacity: int, n: int, name: str) -> None:
         raise ValueError(f"{name} must lie in -1..{capacity - 1} (cache of {capacity} slots), got {lo}..{hi}")
 
 
-def gather_dequant(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
+def gather_dequant(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offsets: np.ndarray,
                    head_rows: np.ndarray, *, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                    device: torch.device | str | None = None, offsets_dev: torch.Tensor | None = None,
                    block_rows: int | None = None, num_warps: int = 4, backend: str = "auto",
-                   cache: torch.Tensor | None = None, slots: Ids | None = None,
-                   fill: Ids | None = None) -> torch.Tensor:
+                   cache: torch.Tensor | None = None, slots: RowIds | None = None,
+                   fill: RowIds | None = None) -> torch.Tensor:
     """Rows [..., H, D] float32/bfloat16 of per-head ids int64 [..., H] from data uint8 [bytes] laid out as `layout`
     (through an HBM row cache when given: see gather_dequant_cached)."""
     head_offsets = np.ascontiguousarray(head_offsets, dtype=np.int64).reshape(-1)
@@ -113,8 +112,8 @@ def gather_dequant(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets
     return out
 
 
-def gather_dequant_cached(data: torch.Tensor, ids: Ids, layout: RowLayout, head_offsets: np.ndarray,
-                          head_rows: np.ndarray, cache: torch.Tensor, slots: Ids, fill: Ids | None = None,
+def gather_dequant_cached(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offsets: np.ndarray,
+                          head_rows: np.ndarray, cache: torch.Tensor, slots: RowIds, fill: RowIds | None = None,
                           **kw: Any) -> torch.Tensor:
     """As gather_dequant, but id i with slots[i] >= 0 is read from cache uint8 [S, row_bytes] row slots[i].
 
@@ -211,7 +210,7 @@ def _output(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
     return out
 
 
-def ids_to_device(x: Ids, dev: torch.device) -> torch.Tensor:
+def ids_to_device(x: RowIds, dev: torch.device) -> torch.Tensor:
     """int64 values on dev; host arrays go through pinned memory with a non-blocking copy on a GPU."""
     if isinstance(x, torch.Tensor):
         return x.to(device=dev, dtype=torch.int64, non_blocking=True).contiguous()
