@@ -274,10 +274,11 @@ def shipped() -> list[str]:
 
 # ------------------------------------------------------------------------------------ a trained model dir
 
-def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 16, max_num_seqs: int = 64,
-                   max_num_batched_tokens: int = 512) -> ModelSpec:
-    """The spec of a trained tiergram model: counted weights, its K/V and activation bytes, its tables' geometry."""
+def model_from_dir(model_dir: Path) -> ModelSpec:
+    """The spec of a trained tiergram model: counted weights, its K/V and activation bytes (at the engine's default
+    batch limits), its tables' geometry (fp8_e4m3 rows, the export's default codec)."""
     from tiergram.engine.budget import activation_bytes, kv_block_bytes
+    from tiergram.engine.config import EngineConfig
     from tiergram.model.checkpoint import read_config
     from tiergram.model.config import ModelConfig
 
@@ -294,11 +295,11 @@ def model_from_dir(model_dir: Path, codec: str = "fp8_e4m3", block_size: int = 1
     elem = 4  # the engine runs float32 on a CPU
     kv = kv_block_bytes(cfg, 1, torch.float32)  # K, V and the short conv's paged input, as the engine sizes them
     params = _backbone_params(cfg)
-    act = activation_bytes(cfg, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                           max_model_len=cfg.max_seq, dtype=torch.float32)
+    act = activation_bytes(cfg, max_num_batched_tokens=EngineConfig.max_num_batched_tokens,
+                           max_num_seqs=EngineConfig.max_num_seqs, max_model_len=cfg.max_seq, dtype=torch.float32)
     sizes = engram_head_table_sizes(e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram, e.layers)
     rows = tuple(sum(map(sum, sizes[layer])) for layer in sorted(e.layers))  # each layer's heads end to end
-    row_bytes = e.dim + e.dim // 32 if codec == "fp8_e4m3" else e.dim * 4
+    row_bytes = e.dim + e.dim // 32  # one byte per value and one E8M0 scale per 32 values
     return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(params["active"]),
                      weight_bytes=float(params["bytes"]), active_weight_bytes=float(params["active"] * elem),
                      kv_bytes_per_token=float(kv), engram=EngramGeometry(tuple(sorted(e.layers)), e.n_heads,
