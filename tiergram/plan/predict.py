@@ -259,11 +259,10 @@ SAME_SETTINGS = ("model_dir", "input_len", "output_len", "device_memory", "cache
                  "max_num_batched_tokens", "block_size")
 
 
-def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str] | None = None) -> dict[str, Any]:
-    """Repeated runs of one sweep as one: each point's throughput the mean of the runs (each run kept)."""
+def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """Repeated runs of one sweep (from the files `names`) as one: each point's throughput the runs' mean."""
     if len(sweeps) == 1:
         return sweeps[0]
-    names = names or [f"run {i}" for i in range(len(sweeps))]
     base = sweeps[0]["config"]
     for name, sw in zip(names[1:], sweeps[1:], strict=True):
         diff = [k for k in SAME_SETTINGS if sw["config"].get(k) != base.get(k)]
