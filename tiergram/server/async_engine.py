@@ -19,6 +19,7 @@ from tiergram import _native
 from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
 
 SNAPSHOT_EVERY_S = 0.02  # engine metrics are snapshotted at most this often while busy (always when idle)
+IDLE_WAIT_S = 0.05  # an idle engine thread looks at its inbox this often even when nothing wakes it
 RESTART_PAUSE_S = 0.1  # the engine loop waits this long after a failure outside a step before it goes on
 
 
@@ -90,11 +91,9 @@ async def accepted(stream: AsyncioStream, abort: Callable[[], None]) -> asyncio.
 class AsyncEngine:
     """An LLMEngine driven by a background thread, for asyncio callers."""
 
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05,
-                 on_update: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_update: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.on_update = on_update  # called on the engine thread after each round of deliveries (and at the end)
-        self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, Stream] = {}  # engine thread only
@@ -222,7 +221,7 @@ class AsyncEngine:
         else:
             self._take_snapshot(force=True)
             self._updated()
-            self._wake.wait(self.idle_wait_s)
+            self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()
 
     def _recover(self, error: Exception) -> None:
