@@ -78,7 +78,7 @@ class RowStore(Protocol):
         ...
 
 
-class ManifestGeometry:
+class TableBase:
     """What TieredTable and DeviceTable share: `num_heads` and `dim` of `self.manifest`, their cache's stats, and
     `with` (which calls their close())."""
 

@@ -17,7 +17,7 @@ from tiergram.codecs import check_out_dtype
 from tiergram.format import TableFile
 from tiergram.format.ids import check_in_range, check_row_ids
 from tiergram.kernels import RowLayout, gather_dequant, gather_dequant_cached, pick_backend
-from tiergram.store.contract import ManifestGeometry
+from tiergram.store.contract import TableBase
 from tiergram.store.device_cache import DeviceRowCache
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import Ticket
@@ -47,7 +47,7 @@ class DeviceTicket(Ticket):
         return event is None or event.query()
 
 
-class DeviceTable(ManifestGeometry):
+class DeviceTable(TableBase):
     """One Engram layer's table served into device memory, through the fused gather + dequant kernel.
 
     tier 'device': the whole table resident in device memory (HBM).

@@ -16,7 +16,7 @@ from tiergram.cache.native import NATIVE_POLICIES, NativeRowCache
 from tiergram.codecs import check_out_dtype
 from tiergram.format import TableFile
 from tiergram.format.ids import check_row_ids
-from tiergram.store.contract import ManifestGeometry
+from tiergram.store.contract import TableBase
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import NativeTicket, Ticket
 from tiergram.tiers import FileTier, HostTier, Tier
@@ -38,7 +38,7 @@ INDEX_BYTES_PER_ROW = {"native": 96, "python": 256}
 NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
 
 
-class TieredTable(ManifestGeometry):
+class TieredTable(TableBase):
     """One Engram layer's table served from a tier, optionally through a hot-row cache.
 
     tier 'host': the whole table in DRAM (shared=True: one /dev/shm copy for all processes).
