@@ -60,14 +60,11 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
                              "file tables)")
         from tiergram.tiers.mooncake import ensure_pushed  # optional dependency (the remote extra)
 
-        return TieredTable(ensure_pushed(path, placement.master), tier="mooncake", cache_bytes=cache_bytes,
-                           cache_policy=placement.cache_policy, host_memory_bytes=budget)
-    if device.type == "cuda":
+        path = ensure_pushed(path, placement.master)
+    elif device.type == "cuda":
         return DeviceTable(path, device=device, tier=placement.kind, cache_bytes=placement.cache_bytes,
                            cache_policy=placement.cache_policy, file_mode=placement.file_mode)
-    if placement.kind == "host":
-        return TieredTable(path, tier="host", host_memory_bytes=budget)
-    return TieredTable(path, tier="file", cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
+    return TieredTable(path, tier=placement.kind, cache_bytes=cache_bytes, cache_policy=placement.cache_policy,
                        file_mode=placement.file_mode, host_memory_bytes=budget)
 
 
