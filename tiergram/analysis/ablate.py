@@ -11,6 +11,10 @@ prefilled context). "none" is the plain forward and "both" is engram_enabled=Fal
 Generation definition. Doctest tasks (tiergram.analysis.doctest_task): the prompt is prefilled in one
 forward with Engram on or off, then greedy decoding runs one token per forward with Engram on or off. The
 first answer token comes from the prefill's logits, so "off in decode" leaves it untouched.
+
+Several models (training seeds) scored on the same documents and tasks are pooled from their result files as the
+allocation report pools seeds: the seed-mean per-unit sums with a unit bootstrap, the per-seed values, and a t
+interval over seeds (loss_seeds_markdown, generation_seeds_markdown).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class AblationReport:
     prefill_minus_decode: dict[str, Estimate]  # loss(prefill off) - loss(decode off), decode positions
     tasks: int
     answer_prefill_minus_decode: Estimate | None = None  # the same on the doctest answers
-    # the per-unit sums every estimate above comes from, so several models' results can be pooled (seeds_markdown)
+    # the per-unit sums every estimate above comes from, so several models' files can be pooled (*_seeds_markdown)
     doc_sums: dict[str, list[list[float]]] = field(default_factory=dict)  # setting -> [all, decode] x documents
     doc_counts: list[list[float]] = field(default_factory=list)  # tokens scored: [all, decode] x documents
     doc_category: list[str] = field(default_factory=list)
