@@ -74,7 +74,8 @@ class Power:
     seeds_needed_upper: int  # per share, at the upper bound
     seeds_needed_normal: float  # the normal approximation 2 (z_{1-a/2} + z_{power})^2 sd^2 / delta^2
     detectable_now: float  # the difference detectable with 80% power at the seeds run
-    minutes_per_model: float  # mean training wall time of the sweep's models on this machine
+    minutes_per_model: float  # median training wall time of the sweep's models here (one run slowed by other work
+    # on the machine moves a mean, not the median)
     shares: int
 
 
@@ -212,7 +213,7 @@ def power_analysis(shares: list[ShareResult], points: list[Point], delta: float 
                  seeds_needed=seeds_for_power(pooled, delta, alpha, power),
                  seeds_needed_upper=seeds_for_power(upper, delta, alpha, power),
                  seeds_needed_normal=float(2 * z ** 2 * pooled ** 2 / delta ** 2), detectable_now=detectable,
-                 minutes_per_model=float(np.mean([p.elapsed_s for p in sweep]) / 60) if sweep else 0.0,
+                 minutes_per_model=float(np.median([p.elapsed_s for p in sweep]) / 60) if sweep else 0.0,
                  shares=grid or len(shares))
 
 
