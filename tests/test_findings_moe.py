@@ -1,6 +1,6 @@
-"""docs/findings.md sections 5 and 7 come from result files: the rerouting table (4 shares x 3 seeds) from `tiergram ablate --reroute
---json` (docs/findings/data/reroute/), the CKA tables from `tiergram compare-layers --json` (docs/findings/data/cka/);
-each is re-rendered from its files and compared with the doc's text."""
+"""docs/findings.md sections 5 and 7 come from result files: the rerouting table (4 shares x 3 seeds) from
+`tiergram ablate --reroute --json` (docs/findings/data/reroute/), the CKA tables from `tiergram compare-layers
+--json` (docs/findings/data/cka/); each is re-rendered from its files and compared with the doc's text."""
 
 from __future__ import annotations
 
