@@ -240,7 +240,7 @@ def chunked(draw, p: SimpleNamespace) -> list[list[list[int]]]:
 @SETTINGS
 def test_chunked_prefill(pair, data) -> None:
     """Chunked prefill, each round one extend holding every unfinished request's next chunk (history from the
-    slots SGLang committed) equals tiergram's HashState.extend, row_ids_with_history and whole-sequence ids."""
+    slots SGLang committed) equals tiergram's row_ids_with_history and whole-sequence ids."""
     p = pair
     reqs = data.draw(chunked(p))
     fresh(p.engine, data.draw(p.tokens))
@@ -251,9 +251,8 @@ def test_chunked_prefill(pair, data) -> None:
         for i, ids in zip(live, ref.extend(p.engine, batch), strict=True):
             got[i].append(ids)
     for chunks, ids in zip(reqs, got, strict=True):
-        state, prefix = p.hasher.new_state(), []
+        prefix = []
         for chunk, chunk_ids in zip(chunks, ids, strict=True):
-            assert_same(chunk_ids, table_rows(p, state.extend(chunk)))
             with_history = p.hasher.row_ids_with_history([chunk], [prefix] if prefix else None)
             assert_same(chunk_ids, table_rows(p, {k: v[0] for k, v in with_history.items()}))
             prefix += chunk
@@ -265,7 +264,7 @@ def test_chunked_prefill(pair, data) -> None:
 @SETTINGS
 def test_prefix_hit(pair, data) -> None:
     """An extend after a cached prefix, with the scheduler-supplied history rows (history_row), equals tiergram's
-    row_ids_with_history and a HashState resumed after the prefix."""
+    row_ids_with_history."""
     p = pair
     pairs = data.draw(st.lists(st.tuples(st.lists(p.tokens, min_size=1, max_size=8),
                                          st.lists(p.tokens, min_size=1, max_size=10)), min_size=1, max_size=4))
@@ -274,7 +273,6 @@ def test_prefix_hit(pair, data) -> None:
     got = ref.extend(p.engine, [Request(i, rest, len(prefix)) for i, (prefix, rest) in enumerate(pairs)], history)
     for (prefix, rest), ids in zip(pairs, got, strict=True):
         assert_same(ids, table_rows(p, {k: v[0] for k, v in p.hasher.row_ids_with_history([rest], [prefix]).items()}))
-        assert_same(ids, table_rows(p, p.hasher.new_state(prefix).extend(rest)))
         whole = p.hasher.row_ids(np.array([prefix + rest]))
         assert_same(ids, table_rows(p, {k: v[0, len(prefix):] for k, v in whole.items()}))
 
@@ -283,18 +281,18 @@ def test_prefix_hit(pair, data) -> None:
 @SETTINGS
 def test_decode(pair, data) -> None:
     """Prefill then token-by-token decode (SGLang's MODE_DECODE with its history commit, requests finishing at
-    different steps) equals tiergram's HashState.extend then push."""
+    different steps) equals tiergram's row_ids_with_history, a token at a time after its prompt."""
     p = pair
     reqs = data.draw(st.lists(st.tuples(st.lists(p.tokens, min_size=1, max_size=8),
                                         st.lists(p.tokens, min_size=1, max_size=12)), min_size=1, max_size=4))
     fresh(p.engine, data.draw(p.tokens))
-    states = [p.hasher.new_state() for _ in reqs]
     prefill = ref.extend(p.engine, [Request(i, prompt, 0) for i, (prompt, _) in enumerate(reqs)])
-    for (prompt, _), state, ids in zip(reqs, states, prefill, strict=True):
-        assert_same(ids, table_rows(p, state.extend(prompt)))
+    for (prompt, _), ids in zip(reqs, prefill, strict=True):
+        assert_same(ids, table_rows(p, {k: v[0] for k, v in p.hasher.row_ids_with_history([prompt], None).items()}))
     for step in range(max(len(out) for _, out in reqs)):
         live = [i for i, (_, out) in enumerate(reqs) if step < len(out)]
         batch = [Request(i, [reqs[i][1][step]], len(reqs[i][0]) + step) for i in live]
         for i, ids in zip(live, ref.decode(p.engine, batch), strict=True):
-            pushed = states[i].push(reqs[i][1][step])
-            assert_same(ids, table_rows(p, {k: v[None] for k, v in pushed.items()}))
+            seen = reqs[i][0] + reqs[i][1][:step]
+            pushed = p.hasher.row_ids_with_history([[reqs[i][1][step]]], [seen[-N1:]])
+            assert_same(ids, table_rows(p, {k: v[0] for k, v in pushed.items()}))

@@ -1,9 +1,8 @@
-"""Token ids -> Engram row ids: tokenizer compression, multi-head n-gram hashing, streaming decode state."""
+"""Token ids -> Engram row ids: tokenizer compression and multi-head n-gram hashing."""
 
 from .compression import SENTINEL, build_compression, engram_normalizer
 from .ngram import NgramHasher, engram_multipliers
 from .primes import engram_head_table_sizes, isprime, next_prime
-from .streaming import HashState
 
-__all__ = ["SENTINEL", "HashState", "NgramHasher", "build_compression", "engram_head_table_sizes", "engram_multipliers",
+__all__ = ["SENTINEL", "NgramHasher", "build_compression", "engram_head_table_sizes", "engram_multipliers",
            "engram_normalizer", "isprime", "next_prime"]

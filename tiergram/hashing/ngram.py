@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .compression import as_lookup, build_compression, check_ids, lookup_digest, to_numpy
-from .primes import engram_head_table_sizes, isprime
-
-if TYPE_CHECKING:
-    from .streaming import HashState
+from .primes import engram_head_table_sizes
 
 SCHEME = "engram-v1"
 _LAYER_SEED_STRIDE = 10007  # seed + 10007 * layer_id, as in the demo
@@ -48,8 +45,7 @@ class NgramHasher:
 
     def __init__(self, engram_vocab_size: Sequence[int], max_ngram_size: int, n_head_per_ngram: int,
                  layer_ids: Sequence[int], pad_id: int, seed: int = 0, *, compression: Any = None,
-                 tokenizer: Any = None, compressed_vocab_size: int | None = None,
-                 head_table_sizes: Mapping[Any, Sequence[Sequence[int]]] | None = None) -> None:
+                 tokenizer: Any = None, compressed_vocab_size: int | None = None) -> None:
         """Exactly one of compression (lookup [V]), tokenizer, compressed_vocab_size (identity)."""
         self.max_ngram_size = _int(max_ngram_size, "max_ngram_size", 2)
         self.engram_vocab_size = [_int(v, "an engram_vocab_size entry", 1) for v in engram_vocab_size]
@@ -90,48 +86,10 @@ class NgramHasher:
 
         self.multipliers: dict[int, np.ndarray] = {layer: engram_multipliers(self.seed, layer, self.max_ngram_size, c)
                                                    for layer in self.layer_ids}
-        if head_table_sizes is None:
-            self.head_table_sizes = engram_head_table_sizes(self.engram_vocab_size, self.max_ngram_size,
-                                                            self.n_head_per_ngram, self.layer_ids)
-        else:
-            self.head_table_sizes = self._check_sizes(head_table_sizes)
-        # Flattened per-order size arrays, precomputed once for the hot path.
+        self.head_table_sizes = engram_head_table_sizes(self.engram_vocab_size, self.max_ngram_size,
+                                                        self.n_head_per_ngram, self.layer_ids)
         self._sizes = {layer: [np.asarray(s, dtype=np.int64) for s in self.head_table_sizes[layer]]
                        for layer in self.layer_ids}
-        # Plain-int copies for HashState.push, which hashes one position at a time.
-        self._push_params = {layer: [int(v) for v in m] for layer, m in self.multipliers.items()}
-        self._push_sizes = {layer: [list(o) for o in self.head_table_sizes[layer]] for layer in self.layer_ids}
-
-    def _check_sizes(self, sizes: Mapping[Any, Sequence[Sequence[int]]]) -> dict[int, list[list[int]]]:
-        """Validate a head_table_sizes override: shape, every size prime, all distinct."""
-        by_layer = {_int(int(k) if isinstance(k, str) else k, "head_table_sizes key"): v
-                    for k, v in sizes.items()}
-        if set(by_layer) != set(self.layer_ids):
-            raise ValueError(f"head_table_sizes has layers {sorted(by_layer)} but layer_ids are {self.layer_ids}")
-        out: dict[int, list[list[int]]] = {}
-        seen: dict[int, tuple[int, int, int]] = {}
-        for layer in self.layer_ids:
-            orders = by_layer[layer]
-            if len(orders) != self.max_ngram_size - 1:
-                raise ValueError(f"head_table_sizes[{layer}] has {len(orders)} orders, "
-                                 f"expected {self.max_ngram_size - 1}")
-            out[layer] = []
-            for oi, heads in enumerate(orders):
-                if len(heads) != self.n_head_per_ngram:
-                    raise ValueError(f"head_table_sizes[{layer}][{oi}] has {len(heads)} heads, "
-                                     f"expected {self.n_head_per_ngram}")
-                row = []
-                for hi, size in enumerate(heads):
-                    size = _int(size, f"head_table_sizes[{layer}][{oi}][{hi}]")
-                    if not isprime(size):
-                        raise ValueError(f"head_table_sizes[{layer}][{oi}][{hi}] = {size} is not prime")
-                    if size in seen:
-                        raise ValueError(f"head_table_sizes[{layer}][{oi}][{hi}] = {size} clashes with "
-                                         f"head_table_sizes{list(seen[size])}; every head needs a distinct prime")
-                    seen[size] = (layer, oi, hi)
-                    row.append(size)
-                out[layer].append(row)
-        return out
 
     def head_sizes(self, layer_id: int) -> list[int]:
         """Table size (rows) of each head of a layer, length H, order-2 heads first."""
@@ -147,15 +105,6 @@ class NgramHasher:
         """Original token ids (any shape) -> compressed ids int64, same shape."""
         ids = check_ids(to_numpy(input_ids), self.vocab_size)
         return self.lookup[ids]
-
-    def _pad_history(self, compressed_history: np.ndarray, batch: int) -> np.ndarray:
-        """Last max_ngram_size-1 compressed ids per row [B, K], left-padded with the compressed pad id."""
-        k = self.max_ngram_size - 1
-        if compressed_history.shape[1] >= k:
-            return compressed_history[:, compressed_history.shape[1] - k:]
-        ctx = np.full((batch, k), self.compressed_pad_id, dtype=np.int64)
-        ctx[:, k - compressed_history.shape[1]:] = compressed_history
-        return ctx
 
     def _hash_compressed(self, full: np.ndarray) -> dict[int, np.ndarray]:
         """full: compressed int64 [B, K + T], K = max_ngram_size-1 context ids -> {layer: int64 [B, T, H]}."""
@@ -183,29 +132,17 @@ class NgramHasher:
         return self.row_ids_with_history(input_ids, None)
 
     def row_ids_with_history(self, input_ids: Any, history: Any) -> dict[int, np.ndarray]:
-        """Chunk [B, T] continuing sequences with previous ids history [B, K] -> {layer: int64 [B, T, H]}.
-
-        history holds original token ids, oldest first; only the last max_ngram_size-1 matter. A row
-        with a shorter history is left-padded with pad_id (equivalent to the sequence starting there);
-        None or K = 0 means the chunk starts its sequences.
-        """
+        """Chunk [B, T] after original ids history [B, K] (None: sequence start) -> {layer: int64 [B, T, H]}."""
         x = self.compress(input_ids)
         if x.ndim != 2:
             raise ValueError(f"input_ids must be 2-D [batch, seq_len], got shape {x.shape}")
-        if history is None:
-            hist = np.empty((x.shape[0], 0), dtype=np.int64)
-        else:
-            hist = self.compress(history)
-            if hist.ndim != 2 or hist.shape[0] != x.shape[0]:
-                raise ValueError(f"history must be 2-D [batch={x.shape[0]}, K], got shape {hist.shape}")
-        full = np.concatenate([self._pad_history(hist, x.shape[0]), x], axis=1)
-        return self._hash_compressed(full)
-
-    def new_state(self, history: Any = None) -> HashState:
-        """Streaming decode state for one sequence, optionally resumed after history (original ids [K])."""
-        from .streaming import HashState
-
-        return HashState(self, history)
+        k = self.max_ngram_size - 1
+        hist = np.empty((x.shape[0], 0), dtype=np.int64) if history is None else self.compress(history)
+        if hist.ndim != 2 or hist.shape[0] != x.shape[0]:
+            raise ValueError(f"history must be 2-D [batch={x.shape[0]}, K], got shape {hist.shape}")
+        hist = hist[:, max(0, hist.shape[1] - k):]
+        pad = np.full((x.shape[0], k - hist.shape[1]), self.compressed_pad_id, dtype=np.int64)
+        return self._hash_compressed(np.concatenate([pad, hist, x], axis=1))
 
     def config(self) -> dict[str, Any]:
         """JSON-serialisable hashing parameters for table manifests (layer keys as strings)."""
@@ -221,7 +158,7 @@ class NgramHasher:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, compression: Any = None, tokenizer: Any = None) -> NgramHasher:
-        """Rebuild from config(); verifies compression digest, vocab sizes and multipliers match."""
+        """Rebuild from config(); verifies compression digest, vocab sizes, multipliers and head sizes match."""
         if config.get("scheme", SCHEME) != SCHEME:
             raise ValueError(f"unknown hashing scheme {config.get('scheme')!r}, expected {SCHEME!r}")
         kwargs: dict[str, Any] = {"compression": compression, "tokenizer": tokenizer}
@@ -230,12 +167,11 @@ class NgramHasher:
                 raise ValueError("config uses a compression lookup; pass compression= or tokenizer=")
             kwargs = {"compressed_vocab_size": config["compressed_vocab_size"]}
         hasher = cls(config["engram_vocab_size"], config["max_ngram_size"], config["n_head_per_ngram"],
-                     config["layer_ids"], config["pad_id"], config.get("seed", 0),
-                     head_table_sizes=config.get("head_table_sizes"), **kwargs)
+                     config["layer_ids"], config["pad_id"], config.get("seed", 0), **kwargs)
         mine = hasher.config()
         # The multipliers check catches a numpy whose default_rng stream differs: rows would silently move.
         for key in ("vocab_size", "compressed_vocab_size", "compressed_pad_id", "compression_sha256",
-                    "multipliers"):
+                    "multipliers", "head_table_sizes"):
             if key in config and config[key] != mine[key]:
                 raise ValueError(f"config {key} does not match: stored {config[key]!r}, got {mine[key]!r}")
         return hasher
