@@ -116,8 +116,6 @@ def test_bad_config_rejected(tmp_path):
         cb.run(tiny_config(tmp_path, capacities=(0.0,)), docs=zipf_docs(), progress=False)
     with pytest.raises(ValueError, match="window"):
         cb.run(tiny_config(tmp_path, window=-1), docs=zipf_docs(), progress=False)
-    with pytest.raises(ValueError, match="token source"):
-        cb.load_docs(cb.CacheBenchConfig(source="web"))
 
 
 def test_cli_registers_cache_bench():
@@ -127,9 +125,9 @@ def test_cli_registers_cache_bench():
 
 
 def test_corpus_source_builds_a_missing_corpus(tmp_path, monkeypatch):
-    """--source corpus on a fresh machine builds the corpus and its tokenizer first (auto would take the stdlib)."""
+    """On a fresh machine the bench builds the corpus and its tokenizer first."""
     corpus = offline_default_sources(monkeypatch, tmp_path)
-    docs = cb.load_docs(cb.CacheBenchConfig(source="corpus", max_tokens=500))
+    docs = cb.load_docs(cb.CacheBenchConfig(max_tokens=500))
     assert (corpus / "tokenizer.json").is_file() and docs.source.startswith("corpus validation split")
     assert sum(len(d) for d in docs.docs) > 0
 
@@ -158,7 +156,7 @@ def test_lru_hot_counts_the_corpus_train_split(tmp_path):
     from support import fixture_corpus
 
     corpus = fixture_corpus(tmp_path / "cache")
-    cfg = cb.CacheBenchConfig(source="corpus", corpus=str(corpus), max_tokens=3000, prompt_len=48, decode_len=16,
+    cfg = cb.CacheBenchConfig(corpus=str(corpus), max_tokens=3000, prompt_len=48, decode_len=16,
                               max_seqs=4, step_tokens=64, max_ngram_size=3, n_head_per_ngram=2, table_factor=16,
                               capacities=(0.05, 0.25), policies=("lru", cb.HOT), plot="")
     res = cb.run(cfg, progress=False)

@@ -1,33 +1,15 @@
 """`tiergram bench cache`: hit rate of each cache policy on a real token stream, against the offline optimum.
 
-The stream is what a serving engine would look up for one Engram layer. Real text (the corpus's
-validation split with its tokenizer, or else the Python standard library's source with a byte-level BPE
-trained on the fly) is cut into requests of `prompt_len + decode_len` tokens. A continuous-batching
-scheduler runs them in steps: up to `max_seqs` running, each decoding sequence takes one token per step
-and the prefilling ones share the rest of a `step_tokens` budget in chunks (vLLM-style chunked prefill).
-Every token yields one row per head (orders 2..max_ngram_size, `n_head_per_ngram` heads each); a step's
-unique global row ids (head offset + row id, sorted, as `TieredTable` dedups them) are one batch.
-
-Each online policy drives the production (native) row cache (probe, admit the misses with 1-byte rows, unpin): the
-same decisions as the reference `RowCache` (a property test holds them equal), at ~100 bytes a row instead of ~400.
-The lookahead policy is told each step's keys `window` steps before they are probed, as an engine with
-queued work would be (for decode steps this is clairvoyant: a real engine knows a decode token's rows
-only once the token exists, so `window` 0 is the honest setting for pure decode). `belady` is the offline
-optimum with bypass (`belady_hit_rate`) over the same per-step-unique stream; every online schedule is
-a valid schedule of that stream, so belady bounds every online policy from above.
-
-Table geometry (documented choice): orders 2..4 with 8 heads each (DeepSeek-V4.1's 24 heads per
-layer), every head a distinct prime near `table_factor` x the compressed vocabulary (64x by default:
-V4.1 has about 160x, the reference demo 5x). At 64x the table is tens of times larger than the rows the
-stream touches, so reuse comes from repeated n-grams, not from hash collisions.
+The corpus's held-out text is cut into requests, scheduled in continuous-batching steps (chunked prefill) and hashed
+into one Engram layer's rows; each step's unique rows are replayed through the production native row cache under
+every policy, and `belady` (offline optimum with bypass) bounds them all. Workload and geometry:
+docs/benchmarks.md, "Cache policies".
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import sysconfig
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -36,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.bench.common import log, stdlib_files
+from tiergram.bench.common import log
 from tiergram.cache.native import NativeRowCache
 from tiergram.cache.policies import POLICIES, belady_hit_rate
 from tiergram.hashing import NgramHasher, build_compression
@@ -50,15 +32,12 @@ HOT = "lru-hot"
 HOT_MAX_ROWS = 128 << 20  # lru-hot replays no larger cache: ~100 bytes a row of index and 1-byte rows (~13 GB)
 DEFAULT_POLICIES = (*ONLINE, "belady")
 ALL_POLICIES = (*ONLINE, HOT, "belady")
-STDLIB_VOCAB = 8192
-STDLIB_TRAIN_BYTES = 6 << 20  # the fallback BPE is trained on the first 6 MB of sorted stdlib source
 
 
 @dataclass
 class CacheBenchConfig:
     """Workload, hashing geometry and cache sizes of the cache benchmark."""
 
-    source: str = "auto"  # auto (corpus if built, else stdlib), corpus, stdlib
     corpus: str | None = None  # corpus folder (default: the cache's corpus)
     split: str = "validation"
     max_tokens: int = 65536  # tokens of text replayed (~1.3M accesses with the defaults)
@@ -75,7 +54,6 @@ class CacheBenchConfig:
     capacities: tuple[float, ...] = (0.01, 0.05, 0.10, 0.25)  # fractions of the distinct rows touched
     policies: tuple[str, ...] = DEFAULT_POLICIES
     window: int = 64  # steps announced ahead of the one being probed (lookahead)
-    row_bytes: int = 1
     seed: int = 0
     target_points: float = 5.0  # lookahead should be within this many points of belady
     plot: str | None = None  # PNG path (default: in the bench cache folder); "" for no plot
@@ -122,96 +100,21 @@ def cap_key(frac: float) -> str:
     return f"{frac:g}" if frac >= 0.1 or frac < 0.01 else f"{frac:.2f}".rstrip("0")
 
 
-# ---------------------------------------------------------------- token sources
+def load_docs(cfg: CacheBenchConfig) -> TokenDocs:
+    """The corpus split, its documents in a seeded order, tokenized until max_tokens (the corpus and its tokenizer
+    built first when missing)."""
+    from tiergram.corpus import PAD, ensure_corpus, iter_texts, load_tokenizer
 
-
-def corpus_docs(cfg: CacheBenchConfig) -> TokenDocs:
-    """The corpus split tokenized with the corpus tokenizer."""
-    from tiergram.corpus import PAD, corpus_dir, iter_texts, load_tokenizer
-
-    folder = Path(cfg.corpus) if cfg.corpus else corpus_dir()
+    folder = ensure_corpus(cfg.corpus)
     tok = load_tokenizer(folder)
     texts = list(iter_texts(folder, cfg.split))
-    docs = encode_until(tok, [texts[i] for i in seeded_order(len(texts), cfg.seed)], cfg.max_tokens)
-    return TokenDocs(f"corpus {cfg.split} split ({folder})", docs, tok.get_vocab_size(), tok.token_to_id(PAD),
-                     tok)
-
-
-def seeded_order(n: int, seed: int) -> list[int]:
-    """A deterministic shuffle of range(n): requests from many documents, as a server sees them."""
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    return order
-
-
-def encode_until(tok: Any, texts: list[str], max_tokens: int, chunk: int = 64) -> list[np.ndarray]:
-    """Token ids of the texts, in order, stopping once max_tokens are reached."""
+    random.Random(cfg.seed).shuffle(texts)  # requests from many documents, as a server sees them
     docs: list[np.ndarray] = []
-    total = 0
-    for i in range(0, len(texts), chunk):
-        for e in tok.encode_batch(texts[i:i + chunk]):
-            docs.append(np.asarray(e.ids, dtype=np.int64))
-            total += len(e.ids)
-        if total >= max_tokens:
+    for i in range(0, len(texts), 64):
+        docs += [np.asarray(e.ids, dtype=np.int64) for e in tok.encode_batch(texts[i:i + 64])]
+        if sum(d.size for d in docs) >= cfg.max_tokens:
             break
-    return docs
-
-
-def _read(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
-def stdlib_tokenizer(files: list[Path], vocab_size: int = STDLIB_VOCAB) -> Any:
-    """A byte-level BPE trained on the first STDLIB_TRAIN_BYTES of `files`, cached in the bench folder."""
-    from tokenizers import Tokenizer
-
-    from tiergram.corpus.tokenizer import train_bpe
-
-    path = cache_dir("bench") / f"stdlib-bpe-{vocab_size}.json"
-    if path.is_file():
-        return Tokenizer.from_file(str(path))
-    texts, total = [], 0
-    for f in files:
-        texts.append(_read(f))
-        total += len(texts[-1])
-        if total >= STDLIB_TRAIN_BYTES:
-            break
-    tok = train_bpe(texts, vocab_size)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
-    return tok
-
-
-def stdlib_docs(cfg: CacheBenchConfig) -> TokenDocs:
-    """The standard library's source tokenized with the on-the-fly BPE."""
-    from tiergram.corpus import PAD
-
-    files = stdlib_files()
-    if not files:
-        raise ValueError(f"no .py files under {sysconfig.get_paths()['stdlib']}")
-    tok = stdlib_tokenizer(files)
-    docs = encode_until(tok, [_read(files[i]) for i in seeded_order(len(files), cfg.seed)], cfg.max_tokens)
-    return TokenDocs(f"python stdlib source ({len(files)} files, {STDLIB_VOCAB}-token BPE trained on the fly)",
-                     docs, tok.get_vocab_size(), tok.token_to_id(PAD), tok)
-
-
-def load_docs(cfg: CacheBenchConfig) -> TokenDocs:
-    """Tokenized documents from cfg.source ('auto': the corpus if it has a tokenizer, else the stdlib; 'corpus':
-    the corpus and its tokenizer, built first when missing)."""
-    if cfg.source not in ("auto", "corpus", "stdlib"):
-        raise ValueError(f"unknown token source {cfg.source!r} (valid: auto, corpus, stdlib)")
-    if cfg.source == "stdlib":
-        return stdlib_docs(cfg)
-    from tiergram.corpus import CorpusError, ensure_corpus
-
-    if cfg.source == "corpus":
-        ensure_corpus(cfg.corpus)
-        return corpus_docs(cfg)
-    try:
-        return corpus_docs(cfg)
-    except CorpusError:
-        return stdlib_docs(cfg)
+    return TokenDocs(f"corpus {cfg.split} split ({folder})", docs, tok.get_vocab_size(), tok.token_to_id(PAD), tok)
 
 
 # ---------------------------------------------------------------- the access stream
@@ -269,18 +172,17 @@ def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
 # ---------------------------------------------------------------- replay
 
 
-def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64, row_bytes: int = 1,
+def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64,
            hot: np.ndarray | None = None) -> float:
     """Hit rate (hits / probes) of a row cache with `policy` over the steps; lookahead is told `window` ahead.
 
-    `hot` (keys, hottest first): the cache starts holding hot[:capacity], the hottest most recently used, and only
-    the stream's probes count. Rows are `row_bytes` copies of the key's low byte, and every hit is checked to read
-    back its own bytes.
+    `hot` (keys, hottest first): the cache starts holding hot[:capacity], the hottest most recently used. A row is
+    the key's low byte, and every hit is checked to read back its own.
     """
     def rows(keys: np.ndarray) -> np.ndarray:
-        return np.repeat((keys & 0xFF).astype(np.uint8)[:, None], row_bytes, axis=1)
+        return (keys & 0xFF).astype(np.uint8)[:, None]
 
-    cache = NativeRowCache(capacity, row_bytes, policy)
+    cache = NativeRowCache(capacity, 1, policy)
     if hot is not None:
         first = np.asarray(hot[:capacity], dtype=np.int64)[::-1]
         cache.admit(first, rows(first))
@@ -338,7 +240,7 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
             elif name == "belady":
                 res.hit_rate[name][key] = belady_hit_rate(flat, eff)
             else:
-                res.hit_rate[name][key] = replay(steps, eff, name, cfg.window, cfg.row_bytes)
+                res.hit_rate[name][key] = replay(steps, eff, name, cfg.window)
             if res.hit_rate[name][key] is not None:
                 log(progress, f"  {name:<10} {key:>5} ({cap} rows): {100 * res.hit_rate[name][key]:6.2f}%")
         res.seconds[name] = time.perf_counter() - t0
