@@ -1,10 +1,5 @@
-"""The reference Engram LM in one file: RMSNorm, rotary positions, GQA attention, SwiGLU, Engram layers.
-
-A block is   x += Engram(x)  (Engram blocks only)   x += Attn(RMSNorm(x))   x += MLP(RMSNorm(x)).
-Engram row ids depend only on token ids, so forward() hashes the whole chunk at entry and starts every
-layer's row fetch there (a store with `prefetch` reads in the background while earlier blocks run); a
-serving engine can instead fetch the rows itself and pass them in as `engram_rows=`.
-"""
+"""The reference Engram LM in one file: RMSNorm, rotary positions, GQA attention, SwiGLU, Engram layers
+(docs/model.md)."""
 
 from __future__ import annotations
 
@@ -45,8 +40,6 @@ class Past:
     length: int  # P: positions processed
 
 
-# ---------------------------------------------------------------------------------------- rotary positions
-
 def rope_tables(head_dim: int, max_seq: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [max_seq, head_dim/2] for rotary position embeddings."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -60,13 +53,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------- the blocks
-
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary positions and an optional K/V cache.
-
-    Under a step context (tiergram.model.context) it attends over the engine's paged K/V cache instead.
-    """
+    """Causal GQA self-attention with rotary positions, a K/V cache, or the engine's paged K/V under a step context."""
 
     def __init__(self, config: ModelConfig, layer_id: int = 0):
         super().__init__()
@@ -79,8 +67,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x [B, T, d], cos/sin [T, hd/2] at the chunk's positions, kv cached [B, nkv, P, hd] ->
-        (y [B, T, d], (keys, values) [B, nkv, P+T, hd]). Under a step context: x [1, N, d] -> (y [1, N, d], None)."""
+        """x [B, T, d], cos/sin [T, hd/2], kv [B, nkv, P, hd] -> (y [B, T, d], (keys, values) [B, nkv, P+T, hd])."""
         ctx = current_step()
         if ctx is not None:
             return self.paged(x[0], cos, sin, ctx)[None], None
@@ -100,8 +87,7 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
     def paged(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """A step's flat tokens h [N, d], cos/sin [N, hd/2] at their positions -> [N, d]; their keys and values
-        are written to their KV slots first, then each group of sequences attends over its padded context."""
+        """A step's flat tokens h [N, d], cos/sin [N, hd/2] -> [N, d], over the paged K/V (written first)."""
         n, nh, nkv, hd = h.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
         q = apply_rope(self.wq(h).view(1, n, nh, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)  # [N, nh, hd]
         k = apply_rope(self.wk(h).view(1, n, nkv, hd).transpose(1, 2), cos, sin)[0].transpose(0, 1)
@@ -133,8 +119,8 @@ class SwiGLU(nn.Module):
 
 
 def engram_step(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_past: torch.Tensor | None):
-    """Engram.forward that carries the short conv's lookback across chunks: hidden [B, T, 1, d],
-    rows [B, T, H, D], conv_past [B, W', 1, d] -> (out [B, T, 1, d], new lookback [B, W, 1, d] | None)."""
+    """Engram.forward carrying the conv lookback: hidden [B, T, 1, d], rows [B, T, H, D], conv_past [B, W', 1, d]
+    -> (out [B, T, 1, d], new lookback [B, W, 1, d] | None)."""
     t = hidden.shape[1]
     value = engram.gated_value(hidden, rows=rows)[0]  # [B, T, hc, d]
     if engram.short_conv is None:
@@ -146,10 +132,7 @@ def engram_step(engram: Engram, hidden: torch.Tensor, rows: torch.Tensor, conv_p
 
 
 def engram_paged(engram: Engram, x: torch.Tensor, given: EngramInput, ctx: StepContext, layer: int) -> torch.Tensor:
-    """A step's flat tokens x [N, d] and rows [N, H, D] -> Engram output [N, d]; the short conv runs per sequence
-    after its lookback, read from the paged gated values (ctx.e_cache[layer] at group.conv_slots), and the step's
-    own values are written there. Skipped positions (given.keep 0) get a zero value (as the short conv sees it)
-    and a zero output."""
+    """A step's flat tokens x [N, d], rows [N, H, D] -> Engram output [N, d] (conv lookback paged in ctx.e_cache)."""
     rows, keep, layout = given.rows.to(x.device), given.keep, ctx.layout
     value = engram.gated_value(x[None, :, None, :], rows=rows[None])[0][0]  # [N, 1, d]
     if keep is not None:
@@ -185,11 +168,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, rows: torch.Tensor | None = None,
-                conv: torch.Tensor | None = None, use_cache: bool = False):
-        """x [B, T, d], rows [B, T, H, D] (None: Engram off) -> (x, (keys, values), conv lookback | None).
-
-        Under a step context, x is the step's flat tokens [1, N, d]; the rows come from the context. -> (x, None, None)
-        """
+                conv: torch.Tensor | None = None):
+        """x [B, T, d], rows [B, T, H, D] (None: Engram off) -> (x, (keys, values), conv lookback | None)."""
         ctx = current_step()
         if ctx is not None:
             if self.engram is not None and self.layer_id in ctx.engram:
@@ -198,10 +178,7 @@ class Block(nn.Module):
             x = x + self.attn(self.attn_norm(x), cos, sin)[0]
             return x + self.mlp(self.mlp_norm(x)), None, None
         if rows is not None:
-            if use_cache:
-                out, conv = engram_step(self.engram, x.unsqueeze(2), rows, conv)
-            else:
-                out = self.engram(x.unsqueeze(2), rows=rows)  # [B, T, hc=1, d]
+            out, conv = engram_step(self.engram, x.unsqueeze(2), rows, conv)  # [B, T, hc=1, d]
             x = x + out.squeeze(2).to(x.dtype)
         h, kv = self.attn(self.attn_norm(x), cos, sin, kv)
         x = x + h
@@ -209,15 +186,12 @@ class Block(nn.Module):
         return x, kv, conv
 
 
-# ---------------------------------------------------------------------------------------------- the model
-
 class EngramLM(nn.Module):
     """Decoder-only LM. forward(ids [B, T], past) -> (logits [B, T, V], past | None)."""
 
     def __init__(self, config: ModelConfig, hasher: NgramHasher | None = None,
                  tables: dict[int, nn.Module] | None = None):
-        """hasher: None builds the identity hasher (ids hashed uncompressed); tables: {layer: table module}
-        replacing the trainable in-memory tables (e.g. RowSourceTable over a TieredTable)."""
+        """hasher None: the identity hasher; tables: {layer: module} replacing the trainable tables."""
         super().__init__()
         self.config = config
         e = config.engram
@@ -266,12 +240,7 @@ class EngramLM(nn.Module):
                 nn.init.zeros_(p)
             elif p.ndim == 2 and p is not self.tok_emb.weight:
                 nn.init.normal_(p, std=0.02)
-        # Engram table rows start like token embeddings, N(0, 0.02). With nn.Embedding's N(0, 1) the
-        # Engram value entered the residual stream ~3x larger than the token embedding itself and the
-        # model trained 0.4-0.5 nats worse than the baseline over its first 100 steps; the key is
-        # RMS-normalised, so the gate does not depend on the rows' scale.
-
-    # -- Engram rows ----------------------------------------------------------------------------------------
+        # table rows N(0, 0.02) too: with N(0, 1) the model trained 0.4-0.5 nats worse over its first 100 steps
 
     def engram_row_ids(self, ids: torch.Tensor, history: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """Token ids [B, T] (after history [B, K], if any) -> {layer: row ids int64 [B, T, H]} on ids' device."""
@@ -317,21 +286,10 @@ class EngramLM(nn.Module):
                 fetchers[layer] = lambda tb=table, r=row_ids[layer]: tb(r)
         return fetchers
 
-    # -- forward --------------------------------------------------------------------------------------------
-
     def forward(self, ids: torch.Tensor, past: Past | None = None, *, use_cache: bool = False,
                 engram_rows: dict[int, torch.Tensor] | None = None,
                 engram_enabled: bool | Iterable[int] = True) -> tuple[torch.Tensor, Past | None]:
-        """ids int64 [B, T] continuing `past` (None: sequence start) -> (logits float [B, T, V], past').
-
-        past' is returned when use_cache or past is given. engram_rows {layer: [B, T, H, D]} replaces the
-        internal hashing + lookup for those layers; engram_enabled (bool or the layers to keep on) zeroes
-        the other layers' Engram output (ablation).
-
-        Under a step context (a serving engine's step, tiergram.model.context): ids [1, N] are the step's flat
-        tokens, the K/V and the Engram rows are the context's, and the logits are those at each sequence's last
-        token, float [1, B, V].
-        """
+        """ids int64 [B, T] after `past` -> (logits float [B, T, V], past' when use_cache or past); docs/model.md."""
         ctx = current_step()
         if ctx is not None:
             return self.forward_step(ids, ctx), None
@@ -359,13 +317,11 @@ class EngramLM(nn.Module):
         for i, block in enumerate(self.blocks):
             rows = fetchers[i]() if i in fetchers else None
             x, kv, conv = block(x, cos, sin, kv=past.kv[i] if past is not None else None, rows=rows,
-                                conv=past.conv.get(i) if past is not None else None, use_cache=use_cache)
+                                conv=past.conv.get(i) if past is not None else None)
             if use_cache:
                 kvs.append(kv)
-                if conv is not None:
+                if conv is not None:  # a layer switched off for this chunk returns its lookback unchanged
                     convs[i] = conv
-                elif past is not None and i in past.conv:
-                    convs[i] = past.conv[i]  # layer switched off for this chunk: keep its lookback
         x = self.norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.tok_emb.weight)
         if not use_cache:
@@ -376,8 +332,7 @@ class EngramLM(nn.Module):
         return logits.float(), Past(kv=kvs, conv=convs, tokens=tokens, length=start + t)
 
     def forward_step(self, ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """One engine step: flat tokens ids [1, N] at ctx.layout.positions -> logits float [1, B, V] at the
-        sequences' last tokens (ctx.layout.last)."""
+        """One engine step: flat tokens ids [1, N] -> logits float [1, B, V] at the sequences' last tokens."""
         layout = ctx.layout
         cos, sin = self.rope_cos[layout.positions], self.rope_sin[layout.positions]  # [N, hd/2]
         x = self.tok_emb(ids)  # [1, N, d]
@@ -386,8 +341,6 @@ class EngramLM(nn.Module):
         h = self.norm(x[0, layout.last])  # [B, d]
         logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.tok_emb.weight)
         return logits.float()[None]
-
-    # -- bookkeeping ----------------------------------------------------------------------------------------
 
     def table_parameters(self) -> list[nn.Parameter]:
         """The trainable Engram table weights (sparse gradients)."""
