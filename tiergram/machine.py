@@ -8,10 +8,8 @@ import numpy as np
 
 
 def cpu_speed_ms(seconds: float = 1.0) -> float:
-    """Milliseconds of one fixed CPU workload shaped like an engine step (48 small torch matmuls + GELUs at torch's
-    thread count, Python between them): the median of repeats over `seconds`. Taken around a measurement it says
-    whether this machine's speed moved meanwhile (a shared VM's drifts by tens of percent within an hour; a probe
-    is a moment, not the measurement's average: `plan calibrate` only warns with it)."""
+    """Milliseconds of one fixed engine-step-shaped CPU workload (48 small torch matmuls + GELUs), the median of
+    repeats over `seconds`: taken around a measurement, it says whether a shared VM's speed moved meanwhile."""
     import torch
 
     gen = torch.Generator().manual_seed(0)

@@ -6,8 +6,7 @@ from pathlib import Path
 
 
 def subplots(*args, **kw):
-    """(figure, axes) of matplotlib's plt.subplots on the Agg backend (drawing to files, no display), at 110 dpi
-    unless kw says."""
+    """(figure, axes) of plt.subplots on the Agg backend (files, no display), at 110 dpi unless kw says."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,7 +13,6 @@ from tiergram.corpus.sources import DEFAULT_SOURCES, SOURCES
 
 
 def _mb(n: int) -> str:
-    """Bytes as megabytes with two decimals."""
     return f"{n / 1e6:.2f}"
 
 
@@ -37,12 +36,10 @@ def summary(manifest: dict) -> str:
 
 
 def _build(args: argparse.Namespace) -> int:
-    """Handler of `corpus build`."""
     return _show(build_corpus(args.cache, args.sources, progress=not args.no_progress, force=args.force), args.json)
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
-    """Handler of `corpus tokenizer`."""
     from tiergram.corpus.tokenizer import load_tokenizer, train_tokenizer
 
     t0 = time.perf_counter()
@@ -51,11 +48,6 @@ def _tokenizer(args: argparse.Namespace) -> int:
             "seconds": round(time.perf_counter() - t0, 2)}
     print(json.dumps(info) if args.json else f"tokenizer at {path}: {info['vocab_size']} tokens")
     return 0
-
-
-def _info(args: argparse.Namespace) -> int:
-    """Handler of `corpus info`."""
-    return _show(corpus_dir(args.cache), args.json)
 
 
 def _show(out: Path, as_json: bool) -> int:
@@ -91,4 +83,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     i = sub.add_parser("info", help="summarise the built corpus")
     common(i)
-    i.set_defaults(func=_info)
+    i.set_defaults(func=lambda args: _show(corpus_dir(args.cache), args.json))

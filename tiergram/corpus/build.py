@@ -1,11 +1,5 @@
-"""Build the corpus: fetch sources, clean, de-duplicate, categorise, split by document, write JSONL.
-
-Layout of `<cache>/corpus/`: `train.jsonl`, `validation.jsonl`, `test.jsonl` (one JSON object per
-document: id, source, path, licence, category, text), `manifest.json` (written last: its presence
-with unchanged parameters means the build is complete and is reused), `downloads/<source>/`.
-The manifest's `python_stdlib` entry lists which stdlib files went to which split, for tools that
-evaluate on stdlib doctests.
-"""
+"""Build the corpus: fetch sources, clean, de-duplicate, categorise, split by document, write JSONL (the layout:
+docs/model.md, "The corpus")."""
 
 from __future__ import annotations
 
@@ -138,13 +132,11 @@ def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | So
         raise CorpusError(f"no corpus source available ({reasons})")
 
     by_name = {s.name: s for s in chosen}
-    seen: dict[str, str] = {}
+    seen: set[str] = set()  # content hashes: a duplicate keeps its first (source, path)
     dropped = {"binary": 0, "empty": 0, "huge": 0, "duplicate": 0}
     by_source: dict = {}
     by_category: dict = {}
     stdlib_splits: dict[str, list[str]] = {s: [] for s in SPLITS}
-    stdlib_dropped: dict[str, str] = {}
-    files_seen: dict[str, int] = {}
     handles = {s: open(out / f"{s}.jsonl.tmp", "wb") for s in SPLITS}  # noqa: SIM115
     hashes = {s: hashlib.sha256() for s in SPLITS}
     try:
@@ -152,25 +144,17 @@ def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | So
         bar = tqdm(total=total, desc="processing documents", unit="doc", disable=not progress, file=sys.stderr)
         for name, fet in fetched.items():
             src = by_name[name]
-            files_seen[name] = len(fet.files)
             for sf in sorted(fet.files, key=lambda f: f.path):
                 bar.update(1)
-                doc_id = f"{name}/{sf.path}"
                 text, reason = clean_text(sf.read(), config.max_doc_bytes, config.min_chars)
-                if text is not None:
-                    digest = content_hash(text)
-                    if digest in seen:
-                        text, reason = None, f"duplicate of {seen[digest]}"
-                    else:
-                        seen[digest] = doc_id
-                if text is None:
-                    dropped[reason.split(" ")[0]] += 1
-                    if name == STDLIB:
-                        stdlib_dropped[sf.path] = reason
+                digest = content_hash(text) if text is not None else None
+                if text is None or digest in seen:
+                    dropped[reason or "duplicate"] += 1
                     continue
+                seen.add(digest)
                 split = split_for(src.split_key(sf.path), config.validation, config.test)
                 category = categorise(sf.path, text, config.boilerplate_threshold)
-                doc = Document(doc_id, name, sf.path, src.licence, category, text)
+                doc = Document(f"{name}/{sf.path}", name, sf.path, src.licence, category, text)
                 line = (json.dumps(asdict(doc), ensure_ascii=False) + "\n").encode("utf-8")
                 handles[split].write(line)
                 hashes[split].update(line)
@@ -199,7 +183,7 @@ def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | So
         "build_seconds": round(time.perf_counter() - t0, 2),
         "content_sha256": hashlib.sha256("".join(splits[s]["sha256"] for s in SPLITS).encode()).hexdigest(),
         "sources": {n: {"licence": by_name[n].licence, "description": by_name[n].description, "version": f.version,
-                        "origin": f.origin, "download_bytes": f.download_bytes, "files": files_seen.get(n, 0),
+                        "origin": f.origin, "download_bytes": f.download_bytes, "files": len(f.files),
                         "documents": sum(c["documents"] for c in by_source.get(n, {}).values()),
                         "bytes": sum(c["bytes"] for c in by_source.get(n, {}).values())}
                     for n, f in fetched.items()},
@@ -211,9 +195,7 @@ def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | So
         "by_category": {c: by_category[c] for c in CATEGORIES if c in by_category},
     }
     if STDLIB in fetched:
-        manifest["python_stdlib"] = {"root": fetched[STDLIB].origin.removeprefix("local:"),
-                                     "version": fetched[STDLIB].version, "splits": stdlib_splits,
-                                     "dropped": stdlib_dropped}
+        manifest["python_stdlib"] = {"splits": stdlib_splits}  # the doctest task's held-out files
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, out / "manifest.json")
@@ -232,13 +214,6 @@ def load_split(corpus: str | Path, split: str) -> Iterator[Document]:
             yield Document(**json.loads(line))
 
 
-def iter_texts(
-    corpus: str | Path,
-    split: str = "train",
-    sources: Sequence[str] | None = None,
-    categories: Sequence[str] | None = None,
-) -> Iterator[str]:
-    """The texts of a split, optionally only from some sources and categories."""
-    for doc in load_split(corpus, split):
-        if (sources is None or doc.source in sources) and (categories is None or doc.category in categories):
-            yield doc.text
+def iter_texts(corpus: str | Path, split: str = "train") -> Iterator[str]:
+    """The texts of a split, in file order."""
+    return (doc.text for doc in load_split(corpus, split))

