@@ -13,22 +13,13 @@ from support import fixture_corpus, offline_default_sources
 from test_server import make_tiny_model
 
 from tiergram.bench.common import percentile
-from tiergram.bench.serve import (
-    Point,
-    Round,
-    SweepConfig,
-    SweepResult,
-    Timing,
-    Trace,
-    checks,
-    checks_text,
-    levels,
-    pareto,
-    summarize,
-    trace_tokens,
-)
+from tiergram.bench.load import Timing, Trace, trace_tokens
+from tiergram.bench.serve_config import SweepConfig
 from tiergram.bench.serve_process import ServeSubprocess
+from tiergram.bench.serve_report import checks_text
+from tiergram.bench.serve_stats import Point, Round, SweepResult, checks, pareto, summarize
 from tiergram.cli import main
+from tiergram.plan.model import levels
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiergram.bench import serve as sv
+from tiergram.bench.serve_config import SweepConfig, Variant, load_variants, round_order
+from tiergram.bench.serve_process import ServerProcess, cache_budgets, server_settings
+from tiergram.bench.serve_report import checks_text, to_json, to_markdown
+from tiergram.bench.serve_stats import Point, SweepResult, checks
 
 
-def point(label: str, c: int, tok_s: float, cpu: float = 1.0) -> sv.Point:
-    return sv.Point(placement=label, concurrency=c, requests=4, duration_s=1.0, throughput_tok_s=tok_s,
+def point(label: str, c: int, tok_s: float, cpu: float = 1.0) -> Point:
+    return Point(placement=label, concurrency=c, requests=4, duration_s=1.0, throughput_tok_s=tok_s,
                     output_tok_s=tok_s / 5, ttft_p50_ms=1, ttft_p90_ms=2, ttft_p99_ms=3, itl_p50_ms=1, itl_p90_ms=2,
                     itl_p99_ms=3, e2e_p50_ms=1, e2e_p90_ms=2, e2e_p99_ms=3, interactivity_p50=1, interactivity_p90=1,
                     engram_cache_hit_rate=0.5, exposed_stall_s=0.1, cpu_ms_per_token=cpu, file_pages_per_s=100.0,
@@ -22,23 +25,23 @@ def point(label: str, c: int, tok_s: float, cpu: float = 1.0) -> sv.Point:
 
 
 def test_labels_expand_the_file_placement_per_cache_fraction():
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), big_model_dir="b")
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1), big_model_dir="b")
     assert cfg.labels() == ["host", "file-1%", "file-10%", "file-big"]
     assert [cfg.kind_of(lb) for lb in cfg.labels()] == ["host", "file", "file", "file"]
-    assert sv.SweepConfig(model_dir="m", placements=("host", "file")).labels() == ["host", "file"]
+    assert SweepConfig(model_dir="m", placements=("host", "file")).labels() == ["host", "file"]
     with pytest.raises(ValueError, match="cache_fractions"):
-        sv.SweepConfig(model_dir="m", cache_fractions=(0.5, 1.5))
+        SweepConfig(model_dir="m", cache_fractions=(0.5, 1.5))
 
 
 def test_checks_compare_every_file_server_with_host():
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1))
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"), cache_fractions=(0.01, 0.1))
     servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 2 << 30}
                for lb in cfg.labels()}
     servers["file-10%"] |= {"hot_rows_preloaded": 1_500_000, "hot_rows_preload_s": 5.31}
     points = [point("host", 1, 100.0, 2.0), point("host", 2, 200.0, 2.0), point("file-1%", 1, 80.0, 2.2),
               point("file-1%", 2, 150.0, 2.4), point("file-10%", 1, 95.0), point("file-10%", 2, 190.0)]
-    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0})
-    ck = sv.checks(res)
+    res = SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0})
+    ck = checks(res)
     assert ck["file-1%_vs_host"]["ratios"] == {1: 0.8, 2: 0.75} and not ck["file-1%_vs_host"]["passed"]
     assert ck["file-10%_vs_host"]["ratios"] == {1: 0.95, 2: 0.95} and ck["file-10%_vs_host"]["passed"]
     assert ck["file-1%_vs_host"]["cache_fraction"] == 0.01 and ck["file-10%_vs_host"]["cache_fraction"] == 0.1
@@ -47,17 +50,17 @@ def test_checks_compare_every_file_server_with_host():
     assert ck["file-1%_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 80 * 0.9 * 100 / 1000),
                                                           2: pytest.approx(100 / 150 * 0.9 * 200 / 1000)}
     res.checks = ck
-    text = sv.checks_text(res)
+    text = checks_text(res)
     assert "share of the disk's limit file-1% needs to reach 90% of host" in text
     assert "file-1%" in text and "file-10%" in text and "peak RSS: host 2.00 GiB" in text
     assert "hot-rows preload at start: file-10% 1,500,000 rows in 5.3 s" in text
-    assert "peak RSS GiB" in sv.to_markdown(res)
+    assert "peak RSS GiB" in to_markdown(res)
 
 
 def test_throughput_ratios_pair_the_rounds():
     """A round's placements run back to back: the check is the median of the ratios within a round, not the ratio
     of two medians that may come from different rounds (here a slow third round for both)."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"))
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"))
     servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
                for lb in cfg.labels()}
     host, file = point("host", 1, 100.0), point("file", 1, 90.0)
@@ -66,32 +69,32 @@ def test_throughput_ratios_pair_the_rounds():
     unequal.throughput_rounds = [50.0]
     host2 = point("host", 2, 100.0)
     host2.throughput_rounds = [100.0, 100.0]
-    res = sv.SweepResult(cfg, "test", [host, file, host2, unequal], {}, servers, {}, 1.0)
-    ck = sv.checks(res)["file_vs_host"]
+    res = SweepResult(cfg, "test", [host, file, host2, unequal], {}, servers, {}, 1.0)
+    ck = checks(res)["file_vs_host"]
     assert ck["ratios"] == {1: pytest.approx(108 / 110), 2: pytest.approx(0.5)}  # 2: no pairs, the fields' ratio
     assert ck["median_ratios"] == {1: pytest.approx(0.9), 2: pytest.approx(0.5)}
     assert ck["round_ratios"][1] == [0.97, pytest.approx(0.9818, abs=1e-4), pytest.approx(0.9833, abs=1e-4)]
     assert ck["round_ratios"][2] == [] and ck["passed"] is False
-    res.checks = sv.checks(res)
-    assert "c=1 0.97/0.98/0.98 (medians' ratio 0.900)" in sv.checks_text(res)
+    res.checks = checks(res)
+    assert "c=1 0.97/0.98/0.98 (medians' ratio 0.900)" in checks_text(res)
 
 
 def test_file_big_is_set_against_the_disk_limit_measured_on_its_own_tables(monkeypatch):
     """The volume serves recently read extents faster than cold ones: file-big's share of the disk is taken against
     the limit measured on the big model's tables, the others' against their own model's."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), big_model_dir="b", big_cache_bytes=10)
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"), big_model_dir="b", big_cache_bytes=10)
     servers = {lb: {"concurrency_limit": 1, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1,
                     "model_dir": "b"} for lb in cfg.labels()}
     monkeypatch.setattr("tiergram.bench.serve_stats.layer_table_bytes", lambda d: [500, 500])  # b's two tables
     points = [point(lb, 1, 100.0) for lb in cfg.labels()]
-    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0},
+    res = SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 1000.0},
                          big_disk_pages_per_s={"before": 100.0, "after": 300.0})
-    ck = sv.checks(res)
+    ck = checks(res)
     assert ck["file_vs_host"]["disk_pages_per_s"] == {"before": 1000.0}
     assert ck["file_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 100 * 0.9 * 100 / 1000)}
     assert ck["file-big_vs_host"]["disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
     assert ck["file-big_vs_host"]["disk_share_needed"] == {1: pytest.approx(100 / 100 * 0.8 * 100 / 200)}
-    assert json.loads(sv.to_json(res))["big_disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
+    assert json.loads(to_json(res))["big_disk_pages_per_s"] == {"before": 100.0, "after": 300.0}
     assert ck["file-big_vs_host"]["above_disk_limit"] == ck["file_vs_host"]["above_disk_limit"] == []
 
 
@@ -99,24 +102,24 @@ def test_a_server_reading_past_the_disks_new_page_limit_is_flagged():
     """A cache under the disk serves pages an earlier run read far faster than new ones: a file server reading
     more than 1.25x the higher limit measured on new pages is flagged, and the report says those points are not
     the disk's."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"))
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"))
     servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
                for lb in cfg.labels()}
     points = [point(lb, c, 100.0) for lb in cfg.labels() for c in (1, 2, 4)]
     for p in points:
         p.file_pages_per_s = {1: 100.0, 2: 125.0, 4: 126.0}[p.concurrency]  # the limit: 100 before, 80 after
-    res = sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 100.0, "after": 80.0})
-    res.checks = sv.checks(res)
+    res = SweepResult(cfg, "test", points, {}, servers, {}, 1.0, disk_pages_per_s={"before": 100.0, "after": 80.0})
+    res.checks = checks(res)
     assert res.checks["file_vs_host"]["above_disk_limit"] == [4]
-    text = sv.checks_text(res)
+    text = checks_text(res)
     assert "WARNING: file read faster than 1.25x the disk's limit for new pages at c=4" in text
     res.disk_pages_per_s = {}
-    assert sv.checks(res)["file_vs_host"]["above_disk_limit"] == []  # no limit measured: nothing claimed
+    assert checks(res)["file_vs_host"]["above_disk_limit"] == []  # no limit measured: nothing claimed
 
 
 def test_default_sweep_starts_no_mooncake_cluster():
     """The demo's sweep uses the defaults: Mooncake (which needs a master or a private namespace) is opt-in."""
-    assert "mooncake" not in sv.SweepConfig(model_dir="m").labels()
+    assert "mooncake" not in SweepConfig(model_dir="m").labels()
 
 
 VARIANTS = Path(__file__).parent.parent / "docs" / "variants.toml"
@@ -125,17 +128,17 @@ VARIANTS = Path(__file__).parent.parent / "docs" / "variants.toml"
 def test_the_example_variants_file_adds_each_server_after_its_base(tmp_path):
     """docs/variants.toml: each [variants.NAME] is a server right after the one it copies, with its base's cache
     and kind; its [engine] changes reach the server's typed configuration, nothing else does."""
-    variants = sv.load_variants(VARIANTS)
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), hot_rows=True, variants=variants)
+    variants = load_variants(VARIANTS)
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"), hot_rows=True, variants=variants)
     assert cfg.labels() == ["host", "host-process", "host-t1", "file", "file-cold", "file-no-read-ahead", "file-t1"]
     assert [cfg.kind_of(lb) for lb in cfg.labels()] == ["host"] * 3 + ["file"] * 4
     tables = [tmp_path / "a.tgram"]
     tables[0].write_bytes(b"x" * 1000)
-    caches = sv.cache_budgets(cfg, tables)
+    caches = cache_budgets(cfg, tables)
     assert caches["file-t1"] == caches["file-cold"] == caches["file"] == 100 and caches["host-t1"] == 0
     (tmp_path / "hot_rows.npz").write_bytes(b"")
     cfg.model_dir = str(tmp_path)
-    settings = {lb: sv.server_settings(cfg, lb, caches[lb], 16).engine for lb in cfg.labels()}
+    settings = {lb: server_settings(cfg, lb, caches[lb], 16).engine for lb in cfg.labels()}
     assert settings["host-process"].engine_process and not settings["host"].engine_process
     assert settings["file"].hot_rows == str(tmp_path / "hot_rows.npz") and settings["file-cold"].hot_rows is None
     assert settings["host"].hot_rows is None  # a host server has no cache to preload
@@ -146,15 +149,15 @@ def test_the_example_variants_file_adds_each_server_after_its_base(tmp_path):
                for lb in cfg.labels()}
     tok = {"host": 100.0, "host-process": 120.0, "host-t1": 110.0, "file": 80.0, "file-cold": 72.0,
            "file-no-read-ahead": 60.0, "file-t1": 99.0}
-    res = sv.SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0)
-    ck = sv.checks(res)
+    res = SweepResult(cfg, "test", [point(lb, 1, t) for lb, t in tok.items()], {}, servers, {}, 1.0)
+    ck = checks(res)
     assert ck["host-process_vs_host"]["ratios"] == {1: pytest.approx(1.2)}
     assert ck["file-cold_vs_file"]["ratios"] == {1: pytest.approx(0.9)}
     assert ck["file-t1_vs_host-t1"]["ratios"] == {1: pytest.approx(0.9)} and "file-t1_vs_host" not in ck
     assert ck["file-cold_vs_host"]["ratios"] == {1: pytest.approx(0.72)}
     assert ck["file-cold_vs_host"]["cache_fraction"] == 0.1
     res.checks = ck
-    text = sv.checks_text(res)
+    text = checks_text(res)
     assert "host-process / host (the same server, engine_process True changed)" in text
     assert ">= 90% of host-t1 at every concurrency" in text
 
@@ -171,10 +174,10 @@ def test_a_server_runs_from_a_typed_config_file(monkeypatch, tmp_path):
             raise OSError("not started in this test")
 
     monkeypatch.setattr("subprocess.Popen", Popen)
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"), max_num_seqs=8, engine={"codec": "fp32"},
-                         variants={"file-lfu": sv.Variant("file", {"cache_policy": "lfu"})})
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"), max_num_seqs=8, engine={"codec": "fp32"},
+                         variants={"file-lfu": Variant("file", {"cache_policy": "lfu"})})
     with pytest.raises(OSError):
-        sv.ServerProcess(cfg, "file-lfu", 4096, 16).start()
+        ServerProcess(cfg, "file-lfu", 4096, 16).start()
     assert "--placement" not in seen["cmd"] and "--max-num-seqs" not in seen["cmd"]
     engine = seen["config"]["engine"]
     assert (engine["placement"], engine["cache_bytes"], engine["cache_policy"], engine["codec"]) == \
@@ -194,16 +197,16 @@ def test_a_variants_file_is_checked_key_by_key(tmp_path, text, error):
     path = tmp_path / "v.toml"
     path.write_text(text)
     with pytest.raises(ValueError, match=error):
-        sv.load_variants(path)
+        load_variants(path)
 
 
 def test_a_variant_of_a_server_the_sweep_does_not_run_is_refused():
     with pytest.raises(ValueError, match="base 'mooncake' is not a server of this sweep"):
-        sv.SweepConfig(model_dir="m", placements=("host", "file"), variants={"m2": sv.Variant("mooncake")}).labels()
+        SweepConfig(model_dir="m", placements=("host", "file"), variants={"m2": Variant("mooncake")}).labels()
     with pytest.raises(ValueError, match="reference 'host-t1' is not a server"):
-        sv.SweepConfig(model_dir="m", variants={"f": sv.Variant("file", reference="host-t1")}).labels()
+        SweepConfig(model_dir="m", variants={"f": Variant("file", reference="host-t1")}).labels()
     with pytest.raises(ValueError, match="has the name of another server"):
-        sv.SweepConfig(model_dir="m", variants={"host": sv.Variant("file")}).labels()
+        SweepConfig(model_dir="m", variants={"host": Variant("file")}).labels()
 
 
 def test_thread_cpu_seconds_names_each_threads_time():
@@ -237,9 +240,9 @@ def test_thread_cpu_seconds_names_each_threads_time():
     assert sum(got.values()) >= got[key]
 
 
-def _rounds_sweep(file_rounds: dict[int, list[float]]) -> sv.SweepResult:
+def _rounds_sweep(file_rounds: dict[int, list[float]]) -> SweepResult:
     """host at 100 tok/s in every round; file's rounds as given (ratios to host)."""
-    cfg = sv.SweepConfig(model_dir="m", placements=("host", "file"))
+    cfg = SweepConfig(model_dir="m", placements=("host", "file"))
     servers = {lb: {"concurrency_limit": 4, "cache_bytes": 10, "table_bytes": 1000, "peak_rss_bytes": 1}
                for lb in cfg.labels()}
     points = []
@@ -247,31 +250,31 @@ def _rounds_sweep(file_rounds: dict[int, list[float]]) -> sv.SweepResult:
         host, file = point("host", c, 100.0), point("file", c, 100.0 * sorted(rounds)[len(rounds) // 2])
         host.throughput_rounds, file.throughput_rounds = [100.0] * len(rounds), [100.0 * r for r in rounds]
         points += [host, file]
-    return sv.SweepResult(cfg, "test", points, {}, servers, {}, 1.0)
+    return SweepResult(cfg, "test", points, {}, servers, {}, 1.0)
 
 
 def test_a_shortfall_within_the_rounds_noise_is_not_called_a_failure():
     """A median under the target by less than two standard errors of the rounds (the spread pooled over the
     points) is "within noise"; well under it, "fail"; the strict median test stays in `passed`."""
     noisy = _rounds_sweep({1: [0.80, 1.00, 1.20], 2: [0.85, 0.88, 1.05], 4: [1.0, 1.0, 1.0]})
-    ck = sv.checks(noisy)["file_vs_host"]
+    ck = checks(noisy)["file_vs_host"]
     assert ck["passed"] is False and ck["verdict"] == "within noise"
     assert ck["within_noise"] == [2] and ck["below"] == []
     assert ck["sigma_log"] == pytest.approx(0.134, abs=0.002)
     assert ck["rounds_to_resolve"] == 7  # (2 x 0.134 / -ln 0.9)^2 = 6.5
-    noisy.checks = sv.checks(noisy)
-    text = sv.checks_text(noisy)
+    noisy.checks = checks(noisy)
+    text = checks_text(noisy)
     assert ">= 90% of host at every concurrency: WITHIN NOISE" in text
     assert "below the target within that: c=2 (about 7 rounds would resolve the 10% margin)" in text
 
     short = _rounds_sweep({1: [0.80, 1.00, 1.20], 2: [0.50, 0.52, 0.51], 4: [1.0, 1.0, 1.0]})
-    ck = sv.checks(short)["file_vs_host"]
+    ck = checks(short)["file_vs_host"]
     assert ck["verdict"] == "fail" and ck["below"] == [2] and ck["within_noise"] == []
 
     steady = _rounds_sweep({1: [0.95, 0.97, 0.99], 2: [0.93, 0.95, 0.97]})
-    assert sv.checks(steady)["file_vs_host"]["verdict"] == "pass"
+    assert checks(steady)["file_vs_host"]["verdict"] == "pass"
     single = _rounds_sweep({1: [0.85], 2: [0.95]})  # one round each: no noise estimate, the medians decide
-    ck = sv.checks(single)["file_vs_host"]
+    ck = checks(single)["file_vs_host"]
     assert ck["sigma_log"] is None and ck["verdict"] == "fail"
 
 
@@ -284,9 +287,9 @@ def test_pool_gathers_one_checks_rounds_over_runs(tmp_path, capsys):
     runs = [_rounds_sweep({1: [0.8, 1.0, 1.2], 2: [0.9, 0.9, 0.9]}), _rounds_sweep({1: [1.1, 0.9, 1.0]})]
     paths = []
     for i, res in enumerate(runs):
-        res.checks = sv.checks(res)
+        res.checks = checks(res)
         paths.append(tmp_path / f"run{i}.json")
-        paths[-1].write_text(sv.to_json(res))
+        paths[-1].write_text(to_json(res))
     sweeps = [json.loads(p.read_text()) for p in paths]
     pooled = pool_rounds(sweeps, "file_vs_host")
     assert pooled[1]["rounds"] == 6 and pooled[1]["median"] == pytest.approx(1.0)
@@ -306,7 +309,7 @@ def test_round_order_balances_who_goes_first_and_who_goes_before_whom(n):
     """Over 2n rounds every server goes first twice and before each other server in n rounds: a file server reading
     pages another has just read (a cache under the disk returns them faster) is not always the same one."""
     members = [f"s{i}" for i in range(n)]
-    orders = [sv.round_order(members, r) for r in range(2 * n)]
+    orders = [round_order(members, r) for r in range(2 * n)]
     assert all(sorted(o) == members for o in orders)
     assert all(sum(o[0] == m for o in orders) == 2 for m in members)
     for a in members:

@@ -1,29 +1,6 @@
-"""`tiergram bench serve`: throughput against interactivity of the real server, per table placement.
-
-The InferenceX method: for each placement a real `tiergram serve` process is started on a free loopback port,
-and a closed loop of `c` streaming HTTP clients (httpx, async) runs at c = 1, 2, 4, ... up to the engine's
-limit (max_num_seqs, or the sequences the K/V budget holds). Each point runs 2c warm-up requests, then 3
-rounds of 4c measured ones; in each round the placements take turns (in rotating order) on the same requests,
-and a point's throughput is its median round, so a drift of this machine's speed (other jobs, a throttled
-disk) cannot favour the placement measured first; a check's ratio of two placements is the median over rounds
-of their ratio within a round, where the machine's speed in that round cancels. Input and output lengths are
-drawn uniformly from [0.8 L, L]; prompts and outputs are replayed from held-out real text (the corpus's test
-split, or the Python stdlib's source), the output forced token by token from the trace, so every placement
-serves the same tokens.
-
-Per point: TTFT, inter-token latency (ITL) and end-to-end latency p50/p90/p99 as the client sees them,
-interactivity (tokens/s per user = 1000 / ITL ms; `interactivity_p90` = 1000 / ITL p90), total throughput
-(prompt + output tokens per second of the measured phase), and from /metrics deltas the Engram cache hit
-rate, the exposed prefetch stall and the file tier's page reads per second, which the checks set against the
-disk's own limit (the native reader at queue depth 128, pages no earlier probe read) measured once the servers
-have started and after the sweep, on the tables those servers read (the big model's apart), and the
-machine's CPU speed probed beside every round (`plan validate` predicts at it). Per placement the pareto front
-keeps the points no other point beats on both throughput and interactivity.
-
-The pieces: `serve_config` (what to sweep), `load` (the trace and the streaming clients), `serve_process` (the
-server subprocesses and their memory), `serve_stats` (points, fronts, checks) and `serve_report` (plot, markdown,
-JSON, text). This module runs the sweep and keeps the public names of all of them.
-"""
+"""`tiergram bench serve`: throughput against interactivity of the real server, per table placement, by the
+InferenceX method (docs/serving.md, "`tiergram bench serve`"). The pieces: `serve_config`, `load`, `serve_process`,
+`serve_stats` and `serve_report`; this module runs the sweep and keeps the names other modules import."""
 
 from __future__ import annotations
 
@@ -35,16 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tiergram.bench.common import log
-from tiergram.bench.load import Conversations, Timing, Trace, TraceRequest, closed_loop, one_request, trace_tokens
-from tiergram.bench.serve_config import (
-    DEFAULT_PLACEMENTS,
-    PLACEMENTS,
-    SweepConfig,
-    Variant,
-    file_label,
-    load_variants,
-    round_order,
-)
+from tiergram.bench.load import Conversations, Trace, closed_loop, trace_tokens
+from tiergram.bench.serve_config import SweepConfig, load_variants, round_order
 from tiergram.bench.serve_process import (
     ServerProcess,
     cache_budgets,
@@ -54,22 +23,15 @@ from tiergram.bench.serve_process import (
     layer_tables,
     peak_rss,
     scrape,
-    server_settings,
     thread_cpu_seconds,
 )
-from tiergram.bench.serve_report import checks_text, plot, to_json, to_markdown, to_text
-from tiergram.bench.serve_stats import BIG_TARGET, Point, Round, SweepResult, checks, pareto, summarize
+from tiergram.bench.serve_report import plot, to_json, to_markdown, to_text
+from tiergram.bench.serve_stats import Point, Round, SweepResult, checks, pareto, summarize
 from tiergram.machine import cpu_speed_ms
 from tiergram.paths import cache_dir
 from tiergram.plan.model import levels
 
-__all__ = [
-    "BIG_TARGET", "DEFAULT_PLACEMENTS", "PLACEMENTS", "Point", "Round", "ServerProcess", "SweepConfig", "SweepResult",
-    "Timing", "Trace", "TraceRequest", "Variant", "cache_budgets", "checks", "checks_text", "closed_loop",
-    "concurrency_limit", "disk_limit", "file_label", "file_mode", "layer_table_bytes", "layer_tables", "levels",
-    "load_variants", "one_request", "pareto", "peak_rss", "plot", "round_order", "run", "scrape", "server_settings",
-    "summarize", "thread_cpu_seconds", "to_json", "to_markdown", "to_text", "trace_tokens",
-]
+__all__ = ["ServerProcess", "SweepConfig", "load_variants", "run", "scrape", "to_json", "to_text"]
 
 
 def workload(cfg: SweepConfig, tokens: Any, max_model_len: int) -> Trace | Conversations:
@@ -85,9 +47,8 @@ def workload(cfg: SweepConfig, tokens: Any, max_model_len: int) -> Trace | Conve
 
 
 def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
-    """Random 4 KiB-page reads per second the disk gives the native reader at queue depth 128 (O_DIRECT), on pages
-    no earlier probe chose (a volume that caches what it served would otherwise give a repeated probe its own
-    cache); None where the filesystem refuses O_DIRECT: reads through the page cache would measure that cache."""
+    """Random page reads per second the disk gives the native reader at QD 128 (O_DIRECT), on pages no earlier probe
+    read; None where the filesystem refuses O_DIRECT (that would measure the page cache)."""
     from tiergram.bench.file_lookup import LimitReader
     from tiergram.format import TableFile
 
@@ -101,8 +62,7 @@ def speed_probe(seconds: float) -> float | None:
 
 
 def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
-    """Sweep every server (all running from the start, taking turns round by round as the module says); the result
-    holds the points, fronts and checks (plot/markdown written if asked)."""
+    """Sweep every server (all running from the start, taking turns round by round): points, fronts, checks."""
     import httpx
 
     from tiergram.model.checkpoint import load_tokenizer_of
@@ -155,16 +115,13 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                   "max_model_len": health["max_model_len"],
                                   "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
                                   "base": cfg.base_of(placement), "settings": server.settings.to_dict(),
-                                  "model_dir": model_dir, "table_bytes": sum(layer_table_bytes(model_dir)),
-                                  "peak_rss_bytes_at_start": peak_rss(server.proc.pid)}
+                                  "model_dir": model_dir, "table_bytes": sum(layer_table_bytes(model_dir))}
             if cfg.kind_of(placement) == "file":
                 servers[placement]["file_mode"] = file_mode(layer_tables(model_dir)[0])
             started = scrape(server.url)
             if started.get("tiergram_engram_hot_rows_preloaded"):  # the start's cost of the preload
                 servers[placement]["hot_rows_preloaded"] = int(started["tiergram_engram_hot_rows_preloaded"])
                 servers[placement]["hot_rows_preload_s"] = started.get("tiergram_engram_hot_rows_preload_seconds", 0.0)
-                log(progress, f"[{placement}] preloaded {servers[placement]['hot_rows_preloaded']:,} hot rows in "
-                               f"{servers[placement]['hot_rows_preload_s']:.1f} s")
             if limit < 1:
                 log(progress, f"[{placement}] the K/V budget holds no {cfg.input_len + cfg.output_len}-token "
                                "sequence; skipped")
@@ -206,16 +163,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 p = summarize(pl, c, rounds[pl])
                 p.server_peak_rss_bytes = peak_rss(procs[pl])
                 points.append(p)
-                hit = "" if p.engram_cache_hit_rate is None else f", hit {100 * p.engram_cache_hit_rate:.1f}%"
-                reads = f", {p.file_pages_per_s:.0f} pages/s" if cfg.kind_of(pl) == "file" else ""
-                reads += "" if p.cpu_speed_ms is None else f", speed probe {p.cpu_speed_ms:.2f} ms"
-                if p.prefix_hit_rate is not None and cfg.workload == "conversations":
-                    reads += f", prefix hit {100 * p.prefix_hit_rate:.1f}% ({100 * p.prefix_host_hit_rate:.1f}% host)"
-                reads += f", CPU {p.cpu_ms_per_token:.2f} ms/token, peak RSS {p.server_peak_rss_bytes / 2**30:.2f} GiB"
-                log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 "
-                               f"{p.ttft_p90_ms:7.1f} ms  ITL p90 {p.itl_p90_ms:6.1f} ms  "
-                               f"{p.interactivity_p90:6.1f} tok/s/user  stall {p.exposed_stall_s:.3f} s "
-                               f"({p.prefill_stall_s:.3f} in prefill steps){hit}{reads}")
+                log(progress, f"[{pl}] c={c:<3} {p.throughput_tok_s:8.1f} tok/s  TTFT p90 {p.ttft_p90_ms:7.1f} ms  "
+                               f"ITL p90 {p.itl_p90_ms:6.1f} ms  stall {p.exposed_stall_s:.3f} s  CPU "
+                               f"{p.cpu_ms_per_token:.2f} ms/token")
         for pl, pid in procs.items():
             servers[pl]["peak_rss_bytes"] = peak_rss(pid)
     for which, table in limit_tables.items():

@@ -39,28 +39,20 @@ class SweepConfig:
     markdown: str | None = None
     # file placement at several cache sizes, each its own server labelled file-<pct>% (None: cache_fraction alone)
     cache_fractions: tuple[float, ...] | None = None
-    # a second model (the same backbone and tokenizer, larger tables) served by the file placement as "file-big", with
-    # a per-layer cache of big_cache_bytes (None: the same bytes as the first file placement's): tables larger than
-    # the host's memory, at a fixed host-memory budget
+    # a second model (larger tables) served by the file placement as "file-big", with a per-layer cache of
+    # big_cache_bytes (None: the first file placement's bytes)
     big_model_dir: str | None = None
     big_cache_bytes: int | None = None
     host_memory: int | None = None  # every server's --host-memory (bytes)
-    # mooncake placement: the mooncake_master's HOST:PORT (None: a local cluster started for the sweep, which needs
-    # a private network namespace: docs/remote.md); its cache is the file placement's first fraction
-    mooncake_master: str | None = None
-    # file and mooncake servers preload their cache with their model's hot rows (MODEL_DIR/hot_rows.npz, written by
-    # `tiergram hot-rows`) at start
-    hot_rows: bool = False
-    # [engine] settings every server runs with beyond the fields above (`bench serve --config`), checked
-    engine: dict[str, Any] = field(default_factory=dict)
-    # servers of the sweep beyond the placements: {name: Variant} (`bench serve --variants FILE`)
-    variants: dict[str, Variant] = field(default_factory=dict)
-    # seconds of the CPU speed probe (`tiergram.machine.cpu_speed_ms`) before and after each placement's round, while
-    # the servers idle: `plan validate` predicts the sweep at its probes' median speed (0: no probes)
+    mooncake_master: str | None = None  # HOST:PORT (None: a local cluster for the sweep, docs/remote.md)
+    hot_rows: bool = False  # file and mooncake servers preload MODEL_DIR/hot_rows.npz
+    engine: dict[str, Any] = field(default_factory=dict)  # more [engine] settings (`--config`), checked
+    variants: dict[str, Variant] = field(default_factory=dict)  # more servers (`--variants FILE`)
+    # seconds of the CPU speed probe before and after each placement's round (0: none); `plan validate` predicts
+    # the sweep at the probes' median speed
     speed_probe_s: float = 0.25
-    # "requests": one-shot requests cut from the text; "conversations": multi-turn sessions over shared documents
-    # (tiergram.bench.load.Conversations: `turns` turns each, `docs` shared contexts of input_len tokens, a think
-    # time of mean think_time_s between turns), the reuse a prefix cache and a host K/V tier serve
+    # "requests", or "conversations": `turns`-turn sessions over `docs` shared documents of input_len tokens, with
+    # think times of mean think_time_s (tiergram.bench.load.Conversations)
     workload: str = "requests"
     turns: int = 4
     docs: int = 8
@@ -74,20 +66,10 @@ class SweepConfig:
             raise ValueError("input_len, output_len, max_concurrency, requests_per_user and rounds must be >= 1")
         if self.workload not in ("requests", "conversations"):
             raise ValueError(f"unknown workload {self.workload!r} (valid: requests, conversations)")
-        if self.turns < 1 or self.docs < 1 or self.think_time_s < 0:
-            raise ValueError(f"turns and docs must be >= 1 and think_time_s >= 0, got {self.turns}, {self.docs}, "
-                             f"{self.think_time_s}")
-        if self.speed_probe_s < 0:
-            raise ValueError(f"speed_probe_s must be >= 0, got {self.speed_probe_s}")
-        if self.warmup_per_user < 0 or self.torch_threads < 0:
-            raise ValueError(f"warmup_per_user and torch_threads must be >= 0, got {self.warmup_per_user}, "
-                             f"{self.torch_threads}")
-        if not 0 < self.cache_fraction <= 1:
-            raise ValueError(f"cache_fraction must be in (0, 1], got {self.cache_fraction}")
         if self.cache_fractions is not None:
             self.cache_fractions = tuple(float(f) for f in self.cache_fractions)
-            if not self.cache_fractions or any(not 0 < f <= 1 for f in self.cache_fractions):
-                raise ValueError(f"cache_fractions must each be in (0, 1], got {self.cache_fractions}")
+        if not self.fractions or any(not 0 < f <= 1 for f in self.fractions):
+            raise ValueError(f"cache_fractions must each be in (0, 1], got {self.fractions}")
 
     @property
     def fractions(self) -> tuple[float, ...]:
@@ -188,10 +170,8 @@ def file_label(fraction: float) -> str:
 
 
 def round_order(members: list[str], r: int) -> list[str]:
-    """The servers' turns in round r: forward in even rounds, backward in odd ones, each pair rotated on by one
-    every two rounds, so that over 2 x len(members) rounds every server goes first, and goes before every other,
-    equally often. Two file servers of the same table serve the same requests: the second reads pages the first
-    has just read, which a cache under the disk (this VM's volume keeps what it served) returns many times faster."""
+    """The servers' turns in round r: forward in even rounds, backward in odd ones, rotated every two rounds, so each
+    goes first, and before each other, equally often (docs/serving.md)."""
     base = members if r % 2 == 0 else members[::-1]
     k = (r // 2) % max(1, len(members))
     return base[k:] + base[:k]

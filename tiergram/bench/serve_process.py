@@ -140,31 +140,33 @@ def hot_rows_path(model_dir: str | os.PathLike) -> Path:
     return path
 
 
+def _read(path: str) -> str:
+    """A /proc file's text ('' when the process or thread is gone)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _tasks(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+
+
 def peak_rss(pid: int) -> int:
     """The peak resident memory (VmHWM) of a live process and its descendants (the server's engine process),
     summed, bytes; 0 for what cannot be read."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            own = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
-    except OSError:
-        return 0
+    own = next((int(line.split()[1]) * 1024 for line in _read(f"/proc/{pid}/status").splitlines()
+                if line.startswith("VmHWM:")), 0)
     return own + sum(peak_rss(child) for child in _children(pid))
 
 
 def _children(pid: int) -> list[int]:
     """The pids of a process's children (every thread's list: a child belongs to the thread that forked it)."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(x) for x in f.read().split()]
-        except OSError:
-            pass
-    return out
+    return [int(x) for tid in _tasks(pid) for x in _read(f"/proc/{pid}/task/{tid}/children").split()]
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
@@ -173,15 +175,9 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for proc in [pid, *_children(pid)]:
-        try:
-            tasks = os.listdir(f"/proc/{proc}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{proc}/task/{tid}/stat") as f:
-                    stat = f.read()
-            except OSError:
+        for tid in _tasks(proc):
+            stat = _read(f"/proc/{proc}/task/{tid}/stat")
+            if not stat:
                 continue  # the thread ended meanwhile
             name = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2:].split()  # fields 14 and 15 of proc(5), from field 3 on
@@ -217,11 +213,8 @@ def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
 
 
 def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
-    """Each server label's host cache per layer, bytes (0: none): a fraction of the smallest layer's table.
-
-    The cache is per layer (one Placement serves every layer). mooncake gets the first file fraction's cache;
-    file-big gets big_cache_bytes, or else the first file server's bytes.
-    """
+    """Each server's host cache per layer, bytes (0: none): a fraction of the smallest layer's table (mooncake: the
+    first file fraction's; file-big: big_cache_bytes, or the first file server's)."""
     labels = cfg.labels()
     smallest = min(path.stat().st_size for path in tables)
     caches = {label: 0 for label in labels}

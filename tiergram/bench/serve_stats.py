@@ -1,5 +1,4 @@
-"""The statistics of `tiergram bench serve`: a point from its rounds' timings and /metrics, the pareto front,
-and the acceptance checks as measured ratios."""
+"""`tiergram bench serve`'s statistics: points from rounds' timings and /metrics, pareto fronts, checks as ratios."""
 
 from __future__ import annotations
 
@@ -39,36 +38,23 @@ class Point:
     exposed_stall_s: float
     engram_bytes_read: dict[str, float] = field(default_factory=dict)
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
-    file_pages_per_s: float = 0.0  # pages the file tier read per second of the measured rounds
-    cpu_ms_per_token: float = 0.0  # the server's CPU time (all threads, HTTP and engine processes) per token served
-    server_peak_rss_bytes: int = 0  # the server's peak resident memory (VmHWM, its processes summed) after this point
-    prefill_stall_s: float = 0.0  # the part of exposed_stall_s in steps that computed prompt tokens
-    # the server's CPU per token by thread name (the engine's step thread and torch's workers, the file tier's
-    # fetch and warm-up threads, the HTTP loop...); threads that ended during a round are not counted
+    file_pages_per_s: float = 0.0
+    cpu_ms_per_token: float = 0.0  # all the server's processes and threads
+    server_peak_rss_bytes: int = 0  # VmHWM of its processes after this point
+    prefill_stall_s: float = 0.0
     cpu_ms_per_token_by_thread: dict[str, float] = field(default_factory=dict)
-    # of the pages the file tier read, the share its server had never read before (None: no reads); the rest are
-    # re-reads, which a cache under the disk (this VM's volume has one) may serve at its own rate
-    file_first_read_share: float | None = None
-    # the machine's CPU speed probe (ms; higher is slower) around each of this point's rounds, and their median
-    # (None: no probes)
+    file_first_read_share: float | None = None  # of the pages read, those the server never read before
     cpu_speed_rounds: list[float] = field(default_factory=list)
     cpu_speed_ms: float | None = None
-    # prompts that waited for their read-ahead rows before joining (prompt_rows_first), the seconds they waited in
-    # all, and how many joined with rows still being read after the longest wait
     prompt_rows_waits: int = 0
     prompt_rows_wait_s: float = 0.0
     prompt_rows_timeouts: int = 0
-    # the server's engine over the rounds, from its own counters: its mean step (ms), the steps a request lived
-    # through (steps x c / requests: c requests share each step), and the share of the rounds' wall time it spent
-    # stepping (None: no counters)
-    server_step_ms: float | None = None
-    steps_per_request: float | None = None
-    server_busy_share: float | None = None
-    # the prefix cache over the rounds: hit tokens / tokens that could hit, on device blocks and from the host K/V
-    # tier (None: no counters), and the time steps waited for host K/V copies
-    prefix_hit_rate: float | None = None
+    server_step_ms: float | None = None  # the engine's mean step, from its counters (None: no counters)
+    steps_per_request: float | None = None  # steps x c / requests: c requests share each step
+    server_busy_share: float | None = None  # of the rounds' wall time, stepping
+    prefix_hit_rate: float | None = None  # hit tokens / tokens that could hit (host: from the host K/V tier)
     prefix_host_hit_rate: float | None = None
-    kv_host_wait_s: float = 0.0
+    kv_host_wait_s: float = 0.0  # steps' wait for host K/V copies
 
 
 @dataclass
@@ -175,12 +161,8 @@ def _by_c(res: SweepResult, placement: str) -> dict[int, Point]:
 
 
 def _ratios(res: SweepResult, num: str, den: str, field: str = "throughput_tok_s") -> dict[int, float]:
-    """A point field of one placement over another's, at each concurrency both ran (and den's is non-zero).
-
-    Throughput is paired by round: the median of num's round r over den's round r. The placements of a round
-    run back to back, so the machine's speed in that round cancels; a ratio of the two medians can take them
-    from different rounds (over 820 placement pairs of this VM's stored sweeps a round's paired log ratio spread
-    0.165, an unpaired one 0.254). Points without equal rounds fall back to the ratio of their fields."""
+    """A point field of num over den's at each concurrency both ran; throughput paired by round (the median of the
+    rounds' ratios: docs/decisions.md), else the ratio of the fields."""
     a, b = _by_c(res, num), _by_c(res, den)
     out = {}
     for c in sorted(set(a) & set(b)):
@@ -200,14 +182,8 @@ def round_ratios(num: Point, den: Point) -> list[float]:
 
 
 def against(res: SweepResult, num: str, den: str, target: float) -> dict[str, Any]:
-    """num's throughput over den's held against `target`: the paired ratios, the rounds behind them and the ratio
-    of the two medians (the unpaired statistic), how well the rounds resolve the ratio, and the verdict.
-
-    One round's log ratio spreads sigma (pooled over the check's points: a point has only a few rounds); a point's
-    mean over its n rounds has standard error sigma / sqrt(n). A point whose median misses the target is "below"
-    when its mean lies more than two standard errors under the target, else "within noise". Verdict: "pass" when
-    every median meets the target, "fail" when a point is below, else "within noise"; "pass"/"fail" by the medians
-    alone when no point has two rounds."""
+    """num's throughput over den's held against `target`: ratios, their rounds, the noise and the verdict (pass,
+    fail, within noise: docs/serving.md, "`tiergram bench serve`")."""
     a, b = _by_c(res, num), _by_c(res, den)
     common = sorted(set(a) & set(b))
     logs = {c: np.log(r) for c in common if (r := round_ratios(a[c], b[c])) and min(r) > 0}
@@ -236,9 +212,8 @@ def against(res: SweepResult, num: str, den: str, target: float) -> dict[str, An
 
 def pool_rounds(sweeps: list[dict[str, Any]], check: str, *, resamples: int = 4000,
                 seed: int = 0) -> dict[int, dict[str, float]]:
-    """One check's paired round ratios pooled over several `bench serve` JSONs (runs of the same sweep): per
-    concurrency the rounds, their median and geometric mean, each with a bootstrap 95% interval (resampling
-    the rounds). A run without that check, or a point without rounds, adds nothing."""
+    """One check's paired round ratios pooled over `bench serve` JSONs: per concurrency the rounds, their median and
+    geometric mean, each with a bootstrap 95% interval."""
     pooled: dict[int, list[float]] = {}
     for sweep in sweeps:
         for c, ratios in (sweep.get("checks", {}).get(check, {}).get("round_ratios") or {}).items():
@@ -299,12 +274,8 @@ ABOVE_LIMIT = 1.25
 
 
 def disk_figures(res: SweepResult, label: str, target: float, ref: str) -> dict[str, Any]:
-    """What the disk says of `label`'s reads: its limits before/after the sweep on the tables `label` read (file-big:
-    the big model's); the concurrencies at which `label` read more pages/s than ABOVE_LIMIT x the higher limit (a
-    cache under the disk, which on this VM's volume keeps what it served across processes for tens of minutes,
-    served pages an earlier run had read: those points do not measure the disk); and per concurrency the share of
-    the limits' mean `label` would have to read at to serve target x `ref`'s tokens/s at its pages per token (near
-    or above 1 the disk binds: no scheduling reaches the target on this disk there)."""
+    """The disk's limits on the tables `label` read; the concurrencies where it read past ABOVE_LIMIT x them (a cache
+    under the disk served them); the share of the limit it needs for target x `ref`'s tokens/s (>= 1: disk-bound)."""
     big = res.config.base_of(label) == "file-big" and res.big_disk_pages_per_s
     measured = res.big_disk_pages_per_s if big else res.disk_pages_per_s
     out: dict[str, Any] = {"disk_pages_per_s": measured, "disk_share_needed": {}, "above_disk_limit": []}
