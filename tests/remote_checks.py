@@ -68,8 +68,8 @@ def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
     assert uri == f"mooncake://{cluster.master_addr}/a"
     host = TieredTable(path, tier="host")
     ids = _ids((700, 523, 301), 200).reshape(4, 50, 3)
-    for cache, pipeline in ((0, "auto"), (64 * 1024, "auto"), (64 * 1024, "python")):
-        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache, pipeline=pipeline)
+    for cache in (0, 64 * 1024):
+        remote = TieredTable(uri, tier="mooncake", cache_bytes=cache)
         try:
             for _ in range(3):
                 assert torch.equal(remote.lookup(ids), host.lookup(ids))
@@ -80,7 +80,7 @@ def test_push_then_lookup_matches_host_tier(cluster, client, tmp_path):
                 warm.wait(timeout=BOUND_S)
                 assert torch.equal(remote.lookup(ids[2:]), host.lookup(ids[2:]))
             st = remote.stats()
-            assert st["tier"] == "mooncake" and st["pipeline"] == ("native" if pipeline == "auto" else "python")
+            assert st["tier"] == "mooncake" and st["pipeline"] == "native"
             # one registered staging buffer per reading thread (caller, prefetch and read-ahead queues), not per call
             assert len(remote.tier._registered) <= 3
             r = st["remote"]

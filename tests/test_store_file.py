@@ -36,10 +36,7 @@ from tiergram.tiers.aligned import aligned_empty
 
 MODES = ["direct", "buffered", "mmap"]
 POLICIES = [None, "lru", "lfu", "lookahead"]
-NATIVE_POLICIES = (None, "lru", "lfu", "lookahead")  # what the native fetch pipeline serves (every policy)
-# (mode, policy, pipeline): the default ('auto': native where it can) and, where that is native, the reference too
-CASES = [(mode, policy, pipe) for mode in MODES for policy in POLICIES
-         for pipe in (("auto", "python") if mode != "mmap" and policy in NATIVE_POLICIES else ("auto",))]
+CASES = [(mode, policy) for mode in MODES for policy in POLICIES]
 CODEC_DIMS = {"fp32": (8, 32, 100), "bf16": (8, 64, 130), "int8": (8, 64, 250), "fp8_e4m3": (32, 64, 256)}
 
 
@@ -79,8 +76,7 @@ def open_file_store(path, mode="direct", policy=None, cache_rows=0, row_bytes=0,
     else:
         store = TieredTable(path, tier="file", file_mode=mode, cache_bytes=cache_rows * row_bytes,
                             cache_policy=policy, **kw)
-    native = kw.get("pipeline", "auto") != "python" and mode != "mmap" and policy in NATIVE_POLICIES
-    assert store.pipeline == ("native" if native else "python")
+    assert store.pipeline == ("python" if mode == "mmap" and policy is None else "native")
     return store
 
 
@@ -115,10 +111,10 @@ def draw_batches(data, head_rows: tuple[int, ...], n: int) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize(("mode", "policy", "pipeline"), CASES)
+@pytest.mark.parametrize(("mode", "policy"), CASES)
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=table_specs(), data=st.data())
-def test_file_tier_bit_equal_to_host(mode, policy, pipeline, spec, data):
+def test_file_tier_bit_equal_to_host(mode, policy, spec, data):
     codec, head_rows, dim, page_size = spec
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype")
     cache_rows = data.draw(st.integers(1, 40), label="cache_rows")
@@ -128,7 +124,7 @@ def test_file_tier_bit_equal_to_host(mode, policy, pipeline, spec, data):
         path = make_table(Path(d) / "t.tgram", codec, head_rows, dim, page_size)
         host = TieredTable(path, tier="host", dtype=dtype)
         store = open_file_store(path, mode, policy, cache_rows, host.manifest.row_bytes, dtype=dtype,
-                                queue_depth=queue_depth, backend=backend, pipeline=pipeline)
+                                queue_depth=queue_depth, backend=backend)
         try:
             batches = draw_batches(data, head_rows, 8)
             want = [host.lookup(ids) for ids in batches]
@@ -203,12 +199,11 @@ def test_empty_batches_and_bad_ids(table, host, mode, policy):
 # --- pinning ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("policy", "pipeline"),
-                         [(p, pipe) for p in ("lru", "lfu", "lookahead") for pipe in ("native", "python")])
-def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy, pipeline):
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
+def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy):
     """Between a lookup's probe and its copy of the hit rows, another thread's misses must not evict them."""
     rb = host.manifest.row_bytes
-    store = open_file_store(table, "direct", policy, cache_rows=6, row_bytes=rb, pipeline=pipeline)
+    store = open_file_store(table, "direct", policy, cache_rows=6, row_bytes=rb)
     try:
         warm = np.array([[1, 2, 3], [4, 5, 6]])  # 6 distinct rows: fills the cache exactly
         assert_same(store.lookup(warm), host.lookup(warm))
@@ -219,43 +214,20 @@ def test_hit_rows_stay_pinned_while_the_lookup_runs(table, host, policy, pipelin
             for _ in range(10):
                 store.cache.unpin(store.cache.probe(keys))  # each probe counts a use
         seen = {}
-        if pipeline == "native":  # the probe runs inside the native call: hold that call after its probe
-            store.cache.native.hold_next_fetch()
-            t = threading.Thread(target=lambda: seen.setdefault("warm", store.lookup(warm)))
-            t.start()
-            assert store.cache.native.wait_held(30)
-            assert int(store.cache.pins.sum()) == 6  # every hit is pinned now
-            seen["intruder"] = store.lookup(intruder)
-            store.cache.native.release_held()
-            t.join(30)
-            assert not t.is_alive()
-            assert_same(seen["warm"], host.lookup(warm))  # its hit rows were not overwritten meanwhile
-            assert_same(seen["intruder"], host.lookup(intruder))
-            c = store.cache.counters
-            assert c.evicted == 0 and c.rejected >= 9  # every resident row was pinned: nothing could enter
-            assert_clean(store)
-            assert_same(store.lookup(intruder), host.lookup(intruder))  # unpinned: now rows can be replaced
-            assert_same(store.lookup(warm), host.lookup(warm))
-            assert_clean(store)
-            return
-        probe = store.cache.probe
-
-        def probe_then_intrude(keys, batch=None):
-            slots = probe(keys, batch)
-            if threading.current_thread() is threading.main_thread() and "intruder" not in seen:
-                assert int(store.cache.pins.sum()) == 6  # every hit is pinned now
-                t = threading.Thread(target=lambda: seen.setdefault("intruder", store.lookup(intruder)))
-                t.start()
-                t.join(30)
-                assert not t.is_alive()
-            return slots
-
-        store.cache.probe = probe_then_intrude
-        assert_same(store.lookup(warm), host.lookup(warm))  # its hit rows were not overwritten meanwhile
+        # the probe runs inside the native call: hold that call after its probe
+        store.cache.native.hold_next_fetch()
+        t = threading.Thread(target=lambda: seen.setdefault("warm", store.lookup(warm)))
+        t.start()
+        assert store.cache.native.wait_held(30)
+        assert int(store.cache.pins.sum()) == 6  # every hit is pinned now
+        seen["intruder"] = store.lookup(intruder)
+        store.cache.native.release_held()
+        t.join(30)
+        assert not t.is_alive()
+        assert_same(seen["warm"], host.lookup(warm))  # its hit rows were not overwritten meanwhile
         assert_same(seen["intruder"], host.lookup(intruder))
         c = store.cache.counters
         assert c.evicted == 0 and c.rejected >= 9  # every resident row was pinned: nothing could enter
-        del store.cache.probe
         assert_clean(store)
         assert_same(store.lookup(intruder), host.lookup(intruder))  # unpinned: now rows can be replaced
         assert_same(store.lookup(warm), host.lookup(warm))
@@ -340,11 +312,10 @@ def gate_first_fetch(store: TieredTable, monkeypatch) -> tuple[threading.Event, 
     return gate, entered
 
 
-@pytest.mark.parametrize(("policy", "pipeline"),
-                         [(None, "auto"), (None, "python"), ("lru", "auto"), ("lru", "python"), ("lookahead", "auto")])
-def test_cancel_pending_ticket(table, host, policy, pipeline, monkeypatch):
-    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
-                            pipeline=pipeline)
+@pytest.mark.parametrize(("mode", "policy"), [("direct", None), ("mmap", None), ("direct", "lru"),
+                                             ("mmap", "lru"), ("direct", "lookahead")])
+def test_cancel_pending_ticket(table, host, mode, policy, monkeypatch):
+    store = open_file_store(table, mode, policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
     try:
         gate, entered = gate_first_fetch(store, monkeypatch)
         batches = [np.array([[i, i + 1, i + 2], [i + 3, 7, i]]) for i in (0, 10, 20, 30)]
@@ -368,12 +339,11 @@ def test_cancel_pending_ticket(table, host, policy, pipeline, monkeypatch):
         store.close()
 
 
-@pytest.mark.parametrize(("policy", "pipeline"),
-                         [(None, "auto"), (None, "python"), ("lru", "auto"), ("lru", "python"), ("lookahead", "auto")])
-def test_cancel_running_ticket(table, host, policy, pipeline, monkeypatch):
+@pytest.mark.parametrize(("mode", "policy"), [("direct", None), ("mmap", None), ("direct", "lru"),
+                                             ("mmap", "lru"), ("direct", "lookahead")])
+def test_cancel_running_ticket(table, host, mode, policy, monkeypatch):
     """A running fetch with a cache stops at its next phase; without one it completes (cancel() says False)."""
-    store = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
-                            pipeline=pipeline)
+    store = open_file_store(table, mode, policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
     try:
         gate, entered = gate_first_fetch(store, monkeypatch)
         ids = np.array([[1, 2, 3], [40, 41, 42]])
@@ -391,8 +361,7 @@ def test_cancel_running_ticket(table, host, policy, pipeline, monkeypatch):
         assert_same(later.wait(30), host.lookup(ids[::-1]))
         if policy is not None:  # the cancelled fetch stopped before reading anything: only `later` read pages
             # (the cache is no witness: `later`, same rows, may already have filled it when cancel() returns)
-            fresh = open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
-                                    pipeline=pipeline)
+            fresh = open_file_store(table, mode, policy, cache_rows=30, row_bytes=host.manifest.row_bytes)
             try:
                 fresh.lookup(ids[::-1])
                 assert store.stats()["pages_read"] == fresh.stats()["pages_read"] > 0
@@ -448,9 +417,8 @@ def test_close_while_a_native_fetch_is_inside_its_reads(table, host):
 @pytest.mark.parametrize("mode", ["direct", "buffered"])
 @pytest.mark.parametrize("policy", [None, "lru"])
 @pytest.mark.parametrize("kind", ["flip", "eio", "short"])
-@pytest.mark.parametrize("pipeline", ["auto", "python"])
-def test_injected_fault_retried_once_then_raised(table, host, mode, policy, kind, pipeline):
-    store = open_file_store(table, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes, pipeline=pipeline)
+def test_injected_fault_retried_once_then_raised(table, host, mode, policy, kind):
+    store = open_file_store(table, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
     try:
         cached = np.array([[0, 0, 0]])
         store.lookup(cached)  # some rows already in the cache
@@ -508,10 +476,10 @@ def corrupt_copy(table, tmp_path):
     return path, page
 
 
-@pytest.mark.parametrize(("mode", "policy", "pipeline"), [c for c in CASES if c[0] != "mmap"])
-def test_corrupt_page_on_disk_is_never_served(host, corrupt_copy, mode, policy, pipeline):
+@pytest.mark.parametrize(("mode", "policy"), [c for c in CASES if c[0] != "mmap"])
+def test_corrupt_page_on_disk_is_never_served(host, corrupt_copy, mode, policy):
     path, page = corrupt_copy
-    store = open_file_store(path, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes, pipeline=pipeline)
+    store = open_file_store(path, mode, policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
     try:
         good = np.array([[0, 1, 2], [90, 49, 200]])
         assert_same(store.lookup(good), host.lookup(good))
@@ -542,9 +510,8 @@ def preload_ids(rows_per_head: int, seed: int = 3) -> np.ndarray:
 
 
 @pytest.mark.parametrize("chunk_pages", [None, 3])  # the whole test table in one read, or in 3-page reads
-@pytest.mark.parametrize("pipeline", ["auto", "python"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lookahead"])
-def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipeline, chunk_pages):
+def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, chunk_pages):
     """Reading the whole table in order fills the cache with the rows, the recency and the counters page-by-page
     warm-ups give, and a lookup of them then reads nothing."""
     monkeypatch.setattr(reader_module, "_CHUNK_PAGES", chunk_pages)
@@ -553,7 +520,7 @@ def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipe
     seen = []
     for share, scanned in ((0.0, True), (2.0, False)):  # 0: always read the whole file, 2: never
         monkeypatch.setattr(table_module, "PRELOAD_SCAN_SHARE", share)
-        store = open_file_store(table, "direct", policy, cache_rows=120, row_bytes=rb, pipeline=pipeline)
+        store = open_file_store(table, "direct", policy, cache_rows=120, row_bytes=rb)
         try:
             with pytest.raises(ValueError, match="preload of 123 distinct rows into a cache of 120 rows"):
                 store.preload(np.concatenate([ids, [[90, 45, 190]]]))
@@ -566,7 +533,7 @@ def test_preload_scan_equals_page_by_page(host, table, monkeypatch, policy, pipe
             rows = {k: cache.rows[slot].tobytes() for k, slot in index.items()}
             keys = (ids + store.table.head_offsets).reshape(-1)
             if policy == "lru":  # least recently used first: the ids' order
-                assert (list(index) if pipeline == "auto" else list(cache.policy._order)) == keys.tolist()
+                assert list(index) == keys.tolist()
             seen.append((rows, dict(vars(cache.counters))))
             resident = np.array([[k in index for k in row] for row in keys.reshape(ids.shape)])
             kept = ids[resident.all(axis=1)]
@@ -926,22 +893,14 @@ def test_a_fetch_waits_for_rows_a_read_ahead_has_in_flight(table, host, policy):
         store.close()
 
 
-@pytest.mark.parametrize("pipeline", ["native", "python"])
-def test_an_urgent_warm_runs_on_the_prefetch_worker_not_behind_read_aheads(table, host, pipeline):
+def test_an_urgent_warm_runs_on_the_prefetch_worker_not_behind_read_aheads(table, host):
     """warm(urgent=True) (the next step's decode rows) does not queue behind a read-ahead on the warm-up worker; it
     runs on the prefetch worker, so a prefetch of the same rows queued after it finds every row read, once."""
-    store = open_file_store(table, "direct", "lru", cache_rows=300, row_bytes=host.manifest.row_bytes,
-                            pipeline=pipeline)
-    gate = threading.Event()
+    store = open_file_store(table, "direct", "lru", cache_rows=300, row_bytes=host.manifest.row_bytes)
     try:
-        if pipeline == "native":
-            hold = _QueueHold(store._warm_queue)
-        else:
-            hold = threading.Event()
-            store._warm_executor.submit(lambda: hold.set() or gate.wait(30))
-        ahead = store.warm(np.array([[1, 2, 3]]))  # queued on (or held by) the warm-up worker
-        if pipeline == "native":
-            assert hold.wait(30)
+        hold = _QueueHold(store._warm_queue)
+        ahead = store.warm(np.array([[1, 2, 3]]))  # held by the warm-up worker
+        assert hold.wait(30)
         ids = np.array([[40, 41, 42], [90, 30, 190]])
         urgent = store.warm(ids, urgent=True)
         ticket = store.prefetch(ids)  # behind the urgent warm, on the same worker
@@ -954,17 +913,14 @@ def test_an_urgent_warm_runs_on_the_prefetch_worker_not_behind_read_aheads(table
         assert s["lookups"] == 1 and s["misses"] == 0
     finally:
         hold.set()
-        gate.set()
         store.close()
 
 
 @pytest.mark.parametrize("policy", [None, "lru"])
-@pytest.mark.parametrize("pipeline", ["auto", "python"])
-def test_a_stalled_page_read_is_recovered(table, host, policy, pipeline):
+def test_a_stalled_page_read_is_recovered(table, host, policy):
     """A page read the kernel never completes (io_uring, the 'stall' fault) is cancelled after the reader's stall
     timeout and read with pread: lookups and prefetches still serve the right rows, and stats() counts it."""
-    store = open_file_store(table, "direct", policy, cache_rows=40, row_bytes=host.manifest.row_bytes,
-                            pipeline=pipeline)
+    store = open_file_store(table, "direct", policy, cache_rows=40, row_bytes=host.manifest.row_bytes)
     try:
         if store.tier.backend != "io_uring":
             pytest.skip("io_uring unavailable here")
@@ -1021,7 +977,7 @@ def test_a_python_page_source_serves_the_native_pipeline(table, host):
         reader.read_pages(pages, out)
         return answer.get("bytes", out)
 
-    store.tier.reader = _native.CallbackPageSource(read_pages, ps, n_pages)
+    store._reader = store.tier.reader = _native.CallbackPageSource(read_pages, ps, n_pages)
     try:
         ids = stat_batches(5, 1)[0]
         assert_same(store.lookup(ids), host.lookup(ids))
@@ -1046,7 +1002,7 @@ def test_a_python_page_source_serves_the_native_pipeline(table, host):
             store.lookup(np.array([[91, 46, 191]]))
         assert_clean(store)
     finally:
-        store.tier.reader = reader
+        store._reader = store.tier.reader = reader
         store.close()
 
 
@@ -1061,11 +1017,10 @@ def test_warm_without_a_cache_does_nothing(table):
 # --- closing, the context manager, the host-memory budget, the mode in use ---------------------------------
 
 
-@pytest.mark.parametrize(("policy", "pipeline"), [(None, "auto"), ("lru", "auto"), ("lru", "python"),
-                                                  ("lookahead", "auto")])
-def test_calls_after_close_raise_and_leak_nothing(table, host, policy, pipeline):
-    with open_file_store(table, "direct", policy, cache_rows=30, row_bytes=host.manifest.row_bytes,
-                         pipeline=pipeline) as store:
+@pytest.mark.parametrize(("mode", "policy"), [("direct", None), ("mmap", None), ("direct", "lru"),
+                                             ("mmap", "lru"), ("direct", "lookahead")])
+def test_calls_after_close_raise_and_leak_nothing(table, host, mode, policy):
+    with open_file_store(table, mode, policy, cache_rows=30, row_bytes=host.manifest.row_bytes) as store:
         ids = np.array([[1, 2, 3]])
         assert_same(store.lookup(ids), host.lookup(ids))
     for call in (store.lookup, store.prefetch, store.warm):
@@ -1087,9 +1042,6 @@ def test_budget_sizes_the_cache(table, host):
         assert_same(store.lookup(ids), host.lookup(ids))
         assert_same(store.lookup(ids), host.lookup(ids))
         assert store.stats()["hits"] == 6
-    with TieredTable(table, tier="file", host_memory_bytes=budget, cache_policy="lfu", pipeline="python") as store:
-        assert store.stats()["cache"]["capacity_rows"] == (budget - STAGING_RESERVE_BYTES) // (
-            rb + INDEX_BYTES_PER_ROW["python"])
     with TieredTable(table, tier="file", host_memory_bytes=budget, cache_policy="lookahead") as store:
         assert store.stats()["cache"]["capacity_rows"] == (budget - STAGING_RESERVE_BYTES) // (
             rb + INDEX_BYTES_PER_ROW["native"] + NATIVE_POLICY_EXTRA_BYTES_PER_ROW["lookahead"])
@@ -1102,10 +1054,6 @@ def test_budget_sizes_the_cache(table, host):
         TieredTable(table, tier="file", host_memory_bytes=1000)
     with pytest.raises(ValueError, match=r"needs \d+ bytes of host memory, more than the budget of 1000 bytes"):
         TieredTable(table, tier="host", host_memory_bytes=1000)
-    with pytest.raises(ValueError, match="native fetch pipeline serves"):
-        TieredTable(table, tier="file", file_mode="mmap", pipeline="native")
-    with pytest.raises(ValueError, match="unknown pipeline"):
-        TieredTable(table, tier="file", pipeline="fast")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -1132,13 +1080,13 @@ def test_direct_refused_reports_buffered(tmp_path):
 
 
 
-@pytest.mark.parametrize("pipeline", ["auto", "python"])
-def test_tickets_dropped_unwaited_still_run(table, host, pipeline):
+@pytest.mark.parametrize("mode", ["direct", "mmap"])
+def test_tickets_dropped_unwaited_still_run(table, host, mode):
     """The engine fires read-aheads and forgets them: a dropped ticket's fetch runs to the end (its arrays kept
     alive meanwhile), as a dropped Future's does."""
     import gc
 
-    with open_file_store(table, "direct", "lru", cache_rows=200, row_bytes=66, pipeline=pipeline) as store:
+    with open_file_store(table, mode, "lru", cache_rows=200, row_bytes=66) as store:
         ids = stat_batches(5, 1)[0]
         n_unique = np.unique(ids + store.table.head_offsets).size
         store.warm(ids.copy())  # neither the ticket nor the ids array is kept

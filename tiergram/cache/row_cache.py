@@ -44,14 +44,9 @@ class SlotCache:
 
 
 class RowCache(SlotCache):
-    """Holds up to `capacity` encoded rows; thread-safe. Rows pinned by an in-flight lookup are never evicted.
+    """Up to `capacity` encoded rows, thread-safe; rows pinned by a probe are never evicted until unpinned.
 
-    Usage per lookup: `slots = probe(keys)` (hits come back pinned), read the misses from the slower tier,
-    `admit(miss_keys, miss_rows)`, decode hits from `rows[slots]`, then `unpin(slots)`.
-
-    No measured case has it beat NativeRowCache, which makes the same decisions call for call. It is the reference
-    the native cache is tested against, and it serves where no native pipeline runs: the HBM cache
-    (`store.device_cache.DeviceRowCache` keeps its index and policy here) and file tables read through mmap.
+    The reference NativeRowCache is tested against, and the index and policy of the HBM cache (DeviceRowCache).
     """
 
     def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.cache import RowCache
-from tiergram.cache.native import NATIVE_POLICIES, NativeRowCache
+from tiergram.cache.native import NativeRowCache
 from tiergram.codecs import check_out_dtype
 from tiergram.format import TableFile
 from tiergram.format.ids import check_row_ids
@@ -23,11 +22,10 @@ from tiergram.tiers import FileTier, HostTier, Tier
 from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 TIERS = ("host", "file", "mooncake")
-PIPELINES = ("auto", "native", "python")
 # Host-memory budget (host_memory_bytes without cache_bytes): what the cache does not get. Staging: the buffer each
 # reading thread keeps (the prefetch worker, the warm-up worker and one caller thread). Index: per cached row, the
 # native cache's key -> slot table (2-4 buckets of 16 B), LRU links (16 B), slot key (8 B) and pins (4 B); the
-# Python reference cache's dict and ordered dict take about 256 B. The native lookahead policy adds a state byte,
+# Python RowCache's dicts take about 256 B (a safe bound). The native lookahead policy adds a state byte,
 # a next use (8 B) and its heap entries (16 B each); native LFU its heap (up to 4 entries of 16 B) and the counts.
 STAGING_RESERVE_BYTES = 3 * STAGING_KEEP_BYTES
 PRELOAD_PARTS = 4  # a page-by-page preload's warm-up calls: progress between them, coldest part first
@@ -39,32 +37,20 @@ NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
 
 
 class TieredTable(TableBase):
-    """One Engram layer's table served from a tier, optionally through a hot-row cache.
+    """One Engram layer's table served from a tier, optionally through a native hot-row cache (docs/placement.md).
 
-    tier 'host': the whole table in DRAM (shared=True: one /dev/shm copy for all processes).
-    tier 'file': rows read from the file (file_mode 'direct' O_DIRECT batched reads, 'buffered', or 'mmap'),
-    with an optional host cache of `cache_bytes` encoded rows under `cache_policy` (lru, lfu, lookahead).
-    tier 'mooncake': path is 'mooncake://HOST:PORT/NAME', a table pushed with `tiergram table push`; pages come
-    from Mooncake Store (remote_options go to MooncakeTier.open: timeout_s, fallback, local_hostname), cached as
-    for the file tier (docs/remote.md).
-
-    Without `cache_bytes`, a `host_memory_bytes` budget sizes the file tier's cache: what is left after the staging
-    buffers and the cache's index (docs/placement.md); with neither there is no cache. pipeline 'auto' serves the
-    file tier's O_DIRECT/buffered reads and the Mooncake tier through the native fetch pipeline (one call without
-    the GIL per lookup: dedup, cache probe, page reads, checksums, admission, decode; a native cache of any policy),
-    and the host tier and mmap through the Python reference path; 'python' forces the reference path, 'native'
-    refuses a table it cannot serve natively. The native pipeline reads pages into io_uring-registered staging
-    buffers (READ_FIXED), and its read-ahead gives way to a fetch at the device (`PageReader.yield_depth`).
+    tier 'host': the whole table in DRAM (shared=True: one /dev/shm copy for all processes); 'file': rows read from
+    the file (file_mode 'direct', 'buffered' or 'mmap'); 'mooncake': path 'mooncake://HOST:PORT/NAME', pages from
+    Mooncake Store (remote_options go to MooncakeTier.open; docs/remote.md). `cache_bytes`, or what a
+    `host_memory_bytes` budget leaves, caches encoded rows of the file or mooncake tier under `cache_policy`. The
+    file and mooncake tiers are served by the native fetch pipeline; the host tier and uncached mmap by a gather.
     """
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
                  file_mode: str = "direct", queue_depth: int = 128, backend: str = "auto", progress: bool = False,
-                 remote_options: dict | None = None, host_memory_bytes: int | None = None,
-                 pipeline: str = "auto") -> None:
+                 remote_options: dict | None = None, host_memory_bytes: int | None = None) -> None:
         check_out_dtype(dtype)
-        if pipeline not in PIPELINES:
-            raise ValueError(f"unknown pipeline {pipeline!r} (valid: {', '.join(PIPELINES)})")
         if host_memory_bytes is not None and host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be positive, got {host_memory_bytes}")
         if tier not in TIERS:
@@ -88,42 +74,33 @@ class TieredTable(TableBase):
             self.tier = HostTier(table, shared=shared, progress=progress)
         self.table = self.tier.table
         self.manifest = m = self.table.manifest
-        wants_cache = bool(cache_bytes) or (cache_bytes is None and host_memory_bytes is not None and tier != "host")
-        # a tier with a native page source: the file tier's reads (not mmap) and the remote tier's
-        native_ok = (self.tier.reader is not None
-                     and (cache_policy in NATIVE_POLICIES or not wants_cache))
-        if pipeline == "native" and not native_ok:
-            raise ValueError(f"the native fetch pipeline serves tier='file' with file_mode 'direct' or 'buffered', "
-                             f"and the mooncake tier, with a cache policy of {', '.join(NATIVE_POLICIES)} (or no "
-                             f"cache), not tier={tier!r} file_mode={file_mode!r} cache_policy={cache_policy!r}")
-        self.pipeline = "native" if native_ok and pipeline != "python" else "python"
         if cache_bytes is None and host_memory_bytes is not None and tier != "host":
-            cache_bytes = budget_cache_bytes(host_memory_bytes, m.row_bytes, self.pipeline, cache_policy)
-        cache_cls = NativeRowCache if self.pipeline == "native" else RowCache
-        self.cache = cache_cls.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
+            cache_bytes = budget_cache_bytes(host_memory_bytes, m.row_bytes, "native", cache_policy)
+        self.cache = NativeRowCache.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
+        self._reader = self.tier.reader
+        if self._reader is None and self.cache is not None:  # mmap: the cache's misses are copied from the mapping
+            self._reader = _native.CallbackPageSource(self.tier.mapped_pages, m.page_size, m.n_pages)
+        self.pipeline = "python" if self._reader is None else "native"
         self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None,
                                  tier=self.tier.name)
         self._offsets = self.table.head_offsets
         self._head_rows = self.table.head_rows
-        if self.pipeline == "native":  # the native call's constant arguments, looked up once
-            self._native_table = (m.rows_per_page, m.codec_id, m.dim)
-            self._native_cache = self.cache.native if self.cache is not None else None
-            # prefetches and read-aheads run on C++ threads of their own (read-aheads never queue in front of a
-            # step's fetch); tickets wait on them without the GIL
-            self._queue = _native.FetchQueue()
-            # the read-ahead queue gives way to fetches at the device (PageReader.yield_depth)
-            self._warm_queue = _native.FetchQueue(background=True) if self.cache is not None else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
-        # warm-ups on their own worker: a large read-ahead never queues in front of a step's fetch
-        self._warm_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-warm") \
-            if self.cache is not None else None
+        if self.pipeline == "python":
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergram-prefetch")
+            return
+        self._native_table = (m.rows_per_page, m.codec_id, m.dim)
+        self._native_cache = self.cache.native if self.cache is not None else None
+        # prefetches and read-aheads run on C++ threads of their own, so a read-ahead never queues in front of a
+        # step's fetch; the read-ahead queue also gives way to fetches at the device (PageReader.yield_depth)
+        self._queue = _native.FetchQueue()
+        self._warm_queue = _native.FetchQueue(background=True) if self.cache is not None else None
 
     def lookup(self, row_ids: np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows for per-head ids int64 [..., H] as [..., H, D] in self.dtype; IndexError names head and id."""
         self._check_open()
         ids = check_row_ids(row_ids, self._head_rows, host=True, check_range=False)
         out = self._output(ids.shape, out)
-        self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim), None, None)
+        self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim))
         return out
 
     def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> Ticket | NativeTicket:
@@ -135,52 +112,28 @@ class TieredTable(TableBase):
         if self.pipeline == "native":  # the queue checks the ids in this call (a bad id fails here, not in wait())
             return NativeTicket(self._native(self._queue.fetch, flat, _native_out(out), self.stats_.native), out)
         self.tier.check_ids(flat)  # a bad id fails here, in the caller, not later in wait()
-        uniq = batch = None
-        if self.cache is not None and self.pipeline == "python":
-            uniq = np.unique(flat + self._offsets)
-            batch = self.cache.announce(uniq)  # the lookahead policy now knows these rows are coming
-        cancelled = threading.Event()
 
         def run() -> torch.Tensor:
-            self._fetch(flat, out.view(-1, self.num_heads, self.dim), cancelled, (uniq, batch))
+            self._fetch(flat, out.view(-1, self.num_heads, self.dim))
             return out
 
-        retire = (lambda: self.cache.retire(batch)) if batch is not None else (lambda: None)
         try:
             future = self._executor.submit(run)
-        except RuntimeError:  # close() ran meanwhile: nothing will probe the announced batch
-            retire()
+        except RuntimeError:  # close() ran meanwhile
             self._check_open()
             raise
-        return Ticket(future, cancelled, retire)
+        return Ticket(future, threading.Event(), lambda: None)
 
-    def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> Ticket | NativeTicket | None:
-        """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background, on a worker of
-        their own (beside the prefetches, never in front of them) or, `urgent`, on the prefetch worker (the next
-        step's rows: its prefetch then queues behind them instead of reading them again); None when there is no
-        cache. Advisory: a lookup re-reads whatever a failed, cancelled or not yet finished warm-up left out (and
-        raises any read error itself)."""
+    def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> NativeTicket | None:
+        """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background (None without a
+        cache), behind earlier read-aheads or, `urgent`, on the prefetch queue. Advisory: a lookup re-reads what a
+        failed, cancelled or unfinished warm-up left out."""
         self._check_open()
-        if self.cache is None or self._warm_executor is None:
+        if self.cache is None:
             return None
         flat = check_row_ids(row_ids, self._head_rows, host=True, check_range=False).reshape(-1, self.num_heads)
-        if self.pipeline == "native":  # the queue checks the ids in this call
-            queue = self._queue if urgent else self._warm_queue
-            return NativeTicket(self._native(queue.warm, flat, self.stats_.native_warm), None)
-        self.tier.check_ids(flat)
-        cancelled = threading.Event()
-        keys = np.unique(flat + self._offsets)
-
-        def run() -> None:
-            if cancelled.is_set():
-                raise CancelledError
-            miss = self.cache.missing(keys)
-            if miss.size:
-                raw, pages = self._read_raw(miss)
-                self.stats_.record_warm(self.cache.admit(miss, raw), {self.tier.name: pages * self.manifest.page_size},
-                                        pages)
-
-        return Ticket((self._executor if urgent else self._warm_executor).submit(run), cancelled, lambda: None)
+        queue = self._queue if urgent else self._warm_queue  # the queue checks the ids in this call
+        return NativeTicket(self._native(queue.warm, flat, self.stats_.native_warm), None)
 
     def preload(self, row_ids: np.ndarray | torch.Tensor, *, progress: bool = False) -> int:
         """Fill the cache with the rows of per-head ids int64 [n, H], the coldest first (the last ends the most
@@ -200,7 +153,7 @@ class TieredTable(TableBase):
                              f"{self.cache.capacity:,} rows; pass at most the cache's capacity")
         wanted = self.cache.missing(distinct)  # sorted
         page_of = wanted // m.rows_per_page
-        if not isinstance(self.tier, FileTier) or np.unique(page_of).size < PRELOAD_SCAN_SHARE * m.n_pages:
+        if not isinstance(self._reader, _native.PageReader) or np.unique(page_of).size < PRELOAD_SCAN_SHARE * m.n_pages:
             for part in np.array_split(flat, PRELOAD_PARTS):
                 if part.size:
                     self.warm(part).wait()
@@ -221,14 +174,13 @@ class TieredTable(TableBase):
 
         # 16 MiB reads: the three buffers fit the staging reserve of a host-memory budget, at the same rate as 32 MiB
         self.table.scan(admit, verb="preloading", progress=progress, chunk_bytes=STAGING_KEEP_BYTES)
-        if self.tier.reader is not None:  # the scan read every page: later reads of them are re-reads
-            self.tier.reader.mark_read(0, m.n_pages)
+        self._reader.mark_read(0, m.n_pages)  # the scan read every page: later reads of them are re-reads
         again = np.concatenate(failed) if failed else wanted[:0]
         self.tier.count(int(wanted.size - again.size), m.n_pages)
         pages_read = m.n_pages
         if again.size:  # read_rows counts its own reads
-            raw, n = self._read_raw(again)
-            self.cache.admit(again, raw)
+            buf, offsets, n = self.tier.read_rows(again)
+            self.cache.admit(again, self._raw_at(buf, offsets))
             pages_read += n
         self.cache.touch(keys)  # admitted in file order: the recency order comes from the ids
         self.stats_.record_warm(len(self.cache) - before, {self.tier.name: pages_read * m.page_size}, pages_read)
@@ -240,12 +192,8 @@ class TieredTable(TableBase):
         self._check_open()
         if self.cache is None:
             return
-        if self.pipeline == "native":
-            for queue in (self._warm_queue, self._queue):
-                NativeTicket(queue.marker(), None).wait(timeout)
-        elif self._warm_executor is not None:
-            for pool in (self._warm_executor, self._executor):
-                pool.submit(lambda: None).result(timeout)
+        for queue in (self._warm_queue, self._queue):
+            NativeTicket(queue.marker(), None).wait(timeout)
 
     def stats(self) -> dict:
         """Lookups, unique ids, hits, misses per head; bytes read per tier; pages read; read amplification."""
@@ -263,15 +211,16 @@ class TieredTable(TableBase):
         return snap
 
     def close(self) -> None:
-        """Stop the prefetch worker (running fetches finish, queued ones are cancelled) and release the tier."""
+        """Stop the prefetch workers (running fetches finish, queued ones are cancelled) and release the tier."""
         self._closed = True
-        if self.pipeline == "native":
+        if self.pipeline == "python":
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        else:
             self._queue.shutdown(True)
             if self._warm_queue is not None:
                 self._warm_queue.shutdown(True)
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        if self._warm_executor is not None:
-            self._warm_executor.shutdown(wait=True, cancel_futures=True)
+            if self._reader is not self.tier.reader:
+                self._reader.close()
         self.tier.close()
 
     # -- internals -------------------------------------------------------------------------------------
@@ -296,21 +245,10 @@ class TieredTable(TableBase):
         _native.decode_at(buf, offsets, m.codec_id, m.dim, raw)  # uint8 out: a raw copy
         return raw
 
-    def _read_raw(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
-        """(encoded rows uint8 [n, row_bytes] of the global keys [n], read from the tier; pages read)."""
-        buf, offsets, pages = self.tier.read_rows(keys)
-        return self._raw_at(buf, offsets), pages
-
-    def _fetch(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None,
-               announced: tuple[np.ndarray | None, int | None] | None) -> None:
-        """Fill out [N, H, D] with the rows of flat ids [N, H] from cache and tier."""
+    def _fetch(self, flat: np.ndarray, out: torch.Tensor) -> None:
+        """Fill out [N, H, D] with the rows of flat ids [N, H]."""
         if self.pipeline == "native":  # the whole lookup in one call without the GIL, statistics counted there
-            if self._native_cache is not None and cancelled is not None and cancelled.is_set():
-                raise CancelledError  # as the reference path: a cached fetch stops before it reads (no cache: it runs)
             self._native(_native.fetch, flat, _native_out(out), self.stats_.native)
-            return
-        if self.cache is not None:
-            self._fetch_cached(flat, out, cancelled, announced)
             return
         m = self.manifest
         per_head_ids = np.full(self.num_heads, flat.shape[0], dtype=np.int64)
@@ -318,53 +256,15 @@ class TieredTable(TableBase):
         if isinstance(self.tier, HostTier):  # it reads every id as it comes: no distinct rows to count
             self.stats_.record(ids=per_head_ids, tier_bytes={"host": uniq.size * m.row_bytes})
             return
-        counts = per_head_counts(uniq, self._offsets)  # every distinct row is a miss of the (absent) cache
+        counts = per_head_counts(uniq, self._offsets)  # mmap without a cache: every distinct row is a miss
         self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
                            tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)
-
-    def _fetch_cached(self, flat: np.ndarray, out: torch.Tensor, cancelled: threading.Event | None,
-                      announced: tuple[np.ndarray | None, int | None] | None) -> None:
-        m, cache = self.manifest, self.cache
-        uniq, batch = announced if announced else (None, None)
-        try:
-            if cancelled is not None and cancelled.is_set():
-                raise CancelledError
-            self.tier.check_ids(flat)
-            glob = (flat + self._offsets).reshape(-1)
-            if uniq is None:
-                uniq = np.unique(glob)
-            inverse = np.searchsorted(uniq, glob)
-            slots = cache.probe(uniq, batch)
-            batch = None  # probing retired it
-        finally:
-            if batch is not None:
-                cache.retire(batch)
-        try:
-            hit = slots >= 0
-            raw = np.empty((uniq.size, m.row_bytes), dtype=np.uint8)
-            raw[hit] = cache.rows[slots[hit]]
-            miss_keys = uniq[~hit]
-            pages = 0  # this call's reads (the tier's counters also count concurrent calls')
-            if miss_keys.size:
-                if cancelled is not None and cancelled.is_set():
-                    raise CancelledError
-                miss_raw, pages = self._read_raw(miss_keys)
-                raw[~hit] = miss_raw
-                cache.admit(miss_keys, miss_raw)
-            _native.decode_at(raw.reshape(-1), inverse * m.row_bytes, m.codec_id, m.dim, out)
-        finally:
-            cache.unpin(slots)
-        self.stats_.record(
-            ids=np.full(self.num_heads, flat.shape[0], dtype=np.int64),
-            unique=per_head_counts(uniq, self._offsets), hits=per_head_counts(uniq[hit], self._offsets),
-            misses=per_head_counts(miss_keys, self._offsets),
-            tier_bytes={"cache": int(hit.sum()) * m.row_bytes, self.tier.name: pages * m.page_size}, pages=pages)
 
     def _native(self, call, flat: np.ndarray, *args: object) -> object:
         """call(reader, cache, flat ids [N, H], offsets, head rows, rows per page, codec, dim, *args, tier counts): a
         native fetch or warm-up (a ValueError after close() says the table is closed)."""
         try:
-            return call(self.tier.reader, self._native_cache, flat, self._offsets, self._head_rows,
+            return call(self._reader, self._native_cache, flat, self._offsets, self._head_rows,
                         *self._native_table, *args, self.tier.native_counts)
         except ValueError:
             self._check_open()

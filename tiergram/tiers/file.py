@@ -92,6 +92,10 @@ class FileTier(PageTier):
         self.count(rows.size, pages.size)
         return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
+    def mapped_pages(self, pages: np.ndarray) -> np.ndarray:
+        """mmap: the pages int64 [M] as uint8 [M * page_size], unverified (a cache's misses, through the pipeline)."""
+        return self.data.reshape(-1, self.manifest.page_size)[pages].reshape(-1)
+
     def count(self, rows: int, pages: int) -> None:
         """Add reads to the counters (read_rows's, and the native read-ahead's, made outside it)."""
         with self._lock:
