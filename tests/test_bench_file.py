@@ -27,8 +27,8 @@ def bench_home(tmp_path, monkeypatch):
 def test_file_bench_json(bench_home, capsys):
     assert main(["bench", "lookup", "--tier", "file", *TINY, "--json"]) == 0
     obj = json.loads(capsys.readouterr().out)
-    for key in ("tiergram_pages_per_s", "tiergram_rows_per_s", "python_threads_pages_per_s", "mmap_pages_per_s",
-                "mmap_rows_per_s", "vs_limit", "vs_python_threads", "vs_mmap_pages", "vs_mmap_rows"):
+    for key in ("tiergram_pages_per_s", "tiergram_rows_per_s", "python_threads_pages_per_s", "vs_limit",
+                "vs_python_threads"):
         assert obj[key] > 0, key
     assert set(obj["limit_pages_per_s"]) == {"1", "4", "8"}
     assert all(v > 0 for v in obj["limit_pages_per_s"].values())
@@ -44,8 +44,7 @@ def test_file_bench_json(bench_home, capsys):
     assert set(obj["all_hits"]) == {"1", "64", "256"}
     for d in obj["all_hits"].values():
         assert d["vs_host"] == pytest.approx(d["tiergram_us_per_call"] / d["host_us_per_call"])
-        assert d["python_us_per_call"] > 0 and d["python_calls_per_lookup"] > 0 and d["python_calls_per_prefetch"] > 0
-        assert d["prefetch_call_us"] > 0 and d["prefetch_call_cpu_us"] >= 0
+        assert d["python_calls_per_lookup"] > 0 and d["python_calls_per_prefetch"] > 0
     # the headline is the worst distribution without a cache, and the ratios are computed
     # from the figures printed
     worst = min(obj["tiergram"][k]["pages_per_s"] for k in ("uniform", "zipf"))
@@ -69,7 +68,7 @@ def test_file_bench_text(bench_home, capsys):
     assert main(["bench", "lookup", "--tier", "file", *TINY]) == 0
     out = capsys.readouterr().out
     for needle in ("limit: native reader QD8", "python threads os.preadv x3", "tiergram lookup, uniform",
-                   "tiergram lookup, zipf", "mmap lookup", "target vs_limit >= 85%", "target vs_python_threads",
+                   "tiergram lookup, zipf", "target vs_limit >= 85%", "target vs_python_threads",
                    "uniform +10% cache / no cache:", "x CPU per row (median of the rounds' ratios: ",
                    "x CPU per page read, i.e. per miss (median of the rounds' ratios: "):
         assert needle in out, needle
@@ -79,7 +78,7 @@ def test_cached_reader_starts_with_a_full_cache(bench_home):
     """The cache reader measures a serving cache's state: full before its first segment, so every miss evicts."""
     cfg = file_lookup.FileLookupBenchConfig(heads=3, dim=64, rows_per_head=2000, positions=4)
     table = file_lookup.bench_file_table(cfg, progress=False)
-    reader = file_lookup.TiergramLookup(table, cfg, "uniform", seed=3, cache_rows=600)
+    reader = file_lookup.TiergramLookup(table, cfg, "uniform", cache_rows=600)
     try:
         cache = reader.store.cache
         assert cache.capacity == 600 and len(cache) == 600
@@ -132,20 +131,18 @@ def test_bad_options(bench_home):
 
 def test_readers_draw_pages_no_earlier_probe_or_round_chose(bench_home):
     """This VM's volume serves blocks it served recently from a cache: a probe that repeats an earlier probe's
-    pages, or a round that repeats an earlier round's ids, would measure that cache, not the disk. Unseeded, every
-    reader draws new pages (a seed still makes a run repeatable)."""
+    pages, or a round that repeats an earlier round's ids, would measure that cache, not the disk: every reader draws
+    new pages."""
     cfg = file_lookup.FileLookupBenchConfig(heads=2, dim=64, rows_per_head=3000, positions=4, store_queue_depth=8)
     table = file_lookup.bench_file_table(cfg, progress=False)
     n = table.manifest.n_pages
     a, b = (file_lookup.LimitReader(table, 4) for _ in range(2))
-    s1, s2 = (file_lookup.LimitReader(table, 4, seed=5) for _ in range(2))
     try:
         assert not np.array_equal(a.rng.integers(0, n, 64), b.rng.integers(0, n, 64))
-        assert np.array_equal(s1.rng.integers(0, n, 64), s2.rng.integers(0, n, 64))
     finally:
-        for r in (a, b, s1, s2):
+        for r in (a, b):
             r.close()
-    look = file_lookup.TiergramLookup(table, cfg, "uniform", seed=10)
+    look = file_lookup.TiergramLookup(table, cfg, "uniform")
     threads = file_lookup.PythonThreads(table, 2)
     try:
         first = [x.copy() for x in look.batches]

@@ -28,7 +28,7 @@ def test_prefetch_bench_json(capsys):
     assert set(obj["stores"]) == {"host", "file", "file+cache"}
     assert set(obj["exposed_ratio"]) == set(obj["stores"])
     for kind, d in obj["stores"].items():
-        for key in ("stall_ms", "sync_stall_ms", "compute_overlapped_ms", "prefetch_call_ms", "step_ms"):
+        for key in ("stall_ms", "sync_stall_ms"):
             assert set(d[key]) == {"mean", "p50", "p90"}, (kind, key)
             assert all(v >= 0 for v in d[key].values()), (kind, key)
             assert d[key]["p50"] <= d[key]["p90"], (kind, key)
@@ -40,7 +40,7 @@ def test_prefetch_bench_json(capsys):
     assert obj["stores"]["file"]["pages_per_step"] > 0
     assert obj["stores"]["host"]["file_mode"] is None and obj["stores"]["file"]["file_mode"] == "direct"
     cached = obj["stores"]["file+cache"]
-    assert 0 <= cached["hit_rate"] <= 1 and 0 <= cached["sync_hit_rate"] <= 1
+    assert 0 <= cached["hit_rate"] <= 1
     assert obj["config"]["torch_threads"] == 1 and obj["config"]["steps"] == 6
 
 

@@ -1,10 +1,7 @@
 """The measuring half of `tiergram plan calibrate`: this machine's raw figures, as one JSON-able dict.
 
-What runs (each a few seconds) over a model directory and its exported tables: the host tier's lookups of
-step-sized batches, the engine's steps at several batch sizes, the file tier's hit and miss paths, the disk's random
-4 KiB page rate at queue depths 1-128 with the native O_DIRECT reader, host memory bandwidth and size, and a real
-`tiergram serve` under the closed loop of `bench serve`. Nothing here fits: `tiergram.plan.calibrate.fit` turns the
-dict (`schema` MEASUREMENT_SCHEMA) into a hardware spec.
+Nothing here fits: `tiergram.plan.calibrate.fit` turns the dict (`schema` MEASUREMENT_SCHEMA) into a hardware spec
+(docs/planner.md).
 """
 
 from __future__ import annotations
@@ -39,11 +36,8 @@ def step_placement(table_bytes: int) -> str:
 
 def engine_steps(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), input_len: int = 128,
                  output_len: int = 32, progress: bool = True, placement: str = "device") -> dict[str, Any]:
-    """Every timed engine step as [tokens, sequences, seconds] (the host gather included where there is one).
-
-    Each batch size runs three times, the first as warm-up. The engine runs on the torch threads `tiergram serve`
-    gives it (`serving_torch_threads`), recorded as `torch_threads`; torch's setting is put back afterwards.
-    """
+    """Every timed engine step as [tokens, sequences, seconds], three runs per batch size, the first a warm-up, on
+    the torch threads `tiergram serve` gives the engine (recorded as `torch_threads`)."""
     import torch
     from tqdm import tqdm
 
@@ -104,9 +98,8 @@ def lookup_times(table_path: Path, heads: int, tokens: tuple[int, ...] = (8, 32,
 
 
 def file_tier_times(table_path: Path, heads: int, cache_fraction: float = 0.1, seconds: float = 0.5) -> dict[str, Any]:
-    """The file tier behind a host cache: `hits`, [rows, seconds per call] of the same ids looked up again and
-    again (all cached) at T = 8 and 128; `misses`, the process's CPU seconds and the pages read over `calls`
-    lookups of `rows_per_call` fresh random ids (a 10% cache catches about 10% of them)."""
+    """The file tier behind a host cache: `hits`, [rows, seconds per call] of cached ids at T = 8 and 128;
+    `misses`, the process's CPU seconds and pages read over `calls` lookups of fresh random ids."""
     from tiergram.store import TieredTable
 
     rng = np.random.default_rng(2)
@@ -169,13 +162,9 @@ def host_memory_bytes() -> int:
 
 def serve_runs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
                output_len: int = 32, requests_per_user: int = 4, passes: int = SERVE_PASSES) -> dict[str, Any]:
-    """A real `tiergram serve` (host placement) under the closed-loop streaming client of `bench serve`.
-
-    On held-out text (starting 400K tokens into the trace, past the requests a default sweep replays), `passes`
-    times over the concurrencies (up the levels, then down, ...), each level after a warm-up; a run records its wall
-    seconds, its requests and, from the server's /metrics, the seconds its engine stepped, the steps and the tokens
-    computed. The fit (`plan.calibrate.fit_serve`) takes the HTTP path's costs and the server's step curve from them.
-    """
+    """A real `tiergram serve` (host placement) under `bench serve`'s closed loop, `passes` times up and down the
+    concurrencies: per run its wall seconds, requests and, from /metrics, the engine's busy seconds, steps and
+    tokens computed (what `plan.calibrate.fit_serve` fits)."""
     import asyncio
 
     import httpx

@@ -36,19 +36,6 @@ def stdlib_files(exclude: Collection[str] = ("site-packages", "dist-packages")) 
     return sorted(p for p in root.rglob("*.py") if not set(exclude) & set(p.relative_to(root).parts) and p.is_file())
 
 
-def rate(fn: Callable[[], object], items: int, min_time: float) -> float:
-    """Items per second of fn(), the best of its calls over about min_time seconds."""
-    best = 0.0
-    deadline = time.perf_counter() + min_time
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best = max(best, items / dt)
-        if time.perf_counter() > deadline:
-            return best
-
-
 def rates_interleaved(fns: dict[str, Callable[[], object]], items: int, *, rounds: int = 5,
                       seconds: float = 0.2) -> dict[str, float]:
     """Best items/s of each fn over `rounds` interleaved segments of about `seconds` (round 1 of every fn,
@@ -58,7 +45,11 @@ def rates_interleaved(fns: dict[str, Callable[[], object]], items: int, *, round
         fn()  # warm-up: page faults, caches
     for _ in range(rounds):
         for name, fn in fns.items():
-            best[name] = max(best[name], rate(fn, items, seconds))
+            deadline = time.perf_counter() + seconds
+            while time.perf_counter() <= deadline:
+                t0 = time.perf_counter()
+                fn()
+                best[name] = max(best[name], items / (time.perf_counter() - t0))
     return best
 
 

@@ -1,23 +1,9 @@
 """`tiergram bench lookup --tier file`: rows from the table file on SSD against the device's own limit.
 
-All in one run, on one table file in the bench cache folder (a few GiB, created once), in interleaved rounds:
-
-- limit: the native PageReader alone (O_DIRECT, verify=False) on random pages at queue depths 1, 32, 128;
-- python threads: 8 and 16 Python threads calling `os.preadv` on an O_DIRECT descriptor;
-- tiergram: `TieredTable(tier="file")` without a cache, `lookup` of `positions` x heads ids per call, uniform and
-  Zipfian, rows decoded to float32 through the native fetch pipeline — dedup, page reads, checksums, decode, all of
-  it; and uniform ids through a `cache_fraction` LRU cache that starts full, so that every call evicts as a serving
-  cache does: what the cache costs a miss and saves a row;
-- mmap: the same lookups through `file_mode="mmap"` (MADV_RANDOM), on pages not touched before in the run, after
-  dropping the file from the page cache: the baseline of engines that map the file;
-- all hits: lookups of 1 / 64 / 256 positions whose rows are all in the file tier's cache, against the host tier on
-  the same ids; the Python time of such a call and of a `prefetch()` call, and the function calls each makes.
-
-O_DIRECT reads bypass the page cache, so a table of a few GiB shows the device (a table several times larger than
-RAM cannot be written within a benchmark's time); the file is dropped from the page cache after creation and before
-the mmap phase, so mmap reads fault from the device too. pages/s counts distinct 4 KiB pages read per second, rows/s
-ids served per second (duplicates included), both from a reader's best round; CPU per page and per row are the
-median over the rounds.
+On one table file in the bench cache folder (created once, dropped from the page cache), in interleaved rounds: the
+native PageReader alone (the limit), Python threads doing `os.preadv`, and `TieredTable(tier="file")` lookups
+without and with a full LRU cache; then all-hit lookups against the host tier. What each figure means and the
+current ones: docs/benchmarks.md, "File-tier lookup".
 """
 
 from __future__ import annotations
@@ -68,11 +54,7 @@ class FileLookupBenchConfig:
     cache_fraction: float = 0.10  # the cached reader's LRU cache, as a fraction of the table's rows (0: none)
     hit_positions: tuple[int, ...] = (1, 64, 256)  # all-hit lookups vs host (empty: skip that phase)
     table: str | None = None  # table path (default: in the bench cache folder)
-    seed: int = 0  # the table's contents
-    # the pages the readers read (None: fresh ones each run, and every round draws new ones): the volume under this
-    # VM serves blocks it served recently from a cache several times faster than the device (docs/benchmarks.md,
-    # this VM's disk), so a page an earlier run or round read measures that cache, not the disk
-    read_seed: int | None = None
+    seed: int = 0  # the table's contents (the pages read are fresh in every run and round: docs/benchmarks.md)
 
 
 @dataclass
@@ -83,7 +65,6 @@ class FileLookupBenchResult:
     limit: dict[str, dict[str, float]] = field(default_factory=dict)  # queue depth -> figures
     python_threads: dict[str, dict[str, float]] = field(default_factory=dict)  # thread count -> figures
     tiergram: dict[str, dict[str, float]] = field(default_factory=dict)  # id distribution (+ cache) -> figures
-    mmap: dict[str, float] = field(default_factory=dict)
     all_hits: dict[str, dict[str, float]] = field(default_factory=dict)  # positions -> file cache vs host figures
     file_mode: str = "direct"  # the mode the tiergram readers used (buffered where O_DIRECT was refused)
     seconds: float = 0.0
@@ -109,11 +90,9 @@ class FileLookupBenchResult:
 
     @property
     def ratios(self) -> dict[str, float]:
-        w, uni = self.worst, self.tiergram.get("uniform", self.worst)
+        w = self.worst
         return {"vs_limit": w["pages_per_s"] / self.best_limit,
-                "vs_python_threads": w["pages_per_s"] / self.python_threads_pages_per_s,
-                "vs_mmap_pages": uni["pages_per_s"] / self.mmap["pages_per_s"],
-                "vs_mmap_rows": uni["rows_per_s"] / self.mmap["rows_per_s"]}
+                "vs_python_threads": w["pages_per_s"] / self.python_threads_pages_per_s}
 
     @property
     def targets(self) -> dict[str, dict[str, object]]:
@@ -163,15 +142,11 @@ def bench_file_table(cfg: FileLookupBenchConfig, progress: bool = True) -> Table
 
 
 # ---------------------------------------------------------------- measurements
-#
-# Every reader is measured in `rounds` segments, interleaved (round 1 of every reader, then round 2, ...), and
-# its best segment is kept: other processes on a shared machine slow some segments, and interleaving spreads that
-# over all readers instead of charging it to whichever ran at the wrong moment.
 
 
 @dataclass
 class Segment:
-    """What one timed segment did."""
+    """What one timed segment of a reader did."""
 
     pages: int
     rows: int
@@ -187,16 +162,14 @@ class Segment:
 
 
 class LimitReader:
-    """The device's limit: random pages through the native reader alone, O_DIRECT, no checksum, at depth qd.
+    """The device's limit: random pages no earlier probe chose (a cache under the VM's disk serves those) through
+    the native reader alone, O_DIRECT, no checksum, at depth qd."""
 
-    `seed` None (the default) draws pages no earlier probe chose: the volume under this VM caches the blocks it
-    served, so a probe repeating an earlier one's pages would measure that cache."""
-
-    def __init__(self, table: TableFile, qd: int, backend: str = "auto", seed: int | None = None) -> None:
+    def __init__(self, table: TableFile, qd: int, backend: str = "auto") -> None:
         m = self.manifest = table.manifest
         self.batch = max(1024, 48 * qd)  # 6144 pages at QD128: as many as a 256-position lookup reads
         self.out = aligned_empty(self.batch * m.page_size)
-        self.rng = np.random.default_rng(None if seed is None else [seed, qd])
+        self.rng = np.random.default_rng()
         self.reader = _native.PageReader(str(table.path), table.data_offset, m.page_size, m.n_pages,
                                          queue_depth=qd, backend=backend, direct=True)
         self.reader.read_pages(self.rng.integers(0, m.n_pages, self.batch), self.out, verify=False)  # warm-up
@@ -241,12 +214,12 @@ def reread_rates(table: TableFile, pages: int = 20000, qd: int = 128) -> tuple[f
 class PythonThreads:
     """The baseline without a native reader: Python threads each calling os.preadv on an O_DIRECT fd."""
 
-    def __init__(self, table: TableFile, n_threads: int, seed: int | None = None) -> None:
+    def __init__(self, table: TableFile, n_threads: int) -> None:
         self.table = table
         self.fd = os.open(table.path, os.O_RDONLY | os.O_DIRECT)
         self.n = n_threads
         self.bufs = [mmap.mmap(-1, table.manifest.page_size) for _ in range(n_threads)]  # page-aligned (O_DIRECT)
-        self.rngs = [np.random.default_rng(None if seed is None else [seed, 100 + i]) for i in range(n_threads)]
+        self.rngs = [np.random.default_rng() for _ in range(n_threads)]
         self.pos = [0] * n_threads
 
     def segment(self, seconds: float) -> Segment:
@@ -296,11 +269,11 @@ class TiergramLookup:
     every head (a full cache: every call's misses evict), which uniform ids hit at about cache_rows / rows.
     """
 
-    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, seed: int, cache_rows: int = 0) -> None:
+    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, cache_rows: int = 0) -> None:
         self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
                                  queue_depth=cfg.store_queue_depth, backend=cfg.backend,
                                  cache_bytes=cache_rows * table.manifest.row_bytes)
-        self.rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
+        self.rng = np.random.default_rng()
         self.draw = lambda: [draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, self.rng)
                              for _ in range(32 if not cache_rows else 256)]  # cached: 10%-cacheable ids are rare
         self.batches = self.draw()
@@ -327,58 +300,8 @@ class TiergramLookup:
         self.store.close()
 
 
-class MmapLookup:
-    """TieredTable.lookup through mmap (MADV_RANDOM) of uniform ids on pages never touched before in this run.
-
-    The file is dropped from the page cache first (and is only ever read with O_DIRECT before), so every page
-    is a fault that reads the device; an id whose page an earlier call touched is redrawn.
-    """
-
-    def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, seed: int) -> None:
-        drop_page_cache(table.path)
-        self.table, self.cfg = table, cfg
-        self.store = TieredTable(table.path, tier="file", file_mode="mmap", dtype=getattr(torch, cfg.dtype))
-        self.rng = np.random.default_rng(None if cfg.read_seed is None else [cfg.read_seed, seed])
-        self.touched = np.zeros(table.manifest.n_pages, dtype=bool)
-        self.out = torch.empty((cfg.positions, cfg.heads, cfg.dim), dtype=self.store.dtype)
-
-    def _fresh_ids(self) -> np.ndarray | None:
-        """Uniform ids none of whose pages were touched; None once half the file has been (redraws get slow)."""
-        t, cfg = self.table, self.cfg
-        if self.touched.mean() > 0.5:
-            return None
-        ids = draw_ids("uniform", (cfg.positions, cfg.heads), t.head_rows, self.rng)
-        for _ in range(100):
-            stale = self.touched[(ids + t.head_offsets) // t.manifest.rows_per_page]
-            if not stale.any():
-                return ids
-            ids[stale] = draw_ids("uniform", ids.shape, t.head_rows, self.rng)[stale]
-        return None
-
-    def segment(self, seconds: float) -> Segment | None:
-        pages = rows = 0
-        dt = cpu = 0.0
-        while dt < seconds:
-            ids = self._fresh_ids()
-            if ids is None:  # out of untouched pages: what was measured stands
-                break
-            page_ids = np.unique((ids + self.table.head_offsets) // self.table.manifest.rows_per_page)
-            t0, c0 = time.perf_counter(), time.process_time()
-            self.store.lookup(ids, out=self.out)
-            dt += time.perf_counter() - t0
-            cpu += time.process_time() - c0
-            self.touched[page_ids] = True
-            pages += page_ids.size
-            rows += ids.size
-        return Segment(pages, rows, dt, cpu) if pages else None
-
-    def close(self) -> None:
-        self.store.close()
-        drop_page_cache(self.table.path)
-
-
 def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchResult:
-    """Create (once) the table, then measure limit, Python threads, tiergram and mmap in interleaved rounds."""
+    """Create (once) the table, then measure limit, Python threads and tiergram in interleaved rounds."""
     if cfg.positions < 1 or cfg.min_time <= 0 or cfg.rounds < 1:
         raise ValueError("positions and rounds must be >= 1 and min_time > 0")
     if not cfg.queue_depths or not cfg.py_threads or not cfg.dists:
@@ -389,23 +312,19 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
     info = {"path": str(table.path), "bytes": table.data_offset + m.data_bytes, "pages": m.n_pages,
             "rows": m.total_rows, "row_bytes": m.row_bytes, "rows_per_page": m.rows_per_page,
             "page_size": m.page_size, "provenance": m.provenance}
-    readers: dict[tuple[str, str], LimitReader | PythonThreads | TiergramLookup | MmapLookup] = {}
+    readers: dict[tuple[str, str], LimitReader | PythonThreads | TiergramLookup] = {}
     try:
         for qd in cfg.queue_depths:
-            readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend, cfg.read_seed)
+            readers["limit", str(qd)] = LimitReader(table, qd, cfg.backend)
         for n in cfg.py_threads:
-            readers["python_threads", str(n)] = PythonThreads(table, n, cfg.read_seed)
-        for i, dist in enumerate(cfg.dists):
-            readers["tiergram", dist] = TiergramLookup(table, cfg, dist, seed=10 + i)
+            readers["python_threads", str(n)] = PythonThreads(table, n)
+        for dist in cfg.dists:
+            readers["tiergram", dist] = TiergramLookup(table, cfg, dist)
         if cfg.cache_fraction > 0:
             rows = max(1, int(cfg.cache_fraction * m.total_rows))
             readers["tiergram", f"uniform +{cfg.cache_fraction:.0%} cache"] = TiergramLookup(
-                table, cfg, "uniform", seed=30, cache_rows=rows)
-        readers["mmap", "uniform"] = MmapLookup(table, cfg, seed=99)
+                table, cfg, "uniform", cache_rows=rows)
         best = interleaved_rounds(readers, cfg, progress)
-        if ("mmap", "uniform") not in best:
-            raise RuntimeError(f"{table.path}: no untouched pages left for the mmap measurement; use a larger "
-                               f"table or fewer positions")
         res = FileLookupBenchResult(cfg, info, readers["limit", str(cfg.queue_depths[0])].reader.backend)
         res.file_mode = readers["tiergram", cfg.dists[0]].store.tier.mode
         if res.file_mode != "direct" or not readers["limit", str(cfg.queue_depths[0])].reader.direct:
@@ -416,10 +335,7 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
                 fig["rows_per_call"] = cfg.positions * cfg.heads
                 fig["ms_per_call"] = 1e3 * fig["rows_per_call"] / fig["rows_per_s"]
                 fig["pages_per_call"] = fig["pages_per_s"] * fig["ms_per_call"] / 1e3
-            if kind == "mmap":
-                res.mmap = fig
-            else:
-                getattr(res, kind)[name] = fig
+            getattr(res, kind)[name] = fig
     finally:
         for reader in readers.values():
             reader.close()
@@ -439,10 +355,7 @@ def interleaved_rounds(readers: dict[tuple[str, str], Any], cfg: FileLookupBench
     cpus: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in range(cfg.rounds):
         for key, reader in readers.items():
-            seg = reader.segment(cfg.min_time / cfg.rounds)
-            if seg is None:
-                continue
-            fig = seg.figures()
+            fig = reader.segment(cfg.min_time / cfg.rounds).figures()
             for name in ("cpu_us_per_page", "cpu_us_per_row"):
                 if name in fig:
                     cpus.setdefault(key, {}).setdefault(name, []).append(fig[name])
@@ -456,15 +369,9 @@ def interleaved_rounds(readers: dict[tuple[str, str], Any], cfg: FileLookupBench
     return best
 
 
-def _keep_least(d: dict, key: object, value: float) -> None:
-    d[key] = min(d.get(key, value), value)
-
-
 def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, dict[str, float]]:
     """Per positions: us per call of lookups whose rows are all in the file tier's cache against the host tier on
-    the same ids (interleaved rounds, best of); the Python time of a cached call (its wall time less the time inside
-    the GIL-free `_native.fetch`), the time of a `prefetch()` call itself (wall, and CPU of the calling thread: what
-    the engine thread spends to queue it), and the function calls a lookup and a prefetch make (`python_calls`)."""
+    the same ids (interleaved rounds, best of), and the function calls a lookup and a prefetch make."""
     dtype = getattr(torch, cfg.dtype)
     rng = np.random.default_rng([cfg.seed, 77])
     cases = {p: [draw_ids("uniform", (p, cfg.heads), table.head_rows, rng) for _ in range(8)]
@@ -487,38 +394,24 @@ def all_hit_lookups(table: TableFile, cfg: FileLookupBenchConfig) -> dict[str, d
             for p, bs in cases.items():
                 out = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
                 for name, st in (("host", host), ("tiergram", cached)):
-                    (calls0, ns0, _), n, t0 = _native.fetch_timing(), 0, time.perf_counter()
+                    n, t0 = 0, time.perf_counter()
                     while time.perf_counter() - t0 < seg:
                         st.lookup(bs[n % len(bs)], out=out)
                         n += 1
-                    wall = time.perf_counter() - t0
-                    _keep_least(best, (p, name), 1e6 * wall / n)
-                    calls, ns, _ = _native.fetch_timing()
-                    if st is cached and calls - calls0 == n:
-                        _keep_least(best, (p, "python"), (1e6 * wall - 1e-3 * (ns - ns0)) / n)
-                wall = cpu = 0.0
-                for k in range(50):
-                    c0, t0 = time.thread_time(), time.perf_counter()
-                    ticket = cached.prefetch(bs[k % len(bs)])
-                    wall += time.perf_counter() - t0
-                    cpu += time.thread_time() - c0
-                    ticket.wait()
-                    del ticket  # its rows are freed outside the timed call
-                _keep_least(best, (p, "prefetch"), 1e6 * wall / 50)
-                _keep_least(best, (p, "prefetch_cpu"), 1e6 * cpu / 50)
-        out: dict[str, dict[str, float]] = {}
+                    us = 1e6 * (time.perf_counter() - t0) / n
+                    best[p, name] = min(best.get((p, name), us), us)
+        res: dict[str, dict[str, float]] = {}
         for p, bs in cases.items():
             rows = torch.empty((p, cfg.heads, cfg.dim), dtype=dtype)
             tickets: list = []
-            out[str(p)] = {
+            res[str(p)] = {
                 "host_us_per_call": best[p, "host"], "tiergram_us_per_call": best[p, "tiergram"],
-                "vs_host": best[p, "tiergram"] / best[p, "host"], "python_us_per_call": best.get((p, "python")),
-                "prefetch_call_us": best[p, "prefetch"], "prefetch_call_cpu_us": best[p, "prefetch_cpu"],
+                "vs_host": best[p, "tiergram"] / best[p, "host"],
                 # the Python work of a call, counted (not timed): it must not grow with the rows
                 "python_calls_per_lookup": python_calls(lambda b=bs[0], o=rows: cached.lookup(b, out=o)),
                 "python_calls_per_prefetch": python_calls(lambda b=bs[0], t=tickets: t.append(cached.prefetch(b)))}
             tickets[0].wait()
-        return out
+        return res
     finally:
         host.close()
         cached.close()
@@ -530,9 +423,8 @@ def to_json(res: FileLookupBenchResult) -> str:
     return json.dumps({
         "tiergram_pages_per_s": w["pages_per_s"], "tiergram_rows_per_s": w["rows_per_s"],
         "limit_pages_per_s": res.limit_pages_per_s, "python_threads_pages_per_s": res.python_threads_pages_per_s,
-        "mmap_pages_per_s": res.mmap["pages_per_s"], "mmap_rows_per_s": res.mmap["rows_per_s"],
         **res.ratios, "targets": res.targets, "backend": res.backend, "tiergram": res.tiergram, "limit": res.limit,
-        "python_threads": res.python_threads, "mmap": res.mmap, "all_hits": res.all_hits, "file_mode": res.file_mode,
+        "python_threads": res.python_threads, "all_hits": res.all_hits, "file_mode": res.file_mode,
         "table": res.table, "seconds": res.seconds, "config": asdict(res.config)}, indent=2)
 
 
@@ -560,7 +452,6 @@ def to_text(res: FileLookupBenchResult) -> str:
         row(f"python threads os.preadv x{n}", d)
     for name, d in res.tiergram.items():
         row(f"tiergram lookup, {name}", d, f"   ({d['pages_per_call']:.0f} pages, {d['ms_per_call']:.1f} ms per call)")
-    row("mmap lookup, uniform, cold pages", res.mmap)
     base = res.tiergram.get("uniform")
     for name, d in res.tiergram.items():
         if name.endswith("cache") and base:
@@ -572,18 +463,14 @@ def to_text(res: FileLookupBenchResult) -> str:
                          f"page read, i.e. per miss (median of the rounds' ratios: {page_r:.2f}x); "
                          f"{d['pages_per_call'] / base['pages_per_call']:.2f}x pages per call")
     if res.all_hits:
-        lines.append("all-hit lookups, us per call (file tier + cache vs host tier, same ids; python: the call's time "
-                     "outside the native fetch):")
+        lines.append("all-hit lookups, us per call (file tier + cache vs host tier, same ids):")
         for p, d in res.all_hits.items():
-            python = f"{d['python_us_per_call']:.1f}" if d["python_us_per_call"] is not None else "n/a"
             lines.append(f"  {p:>4} positions x {c.heads} heads: host {d['host_us_per_call']:.0f}, tiergram "
-                         f"{d['tiergram_us_per_call']:.0f} ({d['vs_host']:.2f}x host), python {python}, Python calls "
-                         f"per lookup / prefetch {d['python_calls_per_lookup']} / {d['python_calls_per_prefetch']}, "
-                         f"prefetch call {d['prefetch_call_us']:.1f} (caller CPU {d['prefetch_call_cpu_us']:.1f})")
+                         f"{d['tiergram_us_per_call']:.0f} ({d['vs_host']:.2f}x host), Python calls per lookup / "
+                         f"prefetch {d['python_calls_per_lookup']} / {d['python_calls_per_prefetch']}")
     r = res.ratios
     lines.append(f"tiergram (worst dist) vs limit at QD>=32 ({res.best_limit:.0f}): {r['vs_limit']:.0%}; "
-                 f"vs python threads: {r['vs_python_threads']:.2f}x; uniform vs mmap: {r['vs_mmap_pages']:.2f}x "
-                 f"pages/s, {r['vs_mmap_rows']:.2f}x rows/s")
+                 f"vs python threads: {r['vs_python_threads']:.2f}x")
     for name, tg in res.targets.items():
         want = f">= {tg['target']:.0%}" if name == "vs_limit" else f">= {tg['target']:g}x"
         cap = (f"; the disk's limit caps it at {tg['reachable']:.2f}x" if "reachable" in tg and not tg["met"]

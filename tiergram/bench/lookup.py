@@ -1,11 +1,8 @@
 """`tiergram bench lookup`: gather + dequant rate against a limit that moves the same bytes, and a numpy baseline.
 
-The same-bytes limit is one native pass per row over the same ids, the same table mapping (so the same pages, huge
-or not) and the same native threads: every byte of the encoded row read (row_bytes) and the lookup's output bytes
-written (D x 4 for float32), the row's bytes repeated with no decode (`_native.gather_limit`). It is measured with
-prefetch distances of 8, 16 and 32 rows and with normal and non-temporal stores, and the best of those is the
-limit, so that a prefetch or store choice that suits tiergram's own gather cannot flatter the ratio. At many GiB,
-random row reads are bound by TLB misses, so the page kind the table got is reported.
+The limit (`_native.gather_limit`: the same ids, table mapping and threads, every row byte read and the output bytes
+written, no decode) is the best over prefetch distances and store kinds, so no such choice of tiergram's own gather
+flatters the ratio (docs/benchmarks.md, "Host-tier lookup").
 """
 
 from __future__ import annotations
@@ -80,9 +77,7 @@ def bench_table(cfg: LookupBenchConfig, progress: bool = True) -> TableFile:
 
 
 def numpy_lookup(data: np.ndarray, table: TableFile, ids: np.ndarray) -> np.ndarray:
-    """The baseline others use: numpy fancy-index gather of the rows, then a vectorised numpy dequant
-    (fp8: a 256-entry value table and the block scales; other codecs: the reference decoder) to
-    float32 [N, H, D]."""
+    """The baseline others use: numpy fancy-index gather, then a vectorised dequant -> float32 [N, H, D]."""
     m = table.manifest
     pages = np.lib.stride_tricks.as_strided(
         data, shape=(m.n_pages, m.rows_per_page, m.row_bytes), strides=(m.page_size, m.row_bytes, 1))
@@ -95,64 +90,49 @@ def numpy_lookup(data: np.ndarray, table: TableFile, ids: np.ndarray) -> np.ndar
     return get_codec(m.codec).decode(raw, m.dim).numpy().reshape(*ids.shape, m.dim)
 
 
+LIMIT_AHEAD = (8, 16, 32)  # prefetch distances (rows per thread) the same-bytes limit is measured with
+
+
 def run(cfg: LookupBenchConfig, progress: bool = True) -> LookupBenchResult:
     """Measure limit, tiergram and numpy rates for each id distribution."""
     if cfg.threads:
         _native.set_num_threads(cfg.threads)
     table = bench_table(cfg, progress)
+    m = table.manifest
+    res = LookupBenchResult(cfg, m.row_bytes, m.data_bytes, _native.num_threads())
+    rng = np.random.default_rng(cfg.seed)
     try:
-        return _measure(cfg, table, progress)
+        with TieredTable(table.path, tier="host", dtype=getattr(torch, cfg.dtype), progress=progress) as store:
+            tier = store.tier
+            res.memory = tier.stats()
+            out = torch.empty((cfg.positions, cfg.heads, m.dim), dtype=store.dtype)
+            same_bytes = np.empty((cfg.positions, cfg.heads, m.dim * out.element_size()), dtype=np.uint8)
+            for dist in cfg.dists:
+                ids = draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng)
+                args = (tier.data, ids, tier.head_offsets, tier.head_rows, m.page_size, m.rows_per_page, m.codec_id,
+                        m.dim)
+                fns = {"tiergram": lambda ids=ids: store.lookup(ids, out=out)}
+                for ahead in LIMIT_AHEAD:
+                    for stream in (False, True):
+                        fns[f"limit: prefetch {ahead}, {'non-temporal' if stream else 'normal'} stores"] = (
+                            lambda a=ahead, s=stream, args=args: _native.gather_limit(*args, same_bytes, s, a))
+                fns["numpy"] = lambda ids=ids: numpy_lookup(tier.data, table, ids)
+                r = rates_interleaved(fns, cfg.positions * cfg.heads, rounds=cfg.rounds, seconds=cfg.seconds)
+                best = max((k for k in r if k.startswith("limit")), key=r.__getitem__)
+                limit = r[best]
+                res.per_dist[dist] = {"tiergram_rows_per_s": r["tiergram"], "limit_rows_per_s": limit,
+                                      "limit_variant": best.removeprefix("limit: "), "numpy_rows_per_s": r["numpy"],
+                                      "vs_limit": r["tiergram"] / limit, "vs_numpy": r["tiergram"] / r["numpy"]}
     finally:
         if cfg.table_gib is not None and not cfg.keep_table:
             table.path.unlink(missing_ok=True)
-
-
-LIMIT_AHEAD = (8, 16, 32)  # prefetch distances (rows per thread) the same-bytes limit is measured with
-
-
-def _measure(cfg: LookupBenchConfig, table: TableFile, progress: bool) -> LookupBenchResult:
-    store = TieredTable(table.path, tier="host", dtype=getattr(torch, cfg.dtype), progress=progress)
-    m = table.manifest
-    res = LookupBenchResult(cfg, m.row_bytes, m.data_bytes, _native.num_threads())
-    res.memory = store.tier.stats()
-    tier = store.tier
-    rng = np.random.default_rng(cfg.seed)
-    n_rows = cfg.positions * cfg.heads
-    out = torch.empty((cfg.positions, cfg.heads, m.dim), dtype=store.dtype)
-    same_bytes = np.empty((cfg.positions, cfg.heads, m.dim * out.element_size()), dtype=np.uint8)
-    try:
-        for dist in cfg.dists:
-            ids = draw_ids(dist, (cfg.positions, cfg.heads), table.head_rows, rng)
-            args = (tier.data, ids, tier.head_offsets, tier.head_rows, m.page_size, m.rows_per_page, m.codec_id, m.dim)
-            fns = {"tiergram": lambda ids=ids: store.lookup(ids, out=out)}
-            for ahead in LIMIT_AHEAD:
-                for stream in (False, True):
-                    fns[f"limit: prefetch {ahead}, {'non-temporal' if stream else 'normal'} stores"] = (
-                        lambda a=ahead, s=stream, args=args: _native.gather_limit(*args, same_bytes, s, a))
-            fns["numpy"] = lambda ids=ids: numpy_lookup(tier.data, table, ids)
-            r = rates_interleaved(fns, n_rows, rounds=cfg.rounds, seconds=cfg.seconds)
-            best = max((k for k in r if k.startswith("limit")), key=r.__getitem__)
-            limit = r[best]
-            res.per_dist[dist] = {"tiergram_rows_per_s": r["tiergram"], "limit_rows_per_s": limit,
-                                  "limit_variant": best.removeprefix("limit: "), "numpy_rows_per_s": r["numpy"],
-                                  "vs_limit": r["tiergram"] / limit, "vs_numpy": r["tiergram"] / r["numpy"]}
-    finally:
-        store.close()
     return res
 
 
 def page_kind(memory: dict) -> str:
     """The pages the host table got, as measured in /proc/self/smaps (HostTier.stats())."""
-    if not memory:
-        return "pages: not reported"
     huge, total = memory["huge_page_bytes"], memory["bytes"]
-    if huge >= total // 2 and huge > 0:
-        kind = "transparent huge pages (2 MiB)"
-    elif huge == 0:
-        kind = "4 KiB pages"
-    else:
-        kind = "mostly 4 KiB pages"
-    return f"{kind}: {huge / 2**20:.0f} of {total / 2**20:.0f} MiB on huge pages, THP mode {memory['thp']}"
+    return f"{huge / 2**20:.0f} of {total / 2**20:.0f} MiB on huge pages, THP mode {memory['thp']}"
 
 
 def to_json(res: LookupBenchResult) -> str:
@@ -168,7 +148,7 @@ def to_text(res: LookupBenchResult) -> str:
     out_b = c.dim * (4 if c.dtype == "float32" else 2)
     size = f"{res.table_bytes / 2**30:.2f} GiB" if res.table_bytes >= 2**30 else f"{res.table_bytes / 2**20:.0f} MiB"
     lines = [f"host lookup: table {size} ({c.heads} heads x {c.rows_per_head} rows, D={c.dim} {c.codec}, "
-             f"{res.row_bytes} B/row) on {page_kind(res.memory)}",
+             f"{res.row_bytes} B/row), {page_kind(res.memory)}",
              f"{c.positions} positions x {c.heads} heads per call, out {c.dtype} ({out_b} B/row), "
              f"{res.threads} native threads; best of {c.rounds} interleaved rounds",
              f"same-bytes limit: one native pass per row, same ids, table mapping and threads: {res.row_bytes} B read, "

@@ -1,12 +1,8 @@
 """`tiergram bench prefetch`: how much of a fetch a prefetch hides behind the layers before the Engram layer.
 
-Row ids depend only on token ids, so a runtime can start fetching an Engram layer's rows at forward entry and run
-the earlier layers meanwhile. Per step: `ticket = store.prefetch(ids)`, then a compute standing in for the earlier
-layers (a chain of torch matmuls sized to about the store's synchronous fetch time, or `compute_ms`), then
-`ticket.wait()`: the time blocked there is the *exposed stall*, compared with a synchronous `store.lookup(ids)` of
-the same ids. Stores: host tier, file tier (O_DIRECT), file tier with an LRU host cache of `cache_fraction` (each
-pass on a fresh store, so both see the same cache history); the rows of both passes are checked equal. The compute
-runs on `torch_threads` (1: on 2 cores one is left to the fetch, which releases the GIL in the native reads).
+Per step: `ticket = store.prefetch(ids)`, a torch compute standing in for the earlier layers (sized to about the
+synchronous fetch time, or `compute_ms`), then `ticket.wait()`: the time blocked there is the *exposed stall*,
+against a synchronous `store.lookup(ids)` of the same ids, whose rows it must equal (docs/benchmarks.md, "Overlap").
 """
 
 from __future__ import annotations
@@ -114,7 +110,7 @@ def open_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig) -> TieredT
 
 def run_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig, warm: list[np.ndarray],
               steps: list[np.ndarray], compute: Compute) -> dict[str, object]:
-    """The synchronous pass, then the overlapped pass (on a fresh store when there is a cache), for one store."""
+    """The synchronous pass, then the overlapped pass (on a fresh store when there is a cache: the same history)."""
     store = open_store(table, kind, cfg)
     out: dict[str, object] = {}
     try:
@@ -127,36 +123,26 @@ def run_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig, warm: list[
             sync.append(time.perf_counter() - t0)
             digests.append(_digest(rows))
         if store.cache is not None:
-            out["sync_hit_rate"] = store.stats()["hit_rate"]
             store.close()
             store = open_store(table, kind, cfg)
             for ids in warm:
                 store.lookup(ids)
         target = cfg.compute_ms / 1e3 if cfg.compute_ms > 0 else float(np.mean(sync))
         compute_alone = compute.size_to(target)
-        stalls, computes, totals, submits, match = [], [], [], [], True
+        stalls, match = [], True
         for ids, want in zip(steps, digests, strict=True):
-            t0 = time.perf_counter()
             ticket = store.prefetch(ids)
-            t1 = time.perf_counter()
             compute()
-            t2 = time.perf_counter()
+            t0 = time.perf_counter()
             rows = ticket.wait()
-            t3 = time.perf_counter()
-            submits.append(t1 - t0)
-            computes.append(t2 - t1)
-            stalls.append(t3 - t2)
-            totals.append(t3 - t0)
+            stalls.append(time.perf_counter() - t0)
             match &= _digest(rows) == want
         if store.cache is not None:
             out["hit_rate"] = store.stats()["hit_rate"]
         stall, sync_ms = _ms(stalls), _ms(sync)
         out.update({
-            "stall_ms": stall, "sync_stall_ms": sync_ms,
-            "compute_ms": compute_alone * 1e3, "compute_overlapped_ms": _ms(computes), "prefetch_call_ms": _ms(submits),
-            "step_ms": _ms(totals), "sync_step_ms": sync_ms["mean"] + compute_alone * 1e3,
-            "layers": compute.layers, "exposed_ratio": stall["mean"] / sync_ms["mean"],
-            "exposed_ratio_p50": stall["p50"] / sync_ms["p50"], "rows_match": bool(match),
+            "stall_ms": stall, "sync_stall_ms": sync_ms, "compute_ms": compute_alone * 1e3, "layers": compute.layers,
+            "exposed_ratio": stall["mean"] / sync_ms["mean"], "rows_match": bool(match),
             "pages_per_step": store.stats()["pages_read"] / (len(steps) + len(warm)),
             # the read mode in use (None for host): 'buffered' where the filesystem refused O_DIRECT
             "file_mode": store.stats().get("file_mode")})

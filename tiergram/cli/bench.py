@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (lookup, ...)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     lk = bsub.add_parser("lookup", help="row lookup rate: host tier against the same-bytes gather limit and numpy; "
-                                        "file tier against the device's limit, Python threads and mmap")
+                                        "file tier against the device's limit and Python threads")
     lk.add_argument("--tier", default="host", choices=["host", "file", "mooncake"],
                     help="tier to read from (mooncake: side by side with Mooncake's EngramStore, docs/remote.md)")
     lk.add_argument("--positions", type=int, default=None,
@@ -50,8 +50,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     lk.set_defaults(func=cmd_lookup)
     ca = bsub.add_parser("cache", help="cache policy hit rates on a real token stream against the offline optimum")
     d = cache.CacheBenchConfig()  # each option's default is the config's (dest: its field)
-    ca.add_argument("--source", default=d.source, choices=["auto", "corpus", "stdlib"],
-                    help="text: the corpus split (auto: when built), or the Python stdlib with an on-the-fly BPE")
     add_common(ca, "--corpus")
     ca.add_argument("--split", default=d.split, choices=["train", "validation", "test"])
     ca.add_argument("--tokens", dest="max_tokens", metavar="TOKENS", type=int, default=d.max_tokens,
