@@ -1,9 +1,5 @@
-"""Hardware and model specs: small TOML files, validated field by field, every figure with its source.
-
-A spec names a file (`path/to/x.toml`), a spec shipped in tiergram/plan/specs/ (`h200`), or the machine spec that
-`tiergram plan calibrate` wrote into the cache (`this-machine`). A model may also be a trained model directory:
-its spec is derived from its config.json and table files. Errors name the file, the field and the problem.
-"""
+"""Hardware and model specs: small TOML files, validated field by field, every figure with its source
+(docs/planner.md, "Specs"); a model may also be a trained model directory."""
 
 from __future__ import annotations
 
@@ -52,7 +48,6 @@ HARDWARE_FIELDS = (
     Field("host_memory_gb", "host_memory_bytes", GB, positive=True),
     Field("host_bw_gbps", "host_bw", GB, positive=True),
     Field("gather_mrows_s", "gather_rows_s", 1e6, positive=True),
-    Field("device_gather_mrows_s", "device_gather_rows_s", 1e6, required=False),
     Field("gather_call_us", "gather_call_s", 1e-6, required=False),
     Field("file_gather_mrows_s", "file_gather_rows_s", 1e6, required=False),
     Field("file_call_us", "file_call_s", 1e-6, required=False),
@@ -97,7 +92,6 @@ ENGRAM_FIELDS = (
     Field("row_bytes", "row_bytes", kind="int", positive=True),
     Field("rows_per_layer", "rows_per_layer", kind="counts", positive=True),
     Field("dim", "dim", kind="int", positive=True),
-    Field("out_bytes", "out_bytes", kind="int", positive=True, required=False),
 )
 
 
@@ -116,14 +110,11 @@ def _value(path: Path, table: str, f: Field, raw: Any) -> Any:
         if not isinstance(raw, str) or not raw:
             raise SpecError(f"{where}: expected a non-empty string, got {raw!r}")
         return raw
-    if f.kind == "ints":
-        if not isinstance(raw, list) or not raw or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    if f.kind == "ints" or (f.kind == "counts" and isinstance(raw, list)):
+        low = 0 if f.kind == "ints" else 1
+        if not isinstance(raw, list) or not raw or not all(_is_number(x) and isinstance(x, int) and x >= low
                                                             for x in raw):
-            raise SpecError(f"{where}: expected a non-empty list of integers >= 0, got {raw!r}")
-        return tuple(raw)
-    if f.kind == "counts" and isinstance(raw, list):
-        if not raw or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in raw):
-            raise SpecError(f"{where}: expected an integer > 0 or a non-empty list of them, got {raw!r}")
+            raise SpecError(f"{where}: expected a non-empty list of integers >= {low}, got {raw!r}")
         return tuple(raw)
     if f.kind == "curve":
         ok = isinstance(raw, list) and raw and all(
@@ -178,38 +169,41 @@ def _sources(path: Path, data: dict[str, Any]) -> dict[str, str]:
     return src
 
 
+def _load(spec: str | Path, what: str, other: str) -> tuple[Path, dict[str, Any], dict[str, str]]:
+    """(path, its [what] table, its [sources]) of a spec argument."""
+    path = resolve(spec, what)
+    data = _read(path)
+    if what not in data:
+        raise SpecError(f"{path}: no [{what}] table (is this a {other} spec?)")
+    return path, data[what], _sources(path, data)
+
+
+def _sub(path: Path, obj: Any, table: str, key: str, fields: tuple[Field, ...], sources: dict[str, Any]
+         ) -> dict[str, Any]:
+    """The fields of the [table.key] table."""
+    if key not in obj:
+        raise SpecError(f"{path}: [{table}] misses the [{table}.{key}] table")
+    return _fields(path, f"{table}.{key}", obj[key], fields, sources, prefix=f"{key}.")
+
+
 def load_hardware(spec: str | Path) -> HardwareSpec:
     """A hardware spec from a TOML file or a spec name; SpecError names the file, field and problem."""
-    path = resolve(spec, "hardware")
-    data = _read(path)
-    if "hardware" not in data:
-        raise SpecError(f"{path}: no [hardware] table (is this a model spec?)")
-    sources = _sources(path, data)
-    hw = _fields(path, "hardware", data["hardware"], HARDWARE_FIELDS, sources, sub=("disk",))
+    path, obj, sources = _load(spec, "hardware", "model")
+    hw = _fields(path, "hardware", obj, HARDWARE_FIELDS, sources, sub=("disk",))
     if hw["kind"] not in ("gpu", "cpu"):
         raise SpecError(f"{path}: [hardware] field `kind`: must be 'gpu' or 'cpu', got {hw['kind']!r}")
     if hw["kind"] == "gpu" and hw["link_bw"] <= 0:
         raise SpecError(f"{path}: [hardware] field `link_gbps`: a gpu needs a host link > 0")
-    if "disk" not in data["hardware"]:
-        raise SpecError(f"{path}: [hardware] misses the [hardware.disk] table")
-    disk = _fields(path, "hardware.disk", data["hardware"]["disk"], DISK_FIELDS, sources, prefix="disk.")
-    return HardwareSpec(**hw, disk=DiskSpec(**disk))
+    return HardwareSpec(**hw, disk=DiskSpec(**_sub(path, obj, "hardware", "disk", DISK_FIELDS, sources)))
 
 
 def load_model(spec: str | Path) -> ModelSpec:
     """A model spec from a TOML file, a spec name, or a trained model directory."""
-    p = Path(spec)
-    if p.is_dir():
-        return model_from_dir(p)
-    path = resolve(spec, "model")
-    data = _read(path)
-    if "model" not in data:
-        raise SpecError(f"{path}: no [model] table (is this a hardware spec?)")
-    sources = _sources(path, data)
-    m = _fields(path, "model", data["model"], MODEL_FIELDS, sources, sub=("engram", "moe"))
-    if "engram" not in data["model"]:
-        raise SpecError(f"{path}: [model] misses the [model.engram] table")
-    e = _fields(path, "model.engram", data["model"]["engram"], ENGRAM_FIELDS, sources, prefix="engram.")
+    if Path(spec).is_dir():
+        return model_from_dir(Path(spec))
+    path, obj, sources = _load(spec, "model", "hardware")
+    m = _fields(path, "model", obj, MODEL_FIELDS, sources, sub=("engram", "moe"))
+    e = _sub(path, obj, "model", "engram", ENGRAM_FIELDS, sources)
     if max(e["layers"]) >= m["n_layers"]:
         raise SpecError(f"{path}: [model.engram] field `layers`: {list(e['layers'])} must lie in "
                         f"0..{m['n_layers'] - 1} (n_layers = {m['n_layers']})")
@@ -219,9 +213,8 @@ def load_model(spec: str | Path) -> ModelSpec:
                         f"{len(e['layers'])} layers {list(e['layers'])}")
     if m["active_weight_bytes"] > m["weight_bytes"]:
         raise SpecError(f"{path}: [model] field `active_weight_gb`: larger than weight_gb")
-    if "moe" in data["model"]:
-        m["moe"] = _moe(path, _fields(path, "model.moe", data["model"]["moe"], MOE_FIELDS, sources, prefix="moe."),
-                        m)
+    if "moe" in obj:
+        m["moe"] = _moe(path, _sub(path, obj, "model", "moe", MOE_FIELDS, sources), m)
     for field in ("hit_rate_curve", "hot_hit_rate_curve"):
         for name, v in m.get(field, ()):
             if v > 1:
@@ -275,8 +268,7 @@ def shipped() -> list[str]:
 # ------------------------------------------------------------------------------------ a trained model dir
 
 def model_from_dir(model_dir: Path) -> ModelSpec:
-    """The spec of a trained tiergram model: counted weights, its K/V and activation bytes (at the engine's default
-    batch limits), its tables' geometry (fp8_e4m3 rows, the export's default codec)."""
+    """The spec of a trained tiergram model: counted weights, K/V and activation bytes, fp8 tables' geometry."""
     from tiergram.engine.budget import activation_bytes, kv_block_bytes
     from tiergram.engine.config import EngineConfig
     from tiergram.model.checkpoint import read_config
@@ -303,7 +295,7 @@ def model_from_dir(model_dir: Path) -> ModelSpec:
     return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(params["active"]),
                      weight_bytes=float(params["bytes"]), active_weight_bytes=float(params["active"] * elem),
                      kv_bytes_per_token=float(kv), engram=EngramGeometry(tuple(sorted(e.layers)), e.n_heads,
-                                                                          row_bytes, rows, e.dim, elem),
+                                                                          row_bytes, rows, e.dim),
                      activation_bytes=float(act))
 
 
@@ -332,8 +324,7 @@ def _backbone_params(cfg: Any) -> dict[str, int]:
 
 
 def with_hit_rates(model: ModelSpec, path: Path) -> ModelSpec:
-    """The model with the hit-rate curves of a `tiergram bench cache --capacity-of table --json` run (lru, and
-    lru-hot for caches preloaded with hot rows)."""
+    """The model with the lru and lru-hot hit-rate curves of a `tiergram bench cache --capacity-of table --json` run."""
     try:
         res = json.loads(Path(path).read_text())
         rates, of = res["hit_rate"], res["config"]["capacity_of"]

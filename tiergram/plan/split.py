@@ -75,7 +75,7 @@ def split_placement(model: ModelSpec, split: Split) -> Placement:
 def kv_blocks(model: ModelSpec, hw: HardwareSpec, wl: Workload, split: Split) -> tuple[int, int]:
     """(device pool blocks, host tier slots) of a split: the device room the weights leave, and the K/V share."""
     block_bytes = wl.block_size * model.kv_bytes_per_token
-    device = kv_room(model, hw, wl, split_placement(model, split))[0]
+    device = kv_room(model, hw, split_placement(model, split))[0]
     return int(device // block_bytes), int(split.kv_host_bytes // block_bytes)
 
 
