@@ -3,6 +3,7 @@ per layer, the concurrency its K/V budget holds, peak RSS), its /metrics, and th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,23 +17,16 @@ from tiergram.bench.serve_config import SweepConfig, file_label
 
 
 class ServeSubprocess:
-    """`tiergram serve MODEL_DIR ARGS` in a subprocess on a free loopback port, healthy once entered; stopped with
-    SIGTERM (drained), SIGKILL if it does not exit within a minute. `config`: a serve configuration
-    (ServeSettings.to_dict's shape), handed to the server as its --config file."""
+    """`tiergram serve MODEL_DIR --config FILE` in a subprocess on a free loopback port, healthy once entered; stopped
+    with SIGTERM (drained), SIGKILL if it does not exit within a minute. `config`: ServeSettings.to_dict's shape."""
 
-    def __init__(self, model_dir: str | os.PathLike, *args: str, startup_timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None, config: dict[str, Any] | None = None) -> None:
-        self.config_file = None
-        if config is not None:
-            import json
-
-            self.config_file = tempfile.NamedTemporaryFile("w", prefix="tiergram-serve-", suffix=".json")
-            json.dump(config, self.config_file)
-            self.config_file.flush()
-            args = ("--config", self.config_file.name, *args)
-        self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-                    "--log-level", "warning", *args]
-        self.env = env or {}  # set in the server's environment on top of ours
+    def __init__(self, model_dir: str | os.PathLike, *, config: dict[str, Any] | None = None,
+                 startup_timeout_s: float = 300.0) -> None:
+        self.config_file = tempfile.NamedTemporaryFile("w", prefix="tiergram-serve-", suffix=".json")
+        json.dump(config or {}, self.config_file)
+        self.config_file.flush()
+        self.cmd = [sys.executable, "-m", "tiergram", "serve", str(model_dir), "--config", self.config_file.name,
+                    "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"]
         self.timeout = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -43,7 +37,7 @@ class ServeSubprocess:
 
         self.log = tempfile.TemporaryFile(mode="w+")  # stderr: a file, so a chatty server never blocks on a pipe
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             line = self.proc.stdout.readline()  # "tiergram serve: NAME on http://127.0.0.1:PORT" once bound
             if " on http://" not in line:
@@ -90,8 +84,7 @@ class ServeSubprocess:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
         self.log.close()
-        if self.config_file is not None:
-            self.config_file.close()
+        self.config_file.close()
 
 
 class ServerProcess(ServeSubprocess):

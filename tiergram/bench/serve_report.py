@@ -1,5 +1,4 @@
-"""The output of `tiergram bench serve`: the checks in words, the throughput/interactivity plot (PNG), the
-markdown table, JSON and the text report."""
+"""`tiergram bench serve`'s output: the checks in words, the plot, the markdown table, JSON and text."""
 
 from __future__ import annotations
 
@@ -14,25 +13,21 @@ from tiergram.plan.predict import SWEEP_SCHEMA
 from tiergram.plots import save_figure, subplots
 
 
-def rounds_text(check: dict) -> str:
-    """A check's ratio in each round and the ratio of the medians, per concurrency."""
-    rounds, medians = check.get("round_ratios", {}), check.get("median_ratios", {})
-    return "; ".join(f"c={c} " + "/".join(f"{x:.2f}" for x in rs) + (f" (medians' ratio {medians[c]:.3f})"
-                                                                      if c in medians else "")
-                     for c, rs in rounds.items() if rs) or "no rounds recorded"
-
-
-def verdict_text(check: dict) -> str:
-    """PASS / FAIL / WITHIN NOISE, as the check's resolution decided (PASS / FAIL by the medians without one)."""
-    return check.get("verdict", "pass" if check["passed"] else "fail").upper()
+def rounds_lines(check: dict) -> list[str]:
+    """A check's ratio in each round (and the ratio of the medians) per concurrency, and its noise."""
+    medians = check["median_ratios"]
+    rounds = "; ".join(f"c={c} " + "/".join(f"{x:.2f}" for x in rs) + (f" (medians' ratio {medians[c]:.3f})"
+                                                                       if c in medians else "")
+                       for c, rs in check["round_ratios"].items() if rs) or "no rounds recorded"
+    return [f"    round by round: {rounds}", f"    noise: {noise_text(check)}"]
 
 
 def noise_text(check: dict) -> str:
     """How far this run's rounds resolve the check's ratio, and which points missed the target within that."""
-    sigma = check.get("sigma_log")
+    sigma = check["sigma_log"]
     if sigma is None:
         return "no point has two rounds: no noise estimate (the verdict is the medians')"
-    n = max((len(r) for r in check.get("round_ratios", {}).values()), default=1)
+    n = max((len(r) for r in check["round_ratios"].values()), default=1)
     text = (f"one round's ratio spreads sigma {sigma:.3f} (log, pooled over the points), so a point of {n} rounds "
             f"resolves about +-{100 * (np.exp(2 * sigma / np.sqrt(n)) - 1):.0f}% (two standard errors)")
     if check.get("within_noise"):
@@ -55,9 +50,8 @@ def checks_text(res: SweepResult) -> str:
         h = ck["host_vs_device"]
         note = " (the device budget binds: compared where both ran)" if h["memory_binds"] else ""
         lines.append(f"  host >= {h['target']:.0%} of resident (device) at every concurrency{note}: "
-                     f"{verdict_text(h)} [{rs(h['ratios'])}]")
-        lines.append(f"    round by round: {rounds_text(h)}")
-        lines.append(f"    noise: {noise_text(h)}")
+                     f"{h['verdict'].upper()} [{rs(h['ratios'])}]")
+        lines += rounds_lines(h)
     if "budget" in ck:
         b = ck["budget"]
         if b["binds"]:
@@ -75,14 +69,13 @@ def checks_text(res: SweepResult) -> str:
         tb = f.get("table_bytes") or 0
         size = (f" on {tb / 2**30:.1f} GiB tables" if tb >= 2**30 else f" on {tb / 2**20:.1f} MiB tables") if tb else ""
         lines.append(f"  {label}{size} (host cache {f['cache_fraction']:.1%} of the tables, {f['cache_bytes']} B per "
-                     f"layer) >= {f['target']:.0%} of {ref} at every concurrency: {verdict_text(f)} "
+                     f"layer) >= {f['target']:.0%} of {ref} at every concurrency: {f['verdict'].upper()} "
                      f"[{rs(f['ratios'])}]")
         reads = ", ".join(f"c={c} {v:.0f}" for c, v in f["file_pages_per_s"].items())
         disk = " and ".join(f"{v:.0f} {k}" for k, v in f["disk_pages_per_s"].items())
         limit = (f"the disk's limit (QD128, O_DIRECT), pages/s: {disk} the sweep" if disk else
                  "no disk limit (O_DIRECT refused: the reads went through the page cache)")
-        lines.append(f"    round by round: {rounds_text(f)}")
-        lines.append(f"    noise: {noise_text(f)}")
+        lines += rounds_lines(f)
         lines.append(f"    file tier reads ({f.get('file_mode') or 'mode not recorded'}), pages/s: {reads}; {limit}")
         lines.append(f"    server CPU per token, {label} / {ref}: {rs(f['cpu_per_token_vs_host'])}")
         if f.get("above_disk_limit"):

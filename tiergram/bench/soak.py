@@ -565,8 +565,9 @@ class SoakConfig:
     seed: int = 0
 
 
-def _server(cfg: SoakConfig, model: str | Path, placement: str, *args: str, **kwargs: Any) -> ServeSubprocess:
-    return ServeSubprocess(model, "--placement", placement, "--torch-threads", str(cfg.torch_threads), *args, **kwargs)
+def _server(cfg: SoakConfig, model: str | Path, placement: str, **engine: Any) -> ServeSubprocess:
+    return ServeSubprocess(model, config={"engine": {"placement": placement, "torch_threads": cfg.torch_threads,
+                                                     **engine}})
 
 
 def run(cfg: SoakConfig, progress: bool = True) -> dict[str, Any]:
@@ -582,8 +583,8 @@ def run(cfg: SoakConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.slow_only:
         return res
     # a short context bounds every request the fuzzer may send (max_tokens up to the context)
-    with _server(cfg, cfg.model_dir, "host", "--max-num-seqs", str(cfg.max_num_seqs), "--max-model-len",
-                 str(cfg.max_model_len), config={"engine": {"max_waiting": cfg.max_waiting}}) as server:
+    with _server(cfg, cfg.model_dir, "host", max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len,
+                 max_waiting=cfg.max_waiting) as server:
         url = server.url
         reference = greedy_tokens(url, [PROMPT], 4)[0][1]
         log(progress, f"fuzzing {url}/openapi.json with schemathesis ({cfg.fuzz_examples} cases per operation "

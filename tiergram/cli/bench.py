@@ -178,13 +178,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     sk.add_argument("model_dir", metavar="MODEL_DIR", nargs="?", default=None,
                     help="model directory (default: the demo's trained model)")
     sk.add_argument("--requests", type=int, default=10_000, help="requests of the overload soak (RSS measured)")
-    sk.add_argument("--max-num-seqs", type=int, default=8, help="the served engine's running sequences")
-    sk.add_argument("--max-waiting", type=int, default=8, help="the served engine's waiting queue")
-    sk.add_argument("--overload", dest="overload_factor", metavar="OVERLOAD", type=float, default=2.0,
-                    help="streaming clients as a multiple of capacity")
-    sk.add_argument("--fuzz-examples", type=int, default=50, help="schemathesis cases per operation and mode")
-    sk.add_argument("--disconnect-clients", type=int, default=32)
-    sk.add_argument("--fault-prompts", type=int, default=40, help="requests per storage-fault case")
     sk.add_argument("--slow-clients", type=int, default=500,
                     help="clients holding connections (lying Content-Length, half headers, trickled bodies, idle) "
                          "beside normal requests (0: skip that phase)")
