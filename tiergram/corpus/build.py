@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tiergram import paths
-from tiergram.corpus.clean import CATEGORIES, SPLITS, categorise, clean_text, content_hash, split_for
+from tiergram.corpus.clean import CATEGORIES, SPLITS, categorise, clean_text, split_for
 from tiergram.corpus.sources import (
     DEFAULT_SOURCES,
     FALLBACK_SOURCES,
@@ -132,7 +132,7 @@ def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | So
         raise CorpusError(f"no corpus source available ({reasons})")
 
     by_name = {s.name: s for s in chosen}
-    seen: set[str] = set()  # content hashes: a duplicate keeps its first (source, path)
+    seen: set[bytes] = set()  # content hashes: a duplicate keeps its first (source, path)
     dropped = {"binary": 0, "empty": 0, "huge": 0, "duplicate": 0}
     by_source: dict = {}
     by_category: dict = {}
@@ -147,7 +147,7 @@ def build_corpus(cache_dir: str | Path | None = None, sources: Sequence[str | So
             for sf in sorted(fet.files, key=lambda f: f.path):
                 bar.update(1)
                 text, reason = clean_text(sf.read(), config.max_doc_bytes, config.min_chars)
-                digest = content_hash(text) if text is not None else None
+                digest = hashlib.sha256(text.encode("utf-8")).digest() if text is not None else None
                 if text is None or digest in seen:
                     dropped[reason or "duplicate"] += 1
                     continue

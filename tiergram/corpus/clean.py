@@ -64,11 +64,6 @@ def clean_text(data: bytes, max_bytes: int = 2_000_000, min_chars: int = 32) -> 
     return text + "\n", ""
 
 
-def content_hash(text: str) -> str:
-    """The exact-duplicate key of a cleaned text."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def split_for(key: str, validation: float = 0.05, test: float = 0.05) -> str:
     """The split of a document group: a fixed function of the SHA-256 of its key."""
     u = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2.0**64

