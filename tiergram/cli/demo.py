@@ -1,10 +1,5 @@
-"""`tiergram demo`: the whole path on a fresh machine: corpus, a trained Engram LM, its table files, a serving
-sweep over device / host / file placements ending with the table, the acceptance ratios and the plot, and
-multi-turn conversations showing the prefix cache's hit rate.
-
-Everything is cached under $TIERGRAM_CACHE (default ~/.cache/tiergram): a second run reuses the corpus, the
-tokenizer and the model and only repeats the sweep.
-"""
+"""`tiergram demo`: corpus, a trained Engram LM, its table files, a serving sweep and multi-turn conversations,
+cached under $TIERGRAM_CACHE so a second run only repeats the sweeps (README.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The serving engine: continuous batching with chunked prefill over a paged KV cache, Engram tables placed
-per layer on the device, in host DRAM or on SSD, their rows prefetched at step entry (docs/engine.md)."""
+"""The serving engine: continuous batching over a paged KV cache, Engram tables placed per layer (docs/engine.md)."""
 
 from tiergram.engine.budget import Budget
 from tiergram.engine.config import DegradePolicy, EngineConfig, Placement, SamplingParams, serving_torch_threads

@@ -1,11 +1,4 @@
-"""The paged KV cache's bookkeeping: blocks with reference counts, and the prefix cache.
-
-A full block is named by a hash of its tokens and of every block before it (vLLM's and SGLang's automatic prefix
-caching), so requests that share their first n·block_size tokens share their first n blocks. A block whose last
-user is gone stays cached, on an LRU list, until the pool needs it; with a host K/V tier (tiergram.engine.kv_host)
-its contents are copied there first and copied back on a later hit. Engram needs nothing here: its row ids are a
-function of the tokens, and the short conv's state is paged with the K/V (model_runner.ModelRunner.e_cache).
-"""
+"""The paged KV cache's bookkeeping: blocks with reference counts, and the prefix cache (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -118,10 +111,7 @@ class BlockManager:
         return True
 
     def admit(self, seq: Sequence, budget: int) -> int:
-        """Start (or resume) a sequence that holds no blocks: reuse its longest cached prefix of full blocks (from
-        the device pool, else the host tier), then allocate room for up to `budget` more tokens. Returns the
-        tokens to compute this step (0: not enough free blocks; nothing changed). Sets seq.num_computed to the
-        prefix reused (and seq.num_cached_tokens, on its first admission)."""
+        """Start a sequence without blocks after its longest cached prefix; tokens to compute (0: no room)."""
         assert not seq.block_table and seq.num_computed == 0, "admit() is for sequences without blocks"
         # the last token is always computed: its logits choose the next token
         names = self._names(seq.token_ids, (seq.num_tokens - 1) // self.block_size) if self.prefix_caching else []

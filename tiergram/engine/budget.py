@@ -23,8 +23,7 @@ def budget_bytes(device: torch.device, configured: int | None) -> int:
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block: keys and values of block_size tokens in every layer, and the Engram short conv's
-    input (one d_model vector a token per Engram layer with a conv), which is paged with them."""
+    """Bytes of one KV block: keys, values and the Engram short conv's input of block_size tokens, every layer."""
     elem = torch.empty(0, dtype=dtype).element_size()
     e = config.engram
     conv_layers = len(e.layers) if e is not None and e.conv_kernel > 0 else 0

@@ -1,5 +1,4 @@
-"""The degrade policy: under I/O pressure skip Engram reads (decode first, then predicted-useless prefill
-positions) before letting steps stall. A skipped position reads no rows and its Engram output is zero."""
+"""The degrade policy: under I/O pressure skip Engram reads before letting steps stall (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ MAX_LEVEL = 2
 
 
 class Degrader:
-    """Holds the degrade level, moves it after each step from the moving average of the exposed stall, and
-    says which positions of a step skip their Engram reads."""
+    """The degrade level, moved after each step by the stall average; which positions skip their reads."""
 
     def __init__(self, policy: DegradePolicy, predictor: Any | None = None) -> None:
         self.policy = policy
@@ -37,11 +35,7 @@ class Degrader:
 
     def skip_positions(self, layer: int, row_ids: np.ndarray, positions: np.ndarray, decode: np.ndarray
                        ) -> np.ndarray | None:
-        """bool [N]: the step's positions that skip this layer's reads (None: none do).
-
-        row_ids int64 [N, H], positions [N] (index in the sequence), decode bool [N] (a generated token's
-        position). Level 1 skips decode positions; level 2 also prefill positions the predictor marks useless.
-        """
+        """bool [N] of positions skipping this layer's reads (None: none); row_ids [N, H], positions, decode [N]."""
         if self.level == 0:
             return None
         skip = decode.copy()

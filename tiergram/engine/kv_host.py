@@ -1,11 +1,4 @@
-"""The host K/V tier: cached prefix blocks evicted from the device pool are copied to host memory, not dropped,
-and copied back on a later prefix hit (SGLang's HiCache, vLLM's K/V offloading, at block granularity).
-
-Slots are named by the same block hash as the device prefix cache and reused least recently used first; a slot
-that a pending copy reads is pinned until the step has taken its copies. The copies run on one worker thread,
-started when the step begins (beside the Engram prefetches and the K/V layout) and waited for just before the
-forward: on CUDA from pinned memory on a side stream, on the CPU as plain memcpys that release the GIL.
-"""
+"""The host K/V tier: evicted prefix blocks copied to host memory and back on a hit (docs/engine.md)."""
 
 from __future__ import annotations
 
@@ -76,8 +69,7 @@ class HostKV:
         return slot
 
     def put(self, name: bytes) -> int | None:
-        """A slot to copy the new block `name` into (a free one, else the least recently used unpinned one, whose
-        block is forgotten); None if every slot is pinned."""
+        """A slot for the new block `name` (free, else the LRU unpinned one); None if every slot is pinned."""
         assert name not in self._slot_of, "put() is for blocks the host does not hold (see has())"
         if self._free:
             slot = self._free.pop()

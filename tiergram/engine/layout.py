@@ -1,8 +1,4 @@
-"""Where a step's tokens go: flat token order, KV slots, and the padded attention groups.
-
-The dataclasses (`StepLayout`, `Group`) belong to the step context the model's modules read
-(tiergram.model.context); building them from the scheduled sequences is the engine's job, here.
-"""
+"""Where a step's tokens go: flat token order, KV slots, and the padded attention groups (tiergram.model.context)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ __all__ = ["Group", "StepLayout", "build_layout"]
 
 def build_layout(seqs: list[Sequence], counts: list[int], block_size: int, device: torch.device,
                  conv_window: int = 0) -> StepLayout:
-    """Flatten the scheduled chunks and precompute the slot and mask tensors every layer reuses (conv_window: the
-    Engram short conv's lookback W, whose slots each group gets)."""
+    """Flatten the scheduled chunks; the slot and mask tensors every layer reuses (conv_window: the conv's W)."""
     b = len(seqs)
     starts = torch.tensor([s.num_computed for s in seqs], dtype=torch.int64)
     n = torch.tensor(counts, dtype=torch.int64)

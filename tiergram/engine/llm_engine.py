@@ -60,7 +60,6 @@ class LLMEngine:
             self.model = self._load(model_dir, mconfig, layers)
             self.budget: Budget = self._plan(total, mconfig)
             self.degrader = Degrader(config.degrade)  # loads the skip predictor, if the policy names one
-            # {layer: rows read into its cache at start} from config.hot_rows
             self.hot_rows_preloaded: dict[int, int] = {}
             preload_s = 0.0
             if config.hot_rows is not None:
@@ -171,8 +170,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) >= self.config.max_waiting
 
     def read_ahead(self, prompt_token_ids: list[int]) -> None:
-        """From any thread, before add_request: if a step runs now, start reading the rows of the prompt's first
-        chunk into the file caches, so the step that prefills it finds them there (a no-op otherwise)."""
+        """From any thread, before add_request: while a step runs, start reading the prompt's first chunk's rows."""
         if not (self.ahead.active() and self._busy()):
             return
         try:
@@ -187,10 +185,7 @@ class LLMEngine:
         return bool(self._inflight or self.scheduler.running)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks; the next step() reports it finished with reason "abort".
-
-        Safe from any thread: a request that the step running now is computing keeps its blocks until that step
-        ends (the step reads its block table and writes its K/V), and is freed and reported then."""
+        """From any thread: stop a request (its blocks freed now, or when the step computing it ends)."""
         with self._lock:
             seq = self._seqs.pop(request_id, None)
             if seq is None:
@@ -230,10 +225,7 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once over every scheduled chunk, sample, and report what changed.
-
-        A step that fails (a table read, the forward) fails the requests in it with finish_reason "error" and the
-        cause; a request whose own token cannot be chosen fails alone. Either way the engine goes on."""
+        """Schedule, run the model once over every scheduled chunk, sample, and report what changed."""
         t0 = time.perf_counter()
         with self._lock:
             outputs, self._aborted = self._aborted, []
@@ -265,8 +257,6 @@ class LLMEngine:
         if self.ahead.active():
             self.ahead.decodes(to_sample, sampled, self.max_model_len)
         tokens = {s.request_id: t for s, t in zip(to_sample, sampled, strict=True)}
-        # a step with prompt tokens (a prefill chunk, or a recomputation after preemption) reads rows that no
-        # earlier step announced; its stall is counted apart from the decode steps'
         prefill = any(n > 1 or s.num_computed < s.prompt_len for s, n in zip(batch.seqs, batch.num_new, strict=True))
         with self._lock:
             self._inflight = {}

@@ -1,12 +1,5 @@
-"""One forward step of many sequences over a paged KV cache, run by the EngramLM's own modules.
-
-The runner owns the KV pool, flattens the scheduled tokens (tiergram.engine.layout), hashes every Engram layer's
-row ids at step entry and starts their prefetches, then runs `EngramLM.forward` under a step context
-(tiergram.model.context): the model's attention reads and writes the paged K/V (plain torch over padded groups,
-correct on any device; a GPU engine would call a paged-attention kernel there), and each Engram block takes its
-rows from the context when it runs, so host/file reads overlap the blocks before it. The time spent waiting on
-them is the exposed stall.
-"""
+"""One forward step of many sequences over a paged KV cache, run by the EngramLM's own modules (docs/engine.md,
+"The forward")."""
 
 from __future__ import annotations
 
@@ -36,7 +29,6 @@ class StepResult:
     logits: torch.Tensor  # float32 [B, V]
     stall_s: float  # time blocked in ticket.wait() (rows not ready when their layer came)
     hash_s: float  # hashing + starting the prefetches + the K/V layout (built while the reads run)
-    forward_s: float  # the rest of the forward
     stall_by_layer: dict[int, float] = field(default_factory=dict)
     skipped_rows: int = 0  # rows the degrade policy did not fetch (positions skipped x H, over the layers)
 
@@ -47,10 +39,9 @@ class ModelRunner:
     def __init__(self, model: EngramLM, sources: dict[int, RowStore], num_blocks: int, block_size: int,
                  device: torch.device, degrader: Degrader | None = None, read_ahead: set[int] | None = None) -> None:
         self.model = model
-        # the layers whose rows are read into their cache ahead of their step (None: every layer with a cache)
-        self.read_ahead = read_ahead
-        self.degrader = degrader  # the degrade policy: which positions skip their reads (None: none)
-        self.sources = sources  # {layer: a RowStore (TieredTable, DeviceTable)}: prefetch(row ids [N, H]) -> Ticket
+        self.read_ahead = read_ahead  # the layers read ahead of their step (None: every layer with a cache)
+        self.degrader = degrader
+        self.sources = sources
         self.block_size = block_size
         self.device = device
         c = model.config
@@ -85,9 +76,7 @@ class ModelRunner:
                 if src.cache is not None and (self.read_ahead is None or layer in self.read_ahead)}
 
     def warm(self, windows: list[tuple[list[int], int, int]]) -> list[Any]:
-        """Start reading the rows of prompt windows [(token ids, start, end)] into the tables' caches (on each
-        table's warm-up worker, beside its prefetches); what is not read in time is simply fetched by its step.
-        Returns the read-aheads' tickets (one per table; `done()` once its rows are in the cache or it failed)."""
+        """Start reading prompt windows' rows [(token ids, start, end)] into the tables' caches; their tickets."""
         targets = self._warmable()
         if not windows or not targets or self.model.hasher is None:
             return []
@@ -108,9 +97,7 @@ class ModelRunner:
             len(lookbacks), k)
 
     def warm_next(self, seqs: list[Sequence], tokens: list[int]) -> None:
-        """Start reading the rows of each sequence's next decode position — seqs[b] fully computed, tokens[b] just
-        sampled and not yet appended — on the tables' prefetch workers, in front of the next step's prefetch: the
-        reads run while the step's outputs are handed out and the next step is scheduled."""
+        """Start reading the rows of each seqs[b]'s next decode position, tokens[b] just sampled (not appended)."""
         targets = self._warmable()
         if not seqs or not targets or self.model.hasher is None:
             return
@@ -124,10 +111,8 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, seqs: list[Sequence], counts: list[int],
                 ahead: list[tuple[list[int], int, int]] | None = None, copies: Copies | None = None) -> StepResult:
-        """Compute counts[b] pending tokens of each seqs[b] (KV blocks already allocated); writes their K/V and
-        the short conv's inputs (not num_computed: the caller commits that). `ahead`: prompt windows of the next
-        step, read into the caches once this step's prefetches are queued (see `warm`). `copies`: K/V blocks to
-        move between the device pool and the host tier, started first and finished before the forward."""
+        """Compute counts[b] pending tokens of each seqs[b] (blocks allocated; the caller commits num_computed);
+        `ahead`: the next step's prompt windows to warm, `copies`: host K/V tier copies to finish first."""
         t0 = time.perf_counter()
         moving = self.kv_host.start(copies.to_host, copies.to_device) if copies and self.kv_host else None
         try:
@@ -141,8 +126,7 @@ class ModelRunner:
         model = self.model
         row_ids = self.row_ids(seqs, counts)
         keep = self.keep_masks(seqs, counts, row_ids)  # {layer: bool [N]} where the degrade policy skips reads
-        # in layer order, so the first Engram layer's rows (needed soonest) are queued first; the K/V layout is
-        # built after, while the reads run
+        # in layer order: the first Engram layer's rows are needed soonest
         tickets = {layer: self.sources[layer].prefetch(ids if layer not in keep else ids[keep[layer]])
                    for layer, ids in sorted(row_ids.items()) if layer not in keep or keep[layer].any()}
         layout = build_layout(seqs, counts, self.block_size, self.device, self.conv_window)
@@ -155,13 +139,11 @@ class ModelRunner:
         dtype = model.tok_emb.weight.dtype
 
         def engram_input(layer: int) -> EngramInput:
-            """The layer's rows when its block runs: the time blocked here is the layer's exposed stall."""
             w0 = time.perf_counter()
             rows = self._wait(tickets.pop(layer), layer, gpu_waits) if layer in tickets else None
             stall[layer] = time.perf_counter() - w0
             if layer not in keep:
                 return EngramInput(rows.to(self.device))
-            # skipped positions: zero rows, and a mask that zeroes their output
             rows = self.scatter_rows(model.blocks[layer].engram, keep[layer], rows)
             return EngramInput(rows.to(self.device), torch.from_numpy(keep[layer]).to(self.device, dtype))
 
@@ -177,14 +159,11 @@ class ModelRunner:
         for i, (before, after) in gpu_waits.items():  # the time the compute stream itself sat waiting on the rows
             after.synchronize()  # the step's logits are read right after this anyway
             stall[i] += before.elapsed_time(after) / 1e3
-        total_stall = sum(stall.values())
         skipped = sum(int((~k).sum()) * row_ids[layer].shape[1] for layer, k in keep.items())
-        return StepResult(logits, total_stall, t1 - t0, time.perf_counter() - t1 - total_stall, stall,
-                          skipped)
+        return StepResult(logits, sum(stall.values()), t1 - t0, stall, skipped)
 
     def _wait(self, ticket: RowTicket, layer: int, gpu_waits: dict[int, tuple[Any, Any]]) -> torch.Tensor:
-        """The ticket's rows. On CUDA a device table's wait only orders the compute stream after the fetch, so the
-        exposed stall is on the GPU: timing events around the wait measure it (read after the step's forward)."""
+        """The ticket's rows; on CUDA, events around the wait time the compute stream's stall."""
         if self.device.type != "cuda":
             return ticket.wait()
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -19,13 +19,8 @@ AHEAD_KEPT = 64  # arriving prompts' read-aheads not yet claimed by their add_re
 
 
 class ReadAhead:
-    """Reads Engram rows into the file / mooncake caches before the step that needs them: the next step's prompt
-    chunks while a step runs, a prompt's first chunk before it joins a batch that others decode in (so their steps
-    do not wait for its reads), and each going-on sequence's next decode rows as soon as its token is sampled.
-
-    On for the layers whose Placement.read_ahead is set and that have a cache; nothing is read while the degrade
-    policy is above level 0. What each part measured: docs/engine.md and docs/decisions.md (the sweep's hit rate 37-39%
-    -> 70-82%; a joining prompt's wait 1.03-1.26x the throughput; a decode-only step's stall halved)."""
+    """Reads Engram rows into the caches before the step that needs them: prompt chunks, a joining prompt's first
+    chunk, the next decode rows (docs/engine.md, "Read-ahead of prompt rows" and after)."""
 
     def __init__(self, runner: ModelRunner, degrader: Degrader, chunk_tokens: int, stats: EngineMetrics) -> None:
         self.runner, self.degrader, self.stats = runner, degrader, stats
@@ -74,8 +69,7 @@ class ReadAhead:
         return [(s.token_ids, a, b) for s, a, b in scheduler.prefill_ahead(inflight)]
 
     def decodes(self, seqs: list[Sequence], sampled: list[Any], max_model_len: int) -> None:
-        """Read the next decode rows of the sequences this step's tokens do not end by length (a stop token's few
-        reads are wasted); each sequence is fully computed and its token not yet appended."""
+        """Read the next decode rows of the sequences this step's tokens do not end by length."""
         go = [(s, t) for s, t in zip(seqs, sampled, strict=True) if not isinstance(t, Exception)
               and s.num_tokens + 1 - s.prompt_len < s.max_tokens and s.num_tokens + 1 < max_model_len]
         if go:
@@ -83,8 +77,7 @@ class ReadAhead:
 
 
 def await_rows(tickets: list[Any], since: float) -> None:
-    """Wait for read-ahead tickets until PROMPT_ROWS_MAX_WAIT_S after `since`; their errors are not ours (a
-    failed read-ahead only ends the wait: the step that needs the rows reads them itself)."""
+    """Wait for read-ahead tickets until PROMPT_ROWS_MAX_WAIT_S after `since`; their errors only end the wait."""
     for ticket in tickets:
         left = since + PROMPT_ROWS_MAX_WAIT_S - time.perf_counter()
         if left <= 0:

@@ -1,5 +1,4 @@
-"""Next tokens from last-token logits, one sequence at a time: forced (replay), greedy, or sampled with the
-model layer's sample_token. A sequence whose choice fails gets its error back, and the others their tokens."""
+"""Next tokens from last-token logits, one sequence at a time: forced (replay), greedy, or sample_token."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from tiergram.model.sampling import MIN_TEMPERATURE, sample_token
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-    """logits float [B, V] -> per sequence its token, or the exception that choosing it raised (that request
-    fails alone; the rest of the batch goes on)."""
+    """logits float [B, V] -> per sequence its token, or the exception choosing it raised (it fails alone)."""
     finite = torch.isfinite(logits).all(-1).tolist()
     greedy = logits.argmax(-1).tolist()
     out: list[int | Exception] = []

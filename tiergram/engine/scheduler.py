@@ -45,8 +45,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self, ready: Callable[[Sequence], bool] | None = None) -> ScheduledBatch:
-        """Pick this step's sequences and token counts; allocates their KV blocks. `ready(seq)`: whether a waiting
-        sequence may start now (False keeps it, and those behind it, waiting: first come, first served)."""
+        """Pick this step's sequences and token counts, allocating their blocks; `ready(seq)` False holds the queue."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # running sequences: decodes (one pending token) first, then unfinished prefills, each in arrival order
@@ -85,12 +84,7 @@ class Scheduler:
         return batch
 
     def prefill_ahead(self, inflight: dict[str, int]) -> list[tuple[Sequence, int, int]]:
-        """Prompt windows [(seq, start, end)] the next step will most likely prefill, less what was warmed before.
-
-        `inflight` is the step being run ({request_id: tokens}): the next one starts after it. The guess follows
-        schedule(): decodes take a token each, then running prefills and the waiting queue fill the budget in order.
-        Each window returned moves its sequence's `warmed_to`, so a window is only ever returned once.
-        """
+        """Prompt windows [(seq, start, end)] the step after `inflight` will likely prefill, each returned once."""
         starts = [(seq, seq.num_computed + inflight.get(seq.request_id, 0)) for seq in self.running]
         budget = self.max_num_batched_tokens - sum(1 for seq, start in starts if start >= seq.prompt_len)
         out = []

@@ -23,11 +23,7 @@ from tiergram.store.table import PRELOAD_PARTS, budget_cache_bytes
 
 
 def export_dir_for(model: ModelDir, layers: list[int], codecs: set[str]) -> ModelDir:
-    """The directory holding the weights and a table file per layer and codec, exporting what is missing.
-
-    An exported directory is used as it is; a training directory gets DIR/export, (re)exported under a lock
-    when a codec's files are missing or older than the trained weights (its config.json read once, after).
-    """
+    """The directory with a table file per layer and codec: an exported one, or DIR/export (re)exported under a lock."""
     if model.exported:
         missing = [model.table_path(layer, c).name for c in sorted(codecs) for layer in layers
                    if not model.table_path(layer, c).is_file()]
@@ -49,8 +45,7 @@ def export_dir_for(model: ModelDir, layers: list[int], codecs: set[str]) -> Mode
 
 
 def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
-    """A row source for one layer: DeviceTable resident on the device; on a GPU, host / file tables are read by
-    the UVA kernel (pinned host memory) behind an HBM cache of `cache_bytes`; on the CPU, TieredTable."""
+    """A row source for one layer: DeviceTable on the device (and for host / file on a GPU), else TieredTable."""
     if placement.kind == "device":
         return DeviceTable(path, device=device, tier="device")
     cache_bytes, budget = check_host_memory(path, placement)
@@ -74,10 +69,7 @@ DEVICE_PRELOAD_POSITIONS = 4096
 
 
 def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) -> dict[int, int]:
-    """Fill each cached table's cache (file, mooncake; on a GPU the HBM cache of host / file tables) with its most
-    read rows from a hot-rows file, as many as it holds, the coldest first so the hottest are the most recent;
-    {layer: rows preloaded}. Read errors raise. A progress bar on a terminal. A file table whose hot rows sit on
-    most of its pages is read whole, in order (TieredTable.preload)."""
+    """Fill each cached table with its hottest rows from a hot-rows file, coldest first; {layer: rows preloaded}."""
     hot = load_hot_rows(path, hasher)
     loaded = {}
     cached = {layer: src for layer, src in sources.items()
@@ -87,9 +79,7 @@ def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) ->
         capacity = int(src.stats()["cache"]["capacity_rows"])
         heads = hot.per_head(layer, hasher.head_sizes(layer), capacity)
         n = max((h.size for h in heads), default=0)
-        # [n, H] coldest first; a head with fewer hot rows repeats its coldest one (a repeat is read once). Every
-        # token reads a row in every head, so a head has none only when the cache holds fewer rows than heads: it
-        # then reads its row 0, one row that is not counted as preloaded
+        # [n, H] coldest first; a head with fewer hot rows repeats its coldest one (or row 0 if it has none)
         ids = np.stack([np.concatenate([np.full(n - h.size, h[-1] if h.size else 0, dtype=np.int64), h[::-1]])
                         for h in heads], axis=1)
         if isinstance(src, TieredTable):
@@ -105,11 +95,7 @@ def preload_hot_rows(sources: dict[int, Any], path: str, hasher: NgramHasher) ->
 
 
 def check_host_memory(path: Path, placement: Placement) -> tuple[int | None, int | None]:
-    """(cache_bytes, host_memory_bytes) to open a host / file table with under the placement's host-memory budget.
-
-    ValueError naming the sizes when a host table does not fit its share, or an explicit cache (with staging and
-    index) does not. Without an explicit cache_bytes, the file tier sizes its cache from the budget (cache_bytes
-    None); without a budget everything is as configured."""
+    """(cache_bytes, host_memory_bytes) for a host / file table in its host-memory share; ValueError if too big."""
     budget = placement.host_memory_bytes
     if budget is None:
         return placement.cache_bytes, None
@@ -135,16 +121,14 @@ def check_host_memory(path: Path, placement: Placement) -> tuple[int | None, int
 
 
 def device_bytes(source: Any, placement: Placement, device: torch.device) -> int:
-    """Device memory a table occupies: its encoded data region when device-placed; on a GPU the HBM cache in front
-    of a host / file table; else 0."""
+    """Device bytes of a table: its data region when device-placed, its HBM cache on a GPU, else 0."""
     if placement.kind == "device":
         return int(source.manifest.data_bytes)
     return int(placement.cache_bytes) if device.type == "cuda" else 0
 
 
 def table_stats(sources: dict[int, Any], placements: dict[int, Placement]) -> dict[str, Any]:
-    """{cache_hit_rate, cache_hits, cache_probes, bytes_read {tier: n}, pages_read, pages_first_read, pages_stalled,
-    warmed_rows, per_layer} over every table."""
+    """The tables' counters summed (hit rate, bytes and pages read, warmed rows), and per layer."""
     total: Counter[str] = Counter()
     sums = dict.fromkeys(("pages_read", "pages_first_read", "pages_stalled", "warmed_rows"), 0)
     hits = probed = 0

@@ -37,9 +37,7 @@ def check_prompt(prompt_token_ids: Any, *, vocab_size: int, max_model_len: int, 
 
 def check_max_tokens(max_tokens: Any, param: str = "max_tokens", *, prompt_len: int = 0,
                      max_model_len: int | None = None) -> None:
-    """RequestError unless max_tokens is an integer >= 1 and (given max_model_len) prompt_len + max_tokens fits it.
-
-    The one check of an output length: SamplingParams, the engine (forced tokens) and the HTTP server call it."""
+    """RequestError unless max_tokens is an integer >= 1 and (given max_model_len) prompt_len + max_tokens fits it."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
         raise RequestError(f"'{param}' must be an integer >= 1, got {max_tokens!r}", param)
     if max_model_len is not None and prompt_len + max_tokens > max_model_len:

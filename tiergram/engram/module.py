@@ -1,9 +1,5 @@
-"""The Engram layer: rows [B, L, H, D] -> gated value (+ causal short conv) [B, L, hc, d_model].
-
-Same math and parameter layout as DeepSeek's engram_demo_v1.py (value_proj, key_projs.i, norm1.i,
-norm2.i, short_conv.conv, short_conv.norms.i), minus the hashing, which runs before the model
-(tiergram.hashing) so the rows can be prefetched. The caller adds the output to the residual stream.
-"""
+"""The Engram layer: rows [B, L, H, D] -> gated value (+ causal short conv) [B, L, hc, d_model], with the math
+and parameter layout of DeepSeek's engram_demo_v1.py minus the hashing (tiergram.hashing)."""
 
 from __future__ import annotations
 
@@ -75,8 +71,7 @@ class ShortConv(nn.Module):
         super().__init__()
         self.hc_mult = hc_mult
         channels = hidden * hc_mult
-        # padding both sides then keeping the first L outputs = left padding only: output t sees
-        # inputs t, t-dilation, ..., t-(kernel-1)·dilation and nothing later
+        # padding both sides, then keeping the first L outputs: causal
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=False,
                               padding=(kernel_size - 1) * dilation, dilation=dilation)
         self.norms = nn.ModuleList([RMSNorm(hidden, norm_eps) for _ in range(hc_mult)])
@@ -112,17 +107,14 @@ class Engram(nn.Module):
 
     def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None, return_gates: bool = False):
-        """hidden [B, L, hc, d] and exactly one of row_ids int64 [B, L, H] (looked up in self.table) or
-        rows [B, L, H, D] (already fetched) -> output [B, L, hc, d] in the module's dtype, to be added
-        to the residual; with return_gates=True, (output, gates [B, L, hc])."""
+        """hidden [B, L, hc, d] and one of row_ids int64 [B, L, H] or rows [B, L, H, D] -> [B, L, hc, d] (+ gates)."""
         value, gates = self.gated_value(hidden, row_ids, rows)
         out = value if self.short_conv is None else value + self.short_conv(value)
         return (out, gates) if return_gates else out
 
     def gated_value(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gated value [B, L, hc, d] before the short conv, gates [B, L, hc]): the part of forward() that needs
-        no neighbouring positions (callers that carry the conv's lookback across chunks run the conv themselves)."""
+        """(gated value [B, L, hc, d] before the short conv, gates [B, L, hc])."""
         hidden, e = self._inputs(hidden, row_ids, rows)
         gates = self._gates(hidden, e)
         return gates.unsqueeze(-1) * self.value_proj(e).unsqueeze(2), gates  # one value, gated per branch

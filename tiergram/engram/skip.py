@@ -1,9 +1,5 @@
-"""What a serving engine needs of the pre-retrieval skip predictor: its per-row state and `predict_skip`.
-
-Fitting it (from a model and gate traces) is `tiergram.analysis.predictor`'s job; the engine's degrade policy
-only loads a fitted predictor and asks it which positions to skip, so the inference half lives here, below the
-engine. See tiergram/analysis/predictor.py for the features.
-"""
+"""The inference half of the pre-retrieval skip predictor, for the engine's degrade policy (fitting it:
+tiergram.analysis.predictor)."""
 
 from __future__ import annotations
 
@@ -78,11 +74,7 @@ class SkipPredictor:
         return np.minimum(g, np.nextafter(1.0, 0.0)).reshape(lead)
 
     def predict_skip(self, layer: int, row_ids: Any, positions: Any, threshold: float | None = None) -> Any:
-        """Bool mask like row_ids [B, T, H]: True = do not read this row (its position's gate is predicted low).
-
-        row_ids: the layer's row ids (torch or numpy) as the hasher gives them; positions: each position's
-        index in its sequence, [B, T] or [T]. Whole positions are skipped: all H rows or none.
-        """
+        """Bool mask like row_ids [B, T, H] (torch or numpy): True = skip (whole positions); positions [B, T] or [T]."""
         thr = self.threshold if threshold is None else threshold
         skip = self.predict_gate(layer, row_ids, positions) < thr
         mask = np.broadcast_to(skip[..., None], to_numpy(row_ids).shape).copy()

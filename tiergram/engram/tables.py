@@ -28,8 +28,7 @@ class TrainableTable(nn.Module):
             raise ValueError(f"head_sizes must be a non-empty list of positive ints, got {head_sizes}")
         self.head_sizes = [int(n) for n in head_sizes]
         self.dim = int(dim)
-        # sparse: a step touches a few dozen rows per token out of millions; a dense gradient would be
-        # the size of the table (train it with torch.optim.SparseAdam or SGD)
+        # sparse: a step touches a few rows of millions (train with torch.optim.SparseAdam)
         self.embedding = nn.Embedding(sum(self.head_sizes), self.dim, sparse=True)
         offsets = torch.tensor([0, *self.head_sizes[:-1]], dtype=torch.int64).cumsum(0)
         self.register_buffer("offsets", offsets, persistent=False)  # derived from head_sizes
@@ -46,8 +45,7 @@ class TrainableTable(nn.Module):
 
 
 class RowSourceTable(nn.Module):
-    """Adapts a RowSource (e.g. the tiered store) into an Engram table; rows come back in this module's
-    dtype and device, which follow `.to()` of the enclosing model."""
+    """Adapts a RowSource (e.g. the tiered store) into an Engram table, rows in this module's dtype and device."""
 
     checks_row_ids = False
 

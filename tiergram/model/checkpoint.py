@@ -1,12 +1,4 @@
-"""Model directories (config.json + model.safetensors + tokenizer.json) and training checkpoints.
-
-A model directory, Hugging Face style:
-  config.json        {"format", "model": ModelConfig, "hashing": NgramHasher.config() | null,
-                      "tables": null | {layer: table file name}, "table_codec": ...,
-                      "tables_by_codec": {codec: {layer: table file name}} (exported), "provenance": {...}}
-  model.safetensors  every weight; an exported directory leaves the Engram tables out (they are table files)
-  tokenizer.json     the tokenizer the model was trained with (its compression feeds the hashing)
-"""
+"""Model directories (config.json + model.safetensors + tokenizer.json; docs/model.md) and training checkpoints."""
 
 from __future__ import annotations
 
@@ -119,10 +111,8 @@ def resolve_dir(model_dir: str | os.PathLike, tier: str) -> Path:
 
 
 def load_pretrained(model_dir: str | os.PathLike, *, tier: str = "memory", device: str | torch.device = "cpu",
-                    cache_bytes: int = 0, cache_policy: str = "lru", file_mode: str = "direct"
-                    ) -> tuple[EngramLM, Any]:
-    """(model in eval mode on device, tokenizer | None). tier memory: the trained in-memory tables;
-    host/file: the exported table files through TieredTable + RowSourceTable."""
+                    cache_bytes: int = 0) -> tuple[EngramLM, Any]:
+    """(model in eval mode on device, tokenizer | None); tier host / file reads the exported table files."""
     from tiergram.store import TieredTable
 
     src = resolve_dir(model_dir, tier)
@@ -133,8 +123,7 @@ def load_pretrained(model_dir: str | os.PathLike, *, tier: str = "memory", devic
     tables = {}
     if config.get("tables") is not None:
         for layer, name in config["tables"].items():
-            store = TieredTable(src / name, tier=tier, cache_bytes=cache_bytes if tier == "file" else 0,
-                                cache_policy=cache_policy, file_mode=file_mode)
+            store = TieredTable(src / name, tier=tier, cache_bytes=cache_bytes if tier == "file" else 0)
             check_table(store.manifest, hasher, int(layer), mconfig.engram.dim, src / name)
             tables[int(layer)] = RowSourceTable(store)
     model = EngramLM(mconfig, hasher, tables)
@@ -155,8 +144,6 @@ def check_table(manifest: Any, hasher: NgramHasher, layer: int, dim: int, path: 
             if have.get(key) != want.get(key):
                 raise ValueError(f"{path}: the table was hashed with a different {key} than the model's hasher")
 
-
-# ---------------------------------------------------------------------------------- training checkpoints
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """torch.save a training state crash-safely."""

@@ -130,8 +130,7 @@ def tiny_config(vocab_size: int = 512) -> ModelConfig:
 
 
 def small_moe_config(vocab_size: int = 16384) -> ModelConfig:
-    """The small preset with MoE FFNs in blocks 1-3: 8 routed experts of width 176, top-2, plus a shared expert of
-    width 176 (active FFN width 528 vs the dense 688); Engram at blocks 1 and 2 as in small."""
+    """The small preset with MoE FFNs in blocks 1-3: 8 experts of width 176, top-2, a shared expert of width 176."""
     return dataclasses.replace(small_config(vocab_size), moe=MoESettings(layers=[1, 2, 3], n_experts=8, top_k=2,
                                                                          expert_ffn=176, shared_ffn=176))
 

@@ -1,11 +1,5 @@
-"""The step context: what a serving engine tells the model's own modules about one batched step.
-
-A serving engine runs many sequences' tokens as one flat batch [N] over a paged KV cache, with each Engram
-layer's rows already being fetched. It sets a `StepContext` around `EngramLM.forward(ids [1, N])` (nano-vllm's
-`Context` pattern); the attention modules then read and write the paged K/V it names, and each Engram block
-takes its rows from it. Without a context the model runs its plain [B, T] forward. One set of modules, so the
-training forward and serving cannot drift apart.
-"""
+"""The step context a serving engine sets around `EngramLM.forward(ids [1, N])` (nano-vllm's `Context`): the paged
+K/V and each Engram layer's rows of one batched step (docs/engine.md, "The forward")."""
 
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ class StepContext:
     k_cache: torch.Tensor  # [n_layers, slots, n_kv_heads, head_dim]
     v_cache: torch.Tensor  # same shape
     engram: dict[int, Callable[[], EngramInput]] = field(default_factory=dict)  # per layer, called when it runs
-    # per Engram layer with a short conv: its gated values [slots, 1, d], paged like the K/V (same slots), so the
-    # conv's lookback survives chunking, preemption and a prefix-cache hit like the keys do
+    # per Engram layer with a short conv: its gated values [slots, 1, d], paged like the K/V
     e_cache: dict[int, torch.Tensor] = field(default_factory=dict)
 
 

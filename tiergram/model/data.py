@@ -28,8 +28,7 @@ def token_cache_path(corpus: str | os.PathLike, split: str, tokenizer_path: str 
 
 def tokenize_split(corpus: str | os.PathLike, split: str, tokenizer_path: str | os.PathLike, *,
                    progress: bool = True, batch_docs: int = 256) -> np.ndarray:
-    """Every document of a split as one token stream, each document preceded by <|endoftext|>; cached as .npy
-    (uint16 when the vocabulary fits). Returns a read-only memory map of the cached array."""
+    """A split as one token stream (<|endoftext|> before each document), cached as .npy; a read-only memory map."""
     from tokenizers import Tokenizer
 
     path = token_cache_path(corpus, split, tokenizer_path)

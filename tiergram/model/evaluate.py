@@ -1,11 +1,5 @@
-"""Held-out evaluation: teacher-forced loss per token, per corpus category, with bootstrap confidence intervals.
-
-Each document is scored as <|endoftext|> + its tokens, cut into windows of max_seq predictions that each
-start with an empty context (the first token of a window is predicted from the one before it only).
-Documents are shuffled with a fixed seed and taken until a category reaches its token cap, so a capped
-evaluation is a fixed, reproducible sample. The 95% interval resamples documents (not tokens: tokens of a
-document are correlated) 1000 times.
-"""
+"""Held-out evaluation: teacher-forced loss per token, per corpus category, with 95% intervals from a bootstrap
+over documents (docs/model.md)."""
 
 from __future__ import annotations
 

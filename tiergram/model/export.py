@@ -26,10 +26,7 @@ def table_filename(layer: int, codec: str) -> str:
 
 
 def exported_tables(config: dict[str, Any]) -> dict[str, dict[int, str]]:
-    """{codec: {layer: table file name}} of every codec an exported config.json lists ({} if not exported).
-
-    Reads `tables_by_codec`; a config written before it existed lists one codec as `tables` + `table_codec`.
-    """
+    """{codec: {layer: table file name}} an exported config.json lists (`tables_by_codec`, else `tables`)."""
     if config.get("tables_by_codec"):
         return {c: {int(k): v for k, v in files.items()} for c, files in config["tables_by_codec"].items()}
     if config.get("tables"):
@@ -39,12 +36,7 @@ def exported_tables(config: dict[str, Any]) -> dict[str, dict[int, str]]:
 
 def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str | os.PathLike | None = None,
                  *, progress: bool = True) -> Path:
-    """Write out (default DIR/export): config.json, model.safetensors without the tables, tokenizer.json, and one
-    table file per Engram layer (layer_id and hashing in its manifest).
-
-    config.json lists the table files of every codec exported into `out` from these weights (`tables_by_codec`;
-    a codec exported from older weights is dropped), and this codec's as `tables` + `table_codec`.
-    """
+    """Write out (default DIR/export): the weights without the tables, tokenizer.json and a table file per layer."""
     if codec not in CODEC_IDS:
         raise ValueError(f"unknown codec {codec!r} (valid: {', '.join(CODEC_IDS)})")
     model_dir = Path(model_dir)

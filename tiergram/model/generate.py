@@ -1,8 +1,4 @@
-"""Text generation with the K/V cache: prefill the prompt once, then decode one token per forward.
-
-Decode hashing continues the sequence: each step's n-grams are formed from the new token and the last
-max_ngram_size-1 tokens carried in Past.tokens (NgramHasher.row_ids_with_history).
-"""
+"""Text generation with the K/V cache: prefill the prompt once, then decode one token per forward."""
 
 from __future__ import annotations
 

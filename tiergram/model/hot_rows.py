@@ -1,11 +1,5 @@
-"""Hot rows: each Engram layer's rows ranked by how often a corpus reads them, to preload a cold cache.
-
-N-gram access is Zipfian, so a fresh server whose file / remote cache starts empty reads from the slow tier
-rows that any long-running server would hold: the most frequent n-grams of the language. Counting every row
-a training corpus reads gives that ranking once, offline; the engine preloads the top rows that fit each
-layer's cache at start (docs/engine.md, "Hot rows"). The file (`hot_rows.npz`) records the hashing it was
-counted under and refuses a model that hashes differently.
-"""
+"""Hot rows: each Engram layer's rows ranked by how often a corpus reads them, to preload a cold cache
+(docs/engine.md, "Hot rows")."""
 
 from __future__ import annotations
 
@@ -36,8 +30,7 @@ def hashing_digest(hasher: NgramHasher) -> str:
 
 @dataclass
 class HotRows:
-    """Per layer, row keys int64 [K] (head offset + row id, the head offsets of `hasher.head_sizes`) hottest
-    first, and how often the corpus read each (int64 [K])."""
+    """Per layer, row keys int64 [K] (head offset + row id) hottest first, and their read counts int64 [K]."""
 
     digest: str  # hashing_digest of the hasher the rows were counted with
     tokens: int  # tokens counted
@@ -61,8 +54,7 @@ class HotRows:
 
 def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: float = 0.25, source: str = "",
                    progress: bool = True) -> HotRows:
-    """Count the rows a token stream (int [T], documents joined) reads in every layer; keep each layer's most read
-    rows, at most max_fraction of its rows (only rows read at least once)."""
+    """Count the rows a token stream int [T] reads per layer; keep the most read, at most max_fraction of them."""
     if not 0 < max_fraction <= 1:
         raise ValueError(f"max_fraction must lie in (0, 1], got {max_fraction}")
     tokens = np.asarray(tokens)
@@ -103,8 +95,7 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
 def count_model_hot_rows(model_dir: str | os.PathLike, *, corpus: str | os.PathLike | None = None,
                          split: str = "train", max_tokens: int | None = None, max_fraction: float = 0.25,
                          out: str | os.PathLike | None = None, progress: bool = True) -> tuple[Path, HotRows]:
-    """Count the rows a corpus split reads under a model's hashing (tokenized with the model's tokenizer) and write
-    them to `out` (default MODEL_DIR/hot_rows.npz); (path written, the hot rows)."""
+    """Count a corpus split's hot rows under a model's hashing, written to `out` (default DIR/hot_rows.npz)."""
     from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import TOKENIZER, hasher_of, load_tokenizer_of, read_config
     from tiergram.model.data import tokenize_split

@@ -1,15 +1,6 @@
-"""`tiergram import`: a released checkpoint's Engram tables -> table files, byte for byte, in a servable directory.
-
-DeepSeek-V4.1 stores each Engram layer L as `layers.L.engram.embed.weight` F8_E4M3 [rows, 256] and
-`layers.L.engram.embed.scale` F8_E8M0 [rows, 8] (one power-of-two scale per 32 values), possibly in different
-shards. A row's weight bytes followed by its scale bytes is exactly a tiergram `fp8_e4m3` row, so importing is a
-copy into pages: no value is decoded or re-encoded. Heads lie end to end in (n-gram order, head) order with the
-prime sizes SGLang's EngramLayout draws, which tiergram's hasher draws the same way; the import refuses a table
-whose rows disagree with them.
-
-The backbone is not imported: the directory gets a small random backbone (as `init-model` makes), so it serves
-the real tables at their real geometry and hashing, but its text is noise.
-"""
+"""`tiergram import`: a released checkpoint's Engram tables -> table files, byte for byte, in a servable directory
+with a random backbone (docs/deepseek-v4.1.md). A V4.1 row's F8_E4M3 weight bytes then its F8_E8M0 scale bytes are
+exactly a tiergram `fp8_e4m3` row."""
 
 from __future__ import annotations
 
@@ -246,11 +237,7 @@ def row_copier(li: LayerImport, weight_fd: int, scale_fd: int) -> PageFiller:
 def import_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                       tokenizer: str | os.PathLike | None = None, backbone: str = "small", seed: int = 0,
                       progress: bool = True, log: Callable[[str], None] = print) -> ImportPlan:
-    """Import every Engram table of a checkpoint into out_dir (a directory serve / bench serve / plan accept).
-
-    Everything is checked before the first byte is written; a table appears whole or not at all, and a failed
-    import removes the tables it wrote. Memory stays at the writer's few chunk buffers whatever the table size.
-    """
+    """Import every Engram table of a checkpoint into out_dir, all checked first; a failure removes what it wrote."""
     plan = plan_import(ckpt_dir, out_dir, tokenizer=tokenizer, backbone=backbone)
     out = plan.out_dir
     log(f"importing {len(plan.layers)} Engram tables of {plan.ckpt_dir} ({plan.config.architecture}, "

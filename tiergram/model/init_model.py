@@ -1,10 +1,5 @@
-"""A serving model directory with a production Engram geometry and random weights (`tiergram init-model`).
-
-Serving speed depends on the table geometry (rows per token, row bytes, table size against memory), not on what
-the weights learnt, so a DeepSeek-V4.1-geometry model with random weights measures what a user of V4.1 would see:
-the directory is an exported one (config.json naming the table files, model.safetensors without the tables,
-tokenizer.json, one fp8_e4m3 table file per Engram layer) that `tiergram serve` and `tiergram bench serve` load.
-"""
+"""A serving model directory with a production Engram geometry and random weights (`tiergram init-model`): serving
+speed depends on the table geometry, not on what the weights learnt."""
 
 from __future__ import annotations
 
@@ -80,8 +75,7 @@ class _NoRows:
 
 
 def check_room(out: Path, tables: int, need: int, replaced: int = 0) -> None:
-    """OSError before anything is written when the disk under out lacks need bytes (replaced: bytes of files the
-    write replaces, which count as free)."""
+    """OSError when the disk under out lacks need bytes (replaced: bytes of files overwritten, counted as free)."""
     free = free_bytes(out) + replaced
     if need > free:
         raise OSError(f"{out}: the {tables} tables need {need:,} bytes ({need / 2**30:.2f} GiB) but the disk has "
@@ -90,8 +84,7 @@ def check_room(out: Path, tables: int, need: int, replaced: int = 0) -> None:
 
 def write_servable_dir(out: Path, mconfig: ModelConfig, hasher: NgramHasher, tokenizer: Path,
                        tables: dict[int, str], extra: dict[str, Any], *, seed: int = 0) -> None:
-    """Beside table files already in out: a random backbone (model.safetensors without the tables), tokenizer.json,
-    and config.json naming the tables (layer -> file name); extra goes into config.json."""
+    """Beside table files in out: a random backbone, tokenizer.json and config.json naming the tables (+ extra)."""
     torch.manual_seed(seed)
     layers = mconfig.engram.layers if mconfig.engram is not None else []
     model = EngramLM(mconfig, hasher, {layer: RowSourceTable(_NoRows()) for layer in layers}).eval()
@@ -103,13 +96,7 @@ def write_servable_dir(out: Path, mconfig: ModelConfig, hasher: NgramHasher, tok
 def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1", table_gib: float,
                backbone: str = "small", tokenizer: str | os.PathLike | None = None, seed: int = 0,
                table_std: float = 0.02, progress: bool = True) -> Path:
-    """Write a servable model directory: the backbone preset with random weights, the geometry's Engram layers,
-    and one random-init fp8_e4m3 table file per Engram layer, all tables together about table_gib GiB on disk.
-
-    tokenizer: a tokenizer.json (or a folder holding one); default the cache corpus's, built first (with progress)
-    when missing, as `demo` does. OSError before anything is written when the tables would not fit the disk's free
-    space.
-    """
+    """Write a servable directory: a random backbone preset and random fp8_e4m3 tables of about table_gib GiB."""
     from tiergram.corpus import PAD, ensure_corpus
     from tiergram.corpus.tokenizer import load_tokenizer, tokenizer_file
 

@@ -1,16 +1,5 @@
-"""Mixture-of-experts FFN for the reference model: a router, top-k routed SwiGLU experts, an optional shared expert.
-
-Routing per token (no capacity limit, no token dropping), so a token's experts depend only on its own hidden
-state: the same token routes the same way in a full forward, a cached decode step, or the serving engine's
-packed batch. The combine weights are a softmax over the chosen experts' router logits (Mixtral style), so a
-1-expert, top-1 MoE is exactly its one expert. The load-balancing loss is Switch Transformer's,
-E * sum_i f_i * P_i (f_i: share of the routed assignments that go to expert i, P_i: mean router probability of
-expert i); it is 1 for perfectly balanced routing and E when every token goes to one expert.
-
-For studies, `routing(model, record=True)` keeps each MoE layer's expert choices of the last forward, and
-`routing(model, force={layer: choices})` makes a forward use given choices instead of its router's top-k
-(the combine weights still come from the router's logits at the forced experts).
-"""
+"""Mixture-of-experts FFN for the reference model: a router, top-k routed SwiGLU experts (per token, no dropping),
+an optional shared expert (docs/model.md)."""
 
 from __future__ import annotations
 
@@ -110,8 +99,7 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
 @contextmanager
 def routing(model: nn.Module, *, record: bool = False,
             force: dict[int, torch.Tensor] | None = None) -> Iterator[dict[int, MoE]]:
-    """Within the block: record each MoE layer's choices (module.last_choices) and/or force some layers' choices
-    ({block: int64 [..., k] matching the forward's token shape}). Yields {block: MoE}."""
+    """Within the block: record MoE choices (last_choices) and/or force {block: int64 [..., k]}; yields {block: MoE}."""
     layers = moe_layers(model)
     force = dict(force or {})
     bad = set(force) - set(layers)

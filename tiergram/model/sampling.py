@@ -1,5 +1,4 @@
-"""The one sampling function (model.generate and the serving engine both use it): greedy, or temperature, top-k
-and top-p, computed so that no valid setting can give NaN probabilities."""
+"""The one sampling function (model.generate and the serving engine): greedy, or temperature, top-k and top-p."""
 
 from __future__ import annotations
 
@@ -16,12 +15,7 @@ class NonFiniteLogitsError(ValueError):
 
 def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = 0, top_p: float = 1.0,
                  generator: torch.Generator | None = None) -> int:
-    """Next token from logits [V] (any float dtype, any device).
-
-    temperature < MIN_TEMPERATURE (0 included) is greedy (argmax). Otherwise softmax(logits / temperature) in
-    float64 over the top_k most likely tokens (0 or None: all; ties with the k-th are kept), then the smallest
-    set whose mass reaches top_p (the most likely token is always kept). NonFiniteLogitsError for NaN / inf logits.
-    """
+    """Next token from logits [V]: greedy below MIN_TEMPERATURE, else float64 softmax over top_k then top_p."""
     if logits.ndim != 1 or logits.numel() == 0:
         raise ValueError(f"logits must be a non-empty vector [V], got shape {tuple(logits.shape)}")
     logits = logits.detach().cpu().double()

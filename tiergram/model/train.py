@@ -1,10 +1,5 @@
-"""Training loop: AdamW (+ SparseAdam for the Engram tables), warm-up + cosine, checkpoints, exact resume.
-
-Everything a resumed run needs lives in DIR/checkpoint.pt: weights, both optimizers, the step, the data
-sampler's RNG and the schedule's length, so a resumed run makes the same steps as an uninterrupted one.
-A time budget (--minutes) fixes the schedule's length from the speed of the first steps, then stops at
-that step or when the time is up, whichever comes first.
-"""
+"""Training loop: AdamW (+ SparseAdam for the Engram tables), warm-up + cosine, checkpoints, exact resume
+(docs/model.md)."""
 
 from __future__ import annotations
 
@@ -111,11 +106,7 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int | None) -> float:
 
 def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop_after: int | None = None,
           evaluate_at_end: bool = True, model_config: ModelConfig | None = None) -> dict[str, Any]:
-    """Train (or resume) into cfg.out; stop_after ends this run after that many steps (with a checkpoint).
-    model_config replaces the preset's geometry (e.g. the allocation sweep's); a resume must pass the same one.
-
-    Returns {'steps', 'tokens', 'loss' (mean of the last 20 steps), 'elapsed_s', 'finished', 'eval'}.
-    """
+    """Train (or resume) into cfg.out, stopping this run after stop_after steps; {steps, tokens, loss, ...}."""
     out = Path(cfg.out)
     ckpt_path = out / CHECKPOINT
     state = None
