@@ -124,7 +124,7 @@ def test_resolve_sources():
 
 def test_apt_missing_package_is_unavailable(tmp_path):
     with pytest.raises(SourceUnavailable):
-        apt_package(["tiergram-no-such-package"], tmp_path)
+        apt_package(["tiergram-no-such-package"], "*", lambda r: True, tmp_path)
 
 
 # ---------------------------------------------------------------- building

@@ -6,7 +6,6 @@ import argparse
 import importlib
 import sys
 
-# Command-group modules under tiergram.cli; each defines register(subparsers).
 COMMAND_MODULES = ["table", "bench", "corpus", "model", "serve", "study", "demo", "plan"]
 
 

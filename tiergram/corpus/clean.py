@@ -1,5 +1,4 @@
-"""Cleaning, de-duplication keys, categories and the deterministic split of corpus documents (docs/model.md,
-"The corpus")."""
+"""Cleaning, categories and the deterministic split of corpus documents (docs/model.md, "The corpus")."""
 
 from __future__ import annotations
 

