@@ -46,10 +46,7 @@ def read_engram_config(ckpt_dir: str | os.PathLike) -> EngramConfig:
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{ckpt_dir}: no config.json: not a checkpoint directory")
-    try:
-        top = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON ({e})") from None
+    top = json.loads(path.read_text())  # a JSONDecodeError is a ValueError
     if not isinstance(top, dict):
         raise ValueError(f"{path}: not a JSON object")
     names = [*(top.get("architectures") or []), top.get("model_type")]
@@ -57,44 +54,29 @@ def read_engram_config(ckpt_dir: str | os.PathLike) -> EngramConfig:
     if arch is None:
         raise ValueError(f"{path}: architecture {top.get('architectures')!r} (model_type {top.get('model_type')!r}) "
                          f"is not one tiergram imports (known: {', '.join(sorted(ARCHITECTURES))})")
-    text = top.get("text_config") if isinstance(top.get("text_config"), dict) else {}
-    fields = {**top, **text}
+    fields = {**top, **(top["text_config"] if isinstance(top.get("text_config"), dict) else {})}
 
-    def get(key: str, *aliases: str, required: bool = True) -> Any:
-        for k in (key, *aliases):
-            if k in fields:
-                return fields[k]
-        if required:
-            raise ValueError(f"{path}: no field {key!r} (looked at the top level and under 'text_config')")
-        return None
+    def get(key: str, minimum: int = 0, *, many: bool = False, alias: str = "") -> Any:
+        value = fields.get(key, fields.get(alias))
+        values = value if many and isinstance(value, list) and value else [value]
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values):
+            raise ValueError(f"{path}: field {key!r} (top level or under 'text_config') is {value!r}, expected "
+                             f"{'a non-empty list of integers' if many else 'an integer'} >= {minimum}")
+        return tuple(values) if many else value
 
-    def integer(key: str, value: Any, minimum: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{path}: field {key!r} is {value!r}, expected an integer >= {minimum}")
-        return value
-
-    def integers(key: str) -> tuple[int, ...]:
-        value = get(key)
-        if not isinstance(value, list) or not value:
-            raise ValueError(f"{path}: field {key!r} is {value!r}, expected a non-empty list of integers")
-        return tuple(integer(key, v, 0) for v in value)
-
-    layers, rows = integers("engram_layer_ids"), integers("engram_num_embeddings")
-    if len(rows) != len(layers):
-        raise ValueError(f"{path}: engram_num_embeddings has {len(rows)} entries for {len(layers)} engram_layer_ids")
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"{path}: engram_layer_ids {list(layers)} repeats a layer")
-    head_dim = integer("engram_head_dim", get("engram_head_dim"), 1)
+    layers, rows = get("engram_layer_ids", many=True), get("engram_num_embeddings", many=True)
+    if len(rows) != len(layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"{path}: engram_layer_ids {list(layers)} must be distinct, one per engram_num_embeddings "
+                         f"entry ({len(rows)})")
+    head_dim = get("engram_head_dim", 1)
     if head_dim % FP8_BLOCK:
         raise ValueError(f"{path}: engram_head_dim {head_dim} is not a multiple of the {FP8_BLOCK}-value scale block")
-    compressed = get("engram_compressed_vocab_size", required=False)
     return EngramConfig(
-        architecture=arch, layer_ids=layers, num_embeddings=rows,
-        max_ngram_size=integer("engram_max_ngram_size", get("engram_max_ngram_size"), 2),
-        n_heads=integer("engram_n_heads", get("engram_n_heads"), 1), head_dim=head_dim,
-        vocab_size=integer("engram_vocab_size", get("engram_vocab_size"), 2),
-        pad_token_id=integer("engram_pad_token_id", get("engram_pad_token_id", "engram_pad_id"), 0),
-        compressed_vocab_size=None if compressed is None else integer("engram_compressed_vocab_size", compressed, 1))
+        architecture=arch, layer_ids=layers, num_embeddings=rows, max_ngram_size=get("engram_max_ngram_size", 2),
+        n_heads=get("engram_n_heads", 1), head_dim=head_dim, vocab_size=get("engram_vocab_size", 2),
+        pad_token_id=get("engram_pad_token_id", alias="engram_pad_id"),
+        compressed_vocab_size=None if fields.get("engram_compressed_vocab_size") is None
+        else get("engram_compressed_vocab_size", 1))
 
 
 @dataclass(frozen=True)
