@@ -10,7 +10,7 @@ from support import fixture_corpus
 
 from tiergram.analysis import allocation_report as ar
 from tiergram.analysis.allocation import AllocationConfig, plan
-from tiergram.analysis.stats import Estimate
+from tiergram.analysis.stats import Estimate, seed_interval
 from tiergram.cli import main
 from tiergram.model import EngramLM
 
@@ -56,8 +56,8 @@ def test_seeds_for_power_matches_the_textbook_two_sample_t_test():
     # Cohen's d = 1 needs 17 per group, d = 0.5 needs 64 (two-sided, alpha 0.05, power 0.8)
     assert ar.seeds_for_power(0.02, 0.02) == 17 and ar.seeds_for_power(0.04, 0.02) == 64
     assert ar.seeds_for_power(0.01, 0.02) < ar.seeds_for_power(0.02, 0.02) < ar.seeds_for_power(0.02, 0.01)
-    assert ar.seed_interval([1.0]) is None and ar.seed_interval([1.0, 1.0, 1.0]) == [1.0, 1.0]
-    lo, hi = ar.seed_interval([0.0, 1.0, 2.0])  # mean 1, sd 1, t(0.975, 2) = 4.303
+    assert seed_interval([1.0]) is None and seed_interval([1.0, 1.0, 1.0]) == [1.0, 1.0]
+    lo, hi = seed_interval([0.0, 1.0, 2.0])  # mean 1, sd 1, t(0.975, 2) = 4.303
     assert lo == pytest.approx(1 - 4.303 / 3 ** 0.5, abs=1e-3) and hi == pytest.approx(1 + 4.303 / 3 ** 0.5, abs=1e-3)
 
 

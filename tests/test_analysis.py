@@ -271,9 +271,9 @@ def test_predictor_thresholds_zero_and_one(setup, traces, tmp_path):
 def test_skip_study_curve(setup, traces):
     _, _, model, _ = setup
     report, _ = skip_study(model, traces["validation"], traces["test"], rates=(0.3, 0.6), sketch_width=1024,
-                           methods=("predictor", "sketch-only", "oracle", "random"), random_seeds=2)
+                           methods=("predictor", "oracle", "random"), random_seeds=2)
     methods = {p.method for p in report.curve}
-    assert methods == {"predictor", "sketch-only", "oracle", "random"}
+    assert methods == {"predictor", "oracle", "random"}
     for p in report.curve:
         assert p.rate in (0.3, 0.6) and p.loss.ci95[0] <= p.loss.value <= p.loss.ci95[1]
     assert report.target

@@ -26,10 +26,17 @@ from tiergram.model.data import WindowSampler, tokenize_split
 from tiergram.model.evaluate import EvalDoc
 
 
+def training_settings(run, batch_size: int, seed: int, steps: int) -> None:
+    """The files of a `tiergram train` run that training_rows replays."""
+    (run / "train_config.json").write_text(json.dumps({"batch_size": batch_size, "seed": seed}))
+    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, steps + 1)))
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(corpus, model dir, model, tokenizer): a tiny random-init Engram model."""
+    """(corpus, model dir, model, tokenizer): a tiny random-init Engram model, with the settings of a short run."""
     corpus, tok, model, out = tiny_saved_model(tmp_path_factory)
+    training_settings(out, 4, 0, 2)
     return corpus, out, model, tok
 
 
@@ -58,8 +65,7 @@ def test_training_rows_replay_the_runs_batches(setup, tmp_path):
     corpus, model_dir, model, _ = setup
     run = tmp_path / "run"
     run.mkdir()
-    (run / "train_config.json").write_text(json.dumps({"batch_size": 3, "seed": 7}))
-    (run / "train_log.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4)))
+    training_settings(run, 3, 7, 4)
     stats = training_rows(model, run, corpus, gate_tokens=1)
     assert stats.source.startswith("replay") and stats.tokens_counted == 4 * 3 * model.config.max_seq
     assert stats.tokens_gated == 3 * model.config.max_seq  # the first batch reaches gate_tokens
@@ -76,9 +82,8 @@ def test_training_rows_replay_the_runs_batches(setup, tmp_path):
         h = len(model.hasher.head_offsets(layer))
         assert stats.gate_n[layer].sum() == stats.tokens_gated * h
         assert 0 < stats.gate_sum[layer].sum() <= stats.gate_n[layer].sum()
-    sample = training_rows(model, model_dir, corpus, gate_tokens=0, sample_tokens=100)
-    assert sample.source.startswith("no training settings") and sample.tokens_gated == 0
-    assert sample.tokens_counted == 16 * model.config.max_seq  # one batch of 16 covers 100 tokens
+    with pytest.raises(ValueError, match="train_config.json"):
+        training_rows(model, tmp_path, corpus)
 
 
 def test_matched_rows_pick_the_best_fair_baseline_and_pair_by_document():
@@ -111,7 +116,7 @@ def test_matched_rows_pick_the_best_fair_baseline_and_pair_by_document():
 def test_skip_study_skips_the_same_share_for_every_method(setup):
     corpus, model_dir, model, tok = setup
     traces = {s: trace(model, load_windows(model, corpus, s, tok, 1200)[1]) for s in ("validation", "test")}
-    train = training_rows(model, model_dir, corpus, gate_tokens=512, sample_tokens=4096)
+    train = training_rows(model, model_dir, corpus, gate_tokens=512)
     report, _ = skip_study(model, traces["validation"], traces["test"], train, rates=(0.25, 0.5),
                            random_seeds=3, sketch_width=1024)
     assert report.methods == ["predictor", "train-rare", "train-gate", "oracle", "random"]
@@ -130,11 +135,10 @@ def test_cli_predictor_compares_at_matched_rates(setup, tmp_path, capsys):
     corpus, model_dir, _, _ = setup
     out = tmp_path / "s.json"
     assert main(["predictor", str(model_dir), "--max-tokens", "600", "--doc-tokens", "100", "--fit-tokens", "800",
-                 "--rates", "0.2,0.6", "--random-seeds", "2", "--train-gate-tokens", "256",
-                 "--train-sample-tokens", "2048", "--sketch-width", "1024", "--json", str(out),
-                 "--corpus", str(corpus), "--quiet"]) == 0
+                 "--rates", "0.2,0.6", "--random-seeds", "2", "--train-gate-tokens", "256", "--sketch-width", "1024",
+                 "--json", str(out), "--corpus", str(corpus), "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "| reads skipped | predictor Δ | train-rare Δ | train-gate Δ | oracle Δ | random Δ" in text
     data = json.loads(out.read_text())
-    assert data["training_rows"]["source"].startswith("no training settings") and len(data["matched"]) == 2
+    assert data["training_rows"]["source"].startswith("replay") and len(data["matched"]) == 2
     assert main(["predictor", str(model_dir), "--doc-tokens", "-1", "--corpus", str(corpus), "--quiet"]) == 2

@@ -1,25 +1,10 @@
-"""Ablation: Engram switched off in prefill only, decode only, both, or neither.
-
-Teacher-forced definition. Each evaluation window of n input positions (tiergram.model.evaluate) is split
-into a "prefill" part, positions 0 .. n//2 - 1, and a "decode" part, positions n//2 .. n-1. Engram off in a
-part means every Engram layer's gated value and output are zero at that part's positions (the position
-adds nothing to the residual stream and nothing to the short conv's input), which is exactly what a cached
-forward with engram_enabled=False for that chunk does. Two losses are reported: over all positions, and
-over the predictions made at decode positions only (the tokens a generation would produce, given a
-prefilled context). "none" is the plain forward and "both" is engram_enabled=False.
-
-Generation definition. Doctest tasks (tiergram.analysis.doctest_task): the prompt is prefilled in one
-forward with Engram on or off, then greedy decoding runs one token per forward with Engram on or off. The
-first answer token comes from the prefill's logits, so "off in decode" leaves it untouched.
-
-Several models (training seeds) scored on the same documents and tasks are pooled from their result files as the
-allocation report pools seeds: the seed-mean per-unit sums with a unit bootstrap, the per-seed values, and a t
-interval over seeds (loss_seeds_markdown, generation_seeds_markdown).
-"""
+"""Ablation: Engram switched off in prefill only, decode only, both, or neither (teacher-forced loss and doctest
+generation); and for MoE models, whether the experts reroute when Engram is off. Definitions: docs/findings.md,
+sections 2 and 5."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,10 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.analysis.doctest_task import DoctestTask, answer_of, is_finished
-from tiergram.analysis.stats import Estimate, mean_estimate, paired_ratio_delta, ratio_estimate
+from tiergram.analysis.stats import (
+    Estimate,
+    interval,
+    mean_estimate,
+    paired_ratio_delta,
+    ratio_estimate,
+    seed_cells,
+    seed_delta,
+)
 from tiergram.analysis.trace import EngramHooks
-from tiergram.corpus import CATEGORIES
-from tiergram.model.evaluate import Window, batches
+from tiergram.corpus import CATEGORIES, EOT
+from tiergram.model.evaluate import Window, eval_batches
 from tiergram.model.model import EngramLM
 
 
@@ -146,26 +139,22 @@ class LossSums:
 
 
 @torch.no_grad()
-def ablate_loss(model: EngramLM, windows: list[Window], *, batch_size: int = 8,
-                settings: tuple[Setting, ...] = SETTINGS, progress: bool = False) -> LossSums:
+def ablate_loss(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progress: bool = False) -> LossSums:
     """Teacher-forced per-document loss sums of each setting."""
-    from tqdm import tqdm
-
-    model.eval()
     n_docs = max(w.doc for w in windows) + 1
     doc_category = [""] * n_docs
     for w in windows:
         doc_category[w.doc] = w.category
-    sums = {s.name: np.zeros((2, n_docs)) for s in settings}
+    sums = {s.name: np.zeros((2, n_docs)) for s in SETTINGS}
     counts = np.zeros((2, n_docs))
-    for idx, x, y in tqdm(list(batches(windows, batch_size)), desc="ablate", unit="batch", disable=not progress):
+    for idx, x, y in eval_batches(model, windows, batch_size, "ablate", progress):
         prefill = [len(windows[i].inputs) // 2 for i in idx]
         decode = ~keep_mask(prefill, x.shape[1], Setting("", True, False)).numpy()
-        valid = (y != -100).numpy()
+        valid = (y != -100).cpu().numpy()
         for j, i in enumerate(idx):
             counts[0, windows[i].doc] += valid[j].sum()
             counts[1, windows[i].doc] += (valid[j] & decode[j]).sum()
-        for s in settings:
+        for s in SETTINGS:
             loss = setting_losses(model, x, y, prefill, s).numpy() * valid
             for j, i in enumerate(idx):
                 sums[s.name][0, windows[i].doc] += loss[j].sum()
@@ -192,21 +181,17 @@ def greedy(model: EngramLM, prompt: list[int], max_new: int, setting: Setting, t
 
 
 def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, max_new: int = 16,
-                      settings: tuple[Setting, ...] = SETTINGS, progress: bool = False) -> list[GenerationResult]:
+                      progress: bool = False) -> list[GenerationResult]:
     """Exact match of each setting on the tasks, with task-bootstrap intervals."""
     from tqdm import tqdm
 
-    from tiergram.corpus import EOT
-
     eot = tokenizer.token_to_id(EOT)
     budget = model.config.max_seq - max_new - 1
-    prompts = []
-    for t in tasks:
-        ids = tokenizer.encode(t.prompt).ids
-        prompts.append(([eot] if eot is not None else []) + ids[max(0, len(ids) - budget + 1):])
-    hits = {s.name: np.zeros(len(tasks)) for s in settings}
+    prompts = [([eot] if eot is not None else []) + ids[max(0, len(ids) - budget + 1):]
+               for ids in (tokenizer.encode(t.prompt).ids for t in tasks)]
+    hits = {s.name: np.zeros(len(tasks)) for s in SETTINGS}
     results = []
-    for s in settings:
+    for s in SETTINGS:
         answers, n_gen = [], []
         for k, (t, p) in enumerate(tqdm(list(zip(tasks, prompts, strict=True)), desc=f"generate ({s.name} off)",
                                         disable=not progress)):
@@ -214,17 +199,14 @@ def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask],
             hits[s.name][k] = float(answer == t.expected)
             answers.append(answer)
             n_gen.append(len(ids))
-        results.append(GenerationResult(s.name, mean_estimate(hits[s.name]),
-                                        mean_estimate(hits[s.name] - hits[settings[0].name]),
-                                        float(np.mean(n_gen)) if n_gen else 0.0, answers=answers))
+        results.append(GenerationResult(s.name, mean_estimate(hits[s.name]), mean_estimate(hits[s.name] - hits["none"]),
+                                        float(np.mean(n_gen)), answers=answers))
     return results
 
 
 def task_ids(tokenizer: Any, task: DoctestTask, budget: int) -> tuple[list[int], list[int]]:
     """(prompt ids with a leading <|endoftext|>, cut to fit the budget, answer ids): the answer is the newline
     the prompt stops before plus the indented expected output, tokenized on its own (BPE splits there)."""
-    from tiergram.corpus import EOT
-
     eot = tokenizer.token_to_id(EOT)
     pad = " " * task.indent
     answer = tokenizer.encode("\n" + "\n".join(pad + line for line in task.expected.split("\n"))).ids
@@ -233,28 +215,33 @@ def task_ids(tokenizer: Any, task: DoctestTask, budget: int) -> tuple[list[int],
     return ([eot] if eot is not None else []) + ids[max(0, len(ids) - keep):], answer
 
 
+def answer_batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [B, T] zero-padded, y [B, T] with -100 except at answer tokens, valid bool [B, T]: non-padding inputs)."""
+    t = max(len(p) + len(a) for p, a in pairs) - 1
+    x = torch.zeros(len(pairs), t, dtype=torch.int64)
+    y = torch.full((len(pairs), t), -100, dtype=torch.int64)
+    valid = torch.zeros(len(pairs), t, dtype=torch.bool)
+    for j, (p, a) in enumerate(pairs):
+        seq = torch.tensor(p + a)
+        x[j, :len(seq) - 1] = seq[:-1]
+        y[j, len(p) - 1:len(seq) - 1] = seq[len(p):]
+        valid[j, :len(seq) - 1] = True
+    return x, y, valid
+
+
 @torch.no_grad()
-def answer_losses(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, batch_size: int = 8,
-                  settings: tuple[Setting, ...] = SETTINGS) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def answer_losses(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *,
+                  batch_size: int = 8) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """({setting: summed answer-token loss per task}, answer tokens per task), teacher-forced, with the
     prompt as the prefill and the answer as the decode."""
     pairs = [task_ids(tokenizer, t, model.config.max_seq) for t in tasks]
-    sums = {s.name: np.zeros(len(tasks)) for s in settings}
-    counts = np.array([len(a) for _, a in pairs], dtype=np.float64)
+    sums = {s.name: np.zeros(len(tasks)) for s in SETTINGS}
     for b in range(0, len(tasks), batch_size):
         chunk = pairs[b:b + batch_size]
-        t = max(len(p) + len(a) for p, a in chunk) - 1
-        x = torch.zeros(len(chunk), t, dtype=torch.int64)
-        y = torch.full((len(chunk), t), -100, dtype=torch.int64)
-        for j, (p, a) in enumerate(chunk):
-            seq = torch.tensor(p + a)
-            x[j, :len(seq) - 1] = seq[:-1]
-            y[j, len(p) - 1:len(seq) - 1] = seq[len(p):]  # only the answer tokens are scored
-        prefill = [len(p) for p, _ in chunk]
-        for s in settings:
-            loss = setting_losses(model, x, y, prefill, s).numpy()
-            sums[s.name][b:b + len(chunk)] = loss.sum(1)
-    return sums, counts
+        x, y, _ = answer_batch(chunk)
+        for s in SETTINGS:
+            sums[s.name][b:b + len(chunk)] = setting_losses(model, x, y, [len(p) for p, _ in chunk], s).numpy().sum(1)
+    return sums, np.array([len(a) for _, a in pairs], dtype=np.float64)
 
 
 def ablate(model: EngramLM, windows: list[Window], tokenizer: Any, tasks: list[DoctestTask], *,
@@ -277,77 +264,21 @@ def ablate(model: EngramLM, windows: list[Window], tokenizer: Any, tasks: list[D
     return report
 
 
-def _est(e: Estimate, signed: bool = False) -> str:
-    fmt = "{:+.4f}" if signed else "{:.4f}"
-    return f"{fmt.format(e.value)} [{fmt.format(e.ci95[0])}, {fmt.format(e.ci95[1])}]"
-
-
-def verdict(report: AblationReport) -> str:
-    """One sentence: does switching Engram off in prefill hurt decode-position loss more than in decode?"""
-    d = report.prefill_minus_decode.get("all")
-    if d is None:
-        return "no decode positions were scored"
-    if d.ci95[0] > 0:
-        return (f"prefill matters more here: Engram off in prefill raises the decode-position loss by {d.value:+.4f} "
-                "nats more than off in decode (95% interval above zero)")
-    if d.ci95[1] < 0:
-        return (f"decode matters more here: Engram off in decode raises the decode-position loss by {-d.value:+.4f} "
-                "nats more than off in prefill (95% interval below zero)")
-    return f"no significant difference between prefill and decode here ({_est(d, True)} nats)"
-
-
-NAMES = {"none": "none (plain)", "prefill": "prefill only", "decode": "decode only", "both": "both (no Engram)"}
-
-
 def to_markdown(report: AblationReport) -> str:
-    """The ablation tables."""
+    """The ablation tables of one model: the seed tables below with one seed."""
+    run = asdict(report)
     lines = [f"# Engram ablation: {report.model}", "",
-             f"Split `{report.split}`. Teacher-forced: each window's first half is the prefill, its second half the "
-             "decode; Engram off = its output and value zeroed at those positions. Loss in nats/token, 95% "
-             "document-bootstrap intervals; Δ against \"none\", paired.", ""]
-    cats = [c for c in [*CATEGORIES, "all"] if c in report.loss[0].decode_positions]
-    for title, attr, dattr in (("decode positions", "decode_positions", "delta_decode"),
-                               ("all positions", "all_positions", "delta_all")):
-        lines += [f"## Loss on {title}", "", "| Engram off in | " + " | ".join(cats) + " | Δ all |",
-                  "|---|" + "---|" * (len(cats) + 1)]
-        for r in report.loss:
-            vals = [_est(getattr(r, attr)[c]) for c in cats]
-            lines.append(f"| {NAMES.get(r.setting, r.setting)} | " + " | ".join(vals)
-                         + f" | {_est(getattr(r, dattr)['all'], True)} |")
-        lines.append("")
-    lines += ["Prefill vs decode (decode-position loss, off-in-prefill minus off-in-decode): " +
-              ", ".join(f"{c} {_est(e, True)}" for c, e in report.prefill_minus_decode.items()) + ".", "",
-              f"**{verdict(report)}.**", ""]
+             f"Split `{report.split}`; each window's first half is the prefill, its second half the decode. Loss in "
+             "nats/token, 95% document-bootstrap intervals; Δ against \"none\", paired.", "",
+             loss_seeds_markdown([run])]
     if report.generation:
         lines += [f"## Generation: {report.tasks} stdlib doctest outputs (held-out splits)", "",
-                  "Greedy generation with the prompt prefilled, scored by exact match; and the teacher-forced loss "
-                  "of the answer tokens with the prompt as prefill and the answer as decode (nats/token, intervals "
-                  "over tasks).", "",
-                  "| Engram off in | exact match | Δ vs none | mean generated tokens | answer loss | Δ vs none |",
-                  "|---|---|---|---|---|---|"]
-        for g in report.generation:
-            al = "" if g.answer_loss is None else _est(g.answer_loss)
-            ad = "" if g.answer_loss_delta is None else _est(g.answer_loss_delta, True)
-            lines.append(f"| {NAMES.get(g.setting, g.setting)} | {_est(g.exact_match)} | "
-                         f"{_est(g.delta_vs_none, True)} | {g.mean_generated_tokens:.1f} | {al} | {ad} |")
-        lines.append("")
-        if report.answer_prefill_minus_decode is not None:
-            lines += ["Answer loss, off-in-prefill minus off-in-decode: "
-                      f"{_est(report.answer_prefill_minus_decode, True)}.", ""]
+                  "Greedy, exact match; answer loss teacher-forced, prompt as prefill (intervals over tasks).", "",
+                  generation_seeds_markdown([run])]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------ several models (e.g. training seeds)
-
-
-def seed_delta(sums_a: list[np.ndarray], sums_b: list[np.ndarray],
-               counts: np.ndarray) -> tuple[Estimate, list[float], list[float] | None]:
-    """loss(b) - loss(a) over several models scored on the same units: of the model-mean per-unit sums (unit
-    bootstrap), per model, and the t interval over models."""
-    from tiergram.analysis.allocation_report import seed_interval
-
-    per = [float((b.sum() - a.sum()) / counts.sum()) for a, b in zip(sums_a, sums_b, strict=True)]
-    return paired_ratio_delta(np.mean(sums_a, 0), np.mean(sums_b, 0), counts), per, seed_interval(per)
 
 
 def _same(runs: list[dict[str, Any]], key: str) -> np.ndarray:
@@ -359,25 +290,23 @@ def _same(runs: list[dict[str, Any]], key: str) -> np.ndarray:
 
 
 def _seed_cells(sums_a: list[np.ndarray], sums_b: list[np.ndarray], counts: np.ndarray) -> str:
-    delta, per, ci = seed_delta(sums_a, sums_b, counts)
-    over = "–" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
-    return f"{_est(delta, True)} | " + ", ".join(f"{v:+.4f}" for v in per) + f" | {over}"
+    return seed_cells(*seed_delta(sums_a, sums_b, counts))
 
 
 _SEED_HEAD = "Δ vs none, seed mean | per seed | over seeds (t 95%) |"
+NAMES = {"none": "none (plain)", "prefill": "prefill only", "decode": "decode only", "both": "both (no Engram)"}
 
 
 def loss_seeds_markdown(runs: list[dict[str, Any]]) -> str:
-    """Teacher-forced loss of several ablation result files (as `tiergram ablate --json` writes them) on the same
-    documents: per setting, the loss of the seed-mean per-document sums and its Δ vs none (document bootstrap), the
-    per-seed Δ and the t interval over seeds; decode positions, then all positions."""
+    """Teacher-forced loss of several `tiergram ablate --json` results on the same documents: per setting, the loss
+    of the seed-mean per-document sums, Δ vs none, per seed and over seeds; decode positions, then all positions."""
     counts = _same(runs, "doc_counts")
     lines = ["| Engram off in | positions scored | loss, seed mean | " + _SEED_HEAD, "|---|---|---|---|---|---|"]
     for row, where in ((1, "decode"), (0, "all")):
         sums = {s.name: [np.asarray(r["doc_sums"][s.name][row]) for r in runs] for s in SETTINGS}
         for s in SETTINGS:
             cells = "0 | – | –" if s.name == "none" else _seed_cells(sums["none"], sums[s.name], counts[row])
-            loss = _est(ratio_estimate(np.mean(sums[s.name], 0), counts[row]))
+            loss = interval(ratio_estimate(np.mean(sums[s.name], 0), counts[row]), ".4f")
             lines.append(f"| {NAMES[s.name]} | {where} | {loss} | {cells} |")
         if row == 1:
             lines.append("| prefill only − decode only | decode | – | "
@@ -386,8 +315,8 @@ def loss_seeds_markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def generation_seeds_markdown(runs: list[dict[str, Any]]) -> str:
-    """The doctest task of several ablation result files on the same tasks: exact match and mean generated tokens
-    per seed, and the answer loss as loss_seeds_markdown gives the loss (intervals over tasks)."""
+    """The doctest task of several ablation results on the same tasks: exact match and generated tokens per seed,
+    and the answer loss as loss_seeds_markdown gives the loss (intervals over tasks)."""
     counts, tasks = _same(runs, "answer_tokens"), int(_same(runs, "tasks"))
     gen = [{g["setting"]: g for g in r["generation"]} for r in runs]
     sums = {s.name: [np.asarray(r["answer_sums"][s.name]) for r in runs] for s in SETTINGS}
@@ -397,7 +326,7 @@ def generation_seeds_markdown(runs: list[dict[str, Any]]) -> str:
         exact = ", ".join(f"{round(g[s.name]['exact_match']['value'] * tasks)}/{tasks}" for g in gen)
         generated = ", ".join(f"{g[s.name]['mean_generated_tokens']:.1f}" for g in gen)
         cells = "0 | – | –" if s.name == "none" else _seed_cells(sums["none"], sums[s.name], counts)
-        loss = _est(ratio_estimate(np.mean(sums[s.name], 0), counts))
+        loss = interval(ratio_estimate(np.mean(sums[s.name], 0), counts), ".4f")
         lines.append(f"| {NAMES[s.name]} | {exact} | {generated} | {loss} | {cells} |")
     lines.append(f"| prefill only − decode only | | | – | {_seed_cells(sums['decode'], sums['prefill'], counts)} |")
     return "\n".join(lines) + "\n"
@@ -422,20 +351,6 @@ class RerouteReport:
     forced_minus_off: dict[str, Estimate]  # loss(off, forced) - loss(off, free routing), paired
     changed_sets: dict[str, Estimate]  # per MoE block and "all": share of tokens whose set of top-k experts changes
     changed_assignments: dict[str, Estimate]  # share of (token, expert) assignments that change
-
-
-def _answer_batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [B, T] zero-padded, y [B, T] with -100 except at answer tokens, valid bool [B, T]: non-padding inputs)."""
-    t = max(len(p) + len(a) for p, a in pairs) - 1
-    x = torch.zeros(len(pairs), t, dtype=torch.int64)
-    y = torch.full((len(pairs), t), -100, dtype=torch.int64)
-    valid = torch.zeros(len(pairs), t, dtype=torch.bool)
-    for j, (p, a) in enumerate(pairs):
-        seq = torch.tensor(p + a)
-        x[j, :len(seq) - 1] = seq[:-1]
-        y[j, len(p) - 1:len(seq) - 1] = seq[len(p):]
-        valid[j, :len(seq) - 1] = True
-    return x, y, valid
 
 
 @torch.no_grad()
@@ -465,26 +380,24 @@ def reroute(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, batch_
     positions = np.zeros(len(tasks))
     pairs = [task_ids(tokenizer, t, model.config.max_seq) for t in tasks]
 
-    def answer_loss(x: torch.Tensor, y: torch.Tensor, **kw: Any) -> np.ndarray:
-        logits, _ = model(x.to(device), **kw)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="none").view(y.shape)
-        return loss.double().sum(1).cpu().numpy() / LN2
+    def bits(x: torch.Tensor, y: torch.Tensor, engram: bool) -> np.ndarray:
+        return setting_losses(model, x, y, [], SETTINGS[0 if engram else -1]).numpy().sum(1) / LN2
 
     for b0 in tqdm(range(0, len(tasks), batch_size), desc="reroute", unit="batch", disable=not progress):
         sl = slice(b0, b0 + len(pairs[b0:b0 + batch_size]))
-        x, y, valid = _answer_batch(pairs[sl])
+        x, y, valid = answer_batch(pairs[sl])
         counts[sl] = (y != -100).sum(1).numpy()
         positions[sl] = valid.sum(1).numpy()
         with routing(model, record=True) as mods:
-            sums["on"][sl] = answer_loss(x, y)
+            sums["on"][sl] = bits(x, y, True)
             on = {b: mods[b].last_choices.cpu() for b in blocks}
-            sums["off"][sl] = answer_loss(x, y, engram_enabled=False)
+            sums["off"][sl] = bits(x, y, False)
             off = {b: mods[b].last_choices.cpu() for b in blocks}
         with routing(model, force={b: c.to(device) for b, c in on.items()}):
-            sums["off, forced all"][sl] = answer_loss(x, y, engram_enabled=False)
+            sums["off, forced all"][sl] = bits(x, y, False)
         for b in blocks:
             with routing(model, force={b: on[b].to(device)}):
-                sums[f"off, forced block {b}"][sl] = answer_loss(x, y, engram_enabled=False)
+                sums[f"off, forced block {b}"][sl] = bits(x, y, False)
             same = (on[b].unsqueeze(-1) == off[b].unsqueeze(-2)).any(-1)  # [B, T, k]: on's expert also chosen off
             moved[str(b)][0, sl] = ((~same.all(-1)) & valid).sum(1).numpy()
             moved[str(b)][1, sl] = ((~same).sum(-1) * valid).sum(1).numpy() / k
@@ -502,31 +415,26 @@ def reroute(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, batch_
 def reroute_verdict(report: RerouteReport) -> str:
     """One sentence: does forcing the Engram-on routing make the ablated model worse (routing compensates)?"""
     d = report.forced_minus_off["off, forced all"]
-    off = report.delta_vs_on["off"]
-    head = f"Engram off changes the answer loss by {_est(off, True)} bits/token"
+    head = (f"Engram off changes the answer loss by {interval(report.delta_vs_on['off'])} bits/token; forcing the "
+            f"Engram-on expert choices changes it by a further {interval(d)}")
     if d.ci95[0] > 0:
-        return (head + f"; forcing the Engram-on expert choices makes it worse by a further {_est(d, True)}: "
-                "the experts' rerouting partly compensates for the missing memory")
-    if d.ci95[1] < 0:
-        return head + f"; forcing the Engram-on expert choices makes it better by {_est(d, True)}: no compensation"
-    return head + f"; forcing the Engram-on expert choices changes it by {_est(d, True)}, within noise"
+        return head + ": the experts' rerouting partly compensates for the missing memory"
+    return head + (": no compensation" if d.ci95[1] < 0 else ", within noise")
 
 
 def reroute_markdown(report: RerouteReport) -> str:
     """The reroute ablation as markdown."""
     lines = [f"# Experts that reroute: {report.model}", "",
-             f"{report.tasks} stdlib doctest tasks ({report.answer_tokens} answer tokens), teacher-forced: prompt = "
-             "the code, answer = the doctest output. Answer loss in bits/token, 95% intervals over tasks; Engram off = "
-             "every Engram layer off at every position; forced = the MoE blocks' top-k experts set to those the "
-             "Engram-on forward chose (combine weights still from the router).", "",
-             "| setting | answer loss | Δ vs on | Δ vs off |", "|---|---|---|---|"]
+             f"{report.tasks} stdlib doctest tasks ({report.answer_tokens} answer tokens), teacher-forced. Answer loss "
+             "in bits/token, 95% intervals over tasks; forced = the MoE blocks' top-k experts set to those the "
+             "Engram-on forward chose.", "", "| setting | answer loss | Δ vs on | Δ vs off |", "|---|---|---|---|"]
     for name, est in report.loss.items():
-        dv = "0" if name == "on" else _est(report.delta_vs_on[name], True)
-        do = _est(report.forced_minus_off[name], True) if name in report.forced_minus_off else ""
-        lines.append(f"| {name} | {_est(est)} | {dv} | {do} |")
-    lines += ["", "Routing decisions that change when Engram is off (all non-padding positions of prompt and answer):",
-              "", "| MoE block | top-k set changed | assignments changed |", "|---|---|---|"]
+        dv = "0" if name == "on" else interval(report.delta_vs_on[name])
+        do = interval(report.forced_minus_off[name]) if name in report.forced_minus_off else ""
+        lines.append(f"| {name} | {interval(est, '.4f')} | {dv} | {do} |")
+    lines += ["", "Routing decisions that change when Engram is off (all non-padding positions):", "",
+              "| MoE block | top-k set changed | assignments changed |", "|---|---|---|"]
     for key in report.changed_sets:
-        lines.append(f"| {key} | {_est(report.changed_sets[key])} | {_est(report.changed_assignments[key])} |")
-    lines += ["", f"**{reroute_verdict(report)}.**", ""]
-    return "\n".join(lines)
+        lines.append(f"| {key} | {interval(report.changed_sets[key], '.4f')} | "
+                     f"{interval(report.changed_assignments[key], '.4f')} |")
+    return "\n".join(lines + ["", f"**{reroute_verdict(report)}.**", ""])

@@ -1,28 +1,10 @@
-"""The sparse-allocation sweep: at one fixed budget of sparse parameters, move capacity from MoE experts to Engram.
-
-Every model of a sweep has the same dense part (embeddings, attention, block 0's dense FFN, the routers) and the
-same per-token compute (top-k routed experts of a fixed width; an Engram lookup costs the same whatever the
-table's size). What varies is how the sparse parameters, routed-expert weights + Engram table values, are split:
-Engram share s puts about s * budget into the tables (rows per hash head sized to fit) and the rest into experts
-(whole experts, at least top_k per MoE block). The budget is the expert parameters of the share-0 model. Each
-model trains on the same token budget with the same seed(s), then all are scored on the same validation documents,
-so the loss differences between shares are paired over documents.
-
-A share s > 0 keeps fewer experts than share 0, so each expert sees more tokens: "Engram share s beats share 0"
-can be "fewer, better-trained experts" as well as Engram. The controls separate the two (`controls`):
-- "tokens": the MoE-only model with exactly share s's experts, no Engram, on the same tokens;
-- "compute": the same MoE-only model given the Engram model's extra step time as extra tokens (the step-time ratio
-  Engram model / control is measured by interleaved training steps, once per share, and kept in the sweep folder).
-Every Engram model is also scored with Engram off at every position (the mechanism `tiergram ablate` uses).
-
-The DeepSeek Engram paper and a replication at ~6e18 FLOPs found a U: loss falls as the share grows from 0, then
-rises again when too few experts are left. allocation_report says what the sweep shows and how many seeds a U of
-the paper's depth would need.
-"""
+"""The sparse-allocation sweep (docs/findings.md section 6): at one budget of sparse parameters (the share-0 model's
+routed experts), Engram share s puts about s of it into the tables and the rest into whole experts; the MoE-only
+controls ("tokens": same experts and tokens, "compute": tokens x the measured step-time ratio) and Engram-off
+scores separate what the tables add from having fewer experts."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -374,8 +356,3 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> SweepRun:
     result.step_ratios = [ratios[s] for s in sorted(ratios)]
     return result
 
-
-def config_from_args(out: str, **overrides: Any) -> AllocationConfig:
-    """An AllocationConfig with the given fields replaced (None values keep the defaults)."""
-    base = AllocationConfig(out=out)
-    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,15 +1,5 @@
-"""What an allocation sweep shows: loss per share, the controls, Engram-off loss, equal compute, and power.
-
-Every comparison is a paired difference over the same validation documents (document-bootstrap 95% interval,
-tiergram.analysis.stats) of the seed-mean per-document loss sums, with the per-seed differences beside it and a
-t interval over seeds: the document interval says how sure the evaluation sample makes a difference, the seed
-interval how much training noise moves it. The result files (result_files) hold exactly what the markdown
-tables print, so a table can be recomputed from its file.
-
-`verdict` says a U appears only when the lowest loss is at an interior share and both end points are worse than it
-with 95% paired intervals above zero; `power_analysis` says how many seeds per share a U of the DeepSeek paper's
-depth would need, given the measured seed-to-seed spread.
-"""
+"""What an allocation sweep shows (docs/findings.md section 6): loss per share, the controls, Engram off, equal
+compute, power, and the result files whose dicts alone render each table."""
 
 from __future__ import annotations
 
@@ -21,7 +11,15 @@ from typing import Any
 import numpy as np
 
 from tiergram.analysis.allocation import Point, StepRatio, SweepRun
-from tiergram.analysis.stats import Estimate, paired_ratio_delta, ratio_estimate
+from tiergram.analysis.stats import (
+    Estimate,
+    interval,
+    paired_ratio_delta,
+    ratio_estimate,
+    seed_cells,
+    seed_delta,
+    yerr,
+)
 from tiergram.plots import save_figure, subplots
 
 PAPER_U_DEPTH = 0.014  # nats: the DeepSeek Engram paper's U, best share against the ends
@@ -94,17 +92,6 @@ class AllocationReport:
     missing: list[str] = field(default_factory=list)
 
 
-def seed_interval(values: list[float]) -> list[float] | None:
-    """Two-sided 95% t interval of the mean of per-seed values (None below 2 values)."""
-    from scipy import stats
-
-    if len(values) < 2:
-        return None
-    v = np.asarray(values, dtype=np.float64)
-    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
-    return [float(v.mean() - half), float(v.mean() + half)]
-
-
 def _stem(run: str) -> str:
     """share80-s0 -> share80, moe03-compute-s1 -> moe03-compute."""
     return run.rsplit("-s", 1)[0]
@@ -117,16 +104,12 @@ def compare(result: SweepRun, what: str, share: float, subject: dict[int, str], 
                    and reference[s] in result.sums and subject_key in result.sums[subject[s]])
     if not seeds:
         return None
-    counts = result.counts
-    subj = [result.sums[subject[s]][subject_key] for s in seeds]
-    ref = [result.sums[reference[s]][reference_key] for s in seeds]
-    per_seed = [float((a.sum() - b.sum()) / counts.sum()) for a, b in zip(subj, ref, strict=True)]
+    delta, per, ci = seed_delta([result.sums[reference[s]][reference_key] for s in seeds],
+                                [result.sums[subject[s]][subject_key] for s in seeds], result.counts)
     point = next(p for p in result.points if p.run == subject[seeds[0]])
     off = " (Engram off)" if subject_key == "off" else ""
     return Comparison(what=what, share=share, n_experts=point.n_experts, subject=_stem(subject[seeds[0]]) + off,
-                      reference=_stem(reference[seeds[0]]), seeds=seeds,
-                      delta=paired_ratio_delta(np.mean(ref, axis=0), np.mean(subj, axis=0), counts),
-                      seed_deltas=per_seed, seed_ci95=seed_interval(per_seed))
+                      reference=_stem(reference[seeds[0]]), seeds=seeds, delta=delta, seed_deltas=per, seed_ci95=ci)
 
 
 def comparisons(result: SweepRun) -> list[Comparison]:
@@ -278,20 +261,16 @@ def result_files(report: AllocationReport) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _e(e: dict[str, Any], signed: bool = False) -> str:
-    f = "{:+.4f}" if signed else "{:.4f}"
-    return f"{f.format(e['value'])} [{f.format(e['ci95'][0])}, {f.format(e['ci95'][1])}]"
-
-
 def _seeds(c: dict[str, Any]) -> str:
-    """Per-seed deltas and the t interval over seeds."""
-    per = ", ".join(f"{v:+.4f}" for v in c["seed_deltas"])
-    ci = c["seed_ci95"]
-    return per + (f" | [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci else " | –")
+    return seed_cells(c["delta"], c["seed_deltas"], c["seed_ci95"])
 
 
 def _by(data: dict[str, Any], what: str) -> dict[float, dict[str, Any]]:
     return {c["share"]: c for c in data["comparisons"] if c["what"] == what}
+
+
+def _deltas(data: dict[str, Any], what: str) -> dict[float, str]:
+    return {share: interval(c["delta"]) for share, c in _by(data, what).items()}
 
 
 def sweep_table(data: dict[str, Any]) -> str:
@@ -300,22 +279,23 @@ def sweep_table(data: dict[str, Any]) -> str:
              "(paired) | seed SD | per seed |", "|---|---|---|---|---|---|---|"]
     for s in data["shares"]:
         sd = "–" if s["seed_sd"] is None else f"{s['seed_sd']:.4f}"
+        best = interval(s["delta_vs_best"]) if s["delta_vs_best"]["value"] else "0"
         lines.append(f"| {s['share']:.0%} ({s['actual_share']:.1%}) | {s['n_experts']} | {s['rows_per_head']:,} | "
-                     f"{_e(s['loss'])} | {_e(s['delta_vs_best'], True) if s['delta_vs_best']['value'] else '0'} | "
-                     f"{sd} | {', '.join(f'{v:.4f}' for v in s['seed_losses'])} |")
+                     f"{interval(s['loss'], '.4f')} | {best} | {sd} | "
+                     f"{', '.join(f'{v:.4f}' for v in s['seed_losses'])} |")
     return "\n".join(lines) + "\n"
 
 
 def controls_table(data: dict[str, Any]) -> str:
     """Per share: Engram model minus its MoE-only control (same experts, same tokens), with the two parts of the
     Engram model's gain over share 0: the control against share 0 (fewer experts) and Engram against the control."""
-    engram, fewer, total = (_by(data, w) for w in _WHAT["controls"])
+    engram = _by(data, "engram_vs_control")
+    fewer, total = _deltas(data, "control_vs_share0"), _deltas(data, "engram_vs_share0")
     lines = ["| Engram share | experts per block | Engram − MoE-only (same experts), seed mean | per seed | over "
              "seeds (t 95%) | MoE-only − share 0 | Engram − share 0 |", "|---|---|---|---|---|---|---|"]
     for share, c in sorted(engram.items()):
-        f = _e(fewer[share]["delta"], True) if share in fewer else "–"
-        t = _e(total[share]["delta"], True) if share in total else "–"
-        lines.append(f"| {share:.0%} | {c['n_experts']} | {_e(c['delta'], True)} | {_seeds(c)} | {f} | {t} |")
+        lines.append(f"| {share:.0%} | {c['n_experts']} | {_seeds(c)} | {fewer.get(share, '–')} | "
+                     f"{total.get(share, '–')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -325,14 +305,13 @@ def engram_off_table(data: dict[str, Any]) -> str:
     on = {}
     for p in data["points"]:
         on.setdefault(p["share"], []).append((p["loss"]["value"], p["loss_off"]["value"]))
-    control = _by(data, "off_vs_control")
+    control = _deltas(data, "off_vs_control")
     lines = ["| Engram share | on, seed mean | off, seed mean | off − on, seed mean | per seed | over seeds (t 95%) | "
              "off − MoE-only (same experts) |", "|---|---|---|---|---|---|---|"]
     for share, c in sorted(_by(data, "engram_off").items()):
         vals = np.array(on[share])
-        vs = _e(control[share]["delta"], True) if share in control else "–"
-        lines.append(f"| {share:.0%} | {vals[:, 0].mean():.4f} | {vals[:, 1].mean():.4f} | {_e(c['delta'], True)} "
-                     f"| {_seeds(c)} | {vs} |")
+        lines.append(f"| {share:.0%} | {vals[:, 0].mean():.4f} | {vals[:, 1].mean():.4f} | {_seeds(c)} | "
+                     f"{control.get(share, '–')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -342,16 +321,13 @@ def equal_compute_table(data: dict[str, Any]) -> str:
     tokens = {}
     for p in data["points"]:
         tokens.setdefault(p["share"], set()).add(p["tokens"])
-    same = _by(data, "engram_vs_control")
+    same = _deltas(data, "engram_vs_control")
     lines = ["| Engram share | experts per block | step time, Engram / MoE-only | MoE-only tokens | Engram − MoE-only "
              "(equal compute), seed mean | per seed | over seeds (t 95%) | at equal tokens |",
              "|---|---|---|---|---|---|---|---|"]
     for share, c in sorted(_by(data, "engram_vs_compute").items()):
-        r = ratios[share]
-        s = _e(same[share]["delta"], True) if share in same else "–"
-        lines.append(f"| {share:.0%} | {c['n_experts']} | {r['ratio']:.3f} | "
-                     f"{', '.join(f'{t:,}' for t in sorted(tokens[share]))} | {_e(c['delta'], True)} | {_seeds(c)} | "
-                     f"{s} |")
+        lines.append(f"| {share:.0%} | {c['n_experts']} | {ratios[share]['ratio']:.3f} | "
+                     f"{', '.join(f'{t:,}' for t in sorted(tokens[share]))} | {_seeds(c)} | {same.get(share, '–')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -409,7 +385,7 @@ def plot(report: AllocationReport, path: str | os.PathLike) -> None:
     actual = {s.share: s.actual_share * 100 for s in report.shares}
     x = np.array([s.actual_share * 100 for s in report.shares])
     est = [s.loss for s in report.shares]
-    ax.errorbar(x, [e.value for e in est], yerr=_err(est), fmt="o-", capsize=4, label="Engram share s")
+    ax.errorbar(x, [e.value for e in est], yerr=yerr(est), fmt="o-", capsize=4, label="Engram share s")
     for s in report.shares:
         ax.plot([s.actual_share * 100] * len(s.seed_losses), s.seed_losses, "k.", alpha=0.5)
     for kind, style, label in (("tokens", "s--", "MoE-only, same experts, same tokens"),
@@ -426,7 +402,7 @@ def plot(report: AllocationReport, path: str | os.PathLike) -> None:
         cs = [c for c in report.comparisons if c.what == what and c.share in actual]
         if cs:
             xs = np.array([actual[c.share] for c in cs]) + (0.8 if what == "engram_vs_compute" else 0)
-            bx.errorbar(xs, [c.delta.value for c in cs], yerr=_err([c.delta for c in cs]), fmt=style, capsize=4,
+            bx.errorbar(xs, [c.delta.value for c in cs], yerr=yerr([c.delta for c in cs]), fmt=style, capsize=4,
                         label=f"Engram − MoE-only, {label}")
             for xi, c in zip(xs, cs, strict=True):
                 bx.plot([xi] * len(c.seed_deltas), c.seed_deltas, "k.", alpha=0.5)
@@ -439,6 +415,3 @@ def plot(report: AllocationReport, path: str | os.PathLike) -> None:
                  f"seeds {list(report.config['seeds'])}", fontsize=9)
     save_figure(fig, Path(path))
 
-
-def _err(est: list[Estimate]) -> np.ndarray:
-    return np.array([[e.value - e.ci95[0] for e in est], [e.ci95[1] - e.value for e in est]])

@@ -1,17 +1,6 @@
-"""The skip trade-off at matched skip rates: the predictor against baselines that need no evaluation text.
-
-A skipped read is a fetched row replaced by zeros (passed to the model as engram_rows=); a position whose every
-row is skipped is skipped as a whole (its Engram value and output are zero, as when the layer is off there), so
-skipping every read equals running without Engram. Every method ranks the held-out positions by a score and skips
-the lowest `rate` share of them in every layer (ties broken at random), so all methods skip exactly the same share
-of row reads and their losses are compared at equal skip rates, paired over the same documents:
-
-- predictor / sketch-only: the fitted SkipPredictor's predicted gate (fitted on the fit split's gate traces)
-- train-rare: mean log access count of the position's rows in the training run (tiergram.analysis.training_rows)
-- train-gate: mean gate of the position's rows on training-split tokens
-- random: positions at random, several seeds
-- oracle: the true gate on the held-out text, which needs the rows (a reference, not a baseline)
-"""
+"""The skip trade-off at matched skip rates (docs/findings.md section 4): every method ranks the held-out positions
+and skips the lowest `rate` share of them in every layer, so all skip the same share of row reads; their losses
+are paired over documents. A skipped read is a fetched row replaced by zeros; skipping every read = Engram off."""
 
 from __future__ import annotations
 
@@ -24,15 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.analysis.capacity import spearman
-from tiergram.analysis.predictor import FEATURE_SETS, SkipPredictor, fit_predictor, target_gate
-from tiergram.analysis.stats import Estimate, interval, md_table, paired_ratio_delta, ratio_estimate
+from tiergram.analysis.predictor import SkipPredictor, fit_predictor, target_gate
+from tiergram.analysis.stats import Estimate, interval, md_table, paired_ratio_delta, ratio_estimate, yerr
 from tiergram.analysis.trace import EngramHooks, Trace
 from tiergram.analysis.training_rows import TrainingRows
 from tiergram.model.evaluate import EvalDoc, eval_batches
 from tiergram.model.model import EngramLM
 from tiergram.plots import save_figure, subplots
 
-METHODS = ("predictor", "sketch-only", "oracle", "train-rare", "train-gate", "random")
+METHODS = ("predictor", "oracle", "train-rare", "train-gate", "random")
 BASELINES = ("train-rare", "train-gate", "random")  # the fair ones: nothing read from the evaluation text
 RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
@@ -111,7 +100,6 @@ class CurvePoint:
     loss: Estimate
     delta: Estimate  # vs no skipping, paired over documents
     relative_increase: float  # delta / loss without skipping
-    share_of_engram_effect: float  # delta / (loss with every read skipped - loss without skipping)
 
 
 @dataclass
@@ -150,14 +138,14 @@ class SkipReport:
     doc_sums: dict[str, list[float]] = field(default_factory=dict)  # config -> per-document loss sums
 
 
-def method_scores(model: EngramLM, held: Trace, method: str, predictors: dict[str, SkipPredictor],
-                  train: TrainingRows | None, seed: int = 0) -> dict[int, np.ndarray]:
+def method_scores(model: EngramLM, held: Trace, method: str, predictor: SkipPredictor, train: TrainingRows | None,
+                  seed: int = 0) -> dict[int, np.ndarray]:
     """{layer: score [N] of every held-out position}; low score = skip first."""
     out = {}
     for layer in held.layers:
         offsets = np.asarray(model.hasher.head_offsets(layer), dtype=np.int64)
-        if method in ("predictor", "sketch-only"):
-            out[layer] = predictors[method].predict_gate(layer, held.row_ids[layer], held.pos)
+        if method == "predictor":
+            out[layer] = predictor.predict_gate(layer, held.row_ids[layer], held.pos)
         elif method == "oracle":
             out[layer] = target_gate(held, layer)
         elif method == "random":
@@ -188,9 +176,7 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
     """Fit the predictor(s) on `fit`, skip the lowest-scored share of `held`'s positions at every rate for every
     method, and score all of it (plus none and every read skipped) in one pass over `held`."""
     check_settings(rates, methods, random_seeds)
-    predictors = {"predictor": fit_predictor(model, fit, "full", sketch_width=sketch_width)}
-    if "sketch-only" in methods:
-        predictors["sketch-only"] = fit_predictor(model, fit, "sketch", sketch_width=sketch_width)
+    predictor = fit_predictor(model, fit, sketch_width=sketch_width)
     h = {layer: held.row_ids[layer].shape[1] for layer in held.layers}
     masks: dict[str, dict[int, np.ndarray]] = {
         "none": {layer: np.zeros((held.n, h[layer]), dtype=bool) for layer in held.layers},
@@ -201,7 +187,7 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
     tie_break = np.random.default_rng(12345)  # fixed: a rerun skips the same positions
     for method in methods:
         for seed in seeds if method == "random" else [None]:
-            scores = method_scores(model, held, method, predictors, train, 0 if seed is None else seed)
+            scores = method_scores(model, held, method, predictor, train, 0 if seed is None else seed)
             if method != "random":
                 quality[method] = {layer: spearman(scores[layer], target_gate(held, layer)) for layer in held.layers}
             for rate in rates:
@@ -214,12 +200,11 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
     sums, counts = skip_losses(model, held, masks, batch_size=batch_size, progress=progress)
     sums = {name: np.round(s, 4) for name, s in sums.items()}  # what the JSON keeps is what the tables use
     base, off = ratio_estimate(sums["none"], counts), ratio_estimate(sums["all"], counts)
-    effect = off.value - base.value
     order = [m for m in methods if m != "random"] + (["random"] if "random" in methods else [])
     report = SkipReport(model=model_name, fit_split=fit_split, eval_split=eval_split, fit_positions=fit.n,
                         eval_positions=held.n, training_rows=_train_summary(train), methods=order,
                         rates=[float(r) for r in rates], random_seeds=seeds,
-                        base_loss=base, off_loss=off, memory=memory_summary(model, predictors["predictor"]),
+                        base_loss=base, off_loss=off, memory=memory_summary(model, predictor),
                         quality=quality, doc_counts=counts.tolist(),
                         doc_sums={name: s.tolist() for name, s in sums.items()})
     for name, (method, seed, rate, thr) in meta.items():
@@ -227,11 +212,10 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
         reads = float(np.mean([m.mean() for m in masks[name].values()]))
         report.curve.append(CurvePoint(method=method, seed=seed, rate=rate, skipped_reads=reads, thresholds=thr,
                                        loss=ratio_estimate(sums[name], counts), delta=delta,
-                                       relative_increase=delta.value / base.value,
-                                       share_of_engram_effect=delta.value / effect if effect else float("nan")))
+                                       relative_increase=delta.value / base.value))
     report.matched = matched_rows(report.doc_sums, report.doc_counts, report.rates, seeds, order)
     report.target = target_summary(report)
-    return report, predictors["predictor"]
+    return report, predictor
 
 
 def _train_summary(train: TrainingRows | None) -> dict[str, Any]:
@@ -272,30 +256,20 @@ def memory_summary(model: EngramLM, pred: SkipPredictor) -> dict[str, Any]:
     for layer, b in pred.nbytes().items():
         rows = int(sum(model.hasher.head_sizes(layer)))
         dim = model.config.engram.dim
-        out[str(layer)] = {**b, "rows": rows, "table_fp8_bytes": rows * (dim + dim // 32),
-                           "table_fp32_bytes": rows * dim * 4}
+        out[str(layer)] = {**b, "rows": rows, "table_fp8_bytes": rows * (dim + dim // 32)}
     return out
 
 
 def target_summary(report: SkipReport, min_skip: float = 0.30, max_increase: float = 0.01) -> str:
-    """Whether the predictor skips >= 30% of reads for <= 1% loss increase: the most it skips within 1% by the
-    point estimate, and by the upper end of the 95% interval."""
+    """Whether the predictor skips >= 30% of reads for <= 1% loss increase: the most it skips within 1%."""
     base = report.base_loss.value
-    pts = [p for p in report.curve if p.method == "predictor"]
-    best = max((p for p in pts if p.relative_increase <= max_increase), key=lambda p: p.rate, default=None)
-    sure = max((p for p in pts if p.delta.ci95[1] / base <= max_increase), key=lambda p: p.rate, default=None)
+    pts = [p for p in report.curve if p.method == "predictor" and p.relative_increase <= max_increase]
+    best = max(pts, key=lambda p: p.rate, default=None)
     if best is None:
         return "target not met: no predictor point stays within a 1% loss increase"
-    met = best.rate >= min_skip
-    text = (f"{'target met' if met else 'target not met'}: the predictor skips {best.rate:.0%} of reads "
-            f"for a {best.relative_increase:+.2%} loss increase (95% interval "
+    return (f"{'target met' if best.rate >= min_skip else 'target not met'}: the predictor skips {best.rate:.0%} of "
+            f"reads for a {best.relative_increase:+.2%} loss increase (95% interval "
             f"[{best.delta.ci95[0] / base:+.2%}, {best.delta.ci95[1] / base:+.2%}])")
-    if sure is not None and sure is not best:
-        text += (f"; with the whole interval within 1%: {sure.rate:.0%} of reads "
-                 f"({sure.relative_increase:+.2%}, up to {sure.delta.ci95[1] / base:+.2%})")
-    elif sure is None:
-        text += "; no point has its whole interval within 1%"
-    return text
 
 
 def matched_markdown(rows: list[MatchedRow]) -> str:
@@ -353,16 +327,13 @@ def plot(report: SkipReport, path: str) -> None:
     rows = report.matched
     x = [0.0] + [r.rate * 100 for r in rows]
     for m in rows[0].delta:
-        y = [0.0] + [r.delta[m].value for r in rows]
-        lo = [0.0] + [r.delta[m].value - r.delta[m].ci95[0] for r in rows]
-        hi = [0.0] + [r.delta[m].ci95[1] - r.delta[m].value for r in rows]
-        axes[0].errorbar(x, y, yerr=[lo, hi], marker="o", capsize=3, label=m)
+        est = [Estimate(0.0, [0.0, 0.0], 0)] + [r.delta[m] for r in rows]
+        axes[0].errorbar(x, [e.value for e in est], yerr=yerr(est), marker="o", capsize=3, label=m)
         if m == "random" and rows[0].random_spread:
             axes[0].fill_between(x, [0.0] + [r.random_spread[0] for r in rows],
                                  [0.0] + [r.random_spread[1] for r in rows], alpha=0.15, color="grey")
     d = [r.predictor_minus_best for r in rows]
-    axes[1].errorbar(x[1:], [e.value for e in d], yerr=[[e.value - e.ci95[0] for e in d],
-                                                        [e.ci95[1] - e.value for e in d]], marker="o", capsize=3)
+    axes[1].errorbar(x[1:], [e.value for e in d], yerr=yerr(d), marker="o", capsize=3)
     axes[1].axhline(0.0, color="grey", lw=0.8)
     axes[0].set_ylabel("held-out loss increase (nats/token)")
     axes[0].set_title(f"every read skipped: {report.off_loss.value - report.base_loss.value:+.4f} nats")
@@ -373,6 +344,3 @@ def plot(report: SkipReport, path: str) -> None:
     axes[0].legend()
     save_figure(fig, Path(path))
 
-
-__all__ = ["BASELINES", "FEATURE_SETS", "METHODS", "RATES", "check_settings", "matched_markdown", "matched_rows",
-           "seeds_markdown", "skip_losses", "skip_study", "spread_documents", "to_markdown", "plot"]

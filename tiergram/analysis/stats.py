@@ -1,5 +1,4 @@
-"""Bootstrap intervals for the study tools (per-document loss means, paired differences, rates) and the markdown
-the study reports print them in."""
+"""Bootstrap and over-seed intervals for the study tools, and the markdown the study reports print them in."""
 
 from __future__ import annotations
 
@@ -42,6 +41,36 @@ def mean_estimate(values: np.ndarray, seed: int = 0) -> Estimate:
     """Mean of per-unit values (e.g. exact-match 0/1 per task) with its bootstrap interval."""
     values = np.asarray(values, dtype=np.float64)
     return ratio_estimate(values, np.ones_like(values), seed)
+
+
+def seed_interval(values: list[float]) -> list[float] | None:
+    """Two-sided 95% t interval of the mean of per-seed values (None below 2 values)."""
+    from scipy import stats
+
+    if len(values) < 2:
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return [float(v.mean() - half), float(v.mean() + half)]
+
+
+def seed_delta(sums_a: list[np.ndarray], sums_b: list[np.ndarray],
+               counts: np.ndarray) -> tuple[Estimate, list[float], list[float] | None]:
+    """loss(b) - loss(a) over several models (seeds) scored on the same units: of the model-mean per-unit sums (unit
+    bootstrap), per model, and the t interval over models."""
+    per = [float((b.sum() - a.sum()) / counts.sum()) for a, b in zip(sums_a, sums_b, strict=True)]
+    return paired_ratio_delta(np.mean(sums_a, 0), np.mean(sums_b, 0), counts), per, seed_interval(per)
+
+
+def seed_cells(delta: Estimate | dict[str, Any], per: list[float], ci: list[float] | None) -> str:
+    """The cells 'Δ [unit interval] | per-seed Δ | [t interval over seeds]' of a comparison over seeds."""
+    over = "–" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+    return f"{interval(delta)} | " + ", ".join(f"{v:+.4f}" for v in per) + f" | {over}"
+
+
+def yerr(est: list[Estimate]) -> np.ndarray:
+    """[2, n] error-bar lengths (below, above) of estimates, as matplotlib's errorbar takes them."""
+    return np.array([[e.value - e.ci95[0] for e in est], [e.ci95[1] - e.value for e in est]])
 
 
 def interval(e: Estimate | dict[str, Any], spec: str = "+.4f") -> str:

@@ -1,14 +1,10 @@
-"""Run a model over a corpus split and record, per position, each Engram layer's gates and row ids.
-
-The positions are those of the held-out evaluation (tiergram.model.evaluate): each document is
-<|endoftext|> + its tokens, cut into windows of max_seq inputs that each start a fresh sequence (so the
-n-grams at a window's first positions are left-padded with the pad id, exactly as the model hashes them).
-"""
+"""Run a model over a corpus split's evaluation windows (tiergram.model.evaluate) and record, per position, each
+Engram layer's gates and row ids; n-grams at a window's start are left-padded, as the model hashes them."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,27 +27,10 @@ def load_windows(model: EngramLM, corpus: str | os.PathLike, split: str, tokeniz
     return docs, make_windows(docs, model.config.max_seq)
 
 
-# ------------------------------------------------------------------------------------------ Engram hooks
-
-def masked_engram(engram: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor,
-                  keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Engram.forward with its output zeroed where keep [B, T] is False -> (out [B, T, hc, d], gates [B, T, hc]).
-
-    A switched-off position contributes no value to the short conv and gets no output, which is what
-    skipping the layer at that position in a cached forward does (engram_enabled=False for a chunk).
-    """
-    value, gates = engram.gated_value(hidden, rows=rows)  # the module's own gate and value, before the conv
-    if keep is not None:
-        value = value * keep[:, :, None, None].to(value)
-    out = value if engram.short_conv is None else value + engram.short_conv(value)
-    if keep is not None:
-        out = out * keep[:, :, None, None].to(out)
-    return out, gates
-
-
 @dataclass
 class EngramHooks:
-    """Forward hooks on every Engram layer: record its gates, and zero its output where `keep` is False."""
+    """Record every Engram layer's gates, and zero its value and output where `keep` is False: a switched-off
+    position adds nothing to the short conv and the residual, as engram_enabled=False for a cached chunk does."""
 
     record: bool = True
     record_query: bool = False  # also keep each layer's gate query (the normalised hidden state)
@@ -62,32 +41,37 @@ class EngramHooks:
     @contextmanager
     def installed(self, model: EngramLM) -> Iterator[EngramHooks]:
         """Hooks in place for the duration of the block (full-sequence forwards only, no K/V cache)."""
-        handles = [model.blocks[layer].engram.register_forward_hook(self._hook(layer), with_kwargs=True)
-                   for layer in model.engram_layers]
+        handles = []
+        for layer in model.engram_layers:
+            engram = model.blocks[layer].engram
+            engram.gated_value = self._gated_value(layer, engram.gated_value)  # shadows the method until removed
+            if engram.short_conv is not None:
+                handles.append(engram.short_conv.register_forward_hook(self._conv_hook(layer)))
         try:
             yield self
         finally:
+            for layer in model.engram_layers:
+                del model.blocks[layer].engram.gated_value
             for h in handles:
                 h.remove()
 
-    def _hook(self, layer: int):
-        def hook(module, args, kwargs, output):
-            hidden = args[0] if args else kwargs["hidden"]
-            rows = kwargs.get("rows")
-            if rows is None:
-                rows = module.table(kwargs["row_ids"])
-            if self.record_query:
-                self.queries[layer] = torch.stack([module.norm2[i](hidden[:, :, i, :].to(module.value_proj.weight))
-                                                   for i in range(hidden.shape[2])], dim=2).detach()
-            keep = self.keep.get(layer)
-            if keep is None:
-                if self.record:
-                    self.gates[layer] = module.gates(hidden, rows=rows).detach()
-                return None
-            out, gates = masked_engram(module, hidden, rows, keep)
+    def _gated_value(self, layer: int, gated_value: Callable[..., tuple[torch.Tensor, torch.Tensor]]):
+        def wrapped(hidden: torch.Tensor, row_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+            value, gates = gated_value(hidden, row_ids, rows)
             if self.record:
                 self.gates[layer] = gates.detach()
-            return out
+            if self.record_query:
+                engram = gated_value.__self__
+                self.queries[layer] = torch.stack([engram.norm2[i](hidden[:, :, i, :].to(engram.value_proj.weight))
+                                                   for i in range(hidden.shape[2])], dim=2).detach()
+            keep = self.keep.get(layer)
+            return (value, gates) if keep is None else (value * keep[:, :, None, None].to(value), gates)
+        return wrapped
+
+    def _conv_hook(self, layer: int):
+        def hook(module, args, output):
+            keep = self.keep.get(layer)
+            return None if keep is None else output * keep[:, :, None, None].to(output)
         return hook
 
 

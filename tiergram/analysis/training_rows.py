@@ -1,11 +1,6 @@
-"""Per-row statistics of the training split, for skip baselines that need nothing from the evaluation text.
-
-Row ids are a pure function of the tokens, so how often the training run read each table row is recomputed by
-hashing the very windows it trained on: a run's WindowSampler is seeded by its train_config.json, and replaying it
-for the run's step count gives the same batches. A directory without its training settings falls back to a sample
-of the training split drawn the same way (`source` says which). The mean gate per row is measured with the trained
-model on the first `gate_tokens` of those windows (a forward pass per batch, so a sample).
-"""
+"""Per-row statistics of a model's training run, for skip baselines that need nothing from the evaluation text: row
+ids are a pure function of the tokens, so replaying the run's seeded WindowSampler for its step count recounts
+exactly the rows it read."""
 
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ from tiergram.model.model import EngramLM
 class TrainingRows:
     """Access counts and gate sums per flat table row (head offsets as the hasher's), per Engram layer."""
 
-    source: str  # how the windows were obtained: the run's replayed batches, or a sample
+    source: str  # which training batches were replayed
     tokens_counted: int  # training tokens hashed for the counts
     tokens_gated: int  # of those, tokens run through the model for the gates
     counts: dict[int, np.ndarray]  # layer -> int64 [rows]: reads of each row in the counted tokens
@@ -46,38 +41,31 @@ class TrainingRows:
         return ((s[flat] + shrink * prior) / (n[flat] + shrink)).mean(1)
 
 
-def training_windows(model_dir: str | os.PathLike, corpus: str | os.PathLike, max_seq: int,
-                     sample_tokens: int) -> tuple[WindowSampler, int, str]:
-    """(sampler, steps, source): the run's own batches when its settings are in model_dir, else a seeded sample."""
-    tokens = tokenize_split(corpus, "train", Path(corpus) / "tokenizer.json", progress=False)
+def training_windows(model_dir: str | os.PathLike, corpus: str | os.PathLike, max_seq: int
+                     ) -> tuple[WindowSampler, int, str]:
+    """(sampler, steps, source) replaying the batches of the `tiergram train` run in model_dir."""
     cfg_path, log_path = Path(model_dir) / "train_config.json", Path(model_dir) / "train_log.jsonl"
-    if cfg_path.is_file() and log_path.is_file():
-        cfg = json.loads(cfg_path.read_text())
-        rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
-        steps = max((int(r["step"]) for r in rows), default=0)
-        if steps:
-            sampler = WindowSampler(tokens, int(cfg["batch_size"]), max_seq, int(cfg["seed"]))
-            return sampler, steps, (f"replay of the training run's {steps} batches of {cfg['batch_size']} x {max_seq} "
-                                    f"tokens (seed {cfg['seed']})")
-    batch = 16
-    steps = max(1, -(-sample_tokens // (batch * max_seq)))
-    return (WindowSampler(tokens, batch, max_seq, 0), steps,
-            f"no training settings in the model directory: a sample of {steps} random training-split windows")
+    if not cfg_path.is_file() or not log_path.is_file():
+        raise ValueError(f"{model_dir} has no train_config.json and train_log.jsonl of a training run to replay "
+                         "(the train-rare and train-gate methods need them)")
+    cfg = json.loads(cfg_path.read_text())
+    steps = max((int(json.loads(line)["step"]) for line in log_path.read_text().splitlines() if line.strip()),
+                default=0)
+    tokens = tokenize_split(corpus, "train", Path(corpus) / "tokenizer.json", progress=False)
+    sampler = WindowSampler(tokens, int(cfg["batch_size"]), max_seq, int(cfg["seed"]))
+    return sampler, steps, (f"replay of the training run's {steps} batches of {cfg['batch_size']} x {max_seq} tokens "
+                            f"(seed {cfg['seed']})")
 
 
 @torch.no_grad()
 def training_rows(model: EngramLM, model_dir: str | os.PathLike, corpus: str | os.PathLike, *,
-                  gate_tokens: int = 131072, sample_tokens: int = 524288, progress: bool = False) -> TrainingRows:
+                  gate_tokens: int = 131072, progress: bool = False) -> TrainingRows:
     """Count every row read of the training windows; run the model over the first gate_tokens for mean gates."""
     from tqdm import tqdm
 
-    if not model.engram_layers:
-        raise ValueError("the model has no Engram layers")
-    if gate_tokens < 0:
-        raise ValueError(f"gate_tokens must be >= 0, got {gate_tokens}")
     model.eval()
     device = next(model.parameters()).device
-    sampler, steps, source = training_windows(model_dir, corpus, model.config.max_seq, sample_tokens)
+    sampler, steps, source = training_windows(model_dir, corpus, model.config.max_seq)
     size = {layer: int(sum(model.hasher.head_sizes(layer))) for layer in model.engram_layers}
     offsets = {layer: np.asarray(model.hasher.head_offsets(layer), dtype=np.int64) for layer in model.engram_layers}
     counts = {layer: np.zeros(n, dtype=np.int64) for layer, n in size.items()}

@@ -11,16 +11,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tiergram.cli.common import add_common
+from tiergram.cli.common import add_common, config_from
 from tiergram.cli.model import TIERS, _count, load_with_tokenizer
 
 
-def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) -> None:
-    p.add_argument("dir", help="model directory")
+def _split(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) -> None:
     p.add_argument("--split", default=split, choices=["validation", "test"], help=f"corpus split (default {split})")
     p.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"tokens per category {what} (0: the whole split; default {max_tokens})")
     p.add_argument("--batch-size", type=int, default=8)
+
+
+def _common(p: argparse.ArgumentParser, split: str, max_tokens: int, what: str) -> None:
+    p.add_argument("dir", help="model directory")
+    _split(p, split, max_tokens, what)
     p.add_argument("--tier", default="memory", choices=TIERS, help="where the tables are read from")
     _inputs_outputs(p, "write the full result as JSON")
 
@@ -33,6 +37,11 @@ def _inputs_outputs(p: argparse.ArgumentParser, json_help: str, plot_help: str |
     p.add_argument("--json", metavar="PATH", help=json_help)
     p.add_argument("--markdown", metavar="PATH", help="write the report as markdown (default: print it)")
     add_common(p, "--quiet")
+
+
+def _csv(kind: Callable[[str], Any]) -> Callable[[str], tuple]:
+    """An argparse type: comma-separated values, each converted by `kind`."""
+    return lambda text: tuple(kind(v.strip()) for v in text.split(",") if v.strip())
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,8 +58,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = sub.add_parser("ablate", help="Engram off in prefill only / decode only / both / neither: loss and "
                                       "stdlib doctest generation")
     _common(a, "test", 8192, "for the teacher-forced loss")
-    a.add_argument("--doctest-splits", default="validation,test",
-                   help="held-out splits the doctest tasks come from (default validation,test)")
     a.add_argument("--max-new", type=int, default=16, help="generated tokens per doctest task at most")
     a.add_argument("--no-generation", action="store_true", help="teacher-forced loss only")
     a.add_argument("--reroute", action="store_true",
@@ -70,17 +77,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(z, "--plot", plot="hexbin PNG of access count vs mean gate")
     z.set_defaults(func=cmd_analyze)
 
-    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces and compare it with "
-                                         "training-split baselines and random skipping at matched skip rates")
+    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces of the other held-out "
+                                         "split and compare it with training-run baselines and random skipping at "
+                                         "matched skip rates")
     _common(r, "test", 3072, "evaluated")
-    r.add_argument("--fit-split", default="validation", choices=["validation", "test"],
-                   help="split whose gate traces fit the predictor (default validation)")
     r.add_argument("--fit-tokens", type=int, default=8192, help="tokens per category to fit on (0: all)")
-    r.add_argument("--rates", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8",
+    r.add_argument("--rates", type=_csv(float), default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8",
                    help="skip rates: every method skips this share of the held-out positions' reads "
                         "(default 0.1,...,0.8)")
-    r.add_argument("--methods", default="predictor,train-rare,train-gate,random,oracle",
-                   help="predictor, sketch-only, oracle, train-rare, train-gate, random (comma separated; "
+    r.add_argument("--methods", type=_csv(str), default="predictor,train-rare,train-gate,random,oracle",
+                   help="predictor, oracle, train-rare, train-gate, random (comma separated; "
                         "default predictor,train-rare,train-gate,random,oracle)")
     r.add_argument("--doc-tokens", type=int, default=0,
                    help="evaluate at most this many tokens of each held-out document, so --max-tokens spreads over "
@@ -89,9 +95,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--train-gate-tokens", type=int, default=131072,
                    help="training tokens run through the model for the train-gate baseline's mean gates "
                         "(default 131072)")
-    r.add_argument("--train-sample-tokens", type=int, default=524288,
-                   help="training-split tokens counted when DIR has no train_config.json / train_log.jsonl to "
-                        "replay its training batches from (default 524288)")
     r.add_argument("--sketch-width", type=int, default=2**16, help="count-min sketch cells per row (power of 2)")
     r.add_argument("--save", metavar="PATH", help="write the fitted SkipPredictor (.npz)")
     add_common(r, "--plot", plot="matched-rate comparison PNG")
@@ -101,9 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                               "on the same tokens (heat map + JSON)")
     c.add_argument("a", help="model directory A (rows of the matrix)")
     c.add_argument("b", help="model directory B (columns), with the same tokenizer")
-    c.add_argument("--split", default="validation", choices=["validation", "test"])
-    c.add_argument("--max-tokens", type=int, default=8192, help="tokens per category (0: the whole split)")
-    c.add_argument("--batch-size", type=int, default=8)
+    _split(c, "validation", 8192, "compared")
     _inputs_outputs(c, "write the CKA matrix and alignment as JSON", "heat map PNG")
     c.set_defaults(func=cmd_compare_layers)
 
@@ -111,22 +112,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                 "Engram share swept; validation loss vs share (does a U appear?)")
     w.add_argument("--out", required=True, help="sweep folder: one run directory per model, sweep.json (finished "
                                                 "runs in it are reused, so an interrupted sweep continues)")
-    w.add_argument("--shares", default="0,20,40,60,80", help="Engram shares in percent (default 0,20,40,60,80)")
-    w.add_argument("--seeds", default="0", help="training seeds, comma separated (default 0)")
+    w.add_argument("--shares", type=_csv(lambda v: float(v) / 100), default="0,20,40,60,80",
+                   help="Engram shares in percent (default 0,20,40,60,80)")
+    w.add_argument("--seeds", type=_csv(int), default="0", help="training seeds, comma separated (default 0)")
     w.add_argument("--tokens", type=_count, default=262144, help="training tokens per model (default 262144)")
-    w.add_argument("--d-model", type=int, help="width (default 128)")
-    w.add_argument("--layers", type=int, help="blocks (default 4; MoE in all but block 0)")
-    w.add_argument("--max-seq", type=int, help="training context (default 128)")
-    w.add_argument("--experts", type=int, help="routed experts per MoE block at share 0: fixes the budget (default 16)")
-    w.add_argument("--expert-ffn", type=int, help="width of each routed expert (default 128)")
-    w.add_argument("--top-k", type=int, help="experts per token (default 2)")
-    w.add_argument("--batch-size", type=int, help="sequences per step (default 16)")
-    w.add_argument("--warmup-steps", type=int, help="default 20")
-    w.add_argument("--eval-tokens", type=int, help="validation tokens per category (default 16384)")
-    w.add_argument("--controls", default="", help="MoE-only controls (no Engram, each share's experts) to train "
-                                                  "too: tokens (same tokens), compute (tokens x the measured "
-                                                  "step-time ratio), or tokens,compute (default none)")
-    w.add_argument("--no-train", action="store_true", help="train nothing: report the finished runs in OUT")
+    w.add_argument("--d-model", type=int, default=128, help="width (default 128)")
+    w.add_argument("--layers", dest="n_layers", type=int, default=4, help="blocks (default 4; MoE in all but block 0)")
+    w.add_argument("--max-seq", type=int, default=128, help="training context (default 128)")
+    w.add_argument("--experts", dest="experts_at_zero", type=int, default=16,
+                   help="routed experts per MoE block at share 0: fixes the budget (default 16)")
+    w.add_argument("--expert-ffn", type=int, default=128, help="width of each routed expert (default 128)")
+    w.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    w.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    w.add_argument("--warmup-steps", type=int, default=20, help="default 20")
+    w.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per category (default 16384)")
+    w.add_argument("--controls", type=_csv(str), default="",
+                   help="MoE-only controls (no Engram, each share's experts) to train too: tokens (same tokens), "
+                        "compute (tokens x the measured step-time ratio), or tokens,compute (default none)")
+    w.add_argument("--no-train", dest="train", action="store_false",
+                   help="train nothing: report the finished runs in OUT")
     w.add_argument("--results", metavar="DIR", help="write the small result files (sweep, controls, engram-off, "
                                                     "equal-compute, power .json) to DIR")
     _inputs_outputs(w, "write the sweep as JSON (it is also in OUT/sweep.json)", "loss vs Engram share PNG")
@@ -143,6 +147,35 @@ def _load(args: argparse.Namespace):
     if not model.engram_layers:
         raise ValueError(f"{args.dir} has no Engram layers to study")
     return model, tokenizer, ensure_corpus(args.corpus, tokenizer=False, progress=not args.quiet)  # built if missing
+
+
+def _windows(model: Any, tokenizer: Any, corpus: Path, args: argparse.Namespace, tokens: int | None = None,
+             split: str | None = None) -> list[Any]:
+    """The evaluation windows of --split (or `split`), --max-tokens (or `tokens`) per category; 0: all."""
+    from tiergram.analysis.trace import load_windows
+
+    tokens = args.max_tokens if tokens is None else tokens
+    return load_windows(model, corpus, split or args.split, tokenizer, tokens or None)[1]
+
+
+def _trace(model: Any, windows: list[Any], args: argparse.Namespace, null: bool = False) -> Any:
+    """The gate trace of the model over windows; null: of a random-init model of its config and hashing (seeded by
+    --null-seed), the null of probe and analyze."""
+    import torch
+
+    from tiergram.analysis.trace import trace
+    from tiergram.model.model import EngramLM
+
+    if null:
+        torch.manual_seed(args.null_seed)
+        model = EngramLM(model.config, model.hasher).to(next(model.parameters()).device)
+    return trace(model, windows, batch_size=args.batch_size, progress=not args.quiet)
+
+
+def _nonnegative(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
 
 
 def _emit(args: argparse.Namespace, report: Any, markdown: str, draw: Callable[[str], Any] | None = None,
@@ -163,114 +196,79 @@ def _emit(args: argparse.Namespace, report: Any, markdown: str, draw: Callable[[
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    import torch
-
     from tiergram.analysis.probe import gate_evidence, probe, to_markdown
-    from tiergram.analysis.trace import load_windows, trace
-    from tiergram.model.model import EngramLM
 
-    if args.permutations < 0:
-        raise ValueError(f"--permutations must be >= 0, got {args.permutations}")
+    _nonnegative(args, "permutations")
     model, tokenizer, corpus = _load(args)
-    _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
-    tr = trace(model, windows, batch_size=args.batch_size, progress=not args.quiet)
+    windows = _windows(model, tokenizer, corpus, args)
+    tr = _trace(model, windows, args)
     report = probe(tr, tokenizer, model=str(args.dir), split=args.split, min_count=args.min_count, top=args.top)
     if args.permutations:
-        torch.manual_seed(args.null_seed)  # the null: the same config and hashing, weights as initialised
-        null = EngramLM(model.config, model.hasher).to(next(model.parameters()).device)
-        null_tr = trace(null, windows, batch_size=args.batch_size, progress=not args.quiet)
         report.evidence = {name: gate_evidence(t, min_count=args.min_count, permutations=args.permutations)
-                           for name, t in (("trained", tr), ("random-init", null_tr))}
+                           for name, t in (("trained", tr), ("random-init", _trace(model, windows, args, null=True)))}
     _emit(args, report, to_markdown(report))
     return 0
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from tiergram.analysis.ablate import ablate, to_markdown
+    from tiergram.analysis.ablate import ablate, reroute, reroute_markdown, to_markdown
     from tiergram.analysis.doctest_task import extract_tasks
-    from tiergram.analysis.trace import load_windows
 
     model, tokenizer, corpus = _load(args)
-    splits = [s for s in args.doctest_splits.split(",") if s]
+    tasks = [] if args.no_generation and not args.reroute else extract_tasks(corpus)
     if args.reroute:
-        from tiergram.analysis.ablate import reroute, reroute_markdown
-
-        tasks = extract_tasks(corpus, splits)
         report = reroute(model, tokenizer, tasks, batch_size=args.batch_size, model_name=str(args.dir),
                          progress=not args.quiet)
         markdown = reroute_markdown(report)
     else:
-        _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
-        tasks = [] if args.no_generation else extract_tasks(corpus, splits)
-        report = ablate(model, windows, tokenizer, tasks, model_name=str(args.dir), split=args.split,
-                        batch_size=args.batch_size, max_new=args.max_new, progress=not args.quiet)
+        report = ablate(model, _windows(model, tokenizer, corpus, args), tokenizer, tasks, model_name=str(args.dir),
+                        split=args.split, batch_size=args.batch_size, max_new=args.max_new, progress=not args.quiet)
         markdown = to_markdown(report)
     _emit(args, report, markdown, extra={"doctest_tasks": [vars(t) for t in tasks]})
     return 0
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    import torch
-
     from tiergram.analysis.capacity import analyze, plot, to_markdown
-    from tiergram.analysis.trace import load_windows, trace
-    from tiergram.model.model import EngramLM
 
-    if args.resamples < 0:
-        raise ValueError(f"--resamples must be >= 0, got {args.resamples}")
+    _nonnegative(args, "resamples")
     model, tokenizer, corpus = _load(args)
-    _, windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
-    tr = None
+    tr = null_tr = None
     if args.gate_tokens:
-        _, gate_windows = load_windows(model, corpus, args.split, tokenizer, args.gate_tokens)
-        tr = trace(model, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
-    null_tr = None
-    if tr is not None and args.resamples:
-        torch.manual_seed(args.null_seed)  # the null: the same config and hashing, weights as initialised
-        null = EngramLM(model.config, model.hasher).to(next(model.parameters()).device)
-        null_tr = trace(null, gate_windows, batch_size=args.batch_size, progress=not args.quiet)
-    report, points = analyze(model, windows, tr, model_name=str(args.dir), split=args.split, null=null_tr,
-                             resamples=args.resamples)
+        gate_windows = _windows(model, tokenizer, corpus, args, args.gate_tokens)
+        tr = _trace(model, gate_windows, args)
+        null_tr = _trace(model, gate_windows, args, null=True) if args.resamples else None
+    report, points = analyze(model, _windows(model, tokenizer, corpus, args), tr, model_name=str(args.dir),
+                             split=args.split, null=null_tr, resamples=args.resamples)
     _emit(args, report, to_markdown(report), (lambda path: plot(points, path)) if points else None)
     return 0
 
 
 def cmd_predictor(args: argparse.Namespace) -> int:
     from tiergram.analysis.skipping import check_settings, plot, skip_study, spread_documents, to_markdown
-    from tiergram.analysis.trace import load_windows, trace
+    from tiergram.analysis.trace import load_windows
     from tiergram.analysis.training_rows import training_rows
     from tiergram.model.evaluate import make_windows
 
-    try:
-        rates = tuple(float(v) for v in args.rates.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    if "predictor" not in methods:
-        methods = ("predictor", *methods)
+    rates, methods = args.rates, args.methods if "predictor" in args.methods else ("predictor", *args.methods)
     check_settings(rates, methods, args.random_seeds)  # before the model runs, not after the traces
-    if args.fit_split == args.split:
-        raise ValueError("--fit-split and --split must differ: the predictor is evaluated on held-out text")
-    if args.train_gate_tokens < 0 or args.doc_tokens < 0:
-        raise ValueError("--train-gate-tokens and --doc-tokens must be >= 0")
+    _nonnegative(args, "train_gate_tokens", "doc_tokens")
     model, tokenizer, corpus = _load(args)
     train = None
     if {"train-rare", "train-gate"} & set(methods):
-        train = training_rows(model, args.dir, corpus, gate_tokens=args.train_gate_tokens,
-                              sample_tokens=args.train_sample_tokens, progress=not args.quiet)
-    _, fit_windows = load_windows(model, corpus, args.fit_split, tokenizer, args.fit_tokens or None)
+        train = training_rows(model, args.dir, corpus, gate_tokens=args.train_gate_tokens, progress=not args.quiet)
+    fit_split = "validation" if args.split == "test" else "test"  # the predictor is evaluated on held-out text
     if args.doc_tokens:
         docs, _ = load_windows(model, corpus, args.split, tokenizer, None)
         eval_windows = make_windows(spread_documents(docs, args.doc_tokens, args.max_tokens or None),
                                     model.config.max_seq)
     else:
-        _, eval_windows = load_windows(model, corpus, args.split, tokenizer, args.max_tokens or None)
-    fit = trace(model, fit_windows, batch_size=args.batch_size, progress=not args.quiet)
-    held = trace(model, eval_windows, batch_size=args.batch_size, progress=not args.quiet)
-    report, predictor = skip_study(model, fit, held, train, rates=rates, methods=methods,
+        eval_windows = _windows(model, tokenizer, corpus, args)
+    fit = _trace(model, _windows(model, tokenizer, corpus, args, args.fit_tokens, fit_split), args)
+    report, predictor = skip_study(model, fit, _trace(model, eval_windows, args), train, rates=rates, methods=methods,
                                    random_seeds=args.random_seeds, batch_size=args.batch_size,
                                    sketch_width=args.sketch_width, model_name=str(args.dir),
-                                   fit_split=args.fit_split, eval_split=args.split, progress=not args.quiet)
+                                   fit_split=fit_split, eval_split=args.split, progress=not args.quiet)
     if args.save:
         predictor.save(args.save)
     _emit(args, report, to_markdown(report), lambda path: plot(report, path))
@@ -279,7 +277,6 @@ def cmd_predictor(args: argparse.Namespace) -> int:
 
 def cmd_compare_layers(args: argparse.Namespace) -> int:
     from tiergram.analysis.cka import compare_layers, plot, to_markdown
-    from tiergram.analysis.trace import load_windows
     from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.tiers.device import resolve_device
@@ -291,31 +288,18 @@ def cmd_compare_layers(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.a} and {args.b} must both have the same tokenizer.json (CKA compares the models on "
                          "the same tokens)")
     corpus = ensure_corpus(args.corpus, tokenizer=False, progress=not args.quiet)  # the text, built first if missing
-    _, windows = load_windows(a, corpus, args.split, tok_a, args.max_tokens or None)
-    result = compare_layers(a, b, windows, batch_size=args.batch_size, model_a=str(args.a), model_b=str(args.b),
-                            split=args.split, progress=not args.quiet)
+    result = compare_layers(a, b, _windows(a, tok_a, corpus, args), batch_size=args.batch_size, model_a=str(args.a),
+                            model_b=str(args.b), split=args.split, progress=not args.quiet)
     _emit(args, result, to_markdown(result), lambda path: plot(result, path))
     return 0
 
 
 def cmd_sweep_allocation(args: argparse.Namespace) -> int:
-    from tiergram.analysis.allocation import config_from_args, run_sweep
+    from tiergram.analysis.allocation import AllocationConfig, run_sweep
     from tiergram.analysis.allocation_report import build_report, plot, result_files, to_markdown
     from tiergram.model.checkpoint import write_json
 
-    try:
-        shares = tuple(float(v) / 100 for v in args.shares.split(",") if v.strip())
-        seeds = tuple(int(v) for v in args.seeds.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"--shares and --seeds take comma-separated numbers, got {args.shares!r}, {args.seeds!r}") \
-            from None
-    cfg = config_from_args(args.out, shares=shares, seeds=seeds, tokens=args.tokens, d_model=args.d_model,
-                           n_layers=args.layers, max_seq=args.max_seq, experts_at_zero=args.experts,
-                           expert_ffn=args.expert_ffn, top_k=args.top_k, batch_size=args.batch_size,
-                           warmup_steps=args.warmup_steps, eval_tokens=args.eval_tokens, corpus=args.corpus,
-                           device=args.device, controls=tuple(c.strip() for c in args.controls.split(",") if c.strip()),
-                           train=not args.no_train)
-    report = build_report(run_sweep(cfg, progress=not args.quiet))
+    report = build_report(run_sweep(config_from(AllocationConfig, args), progress=not args.quiet))
     write_json(Path(args.out) / "sweep.json", asdict(report))
     if args.results:
         Path(args.results).mkdir(parents=True, exist_ok=True)
