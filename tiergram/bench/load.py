@@ -1,6 +1,5 @@
-"""The load `tiergram bench serve` offers: held-out text cut into requests (one-shot requests, or multi-turn
-conversations over shared documents), and a closed loop of streaming HTTP clients (httpx, async) that replays it
-against a server and times every token."""
+"""`tiergram bench serve`'s load: held-out text cut into requests or conversations, and the closed loop of streaming
+HTTP clients that replays it and times every token."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ from tiergram.bench.common import stdlib_files
 
 def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
                  ) -> tuple[np.ndarray, str]:
-    """At least `need` tokens of held-out text (documents joined by <|endoftext|>), and where they came from.
-
-    source 'corpus' builds the corpus first when it is missing; 'auto' takes it only when it is built already."""
+    """At least `need` tokens of held-out text, documents joined by <|endoftext|>, and where they came from ('corpus'
+    builds a missing corpus; 'auto' takes it only when built)."""
     from tiergram.corpus import EOT, corpus_dir, ensure_corpus, load_split
 
     if source not in ("auto", "corpus", "stdlib"):
@@ -78,13 +76,8 @@ class Trace:
 
 
 class Conversations:
-    """Multi-turn sessions over shared contexts, the reuse a prefix cache serves.
-
-    `docs` documents of input_len tokens each are the shared contexts (a manual, a codebase, a long system
-    prompt); each session opens one of them (Zipf-like: document i with weight 1/(i+1)) and asks `turns`
-    questions of input_len/8 tokens; turn k's prompt is everything before it (the document, earlier questions and
-    the answers the server gave), its output output_len tokens. Questions and answers are the text that follows the
-    document, so every token is real held-out text."""
+    """Multi-turn sessions over `docs` shared documents of input_len tokens (document i with weight 1/(i+1)), each
+    asking `turns` questions of input_len/8 tokens; a turn's prompt is everything before it, all real text."""
 
     def __init__(self, tokens: np.ndarray, input_len: int, output_len: int, seed: int, turns: int = 4,
                  docs: int = 8) -> None:

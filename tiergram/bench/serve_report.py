@@ -48,7 +48,7 @@ def checks_text(res: SweepResult) -> str:
 
     if "host_vs_device" in ck:
         h = ck["host_vs_device"]
-        note = " (the device budget binds: compared where both ran)" if h["memory_binds"] else ""
+        note = " (the device budget binds: compared where both ran)" if ck.get("budget", {}).get("binds") else ""
         lines.append(f"  host >= {h['target']:.0%} of resident (device) at every concurrency{note}: "
                      f"{h['verdict'].upper()} [{rs(h['ratios'])}]")
         lines += rounds_lines(h)

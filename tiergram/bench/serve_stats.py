@@ -51,7 +51,6 @@ class Point:
     prompt_rows_timeouts: int = 0
     server_step_ms: float | None = None  # the engine's mean step, from its counters (None: no counters)
     steps_per_request: float | None = None  # steps x c / requests: c requests share each step
-    server_busy_share: float | None = None  # of the rounds' wall time, stepping
     prefix_hit_rate: float | None = None  # hit tokens / tokens that could hit (host: from the host K/V tier)
     prefix_host_hit_rate: float | None = None
     kv_host_wait_s: float = 0.0  # steps' wait for host K/V copies
@@ -139,7 +138,6 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  prompt_rows_timeouts=int(total("tiergram_engine_prompt_rows_timeouts_total")),
                  server_step_ms=round(1e3 * step_s / steps, 3) if steps > 0 else None,
                  steps_per_request=round(steps * concurrency / len(timings), 2) if steps > 0 and timings else None,
-                 server_busy_share=round(step_s / wall_s, 4) if steps > 0 and wall_s > 0 else None,
                  prefix_hit_rate=round(hits / queried, 4) if queried > 0 else None,
                  prefix_host_hit_rate=round(host_hits / queried, 4) if queried > 0 else None,
                  kv_host_wait_s=total("tiergram_kv_host_wait_seconds_total"))
@@ -238,8 +236,7 @@ def checks(res: SweepResult) -> dict[str, Any]:
     out: dict[str, Any] = {}
     limits = {p: s["concurrency_limit"] for p, s in res.servers.items()}
     if "device" in limits and "host" in limits:
-        out["host_vs_device"] = {**against(res, "host", "device", HOST_TARGET),
-                                 "memory_binds": limits["device"] < limits["host"]}
+        out["host_vs_device"] = against(res, "host", "device", HOST_TARGET)
         offloaded = [p.throughput_tok_s for p in res.points if p.placement == "host"]
         resident = [p.throughput_tok_s for p in res.points if p.placement == "device"]
         if offloaded and resident:

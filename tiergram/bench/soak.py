@@ -51,42 +51,28 @@ def answers_cleanly(url: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ fuzzing
 
-@dataclass
-class FuzzReport:
-    """Cases schemathesis sent, the statuses they got, and the checks that failed (each once)."""
-
-    cases: int = 0
-    statuses: dict[str, int] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-
-
-def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 60.0) -> FuzzReport:
+def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 60.0) -> dict[str, Any]:
     """schemathesis on every operation of /openapi.json, positive and negative cases, `examples` per operation and
-    mode: no 5xx, every answer as the schema documents it, schema-violating input rejected with 4xx."""
+    mode: no 5xx, every answer as the schema documents it, schema-violating input rejected with 4xx. Returns the
+    cases sent, the statuses they got and the checks that failed."""
     try:
         import schemathesis
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as hypothesis_seed
         from schemathesis import GenerationMode
-        from schemathesis.checks import (
-            content_type_conformance,
-            negative_data_rejection,
-            not_a_server_error,
-            response_schema_conformance,
-            status_code_conformance,
-        )
+        from schemathesis import checks as sc
     except ImportError as e:
         raise RuntimeError(f"API fuzzing needs schemathesis (pip install -e '.[dev]'): {e}") from None
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-              negative_data_rejection]
-    report = FuzzReport()
+    checks = [sc.not_a_server_error, sc.status_code_conformance, sc.content_type_conformance,
+              sc.response_schema_conformance, sc.negative_data_rejection]
+    report: dict[str, Any] = {"cases": 0, "statuses": {}, "failures": []}
     statuses: Counter = Counter()
     deadline = time.monotonic() + timeout_s
 
     def check(case: Any) -> None:
         response = case.call(base_url=url, timeout=60)
-        report.cases += 1
+        report["cases"] += 1
         statuses[str(response.status_code)] += 1
         case.validate_response(response, checks=checks)
 
@@ -96,7 +82,7 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
         except BaseException as e:  # noqa: BLE001 - a failed check (schemathesis raises an exception group)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            report.failures.append(f"{label}: {str(e).strip()[:600]}")
+            report["failures"].append(f"{label}: {str(e).strip()[:600]}")
 
     explicit = {  # valid requests of every shape, so each kind of answer is checked whatever the draw
         "/v1/completions": [{"prompt": PROMPT, "max_tokens": 3, "stream": stream, "stop": "\n",
@@ -123,7 +109,7 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
                     check(case)
 
             reported(f"{op.label} ({mode.value})", run)
-    report.statuses = dict(sorted(statuses.items()))
+    report["statuses"] = dict(sorted(statuses.items()))
     return report
 
 
@@ -589,7 +575,7 @@ def run(cfg: SoakConfig, progress: bool = True) -> dict[str, Any]:
         reference = greedy_tokens(url, [PROMPT], 4)[0][1]
         log(progress, f"fuzzing {url}/openapi.json with schemathesis ({cfg.fuzz_examples} cases per operation "
                        "and mode), then hostile requests")
-        res["fuzz"] = asdict(fuzz_api(url, examples=cfg.fuzz_examples, seed=cfg.seed, timeout_s=cfg.fuzz_timeout_s))
+        res["fuzz"] = fuzz_api(url, examples=cfg.fuzz_examples, seed=cfg.seed, timeout_s=cfg.fuzz_timeout_s)
         tried, statuses, failures = send_hostile(url, cfg.max_model_len)
         res["hostile"] = {"tried": tried, "statuses": statuses, "failures": failures,
                           "served_after": serves_normally(url, reference)}
@@ -614,44 +600,36 @@ def run(cfg: SoakConfig, progress: bool = True) -> dict[str, Any]:
         res["served_after_all"] = serves_normally(url, reference)
         res["load"]["server_5xx_total"] = sum(v for k, v in scrape(url).items()
                                               if k.startswith("tiergram_requests_total") and 'status="5' in k)
-    log(progress, "storage faults: a page corrupted on disk, then injected read faults (1% of pages, all pages)")
-    res["faults"] = storage_faults_subprocess(cfg, progress)
+    log(progress, "storage faults: injected read faults (1% of pages, all pages), then a page corrupted on disk")
+    res["faults"] = storage_faults(cfg.model_dir, fault_prompts(cfg.fault_prompts, cfg.seed), progress=progress)
     log(progress, "kill -9 under load, restart on the same tables")
     res["crash"] = crash_restart(cfg)
     return res
 
 
-def storage_faults_subprocess(cfg: SoakConfig, progress: bool) -> dict[str, Any]:
-    """A page corrupted on disk (subprocess servers), then storage_faults() (in-process: it needs the page readers)."""
-    prompts = fault_prompts(cfg.fault_prompts, cfg.seed)
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="tiergram-soak-") as tmp:
-        model = copy_export(Path(cfg.model_dir), Path(tmp) / "model")
-        with _server(cfg, model, "file") as server:
-            want = greedy_tokens(server.url, prompts, 4)
-        corrupt_page(*page_read_by(model, prompts[0]))
-        with _server(cfg, model, "file") as server:
-            got = greedy_tokens(server.url, prompts, 4)
-            health = httpx.get(f"{server.url}/health")
-            out["corrupt_page_on_disk"] = {**compare_to_reference(got, want), "requests": len(prompts),
-                                           "served_after": answers_cleanly(server.url),
-                                           "health_after": health.json().get("status"),
-                                           "engine_faults": health.json().get("faults")}
-    out.update(storage_faults(cfg.model_dir, prompts, progress=progress))
-    return out
-
-
-def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[float, ...] = (0.01, 1.0),
-                   progress: bool = False) -> dict[str, Any]:
-    """An in-process file server (no cache) with that share of every table's pages failing, for each rate: below 1
-    a transient bit flip on the next read and re-read (the checksum catches it), at 1 an I/O error on every read."""
+@contextmanager
+def _file_server(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+    """An in-process server of the file placement, no cache (every row from disk): (url, its engine)."""
     from tiergram.engine import EngineConfig, LLMEngine, Placement
     from tiergram.server import create_app, serve_in_thread
 
     engine = LLMEngine(EngineConfig(str(model_dir), Placement("file"), max_num_seqs=8))
-    out: dict[str, Any] = {}
     try:
         with serve_in_thread(create_app(engine)) as url:
+            yield url, engine
+    finally:
+        engine.close()
+
+
+def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[float, ...] = (0.01, 1.0),
+                   progress: bool = False) -> dict[str, Any]:
+    """File servers on a copy of the model: for each rate, that share of every table's pages failing (below 1 a
+    transient bit flip on the next read and re-read, which the checksum catches; at 1 an I/O error on every read),
+    then a page corrupted on disk."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tiergram-soak-") as tmp:
+        model = copy_export(Path(model_dir), Path(tmp) / "model")
+        with _file_server(model) as (url, engine):
             want = greedy_tokens(url, prompts, 4)
             rng = random.Random(0)
             for rate in rates:
@@ -671,8 +649,13 @@ def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[fl
                                              "engine_faults": health["faults"], "health": health["status"],
                                              "served_once_cleared": ok_after}
                 log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
-    finally:
-        engine.close()
+        corrupt_page(*page_read_by(model, prompts[0]))
+        with _file_server(model) as (url, _):
+            got = greedy_tokens(url, prompts, 4)
+            health = httpx.get(f"{url}/health").json()
+            out["corrupt_page_on_disk"] = {**compare_to_reference(got, want), "requests": len(prompts),
+                                           "served_after": answers_cleanly(url), "health_after": health["status"],
+                                           "engine_faults": health["faults"]}
     return out
 
 

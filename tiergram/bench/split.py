@@ -1,7 +1,5 @@
-"""`tiergram bench split SWEEP_JSON`: a `bench serve --workload conversations` sweep read as the split of one host
-budget between the Engram tables and the host K/V tier: per server its shares, per point throughput, TTFT p90,
-prefix hit rate, Engram stall and what binds; a table and a plot (docs/findings.md, "K/V and Engram in one host
-memory")."""
+"""`tiergram bench split SWEEP_JSON`: a conversations sweep read as the split of one host budget between the Engram
+tables and the host K/V tier, as a table and a plot (docs/findings.md, "K/V and Engram in one host memory")."""
 
 from __future__ import annotations
 
