@@ -1,5 +1,5 @@
-"""One of each thing: one device resolver, constants defined once (or mirrored and checked where the CLI must
-stay free of torch), every table file called .tgram."""
+"""One of each thing: one device resolver, constants defined once (named torch-free in tiergram.settings, checked
+against the modules that implement them), every table file called .tgram."""
 
 from __future__ import annotations
 
@@ -28,20 +28,19 @@ def test_auto_device_resolves_like_none() -> None:
 
 def test_constants_have_one_owner() -> None:
     """Imported from their owner, not copied."""
-    assert engine_config.FILE_MODES is file_tier.FILE_MODES
+    assert engine_config.FILE_MODES is settings.FILE_MODES and engine_config.PLACEMENTS is settings.PLACEMENTS
     assert gpu.HOST_TARGET is common.HOST_TARGET and serve_stats.HOST_TARGET is common.HOST_TARGET
     assert serve_stats.FILE_TARGET is common.FILE_TARGET
     assert cli_study.TIERS is cli_model.TIERS
 
 
-def test_cli_mirrors_agree_with_their_owners() -> None:
-    """The CLI keeps its choices torch-free; they must name only what the owners accept."""
-    assert set(cli_serve.PLACEMENTS) <= set(engine_config.PLACEMENT_KINDS)  # `serve` may offer fewer
-    assert set(serve_config.PLACEMENTS) <= set(engine_config.PLACEMENT_KINDS)  # so may `bench serve`
+def test_settings_names_agree_with_their_implementations() -> None:
+    """settings names codecs, file modes and cache policies torch-free (engine.config imports them); the modules
+    that implement them agree, and the CLI offers only what the owners accept."""
+    assert set(serve_config.PLACEMENTS) <= set(settings.PLACEMENTS)  # `bench serve` may offer fewer
     assert set(serve_config.DEFAULT_PLACEMENTS) <= set(serve_config.PLACEMENTS)
-    assert set(cli_serve.CACHE_POLICIES) == set(POLICIES)
+    assert set(settings.CACHE_POLICIES) == set(POLICIES)
     assert set(settings.CODECS) == set(CODEC_IDS) and set(settings.FILE_MODES) == set(file_tier.FILE_MODES)
-    assert set(settings.PLACEMENTS) == set(engine_config.PLACEMENT_KINDS)
     assert tuple(cli_model.TIERS) == tuple(checkpoint.TIERS)
 
 

@@ -388,7 +388,7 @@ def test_greedy_output_identical_across_placements(spread_model_dir):
 def test_serve_refuses_negative_torch_threads(model_dir):
     from tiergram.cli import main
 
-    with pytest.raises(SystemExit, match="--torch-threads: must be >= 0, got -1"):
+    with pytest.raises(SystemExit, match="--torch-threads: must be an integer >= 0, got -1"):
         main(["serve", str(model_dir), "--torch-threads", "-1"])
 
 

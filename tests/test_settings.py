@@ -103,12 +103,12 @@ def test_the_config_file_holds_every_setting_and_flags_override_it(model_dir, tm
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    ("[engine]\nmax_num_seqs = 0\n", r"serve.toml: \[engine\]: max_num_seqs: must be >= 1, got 0"),
+    ("[engine]\nmax_num_seqs = 0\n", r"serve.toml: \[engine\]: max_num_seqs: must be an integer >= 1, got 0"),
     ("[engine]\nmax_num_seqs = \"8\"\n", r"\[engine\]: max_num_seqs: expected an integer, got '8'"),
     ("[engine]\nplacement = \"ssd\"\n", r"\[engine\]: placement: 'ssd' is not one of device, host"),
     ("[engine]\nplacement = \"mooncake\"\n", r"\[engine\]: placement 'mooncake' needs mooncake_master"),
     ("[engine]\ncache_bytes = \"lots\"\n", r"\[engine\]: cache_bytes: expected a size like"),
-    ("[server]\nmax_stop = 0\n", r"\[server\]: max_stop: must be >= 1, got 0"),
+    ("[server]\nmax_stop = 0\n", r"\[server\]: max_stop: must be an integer >= 1, got 0"),
     ("[server]\nbody_timeout = 0\n", r"\[server\]: body_timeout: must be > 0"),
     ("[server]\nspeed = 1\n", r"\[server\]: unknown key 'speed'"),
     ("[cache]\nx = 1\n", r"unknown sections \['cache'\]"),
@@ -129,7 +129,7 @@ def test_a_bad_setting_is_one_line_from_the_command(model_dir, tmp_path, capsys)
 
     path = tmp_path / "serve.toml"
     path.write_text("[server]\nmax_reading = -1\n")
-    with pytest.raises(SystemExit, match=r"tiergram serve: error: .*serve.toml: \[server\]: max_reading: must be >= 1"):
+    with pytest.raises(SystemExit, match=r"tiergram serve: error: .*serve.toml: \[server\]: max_reading: must be an integer >= 1"):
         main(["serve", str(model_dir), "--config", str(path)])
     with pytest.raises(SystemExit, match=r"--engram-config: not valid JSON"):
         main(["serve", str(model_dir), "--engram-config", "{layers: 1}"])

@@ -1,17 +1,12 @@
-"""`tiergram serve`'s whole configuration as typed sections, from a TOML or JSON file, flags on top (docs/serving.md).
-
-[engine]: the engine and its table placement (every EngineConfig setting, and the process it runs in);
-[engram]: per-layer placement (`layers.N`: tier, cache bytes, policy, read-ahead), the same object `--engram-config`
-takes; [server]: the HTTP server, its edge and its request limits. Every key is checked against its type and range
-here, once, and an error names the file, the section and the key. Imports nothing heavy: `tiergram --help` and the
-`bench serve` client build these too.
-"""
+"""`tiergram serve`'s whole configuration as typed sections, from a TOML or JSON file, flags on top (docs/serving.md,
+"Configuration"). Imports nothing heavy: `tiergram --help` and the `bench serve` client build these too."""
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
 import json
+import numbers
 import os
 import types
 import typing
@@ -21,6 +16,7 @@ from typing import Any
 
 import tomllib
 
+# the names engine.config accepts too (defined here, torch-free, for the CLI and the config files)
 PLACEMENTS = ("device", "host", "file", "mooncake")
 CACHE_POLICIES = ("lru", "lookahead", "lfu")
 CODECS = ("fp8_e4m3", "bf16", "fp32", "int8")
@@ -29,6 +25,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # keys whose value is a byte count: an integer, or a size string like "512M"
 SIZE_KEYS = {"cache_bytes", "device_memory", "host_memory", "max_body_bytes"}
+SCALARS = {bool: ("true or false", bool), int: ("an integer", int), float: ("a number", (int, float)),
+           str: ("a string", str)}
 # keys that take one of a few names
 CHOICES = {"placement": PLACEMENTS, "tier": PLACEMENTS, "cache_policy": CACHE_POLICIES, "codec": CODECS,
            "file_mode": FILE_MODES, "log_level": LOG_LEVELS}
@@ -41,6 +39,11 @@ class ConfigError(ValueError):
     def __init__(self, message: str, key: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.key, self.detail = key, detail
+
+    @classmethod
+    def field(cls, obj: Any, key: str, detail: str) -> ConfigError:
+        """The error of obj's field `key` ("EngineConfig.max_waiting must be ...")."""
+        return cls(f"{type(obj).__name__}.{key} {detail}", key, detail)
 
 
 def byte_size(text: str | int) -> int:
@@ -73,9 +76,7 @@ class EngineSettings:
     hot_rows: str | None = None  # a hot-rows file: fill each cache with its table's most read rows at start
     device: str = "cpu"  # cpu, cuda, cuda:N or auto
     device_memory: int | None = None  # the device budget (None: CUDA's free memory; CPU: $TIERGRAM_DEVICE_BYTES, 2G)
-    # host memory the Engram tables and the host K/V tier may use in all (None: no limit); the K/V tier gets
-    # kv_host_fraction of it, the tables the rest, split evenly over the layers
-    host_memory: int | None = None
+    host_memory: int | None = None  # for the Engram tables and the host K/V tier in all (None: no limit)
     kv_host_fraction: float = 0.0
     prefix_caching: bool = True  # share the K/V blocks of a prompt's cached prefix (docs/engine.md)
     block_size: int = 16
@@ -87,15 +88,11 @@ class EngineSettings:
     engine_process: bool = False  # the engine in a process of its own
 
     def check(self) -> None:
-        _at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-        _at_least(self, 0, "max_waiting", "torch_threads")
-        _at_least(self, 1, "host_memory")
-        if not 0 <= self.kv_host_fraction < 1:
-            raise ValueError(f"must be in [0, 1), got {self.kv_host_fraction!r}", "kv_host_fraction")
-        if self.kv_host_fraction and self.host_memory is None:
-            raise ValueError("the host K/V tier takes this share of host_memory: set host_memory", "kv_host_fraction")
+        at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "host_memory")
+        at_least(self, 0, "max_waiting", "torch_threads")
+        check_kv_host(self, "host_memory")
         if self.placement == "mooncake" and not self.mooncake_master:
-            raise ValueError("placement 'mooncake' needs mooncake_master (HOST:PORT of the mooncake_master)")
+            raise ConfigError("placement 'mooncake' needs mooncake_master (HOST:PORT of the mooncake_master)")
 
 
 @dataclass
@@ -110,7 +107,7 @@ class LayerSettings:
 
     def check(self) -> None:
         if self.cache_bytes and self.tier not in ("file", "mooncake"):
-            raise ValueError(f"a {self.tier} layer holds its whole table: cache_bytes is for tiers file and mooncake")
+            raise ConfigError(f"a {self.tier} layer holds its whole table: cache_bytes is for tiers file and mooncake")
 
 
 @dataclass
@@ -149,12 +146,14 @@ class ServerSettings:
     max_temperature: float = 2.0  # as OpenAI's API
 
     def check(self) -> None:
-        _at_least(self, 1, "max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids",
-                  "max_messages", "unhealthy_after", "max_connections", "max_reading")
-        _at_least(self, 0, "port", "max_temperature")
+        at_least(self, 1, "max_body_bytes", "max_prompt_chars", "max_stop", "max_stop_chars", "max_stop_token_ids",
+                 "max_messages", "unhealthy_after", "max_connections", "max_reading")
+        at_least(self, 0, "port")
         for name in ("drain_timeout", "header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"must be > 0, got {getattr(self, name)!r}", name)
+                raise ConfigError.field(self, name, f"must be > 0, got {getattr(self, name)!r}")
+        if not self.max_temperature >= 0:
+            raise ConfigError.field(self, "max_temperature", f"must be >= 0, got {self.max_temperature!r}")
 
     def prompt_chars(self, max_model_len: int) -> int:
         """The prompt-text limit for a model of this context length."""
@@ -304,9 +303,8 @@ def section(cls: type, raw: Any, where: str, partial: bool = False) -> Any:
         raise ConfigError(f"{where}: {e}") from None
     try:
         obj.check()
-    except ValueError as e:
-        key = e.args[1] if len(e.args) > 1 else None
-        raise ConfigError(f"{where}: {key + ': ' if key else ''}{e.args[0]}", key, e.args[0]) from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e.key}: {e.detail}" if e.key else f"{where}: {e}", e.key, e.detail) from None
     return obj
 
 
@@ -319,38 +317,38 @@ def convert(key: str, hint: Any, value: Any) -> Any:
         hint = next(a for a in args if a is not type(None))
     if key in SIZE_KEYS:
         return byte_size(value)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {value!r}")
-        if key in CHOICES and value not in CHOICES[key]:
-            raise ValueError(f"{value!r} is not one of {', '.join(CHOICES[key])}")
-        return value
     if typing.get_origin(hint) is list:
         if isinstance(value, str):  # "a, b" as from a flag
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ValueError(f"expected a list of strings, got {value!r}")
         return list(value)
-    raise ValueError(f"no conversion to {hint}")  # a field type this module does not know: a bug here
+    what, accepted = SCALARS[hint]
+    if not isinstance(value, accepted) or isinstance(value, bool) != (hint is bool):
+        raise ValueError(f"expected {what}, got {value!r}")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ValueError(f"{value!r} is not one of {', '.join(CHOICES[key])}")
+    return float(value) if hint is float else value
 
 
-def _at_least(obj: Any, low: int, *names: str) -> None:
+def at_least(obj: Any, low: int, *names: str) -> None:
+    """ConfigError for the first of obj's fields `names` that is set (not None) but not an integer >= low."""
     for name in names:
         value = getattr(obj, name)
-        if value is not None and value < low:
-            raise ValueError(f"must be >= {low}, got {value!r}", name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
+            raise ConfigError.field(obj, name, f"must be an integer >= {low}, got {value!r}")
+
+
+def check_kv_host(obj: Any, host_memory: str) -> None:
+    """ConfigError unless obj.kv_host_fraction lies in [0, 1), with the field `host_memory` and prefix caching set
+    when it is above 0 (the host K/V tier takes that share of host memory for cached prefix blocks)."""
+    f = obj.kv_host_fraction
+    if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
+        raise ConfigError.field(obj, "kv_host_fraction", f"must be a number in [0, 1), got {f!r}")
+    if f and getattr(obj, host_memory) is None:
+        raise ConfigError.field(obj, "kv_host_fraction", f"needs {host_memory}: the host K/V tier takes that share")
+    if f and not obj.prefix_caching:
+        raise ConfigError.field(obj, "kv_host_fraction", "needs prefix_caching: the host K/V tier keeps prefix blocks")
 
 
 def _drop_none(obj: Any) -> Any:

@@ -32,42 +32,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a TOML or JSON file of every setting: [engine], [engram], [server] (docs/serving.md, "
                         "\"Configuration\"); the options below override it")
     c.add_argument("--engram-config", default=None, metavar="JSON|FILE",
-                   help="per-layer placement, inline JSON or a file: {\"layers\": {\"1\": {\"tier\": \"host\"}, "
-                        "\"2\": {\"tier\": \"file\", \"cache_bytes\": \"64M\"}}} (keys: tier, cache_bytes, "
-                        "cache_policy, read_ahead; replaces the file's [engram])")
+                   help="per-layer placement, inline JSON or a file: {\"layers\": {\"1\": {\"tier\": \"host\"}, ...}} "
+                        "(replaces the file's [engram])")
     g = p.add_argument_group("engine")
     g.add_argument("--placement", default=None, choices=PLACEMENTS,
-                   help="where every layer's Engram table lives: device (resident), host (DRAM), file (SSD) or "
-                        "mooncake (Mooncake Store at --mooncake-master, docs/remote.md) (default: host)")
+                   help="where every layer's Engram table lives (default: host; mooncake: docs/remote.md)")
     g.add_argument("--mooncake-master", default=None, metavar="HOST:PORT",
                    help="the mooncake_master of the mooncake placement (each layer's table is pushed once)")
     g.add_argument("--cache-bytes", type=byte_size, default=None,
                    help="hot-row cache per layer of the file or mooncake placement, e.g. 64M")
     g.add_argument("--cache-policy", default=None, choices=CACHE_POLICIES, help="(default: lru)")
     g.add_argument("--hot-rows", default=None, metavar="PATH",
-                   help="a hot-rows file (tiergram hot-rows): fill the file or mooncake placement's cache with each "
-                        "table's most read rows at start, as many as it holds")
+                   help="a hot-rows file (tiergram hot-rows): fill each cache with its table's most read rows at start")
     g.add_argument("--device", default=None, help="compute device: cpu (default), cuda, cuda:1, ..., or auto (cuda "
                    "when available, else cpu)")
     g.add_argument("--device-memory", type=byte_size, default=None,
-                   help="device memory budget for weights, resident tables, activations and K/V, e.g. 4G "
-                        "(default: CUDA's free memory; on the CPU $TIERGRAM_DEVICE_BYTES or 2G)")
+                   help="device memory budget, e.g. 4G (default: CUDA's free memory; on the CPU 2G)")
     g.add_argument("--host-memory", type=byte_size, default=None,
-                   help="host memory the Engram tables and the host K/V tier may use in all, e.g. 4G: a host "
-                        "placement must fit the tables' share; a file placement's cache (unless --cache-bytes), "
-                        "staging and index are sized to it (default: no limit)")
+                   help="host memory the Engram tables and the host K/V tier may use in all, e.g. 4G (default: none)")
     g.add_argument("--kv-host-fraction", type=float, default=None, metavar="F",
-                   help="the share of --host-memory for K/V blocks evicted from the device, copied back on a "
-                        "prefix hit (default: 0, no host K/V tier; docs/engine.md)")
+                   help="the share of --host-memory for K/V blocks evicted from the device (default: 0, none)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch at most (default: 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in one step at most (default: 512)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--torch-threads", type=int, default=None,
-                   help="threads for torch's CPU ops (default 0: the CPUs less one, which leaves a core to the HTTP "
-                        "server and the Engram reads; on 2 cores one thread served 1.02-1.49x what two did at c <= 4)")
+                   help="threads for torch's CPU ops (default 0: the CPUs less one, a core left to the HTTP loop)")
     g.add_argument("--engine-process", action="store_true", default=None,
-                   help="run the engine in a process of its own instead of on a thread of the HTTP process: the two "
-                        "then share no GIL, and an engine that crashes leaves a server answering 503 (docs/serving.md)")
+                   help="the engine in a process of its own: no shared GIL; a crash leaves a server answering 503")
 
 
 def settings_of(args: argparse.Namespace) -> ServeSettings:
@@ -117,12 +108,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=None, help="port (default 8000; 0: a free one, printed when listening)")
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: the engine's)")
     s.add_argument("--api-key", default=None,
-                   help="a Bearer token every endpoint but the public paths (/health, /metrics) needs (default: "
-                        "$TIERGRAM_API_KEY; none: no key needed)")
+                   help="a Bearer token every endpoint but /health and /metrics needs (default: $TIERGRAM_API_KEY)")
     s.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated Host header names the server answers to, * for any (default: on a "
-                        "loopback bind localhost and loopback addresses only, so DNS rebinding is refused; on any "
-                        "other bind any)")
+                   help="comma-separated Host header names answered, * for any (default: loopback names on a loopback "
+                        "bind, else any)")
     s.add_argument("--log-level", default=None, choices=LOG_LEVELS, help="(default: info)")
     p.set_defaults(func=cmd_serve)
 

@@ -3,25 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiergram.cache import POLICIES
 from tiergram.engine.validate import check_max_tokens
-from tiergram.format import CODEC_IDS
-from tiergram.tiers.file import FILE_MODES
-
-PLACEMENT_KINDS = ("device", "host", "file", "mooncake")
+from tiergram.settings import CACHE_POLICIES, CODECS, FILE_MODES, PLACEMENTS, at_least, check_kv_host
 
 
 def serving_torch_threads(requested: int = 0) -> int:
-    """torch's CPU threads for an engine that serves: `requested`, or (0) the CPUs this process may run on less one.
-
-    The spare core is the HTTP loop's and the Engram read threads': on 2 cores one thread served 1.02-1.49x what
-    torch's own default (one per core) did at c = 1-4 and 0.90-1.16x at c = 8-16, at 0.68-0.92x the CPU per token
-    (docs/benchmarks.md, "Serving at scale")."""
+    """torch's CPU threads for an engine that serves: `requested`, or (0) the CPUs this process may run on less one
+    (the spare core is the HTTP loop's and the Engram reads'; docs/serving.md)."""
     if requested < 0:
         raise ValueError(f"torch threads must be >= 0, got {requested}")
     if requested:
@@ -41,8 +33,7 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed per request
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # replay: emit exactly these tokens (the model still runs every step and fetches their Engram rows);
-    # max_tokens becomes len(forced_tokens), and eos / stop tokens do not end the request
+    # replay: emit exactly these tokens (max_tokens becomes their count; eos and stop tokens do not end it)
     forced_tokens: list[int] | None = None
 
     def __post_init__(self) -> None:
@@ -61,7 +52,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        _int_at_least("top_k", self.top_k, 0)
+        at_least(self, 0, "top_k")
         if self.seed is not None and (isinstance(self.seed, bool) or int(self.seed) != self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if vocab_size is not None:
@@ -81,25 +72,19 @@ class Placement:
     codec: str = "fp8_e4m3"  # table file codec: fp32 | bf16 | int8 | fp8_e4m3
     file_mode: str = "direct"  # file only: direct (O_DIRECT) | buffered | mmap
     master: str = ""  # mooncake only: HOST:PORT of the mooncake_master holding the table (docs/remote.md)
-    # file / mooncake: read the rows of prompts about to be computed (and of each going-on sequence's next decode
-    # position) into the cache ahead of their step; off only to measure what it gives (docs/engine.md)
+    # file / mooncake: read rows into the cache ahead of their step; off only to measure it (docs/engine.md)
     read_ahead: bool = True
-    # host memory this layer's table may use (None: no limit): host, the whole table must fit; file / mooncake, the
-    # cache (sized from it unless cache_bytes is given), staging and index. EngineConfig.host_memory_bytes splits a
-    # server-wide budget evenly over the layers into this field.
+    # host memory this layer's table may use (None: no limit); EngineConfig.host_memory_bytes is split into it
     host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in PLACEMENT_KINDS:
-            raise ValueError(f"unknown placement kind {self.kind!r} (valid: {', '.join(PLACEMENT_KINDS)})")
-        if self.codec not in CODEC_IDS:
-            raise ValueError(f"unknown codec {self.codec!r} (valid: {', '.join(CODEC_IDS)})")
-        if self.cache_policy not in POLICIES:
-            raise ValueError(f"unknown cache policy {self.cache_policy!r} (valid: {', '.join(POLICIES)})")
-        if self.file_mode not in FILE_MODES:
-            raise ValueError(f"unknown file_mode {self.file_mode!r} (valid: {', '.join(FILE_MODES)})")
-        _int_at_least("cache_bytes", self.cache_bytes, 0)
-        _int_at_least("host_memory_bytes", self.host_memory_bytes, 1, optional=True)
+        for what, value, names in (("placement kind", self.kind, PLACEMENTS), ("codec", self.codec, CODECS),
+                                   ("cache policy", self.cache_policy, CACHE_POLICIES),
+                                   ("file_mode", self.file_mode, FILE_MODES)):
+            if value not in names:
+                raise ValueError(f"unknown {what} {value!r} (valid: {', '.join(names)})")
+        at_least(self, 0, "cache_bytes")
+        at_least(self, 1, "host_memory_bytes")
         if self.cache_bytes and self.kind not in ("file", "mooncake"):
             raise ValueError(f"a {self.kind} placement has the whole table in memory: cache_bytes applies to "
                              "placements 'file' and 'mooncake' only")
@@ -110,24 +95,12 @@ class Placement:
     @classmethod
     def from_any(cls, obj: Placement | str | dict[str, Any]) -> Placement:
         """A Placement from itself, a kind name ("host"), or a dict of its fields."""
-        if isinstance(obj, Placement):
-            return obj
-        if isinstance(obj, str):
-            return cls(kind=obj)
-        if isinstance(obj, dict):
-            return cls(**obj)
-        raise ValueError(f"a placement is a Placement, a kind name or a dict, got {type(obj).__name__}")
+        return obj if isinstance(obj, Placement) else cls(kind=obj) if isinstance(obj, str) else cls(**obj)
 
 
 @dataclass
 class DegradePolicy:
-    """Under I/O pressure skip Engram reads before letting steps stall (docs/engine.md, "Degrade policy").
-
-    The engine keeps a moving average of the exposed prefetch stall per step. At or over stall_bound_s it goes
-    to level 1 (decode positions read no rows: Engram-off there), and after window_steps more steps still over
-    it to level 2 (prefill positions the predictor marks useless are skipped too; needs predictor_path). Below
-    stall_bound_s * recover_factor for window_steps steps at a level, it steps back down one level.
-    """
+    """Under I/O pressure skip Engram reads before letting steps stall (docs/engine.md, "Degrade policy")."""
 
     stall_bound_s: float | None = None  # None: off (level 0 always); 0: always over
     window_steps: int = 8  # steps in the moving average, and the least steps spent at a level before leaving it
@@ -137,22 +110,11 @@ class DegradePolicy:
     def __post_init__(self) -> None:
         if self.stall_bound_s is not None and not self.stall_bound_s >= 0:
             raise ValueError(f"DegradePolicy.stall_bound_s must be >= 0 or None (off), got {self.stall_bound_s}")
-        _int_at_least("DegradePolicy.window_steps", self.window_steps, 1)
+        at_least(self, 1, "window_steps")
         if not 0 <= self.recover_factor <= 1:
             raise ValueError(f"DegradePolicy.recover_factor must lie in [0, 1], got {self.recover_factor}")
         if self.predictor_path is not None:
             self.predictor_path = str(self.predictor_path)
-
-    @classmethod
-    def from_any(cls, obj: DegradePolicy | dict[str, Any] | None) -> DegradePolicy:
-        """A DegradePolicy from itself, a dict of its fields, or None (off)."""
-        if obj is None:
-            return cls()
-        if isinstance(obj, DegradePolicy):
-            return obj
-        if isinstance(obj, dict):
-            return cls(**obj)
-        raise ValueError(f"degrade is a DegradePolicy, a dict or None, got {type(obj).__name__}")
 
 
 @dataclass
@@ -162,8 +124,7 @@ class EngineConfig:
     model_dir: str  # trained model directory (config.json, model.safetensors, tokenizer.json), or an exported one
     placement: Placement | dict[int, Placement]  # one for every Engram layer, or {layer: Placement}
     device: str = "cpu"
-    # the device budget: weights + device-placed tables + activations + KV cache must fit. None: on CUDA the
-    # free memory now (device_memory_budget()); on the CPU $TIERGRAM_DEVICE_BYTES, else DEFAULT_CPU_BYTES
+    # weights + device tables + activations + KV cache (None: CUDA's free memory; CPU: $TIERGRAM_DEVICE_BYTES, 2G)
     device_memory_bytes: int | None = None
     block_size: int = 16  # KV cache block, in tokens
     max_num_seqs: int = 64  # running sequences at most
@@ -173,14 +134,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
     eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
     degrade: DegradePolicy = field(default_factory=DegradePolicy)  # off unless degrade.stall_bound_s is set
-    # host memory the Engram tables and the host K/V tier may use in all (None: no limit). The K/V tier gets
-    # kv_host_fraction of it; the rest is split evenly over the Engram layers: a host placement must fit its share
-    # whole, a file placement's cache, staging and index are sized to fit it
+    # host memory the Engram tables and the host K/V tier may use in all (None: no limit; docs/engine.md)
     host_memory_bytes: int | None = None
     kv_host_fraction: float = 0.0  # of host_memory_bytes, for K/V blocks evicted from the device (0: no host tier)
     prefix_caching: bool = True  # share full K/V blocks between requests with the same prefix
-    # a hot-rows file (tiergram hot-rows): at start, each file / mooncake cache is filled with the table's most read
-    # rows, as many as it holds, so a fresh server starts with the hits a long-running one has (docs/engine.md)
+    # a hot-rows file (tiergram hot-rows): each file / mooncake cache starts full of its most read rows
     hot_rows: str | None = None
 
     def __post_init__(self) -> None:
@@ -191,21 +149,12 @@ class EngineConfig:
             self.placement = {int(k): Placement.from_any(v) for k, v in self.placement.items()}
         else:
             self.placement = Placement.from_any(self.placement)
-        self.degrade = DegradePolicy.from_any(self.degrade)
-        for name, low, optional in (("block_size", 1, False), ("max_num_seqs", 1, False),
-                                    ("max_num_batched_tokens", 1, False), ("max_waiting", 0, False),
-                                    ("max_model_len", 1, True), ("num_kv_blocks", 1, True),
-                                    ("host_memory_bytes", 1, True), ("device_memory_bytes", 0, True)):
-            _int_at_least(f"EngineConfig.{name}", getattr(self, name), low, optional)
-        f = self.kv_host_fraction
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
-            raise ValueError(f"EngineConfig.kv_host_fraction must be a number in [0, 1), got {f!r}")
-        if f > 0 and self.host_memory_bytes is None:
-            raise ValueError("EngineConfig.kv_host_fraction needs host_memory_bytes: the host K/V tier takes that "
-                             "fraction of it")
-        if f > 0 and not self.prefix_caching:
-            raise ValueError("EngineConfig.kv_host_fraction needs prefix_caching: the host K/V tier keeps cached "
-                             "prefix blocks")
+        if not isinstance(self.degrade, DegradePolicy):  # a dict of its fields, or None (off)
+            self.degrade = DegradePolicy(**(self.degrade or {}))
+        at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
+                 "host_memory_bytes")
+        at_least(self, 0, "max_waiting", "device_memory_bytes")
+        check_kv_host(self, "host_memory_bytes")
 
     @property
     def kv_host_bytes(self) -> int:
@@ -240,10 +189,3 @@ class EngineConfig:
         # a placement that names its own budget keeps it
         return {layer: p if p.host_memory_bytes is not None or p.kind == "device"
                 else dataclasses.replace(p, host_memory_bytes=share) for layer, p in placements.items()}
-
-def _int_at_least(name: str, value: Any, low: int, optional: bool = False) -> None:
-    """ValueError naming `name` unless value is an integer >= low (or None, when optional)."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}{' or None' if optional else ''}, got {value!r}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -382,19 +383,6 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def _admit(kind: str, request: Request) -> GenerationRequest:
-        """Read, validate and tokenize a generation request."""
-        body = _json(await _read_body(request, settings.max_body_bytes))
-        req = validate_request(kind, body, model_name=state.model_name, max_model_len=state.max_model_len,
-                               vocab_size=state.vocab_size, limits=settings)
-        if req.prompt_text is not None:
-            run = partial(tokenize, req, tok, max_model_len=state.max_model_len, vocab_size=state.vocab_size)
-            if len(req.prompt_text) > INLINE_TOKENIZE_CHARS:  # a long prompt would hold up every other request
-                await asyncio.to_thread(run)
-            else:
-                run()
-        return req
-
     async def generate(kind: str, request: Request) -> Response:
         arrival = time.perf_counter()
         if state.draining:
@@ -410,7 +398,15 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
             raise _refusal(state, e) from None
         state.reading += 1
         try:
-            req = await _admit(kind, request)
+            body = _json(await _read_body(request, settings.max_body_bytes))
+            req = validate_request(kind, body, model_name=state.model_name, max_model_len=state.max_model_len,
+                                   vocab_size=state.vocab_size, limits=settings)
+            if req.prompt_text is not None:
+                run = partial(tokenize, req, tok, max_model_len=state.max_model_len, vocab_size=state.vocab_size)
+                if len(req.prompt_text) > INLINE_TOKENIZE_CHARS:  # a long prompt would hold up every other request
+                    await asyncio.to_thread(run)
+                else:
+                    run()
         finally:
             state.reading -= 1
         state.in_flight += 1
@@ -443,35 +439,29 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
 
 # ------------------------------------------------------------------------------------------- running it
 
-def _draining_server_class() -> type:
+class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM drains (503 to new requests, in-flight ones finish) then exits 0."""
-    import uvicorn
 
-    class DrainingServer(uvicorn.Server):
-        def __init__(self, config: Any, state: ServerState, drain_timeout_s: float) -> None:
-            super().__init__(config)
-            self.state, self.drain_timeout_s = state, drain_timeout_s
+    def __init__(self, config: Any, state: ServerState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state, self.drain_timeout_s = state, drain_timeout_s
 
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if sig == signal.SIGTERM and not self.state.draining and not self.should_exit:
-                self.state.draining = True
-                threading.Thread(target=self._drain, name="tiergram-drain", daemon=True).start()
-                return
-            super().handle_exit(sig, frame)
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and not self.should_exit:
+            self.state.draining = True
+            threading.Thread(target=self._drain, name="tiergram-drain", daemon=True).start()
+            return
+        super().handle_exit(sig, frame)
 
-        def _drain(self) -> None:
-            deadline = time.monotonic() + self.drain_timeout_s
-            while self.state.in_flight > 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self.should_exit = True
-
-    return DrainingServer
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while self.state.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
 
 
-def uvicorn_config(app: FastAPI, **kw: Any) -> Any:
+def uvicorn_config(app: FastAPI, **kw: Any) -> uvicorn.Config:
     """uvicorn's Config for an app of create_app's: its own h11 protocol keeps the edge's deadlines and caps."""
-    import uvicorn
-
     state: ServerState = app.state.tiergram
 
     def count(delta: int) -> None:
@@ -496,8 +486,6 @@ def open_files_for(max_connections: int) -> int:
 def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[str]:
     """An app (create_app's) served by uvicorn in a daemon thread of this process on a free loopback port; yields
     its base URL, stops the server on exit (closing the engine is the caller's)."""
-    import uvicorn
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn_config(app, log_level="warning"))
@@ -538,7 +526,7 @@ def serve(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = N
     sock.listen(2048)  # connections queue from now on, answered once the app has started
     bound = sock.getsockname()[1]
     config = uvicorn_config(app, log_level=settings.log_level, timeout_keep_alive=30)
-    server = _draining_server_class()(config, app.state.tiergram, settings.drain_timeout)
+    server = DrainingServer(config, app.state.tiergram, settings.drain_timeout)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"tiergram serve: {app.state.tiergram.model_name} on http://{shown}:{bound}", flush=True)
     try:

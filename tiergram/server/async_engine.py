@@ -1,9 +1,5 @@
-"""AsyncEngine: one background thread steps an LLMEngine; asyncio handlers add requests and read outputs.
-
-Requests and aborts reach the engine thread through a thread-safe inbox; each request's outputs go to its stream:
-an asyncio.Queue fed through loop.call_soon_threadsafe here, a pipe to the HTTP process when the engine runs in a
-process of its own (engine_process.py). Only the engine thread touches the engine.
-"""
+"""AsyncEngine: one background thread steps an LLMEngine; asyncio handlers add requests and read outputs
+(docs/serving.md, "How it runs"). Only the engine thread touches the engine."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from tiergram import _native
 from tiergram.engine import LLMEngine, QueueFullError, SamplingParams
@@ -31,19 +27,10 @@ class EngineLoopError(RuntimeError):
     """The engine loop failed outside a step (a snapshot, an abort): the requests open then failed; it went on."""
 
 
-class Stream(Protocol):
-    """Where one request's acceptance and outputs go (called from the engine thread)."""
-
-    def accept(self, error: BaseException | None) -> None:
-        """The request was queued (error None) or refused (ValueError, QueueFullError, EngineDeadError)."""
-
-    def put(self, item: Any) -> None:
-        """One RequestOutput, or the exception that ends the request."""
-
-
 @dataclass
 class AsyncioStream:
-    """A request's stream into an asyncio event loop: the acceptance future and the output queue."""
+    """A request's stream into an asyncio event loop: the acceptance future and the output queue (the engine thread
+    calls a stream's accept(error or None) once, then put(RequestOutput or the exception that ends it))."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -96,7 +83,7 @@ class AsyncEngine:
         self.on_update = on_update  # called on the engine thread after each round of deliveries (and at the end)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, Stream] = {}  # engine thread only
+        self._streams: dict[str, Any] = {}  # engine thread only
         self._stopping = False
         self._closed = False  # set (under _lock) once the engine thread refuses new work
         self._lock = threading.Lock()
@@ -137,7 +124,7 @@ class AsyncEngine:
         self.submit(request_id, prompt_token_ids, params, stream)
         return await accepted(stream, lambda: self.abort(request_id))
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: Stream) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: Any) -> None:
         """Queue a request for the engine thread, which calls stream.accept once it is applied; raises
         QueueFullError or EngineDeadError at once when it cannot be queued."""
         self.check_capacity()  # a request that will be refused costs nothing: no read-ahead

@@ -1,13 +1,5 @@
 """The server's edge: deadlines and caps on connections (an h11 protocol for uvicorn), and who may call (API key,
-Host and Origin checks, as ASGI middleware).
-
-What it allows is the [server] settings' (settings.ServerSettings). A connection's request must send its headers
-within `header_timeout` of its first byte (or of the connection's opening) and its body within `body_timeout` of its
-headers, a total deadline however the bytes trickle in; past
-either it is answered 408 and closed. Beyond `max_connections` open connections a new one is answered 503 with
-Retry-After and closed at once. The app caps the requests still reading their body or being tokenized
-(`max_reading`, 429 with Retry-After).
-"""
+Host and Origin checks, as ASGI middleware), as the [server] settings say (docs/serving.md, "Limits")."""
 
 from __future__ import annotations
 

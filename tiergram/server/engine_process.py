@@ -1,13 +1,4 @@
-"""EngineProcess: the engine in a process of its own (`tiergram serve --engine-process`), as vLLM V1's engine core.
-
-On a thread of the HTTP process, the engine's Python and the streaming of every token (JSON, SSE, detokenizing)
-take turns on one GIL; in a process of its own they do not, and an engine that dies (a native crash, the OOM
-killer) leaves an HTTP server that answers 503 naming the exit instead of no server. The engine process runs an
-AsyncEngine whose streams are a pipe; the HTTP process keeps AsyncEngine's interface (add, abort, check_capacity,
-snapshot, ...) and one reader thread that hands outputs to the requests' event loop. Measured on this project's
-2-core machine (docs/serving.md): no throughput change (0.89-1.14x the thread engine at c = 1-16, within the
-rounds' spread) -- there torch's threads on both cores, preempted by the HTTP loop's work in whichever process
-it runs, stretch the steps, not the GIL; it costs the HTTP process's own interpreter and torch import (~0.27 GiB).
+"""EngineProcess: the engine in a process of its own (`tiergram serve --engine-process`; docs/serving.md).
 
 Messages, HTTP -> engine: ("add", rid, prompt_ids, params), ("abort", rid), ("stop",).
 Engine -> HTTP: ("ready", info) or ("failed", text) once; then ("accepted", rid, error or None) per add and
@@ -212,11 +203,6 @@ class EngineProcess:
         return msg[1]
 
     # -- what the HTTP side reads
-
-    @property
-    def pid(self) -> int | None:
-        """The engine process's pid."""
-        return self._proc.pid
 
     @property
     def alive(self) -> bool:

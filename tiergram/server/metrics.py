@@ -26,13 +26,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 
 class ServerMetrics(Collector):
-    """Request-level metrics of the HTTP server (thread-safe) and the rendering of /metrics.
-
-    Each ServerMetrics has its own registry, so several servers in one process (tests) do not share counters.
-    `state()` returns what the HTTP side knows now: (engine snapshot, in_flight, draining, (open connections,
-    requests reading, requests holding engine state));
-    `engine_cpu()`, when the engine runs in a process of its own, that process's CPU seconds.
-    """
+    """Request-level metrics of the HTTP server and /metrics, in a registry of its own (`state()`: what the HTTP
+    side knows now; `engine_cpu()`: the engine process's CPU seconds, when it has one)."""
 
     def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int, int]]] | None = None,
                  engine_cpu: Callable[[], float] | None = None) -> None:
@@ -101,29 +96,31 @@ def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, help_, value=float(value or 0))
 
 
+# (family, the snapshot's dict, the key in it, help): exported as tiergram_engram_KEY (engram) or tiergram_KEY
+DICT_METRICS = (
+    (_gauge, "engram", "cache_hit_rate", "Hit rate of the Engram hot-row cache since start."),
+    (_gauge, "budget", "kv_blocks_affordable", "K/V blocks the device budget could buy."),
+    (_gauge, "budget", "device_table_bytes", "Engram table bytes resident in device memory."),
+    (_counter, "engram", "cache_hits", "Engram hot-row cache hits."),
+    (_counter, "engram", "cache_probes", "Engram hot-row cache probes (hits + misses)."),
+    (_counter, "engram", "pages_read", "Table pages read from storage."),
+    (_counter, "engram", "pages_first_read", "Table pages read from storage for the first time since the server "
+     "started (the rest are re-reads, which a cache under the disk may hold)."),
+    (_counter, "engram", "pages_stalled", "Table page reads an io_uring call gave up on after no read completed "
+     "for the stall timeout, cancelled and re-read with pread."),
+)
+
+
 def engine_metrics(m: Any) -> Iterator[Any]:
     """Metric families of an EngineMetrics snapshot: its fields named for export, and what its dicts hold."""
     for f in dataclasses.fields(m):
         if "prometheus" in f.metadata:
             kind, name, help_ = f.metadata["prometheus"]
             yield (_gauge if kind == "gauge" else _counter)(name, help_, getattr(m, f.name))
-    engram = m.engram or {}
-    budget = m.budget or {}
-    yield _gauge("tiergram_engram_cache_hit_rate", "Hit rate of the Engram hot-row cache since start.",
-                 engram.get("cache_hit_rate") or 0.0)
-    yield _gauge("tiergram_kv_blocks_affordable", "K/V blocks the device budget could buy.",
-                 budget.get("kv_blocks_affordable"))
-    yield _gauge("tiergram_device_table_bytes", "Engram table bytes resident in device memory.",
-                 budget.get("device_table_bytes"))
-    yield _counter("tiergram_engram_cache_hits", "Engram hot-row cache hits.", engram.get("cache_hits"))
-    yield _counter("tiergram_engram_cache_probes", "Engram hot-row cache probes (hits + misses).",
-                   engram.get("cache_probes"))
-    yield _counter("tiergram_engram_pages_read", "Table pages read from storage.", engram.get("pages_read"))
-    yield _counter("tiergram_engram_pages_first_read", "Table pages read from storage for the first time since the "
-                   "server started (the rest are re-reads, which a cache under the disk may hold).",
-                   engram.get("pages_first_read"))
-    yield _counter("tiergram_engram_pages_stalled", "Table page reads an io_uring call gave up on after no read "
-                   "completed for the stall timeout, cancelled and re-read with pread.", engram.get("pages_stalled"))
+    engram, budget = m.engram or {}, m.budget or {}
+    for kind, source, key, help_ in DICT_METRICS:
+        name = f"tiergram_engram_{key}" if source == "engram" else f"tiergram_{key}"
+        yield kind(name, help_, (engram if source == "engram" else budget).get(key))
     tiers = CounterMetricFamily("tiergram_engram_bytes_read", "Engram table bytes read, by tier.", labels=["tier"])
     for tier, n in sorted((engram.get("bytes_read") or {}).items()):
         tiers.add_metric([tier], float(n))

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
-from tiergram.server.protocol import CHAT_ROLES
+from tiergram.server.protocol import CHAT_ROLES, FIELDS, request_fields
 from tiergram.settings import ServerSettings
 
-INT64 = {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1}
 JSON_OBJECT = {"content": {"application/json": {"schema": {"type": "object"}}}}
 
 
@@ -19,14 +19,8 @@ def _ids(max_items: int, vocab_size: int, min_items: int = 0) -> dict[str, Any]:
 
 def _error_responses() -> dict[str, Any]:
     ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    return {str(code): {"description": what, **ref} for code, what in (
-        (400, "invalid request: a field, a limit, the prompt's length, a Host not allowed"),
-        (401, "an API key is needed (serve --api-key)"), (403, "a browser request from an origin not allowed"),
-        (404, "unknown model"), (408, "the request's headers or body did not arrive in time"),
-        (413, "the request body is too large"),
-        (429, "the waiting queue is full, or too many requests are being read (Retry-After)"),
-        (500, "the request failed in the engine (a table read, its sampling)"),
-        (503, "draining, too many connections (Retry-After), or the engine stopped"))}
+    return {str(code): {"description": HTTPStatus(code).phrase, **ref}  # when: docs/serving.md, "Errors"
+            for code in (400, 401, 403, 404, 408, 413, 429, 500, 503)}
 
 
 def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits: ServerSettings | None = None
@@ -38,45 +32,24 @@ def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits:
                       {"type": "array", "maxItems": lim.max_stop,
                        "items": {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars}}],
             "nullable": True}
-    common = {
-        "model": {"type": "string", "enum": [model_name]},
-        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len, "nullable": True},
-        "temperature": {"type": "number", "minimum": 0, "maximum": lim.max_temperature, "nullable": True},
-        "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
-        "top_k": {"type": "integer", "minimum": 0, "maximum": vocab_size, "nullable": True},
-        "seed": {**INT64, "nullable": True},
-        "stop": stop,
-        "stop_token_ids": {**_ids(lim.max_stop_token_ids, vocab_size), "nullable": True},
-        "ignore_eos": {"type": "boolean", "nullable": True},
-        "stream": {"type": "boolean", "nullable": True},
-        "stream_options": {"type": "object", "nullable": True, "additionalProperties": False,
-                           "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
-        "forced_tokens": {**_ids(max_model_len - 1, vocab_size, 1), "nullable": True},
-        "n": {"type": "integer", "enum": [1], "nullable": True},
-        "logprobs": {"type": "boolean", "enum": [False], "nullable": True},
-        "presence_penalty": {"type": "number", "enum": [0], "nullable": True},
-        "frequency_penalty": {"type": "number", "enum": [0], "nullable": True},
-        "user": {"type": "string", "nullable": True},
-    }
-    completion = {
-        "type": "object", "additionalProperties": False, "required": ["prompt"],
-        "properties": {**common,
-                       "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": chars},
-                                            _ids(max_model_len - 1, vocab_size, 1)]},
-                       "best_of": {"type": "integer", "enum": [1], "nullable": True},
-                       "echo": {"type": "boolean", "enum": [False], "nullable": True}},
-    }
+    fields = {name: {**schema, "nullable": True} for name, schema in
+              request_fields(max_model_len, vocab_size, lim).items()}
+    fields |= {"model": {"type": "string", "enum": [model_name]}, "stop": stop,
+               "stop_token_ids": {**_ids(lim.max_stop_token_ids, vocab_size), "nullable": True},
+               "stream_options": {"type": "object", "nullable": True, "additionalProperties": False,
+                                  "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
+               "forced_tokens": {**_ids(max_model_len - 1, vocab_size, 1), "nullable": True},
+               "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": chars},
+                                    _ids(max_model_len - 1, vocab_size, 1)]}}
+    completion = {"type": "object", "additionalProperties": False, "required": ["prompt"],
+                  "properties": {k: v for k, v in fields.items() if k in FIELDS["completion"]}}
     message = {"type": "object", "additionalProperties": False, "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
                               "content": {"type": "string", "maxLength": chars},
                               "name": {"type": "string", "nullable": True}}}
-    chat = {
-        "type": "object", "additionalProperties": False, "required": ["messages"],
-        "properties": {**common,
-                       "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": lim.max_messages},
-                       "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len,
-                                                 "nullable": True}},
-    }
+    fields["messages"] = {"type": "array", "items": message, "minItems": 1, "maxItems": lim.max_messages}
+    chat = {"type": "object", "additionalProperties": False, "required": ["messages"],
+            "properties": {k: v for k, v in fields.items() if k in FIELDS["chat"]}}
     choice = {"type": "object", "required": ["index", "finish_reason"],
               "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
                              "token_ids": {"type": "array", "items": {"type": "integer"}},

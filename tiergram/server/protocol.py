@@ -1,14 +1,5 @@
-"""OpenAI-compatible request parsing and validation, the chat template, and response objects.
-
-Request bodies are parsed by hand (not by pydantic) so every bad field gets an OpenAI-shaped error:
-`{"error": {"message", "type", "param", "code"}}`. tiergram extensions in a request body:
-  prompt_token_ids: [ids]   the prompt as token ids (completions; `prompt` may also be a list of ids)
-  forced_tokens: [ids]      the output is these tokens, in order (replaying a trace); sampling resumes after
-  top_k: int                sample among the k most likely tokens (0: all)
-  stop_token_ids: [ids]     stop at any of these tokens
-  ignore_eos: bool          do not stop at the end-of-text token
-Responses carry `token_ids` in each choice (and each streamed chunk) besides the text.
-"""
+"""OpenAI-compatible request validation (every bad field an OpenAI-shaped 400), the chat template, and response
+objects; the tiergram extensions are in docs/serving.md."""
 
 from __future__ import annotations
 
@@ -97,6 +88,8 @@ FIELDS = {"completion": COMMON_FIELDS | {"prompt", "prompt_token_ids", "best_of"
           "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}}
 MESSAGE_FIELDS = {"role", "content", "name"}
 INT64_MAX = 2**63 - 1
+BOOLEAN = {"type": "boolean", "default": False}
+TYPES = {"integer": int, "number": (int, float), "boolean": bool, "string": str}
 
 
 def _text(value: str, param: str) -> str:
@@ -124,43 +117,41 @@ def _int_list(value: Any, param: str, max_len: int, vocab_size: int | None = Non
     return value
 
 
-def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float, *, open_lo: bool = False
-            ) -> float:
-    """An optional number field within [lo, hi] ((lo, hi] with open_lo)."""
-    value = body.get(name)
+def request_fields(max_model_len: int, vocab_size: int, limits: ServerSettings) -> dict[str, dict[str, Any]]:
+    """Each scalar request field's JSON schema: what validate_request enforces and /openapi.json publishes."""
+    tokens = {"type": "integer", "minimum": 1, "maximum": max_model_len}
+    return {
+        "model": {"type": "string"}, "user": {"type": "string"}, "max_tokens": tokens, "max_completion_tokens": tokens,
+        "temperature": {"type": "number", "minimum": 0, "maximum": limits.max_temperature, "default": 1.0},
+        "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "default": 1.0},
+        "top_k": {"type": "integer", "minimum": 0, "maximum": vocab_size, "default": 0},
+        "seed": {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
+        "ignore_eos": BOOLEAN, "stream": BOOLEAN,
+        # OpenAI options this server does not implement: refused unless neutral, rather than ignored
+        "n": {"type": "integer", "enum": [1]}, "best_of": {"type": "integer", "enum": [1]},
+        "echo": {"type": "boolean", "enum": [False]}, "logprobs": {"type": "boolean", "enum": [False]},
+        "presence_penalty": {"type": "number", "enum": [0]}, "frequency_penalty": {"type": "number", "enum": [0]},
+    }
+
+
+def _field(body: dict[str, Any], name: str, schema: dict[str, Any]) -> Any:
+    """body[name] checked against its schema (absent or null: the schema's default)."""
+    value, kind = body.get(name), schema["type"]
     if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(f"'{name}' must be a number, got {type(value).__name__}", name)
-    within = f"'{name}' must lie in {'(' if open_lo else '['}{lo:g}, {hi:g}]"
-    try:
-        value = float(value)
-    except OverflowError:  # an integer of hundreds of digits
-        raise bad(f"{within}, got an integer too large for a number", name) from None
-    if not (lo < value <= hi if open_lo else lo <= value <= hi):
-        raise bad(f"{within}, got {value!r}", name)
-    return value
-
-
-def _int(body: dict[str, Any], name: str, default: int | None, lo: int = -INT64_MAX - 1, hi: int = INT64_MAX
-         ) -> int | None:
-    """An optional integer field within [lo, hi]."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"'{name}' must be an integer, got {type(value).__name__}", name)
-    if not lo <= value <= hi:
-        raise bad(f"'{name}' must lie in [{lo}, {hi}], got {value}", name)
-    return value
-
-
-def _bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise bad(f"'{name}' must be a boolean", name)
+        return schema.get("default")
+    if not isinstance(value, TYPES[kind]) or isinstance(value, bool) != (kind == "boolean"):
+        raise bad(f"'{name}' must be of type {kind}, got {type(value).__name__}", name)
+    if kind == "number":
+        try:
+            value = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise bad(f"'{name}' is an integer too large for a number", name) from None
+    if value not in schema.get("enum", [value]):
+        raise bad(f"'{name}' is not supported (only {schema['enum'][0]})", name)
+    if "minimum" in schema:
+        lo, hi, open_lo = schema["minimum"], schema["maximum"], schema.get("exclusiveMinimum", False)
+        if not (lo < value if open_lo else lo <= value) or value > hi:
+            raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}", name)
     return value
 
 
@@ -233,20 +224,8 @@ def _unsupported(kind: str, body: dict[str, Any]) -> None:
     if unknown:
         raise bad(f"unknown field '{unknown[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
                   unknown[0])
-    if body.get("model") is not None and not isinstance(body["model"], str):
-        raise bad("'model' must be a string", "model")
-    _int(body, "n", 1, 1, 1)  # only one choice
-    _int(body, "best_of", 1, 1, 1)
-    if _bool(body, "echo"):
-        raise bad("echo is not supported", "echo")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad("logprobs are not supported", "logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0:
-            raise bad(f"{name} is not supported (only 0)", name)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("'user' must be a string", "user")
+    if body.get("top_logprobs") is not None:
+        raise bad("logprobs are not supported", "top_logprobs")
     if body.get("logit_bias") not in (None, {}):
         raise bad("logit_bias is not supported", "logit_bias")
     if body.get("suffix") not in (None, ""):
@@ -260,8 +239,10 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     limits = limits or ServerSettings()
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    model = body.get("model", model_name)
     _unsupported(kind, body)
+    values = {name: _field(body, name, schema)
+              for name, schema in request_fields(max_model_len, vocab_size, limits).items()}
+    model = body.get("model", model_name)
     if model is not None and model != model_name:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
@@ -271,36 +252,31 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
         raise bad(f"the prompt has {len(prompt)} characters, more than the {limits.prompt_chars(max_model_len)} "
                   "this server takes", "messages" if kind == "chat" else "prompt", "context_length_exceeded")
     # the output length is checked with the prompt's length, in set_prompt; errors name the field it came from
-    max_tokens, length_param = _int(body, "max_tokens", None), "max_tokens"
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_tokens, length_param = _int(body, "max_completion_tokens", None), "max_completion_tokens"
+    max_tokens, length_param = values["max_tokens"], "max_tokens"
+    if values["max_completion_tokens"] is not None:
+        max_tokens, length_param = values["max_completion_tokens"], "max_completion_tokens"
     forced = body.get("forced_tokens")
     if forced is not None:
         forced = _int_list(forced, "forced_tokens", max_model_len, vocab_size)
         if not forced:
             raise bad("'forced_tokens' is empty: give at least one token, or leave it out", "forced_tokens")
         max_tokens, length_param = len(forced), "forced_tokens"  # a replay produces exactly the forced tokens
-    temperature = _number(body, "temperature", 1.0, 0.0, limits.max_temperature)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True)
-    top_k = _int(body, "top_k", 0, 0, vocab_size)
-    seed = _int(body, "seed", None)
     stop_ids = body.get("stop_token_ids")  # (not `or []`: a falsy wrong type such as "" or 0 is refused too)
     stop_ids = [] if stop_ids is None else _int_list(stop_ids, "stop_token_ids", limits.max_stop_token_ids, vocab_size)
-    ignore_eos = _bool(body, "ignore_eos")
-    stream = _bool(body, "stream")
     options = body.get("stream_options")
     options = {} if options is None else options
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad("'stream_options' must be an object with at most 'include_usage'", "stream_options")
-    include_usage = _bool(options, "include_usage")
+    include_usage = _field(options, "include_usage", BOOLEAN)
     stop = _stop(body, limits)
     try:
-        params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                stop_token_ids=stop_ids, ignore_eos=ignore_eos, forced_tokens=forced)
+        params = SamplingParams(max_tokens=1, temperature=values["temperature"], top_p=values["top_p"],
+                                top_k=values["top_k"], seed=values["seed"], stop_token_ids=stop_ids,
+                                ignore_eos=values["ignore_eos"], forced_tokens=forced)
     except ValueError as e:
         raise bad(str(e)) from None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    req = GenerationRequest(kind=kind, model=model_name, prompt_token_ids=[], params=params, stream=stream,
+    req = GenerationRequest(kind=kind, model=model_name, prompt_token_ids=[], params=params, stream=values["stream"],
                             include_usage=include_usage, stop=stop, request_id=f"{prefix}-{uuid.uuid4().hex}",
                             created=int(time.time()), max_tokens=max_tokens, length_param=length_param)
     if isinstance(prompt, str):
