@@ -149,9 +149,9 @@ def test_readers_draw_pages_no_earlier_probe_or_round_chose(bench_home):
         assert look.segment(0.05).pages > 0
         assert not all(np.array_equal(x, y) for x, y in zip(first, look.batches, strict=True))
         threads.segment(0.02)
-        offsets = [list(o) for o in threads.offsets]
+        offsets = threads.offsets.copy()
         threads.segment(0.02)
-        assert offsets != threads.offsets
+        assert not np.array_equal(offsets, threads.offsets)
     finally:
         look.close()
         threads.close()

@@ -150,13 +150,7 @@ def host_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 
 def host_memory_bytes() -> int:
-    """MemTotal from /proc/meminfo (or the physical pages sysconf reports)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """MemTotal (what sysconf's physical pages count on Linux)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

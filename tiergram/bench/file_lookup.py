@@ -13,6 +13,7 @@ import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,46 +216,32 @@ class PythonThreads:
     """The baseline without a native reader: Python threads each calling os.preadv on an O_DIRECT fd."""
 
     def __init__(self, table: TableFile, n_threads: int) -> None:
-        self.table = table
+        self.table, self.n = table, n_threads
         self.fd = os.open(table.path, os.O_RDONLY | os.O_DIRECT)
-        self.n = n_threads
         self.bufs = [mmap.mmap(-1, table.manifest.page_size) for _ in range(n_threads)]  # page-aligned (O_DIRECT)
-        self.rngs = [np.random.default_rng() for _ in range(n_threads)]
-        self.pos = [0] * n_threads
+        self.rng = np.random.default_rng()
 
     def segment(self, seconds: float) -> Segment:
         m = self.table.manifest
         # new pages each segment (drawn before the clock starts): none an earlier segment read
-        self.offsets = [(self.table.data_offset + rng.integers(0, m.n_pages, 1 << 17) * m.page_size).tolist()
-                        for rng in self.rngs]
-        counts = [0] * self.n
-        errors: list[BaseException] = []
+        self.offsets = (self.table.data_offset + self.rng.integers(0, m.n_pages, (self.n, 1 << 17)) * m.page_size)
         start = threading.Barrier(self.n + 1)
-        stop = [0.0]
 
-        def work(i: int) -> None:
-            buf, offsets, k = self.bufs[i], self.offsets[i], self.pos[i]
+        def work(i: int) -> int:
+            buf, offsets, k = self.bufs[i], self.offsets[i].tolist(), 0
             start.wait()
-            try:
-                while time.perf_counter() < stop[0]:
-                    os.preadv(self.fd, [buf], offsets[k % len(offsets)])
-                    k += 1
-            except BaseException as e:  # noqa: BLE001 - re-raised after join
-                errors.append(e)
-            counts[i], self.pos[i] = k - self.pos[i], k
+            while time.perf_counter() < stop:
+                os.preadv(self.fd, [buf], offsets[k % len(offsets)])
+                k += 1
+            return k
 
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(self.n)]
-        for t in threads:
-            t.start()
-        t0, c0 = time.perf_counter(), time.process_time()
-        stop[0] = t0 + seconds
-        start.wait()
-        for t in threads:
-            t.join()
-        dt = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
-        return Segment(sum(counts), 0, dt, time.process_time() - c0)
+        with ThreadPoolExecutor(self.n) as pool:
+            counts = [pool.submit(work, i) for i in range(self.n)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            stop = t0 + seconds
+            start.wait()
+            pages = sum(f.result() for f in counts)
+            return Segment(pages, 0, time.perf_counter() - t0, time.process_time() - c0)
 
     def close(self) -> None:
         os.close(self.fd)

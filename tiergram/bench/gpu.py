@@ -1,11 +1,8 @@
 """`python -m tiergram.bench.gpu`: accelerator gather bandwidth against limits measured in the same run.
 
-Limits: pinned host -> device copy (the PCIe limit of a UVA gather) and device -> device copy (the HBM limit of a
-cache gather). Measured: the fused gather + dequant of fp8 D=256 rows from registered host memory (UVA), from a
-device-resident table, through the HBM row cache (all hits, and a mixed hit rate), the DeviceTable prefetch step,
-and end-to-end engine throughput with the tables resident, in pinned host memory and on file (the default model's
-geometry with random weights unless a trained model is given). `--device cpu --small` runs the same code as a
-smoke test.
+Limits: pinned H2D copy (for UVA gathers) and D2D copy (for HBM cache gathers); measured: the fused gather +
+dequant from UVA, resident and HBM-cache tables, the DeviceTable step and end-to-end engine throughput per placement
+(docs/accelerator.md). `--device cpu --small` runs the same code as a smoke test.
 """
 
 from __future__ import annotations
@@ -181,8 +178,7 @@ DECODE_PLACEMENTS = ("device", "host", "file")
 
 
 def default_model(root: Path, preset_name: str, seed: int) -> Path:
-    """The default model's geometry (the `small` preset `tiergram demo` trains) with random weights, saved to root:
-    serving speed does not depend on what the weights learnt, and the GPU machine has no corpus to train on."""
+    """The preset's geometry with random weights, saved to root (the GPU machine has no corpus to train on)."""
     from tiergram.model import EngramLM
     from tiergram.model.checkpoint import save_pretrained
     from tiergram.model.config import preset
@@ -192,11 +188,8 @@ def default_model(root: Path, preset_name: str, seed: int) -> Path:
 
 
 def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
-    """Engine tokens/s (prompt + output) of the same requests with the Engram tables resident (`device`), in pinned
-    host memory read by UVA (`host`), and on file behind an HBM cache of 10% of a table (`file`).
-
-    The model: --model / $TIERGRAM_MODEL when given, else the default geometry with random weights.
-    """
+    """Engine tokens/s of the same requests with the tables resident, in pinned host memory (UVA) and on file
+    behind a 10% HBM cache; the model --model / $TIERGRAM_MODEL names, else the preset with random weights."""
     from tiergram.bench.serve import layer_table_bytes
     from tiergram.engine import EngineConfig, LLMEngine, Placement, SamplingParams
 
@@ -239,11 +232,8 @@ def decode_throughput(cfg: GpuBenchConfig, dev: torch.device) -> dict:
 
 
 def run(cfg: GpuBenchConfig, progress: Callable[[dict], object] | None = None) -> dict:
-    """Every measurement; figures in GB/s (1e9 bytes/s) and ratios against the limits above.
-
-    A measurement that raises is reported as {"error": ...} (and under "errors") and the others still run;
-    `progress(report)` is called after each one, so a run stopped part way keeps what it measured.
-    """
+    """Every measurement (GB/s, ratios to the limits); one that raises is reported as {"error": ...} and the others
+    still run; `progress(report)` after each, so a run stopped part way keeps what it measured."""
     dev = resolve_device(cfg.device)
     report: dict = {"config": asdict(cfg), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "backend": pick_backend(dev, cfg.backend), "torch": torch.__version__, "errors": {}}

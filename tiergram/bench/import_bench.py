@@ -1,11 +1,8 @@
 """`tiergram bench import`: `tiergram import` of a V4.1-layout checkpoint against this disk's own copy rate.
 
-A synthetic checkpoint of the requested size is written first (tiergram.bench.v41_checkpoint: DeepSeek-V4.1's
-layout, random bytes, every byte on disk). Then, in rounds whose order alternates, the disk's copy limit — one
-thread reading the checkpoint's Engram tensors in 32 MiB requests, another writing them with O_DIRECT, fsync: the
-import's own I/O with none of its work per row — and the import itself, as a child process whose peak resident
-memory comes from wait4. The checkpoint is dropped from the page cache before each measured operation, so both
-read the disk.
+A synthetic checkpoint (`v41_checkpoint`) is written, then in rounds of alternating order, each after dropping it
+from the page cache, the disk copies its Engram tensors and `tiergram import` runs in a child process (its peak RSS
+from wait4). docs/benchmarks.md, "Importing DeepSeek-V4.1's tables".
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ from tiergram.format.writer import aligned_pages, free_bytes
 
 
 def copy_limit(ranges: list[TensorLocation], directory: Path) -> float:
-    """Bytes/s of copying the byte ranges (tensors) into a new file: buffered reads of 32 MiB in this thread,
-    O_DIRECT writes of the same blocks in another, fsync; the copy is removed."""
+    """Bytes/s of copying the tensors into a new file (removed after): 32 MiB buffered reads in this thread,
+    O_DIRECT writes in another, fsync: the import's own I/O with none of its work per row."""
     dst = directory / f".tiergram-copy-limit-{os.getpid()}"
     free: queue.Queue = queue.Queue()
     full: queue.Queue = queue.Queue()
@@ -162,10 +159,3 @@ def report(r: dict[str, Any]) -> str:
               f"peak RSS {rss:.0f} MiB, target <= 1024: {'PASS' if rss <= 1024 else 'FAIL'}",
               f"serve it: tiergram bench serve {r['model']} --placements host,file"]
     return "\n".join(lines)
-
-
-def main(gib: float, directory: Path, *, rounds: int = 2, as_json: bool = False, progress: bool = True) -> int:
-    """Run, print the report (or JSON); 0 when both targets are met."""
-    r = run(gib, directory, rounds=rounds, progress=progress)
-    print(json.dumps(r, indent=1) if as_json else report(r))
-    return 0 if r["ratio_median"] >= 0.8 and r["peak_rss_bytes"] <= 2**30 else 1

@@ -97,15 +97,9 @@ def _digest(rows: torch.Tensor) -> str:
 
 def open_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig) -> TieredTable:
     """The store `kind` names: host, file (O_DIRECT), file+cache (O_DIRECT + cache_fraction of the table)."""
-    dtype = getattr(torch, cfg.dtype)
-    if kind == "host":
-        return TieredTable(table.path, tier="host", dtype=dtype)
-    if kind == "file":
-        return TieredTable(table.path, tier="file", file_mode="direct", dtype=dtype)
-    if kind == "file+cache":
-        return TieredTable(table.path, tier="file", file_mode="direct", dtype=dtype, cache_policy=cfg.cache_policy,
-                           cache_bytes=int(cfg.cache_fraction * table.manifest.data_bytes))
-    raise ValueError(f"unknown store {kind!r} (valid: {', '.join(STORES)})")
+    cache = int(cfg.cache_fraction * table.manifest.data_bytes) if kind == "file+cache" else 0
+    return TieredTable(table.path, tier=kind.removesuffix("+cache"), dtype=getattr(torch, cfg.dtype),
+                       cache_policy=cfg.cache_policy, cache_bytes=cache)
 
 
 def run_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig, warm: list[np.ndarray],

@@ -1,22 +1,17 @@
 """`tiergram bench table`: creating, verifying and opening a large table against this disk's sequential limits.
 
-The limits are measured in the same run, around the measured operations (write limits, create, read limit, verify,
-open, then all limits again): a plain O_DIRECT writer of the table's size — of zeros (what `dd if=/dev/zero
-oflag=direct bs=32M` does) and of random bytes (a virtual disk may write zeros faster than data: QEMU's
-detect-zeroes turns them into cheap write-zeroes; the table is data) — and a plain O_DIRECT sequential reader of the
-table file, with no checksum. Every byte is real: the limit files and the table are written, never truncated into
-holes. The create's and verify's CPU seconds per GiB are reported: on a shared 2-core machine they decide how near
-the disk's rate the CPU lets them come.
+The limits (plain O_DIRECT writes of random bytes and of zeros, as `dd` writes, and a plain O_DIRECT read of the
+table) are measured before and after the operations, every byte written for real (docs/benchmarks.md, "Opening,
+creating and verifying large tables").
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -169,11 +164,3 @@ def report(r: TableIOResult) -> str:
         f"  TieredTable(tier='file') open           {r.open_s * 1e3:6.1f} ms, read {r.open_read_bytes:,} B, "
         f"RSS +{r.open_rss_bytes / 2**20:.1f} MiB",
     ])
-
-
-def main(table_gib: float, directory: Path, *, as_json: bool = False, progress: bool = True,
-         keep: bool = False) -> int:
-    """Run, print the report (or JSON); the table is removed unless keep."""
-    r = run(table_gib, directory, progress=progress and not as_json, keep=keep)
-    print(json.dumps(asdict(r)) if as_json else report(r))
-    return 0

@@ -1,11 +1,8 @@
 """A synthetic checkpoint in DeepSeek-V4.1's published layout, for `tiergram import` tests and its benchmark.
 
-config.json (Engram fields under `text_config`, architecture DeepseekV41ForCausalLM), tokenizer.json, a
-`model.safetensors.index.json` and three shards; per Engram layer L `layers.L.engram.embed.weight` F8_E4M3
-[rows, head_dim] and `layers.L.engram.embed.scale` F8_E8M0 [rows, head_dim / 32], with each layer's weight and scale
-in different shards, as in the release. Rows per layer are the sum of the layer's head primes drawn above
-engram_vocab_size, as in the release. The bytes are random (finite fp8 codes, scales near 2^-7) and written at the
-disk's rate: every byte is on disk, no file is sparse.
+Per Engram layer L `layers.L.engram.embed.weight` F8_E4M3 [rows, head_dim] and `.scale` F8_E8M0 [rows,
+head_dim / 32] in different shards, rows the sum of the layer's head primes, as in the release
+(docs/deepseek-v4.1.md); random bytes (finite fp8 codes, scales near 2^-7), every one written: no file is sparse.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -263,16 +264,18 @@ def cmd_table(args: argparse.Namespace) -> int:
     from tiergram.bench import table_io
     from tiergram.paths import cache_dir
 
-    directory = Path(args.dir) if args.dir else cache_dir("bench")
-    return table_io.main(args.table_gib, directory, as_json=args.json, keep=args.keep)
+    r = table_io.run(args.table_gib, Path(args.dir or cache_dir("bench")), progress=not args.json, keep=args.keep)
+    print(json.dumps(dataclasses.asdict(r)) if args.json else table_io.report(r))
+    return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
     from tiergram.bench import import_bench
     from tiergram.paths import cache_dir
 
-    directory = Path(args.dir) if args.dir else cache_dir("bench-import")
-    return import_bench.main(args.gib, directory, rounds=args.rounds, as_json=args.json)
+    r = import_bench.run(args.gib, Path(args.dir or cache_dir("bench-import")), rounds=args.rounds)
+    print(json.dumps(r, indent=1) if args.json else import_bench.report(r))
+    return 0 if r["ratio_median"] >= 0.8 and r["peak_rss_bytes"] <= 2**30 else 1
 
 
 # the [engine] keys of `bench serve --config` that are SweepConfig fields (the planner reads them from the sweep)
