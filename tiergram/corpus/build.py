@@ -74,12 +74,11 @@ def _is_current(out: Path, params: dict) -> bool:
     """Whether a complete corpus built with `params` is already at `out`."""
     try:
         manifest = read_manifest(out)
-    except (CorpusError, ValueError):
+    except ValueError:  # no manifest (CorpusError) or a broken one
         return False
-    if manifest.get("params") != params:
-        return False
-    return all((out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["file_bytes"]
-               for s in manifest["splits"].values())
+    return manifest.get("params") == params and all(
+        (out / s["file"]).is_file() and (out / s["file"]).stat().st_size == s["file_bytes"]
+        for s in manifest["splits"].values())
 
 
 def _fetch_all(sources: list[Source], downloads: Path, progress: bool) -> tuple[dict, dict]:
