@@ -1,9 +1,5 @@
-"""Capacity accounting: which table rows a corpus touches, how often, from which kind of text; hotness vs gate.
-
-Access counts come from hashing alone (row ids depend only on token ids), so they can cover a whole split;
-mean gates per row come from a model trace (a subset). A row touched by several categories is shared
-between them in proportion to its accesses, so the touched-row shares, like the access shares, add up to 1.
-"""
+"""Capacity accounting (docs/findings.md section 3): which table rows a corpus touches, how often, from which kind of
+text (hashing alone, so a whole split), and how a row's read count relates to its mean gate (a model trace)."""
 
 from __future__ import annotations
 
@@ -28,14 +24,13 @@ class HeadCapacity:
     order: int
     rows: int
     touched: int
-    accesses: int
     never_touched_fraction: float
     top1pct_access_share: float  # share of this head's accesses that go to its hottest 1% of touched rows
 
 
 @dataclass
 class LayerCapacity:
-    """Touch statistics of one Engram layer's table, and hotness vs gate."""
+    """Touch statistics of one Engram layer's table."""
 
     layer: int
     rows: int
@@ -43,15 +38,8 @@ class LayerCapacity:
     touched: int
     never_touched_fraction: float
     access_share: dict[str, float]  # category -> share of accesses (sums to 1)
-    touched_row_share: dict[str, float]  # category -> share of touched rows, shared rows split (sums to 1)
-    exclusive_rows: dict[str, int]  # category -> rows touched by that category only
-    rows_per_1k_accesses: dict[str, float]  # category -> distinct rows it touches per 1000 of its accesses
     shared_rows: int  # rows touched by more than one category
     hot_access_share: dict[str, float]  # "top 1%"/"top 10%" of touched rows -> share of accesses
-    gate_rows: int  # rows with at least one gate observation
-    spearman_count_gate: float  # over rows with a gate observation
-    spearman_count_gate_min5: float  # over rows seen >= 5 times in the gate trace
-    spearman_by_order: dict[int, float]
     heads: list[HeadCapacity] = field(default_factory=list)
 
 
@@ -115,19 +103,15 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-@dataclass
-class RowGates:
-    """Per-row gate observations of one layer from a trace: sums and counts over the flat row space."""
-
-    gate_sum: np.ndarray
-    seen: np.ndarray
-
-
-def row_gates(tr: Trace, layer: int, offsets: np.ndarray, total_rows: int) -> RowGates:
-    """Sum of the gate (mean over branches) at every access of every row, and the number of accesses."""
+def row_mean_gate(tr: Trace, layer: int, offsets: np.ndarray, n_rows: int,
+                  weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(bool [rows]: read in the trace, mean gate (over branches) of those rows at their reads), each read of the
+    trace counted `weight` [N * H] times (None: once)."""
     flat = (tr.row_ids[layer] + offsets).ravel()
     g = np.repeat(tr.gates[layer].mean(axis=1).astype(np.float64), tr.row_ids[layer].shape[1])
-    return RowGates(np.bincount(flat, weights=g, minlength=total_rows), np.bincount(flat, minlength=total_rows))
+    seen = np.bincount(flat, weights=weight, minlength=n_rows)
+    have = seen > 0
+    return have, np.bincount(flat, weights=g if weight is None else g * weight, minlength=n_rows)[have] / seen[have]
 
 
 def basic_interval(value: float, boot: list[float] | np.ndarray) -> list[float]:
@@ -144,68 +128,39 @@ def hotness_gate(reads: np.ndarray, tr: Trace, layer: int, offsets: np.ndarray, 
                  seed: int = 0) -> Estimate:
     """Spearman(row reads [rows], the row's mean gate in the trace) over rows the trace reads, with its basic
     bootstrap interval over resampled trace documents (a document's positions count as often as it is drawn)."""
-    flat = (tr.row_ids[layer] + offsets).ravel()
-    g = np.repeat(tr.gates[layer].mean(axis=1).astype(np.float64), tr.row_ids[layer].shape[1])
     doc = np.repeat(tr.documents(), tr.row_ids[layer].shape[1])
     n_docs = int(doc.max()) + 1
 
-    def rho(weight: np.ndarray) -> float:
-        seen = np.bincount(flat, weights=weight, minlength=len(reads))
-        have = seen > 0
-        mean = np.bincount(flat, weights=g * weight, minlength=len(reads))[have] / seen[have]
+    def rho(weight: np.ndarray | None) -> float:
+        have, mean = row_mean_gate(tr, layer, offsets, len(reads), weight)
         return spearman(reads[have], mean)
 
     rng = np.random.default_rng(seed)
     boot = [rho(np.bincount(rng.integers(0, n_docs, n_docs), minlength=n_docs)[doc].astype(np.float64))
             for _ in range(resamples)]
-    value = rho(np.ones(len(flat)))
+    value = rho(None)
     return Estimate(value, basic_interval(value, boot), n_docs)
 
 
-def layer_capacity(layer: int, rc: RowCounts, rg: RowGates | None, orders: list[int]) -> LayerCapacity:
+def layer_capacity(layer: int, rc: RowCounts, orders: list[int]) -> LayerCapacity:
     """The accounting of one layer."""
-    counts = rc.counts
-    total = counts.sum(0)
+    total = rc.counts.sum(0)
     touched = total > 0
     n_acc = int(total.sum())
-    acc_share = {c: float(counts[i].sum() / max(n_acc, 1)) for i, c in enumerate(CATEGORIES)}
-    frac = counts[:, touched] / total[touched]
-    row_share = {c: float(frac[i].sum() / max(int(touched.sum()), 1)) for i, c in enumerate(CATEGORIES)}
-    by = counts > 0
-    n_by = by.sum(0)
-    exclusive = {c: int((by[i] & (n_by == 1)).sum()) for i, c in enumerate(CATEGORIES)}
-    per_k = {c: float(1000 * by[i].sum() / max(int(counts[i].sum()), 1)) for i, c in enumerate(CATEGORIES)}
-    hot = np.sort(total[touched])[::-1]
-    hot_share = {f"top {p}%": float(hot[:max(1, int(np.ceil(len(hot) * p / 100)))].sum() / max(n_acc, 1))
-                 for p in (1, 10)}
-    heads = []
-    for h, (off, size) in enumerate(zip(rc.offsets, rc.head_sizes, strict=True)):
-        t = total[off:off + size]
-        ht = np.sort(t[t > 0])[::-1]
-        heads.append(HeadCapacity(head=h, order=orders[h], rows=size, touched=int((t > 0).sum()),
-                                  accesses=int(t.sum()), never_touched_fraction=float((t == 0).mean()),
-                                  top1pct_access_share=float(ht[:max(1, int(np.ceil(len(ht) / 100)))].sum()
-                                                             / max(int(t.sum()), 1))))
-    rho = rho5 = float("nan")
-    by_order: dict[int, float] = {}
-    gate_rows = 0
-    if rg is not None:
-        have = rg.seen > 0
-        gate_rows = int(have.sum())
-        mean_gate = np.divide(rg.gate_sum, np.maximum(rg.seen, 1))
-        rho = spearman(total[have], mean_gate[have])
-        five = rg.seen >= 5
-        rho5 = spearman(total[five], mean_gate[five])
-        order_of_row = np.repeat(np.array(orders), rc.head_sizes)
-        for n in sorted(set(orders)):
-            sel = have & (order_of_row == n)
-            by_order[n] = spearman(total[sel], mean_gate[sel])
+
+    def top_share(t: np.ndarray, percent: float) -> float:
+        hot = np.sort(t[t > 0])[::-1]
+        return float(hot[:max(1, int(np.ceil(len(hot) * percent / 100)))].sum() / max(int(t.sum()), 1))
+
+    heads = [HeadCapacity(head=h, order=orders[h], rows=size, touched=int((total[off:off + size] > 0).sum()),
+                          never_touched_fraction=float((total[off:off + size] == 0).mean()),
+                          top1pct_access_share=top_share(total[off:off + size], 1))
+             for h, (off, size) in enumerate(zip(rc.offsets, rc.head_sizes, strict=True))]
     return LayerCapacity(layer=layer, rows=int(len(total)), accesses=n_acc, touched=int(touched.sum()),
-                         never_touched_fraction=float(1 - touched.mean()), access_share=acc_share,
-                         touched_row_share=row_share, exclusive_rows=exclusive, rows_per_1k_accesses=per_k,
-                         shared_rows=int((n_by > 1).sum()), hot_access_share=hot_share, gate_rows=gate_rows,
-                         spearman_count_gate=rho, spearman_count_gate_min5=rho5, spearman_by_order=by_order,
-                         heads=heads)
+                         never_touched_fraction=float(1 - touched.mean()),
+                         access_share={c: float(rc.counts[i].sum() / max(n_acc, 1)) for i, c in enumerate(CATEGORIES)},
+                         shared_rows=int(((rc.counts > 0).sum(0) > 1).sum()),
+                         hot_access_share={f"top {p}%": top_share(total, p) for p in (1, 10)}, heads=heads)
 
 
 def head_orders(model: EngramLM) -> list[int]:
@@ -217,23 +172,22 @@ def head_orders(model: EngramLM) -> list[int]:
 def analyze(model: EngramLM, windows: list[Window], tr: Trace | None, *, model_name: str = "",
             split: str = "", null: Trace | None = None, resamples: int = 0
             ) -> tuple[CapacityReport, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """(report, {layer: (access count, mean gate) of every row with a gate observation}) for the plot. With
-    resamples, Spearman(reads, gate) gets its interval, for `tr` and for `null` (a random-init model's trace)."""
-    counts = count_rows(model, windows)
+    """(report, {layer: (access count, mean gate) of every row with a gate observation}) for the plot;
+    Spearman(reads, gate) of `tr` and of `null` (a random-init model's trace), with `resamples` for its interval."""
     orders = head_orders(model)
-    layers, points = [], {}
     report = CapacityReport(model=model_name, split=split, positions=int(sum(len(w.inputs) for w in windows)),
-                            gate_positions=tr.n if tr is not None else 0, layers=layers)
-    for layer, rc in counts.items():
-        rg = row_gates(tr, layer, rc.offsets, rc.counts.shape[1]) if tr is not None else None
-        layers.append(layer_capacity(layer, rc, rg, orders))
-        if rg is not None:
-            have = rg.seen > 0
-            points[layer] = (rc.counts.sum(0)[have], rg.gate_sum[have] / rg.seen[have])
+                            gate_positions=tr.n if tr is not None else 0, layers=[])
+    points = {}
+    for layer, rc in count_rows(model, windows).items():
+        report.layers.append(layer_capacity(layer, rc, orders))
+        reads = rc.counts.sum(0)
+        if tr is not None:
+            have, mean = row_mean_gate(tr, layer, np.asarray(rc.offsets), len(reads))
+            points[layer] = (reads[have], mean)
         for name, t in (("trained", tr), ("random-init", null)):
-            if t is not None and resamples:
+            if t is not None:
                 report.hotness_gate.setdefault(name, {})[layer] = hotness_gate(
-                    rc.counts.sum(0), t, layer, np.asarray(rc.offsets), resamples=resamples)
+                    reads, t, layer, np.asarray(rc.offsets), resamples=resamples)
     return report, points
 
 
@@ -261,21 +215,16 @@ def to_markdown(report: CapacityReport) -> str:
     lines = [f"# Capacity accounting: {report.model}", "",
              f"Split `{report.split}`: {report.positions} positions hashed; gates from {report.gate_positions} "
              "positions.", "",
-             md_table(["layer", "rows", "touched", "never touched", "accesses", "top 1% rows' accesses", "top 10%",
-                       "Spearman(count, gate)", "rows seen ≥5"],
+             md_table(["layer", "rows", "touched", "never touched", "accesses", "top 1% rows' accesses", "top 10%"],
                       ([lc.layer, lc.rows, lc.touched, f"{lc.never_touched_fraction:.3f}", lc.accesses,
-                        f"{lc.hot_access_share['top 1%']:.3f}", f"{lc.hot_access_share['top 10%']:.3f}",
-                        f"{lc.spearman_count_gate:.3f}", f"{lc.spearman_count_gate_min5:.3f}"]
+                        f"{lc.hot_access_share['top 1%']:.3f}", f"{lc.hot_access_share['top 10%']:.3f}"]
                        for lc in report.layers))]
     if report.hotness_gate:
         lines += ["", hotness_markdown(report.hotness_gate).rstrip()]
-    by_category = []
-    for lc in report.layers:
-        by_category += [[lc.layer, c, f"{lc.access_share[c]:.3f}", f"{lc.touched_row_share[c]:.3f}",
-                         lc.exclusive_rows[c], f"{lc.rows_per_1k_accesses[c]:.0f}"] for c in CATEGORIES]
-        by_category.append([lc.layer, "(shared)", "", "", f"{lc.shared_rows} rows touched by several", ""])
-    lines += ["", md_table(["layer", "category", "share of accesses", "share of touched rows",
-                            "rows touched only by it", "distinct rows per 1000 accesses"], by_category),
+    lines += ["", md_table(["layer", "category", "share of accesses"],
+                           [row for lc in report.layers for row in
+                            [*([lc.layer, c, f"{lc.access_share[c]:.3f}"] for c in CATEGORIES),
+                             [lc.layer, "(shared)", f"{lc.shared_rows} rows touched by several"]]]),
               "", md_table(["layer", "head", "order", "rows", "touched", "never touched", "top 1% rows' accesses"],
                            ([lc.layer, h.head, h.order, h.rows, h.touched, f"{h.never_touched_fraction:.3f}",
                              f"{h.top1pct_access_share:.3f}"] for lc in report.layers for h in lc.heads))]
