@@ -1,17 +1,6 @@
-"""Row codecs: the reference encoders and decoders for table rows (docs/table-format.md, Codecs).
-
-`decode` here is the ground truth that the native and Triton decoders are tested against, so every
-decode is specified down to the last bit:
-
-- `fp32`, `bf16`: the stored values, widened exactly to float32.
-- `int8`: one IEEE float32 multiply `float32(q) * s`, rounded to nearest even.
-- `fp8_e4m3`: `q * 2^(e-127)`, which is exact in float32 for every scale byte an encoder writes
-  (q has 4 significant bits and q * 2^(e-127) never lands below 2^-136 or above float32's range);
-  e = 255 decodes to NaN, an fp8 NaN code decodes to NaN.
-- Decoding to bfloat16 is decoding to float32 and then rounding to nearest even (torch's cast).
-
-Encoders first round their input to float32 (the values the table is built from), then quantize.
-"""
+"""Row codecs: the reference encoders and decoders (docs/table-format.md, Codecs), the ground truth for the native
+and Triton decoders. Decodes are exact: int8 is one float32 multiply; fp8_e4m3 is q * 2^(e-127), exact in float32
+for every scale an encoder writes (e = 255 and fp8 NaN codes give NaN); bfloat16 output rounds the float32 result."""
 
 from __future__ import annotations
 

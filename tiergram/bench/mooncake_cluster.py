@@ -1,9 +1,5 @@
-"""A local Mooncake Store cluster in a private network namespace: the fixture of the remote tests and benchmarks.
-
-Mooncake's store clients listen on every interface whatever address they are given, so the cluster this module
-starts (a `mooncake_master` and holder processes) refuses to run unless the process sits in a network namespace
-whose only interface is loopback. `run_in_netns` re-executes a command in one (`unshare -n`, root).
-"""
+"""A local Mooncake Store cluster (master and holders) in a private network namespace, the fixture of the remote
+tests and benchmarks: Mooncake's clients listen on every interface, so it runs only where loopback is all there is."""
 
 from __future__ import annotations
 
@@ -91,13 +87,12 @@ def master_binary() -> str:
 class LocalCluster:
     """A `mooncake_master` on 127.0.0.1 and `holders` processes lending `segment_bytes` each.
 
-    Processes are started in this namespace (which must be private unless allow_shared_network) and die with
-    this process; `close()` kills them by pid. Their logs go to `log_dir`.
-    """
+    Processes start in this (private) network namespace, die with this process and log to `log_dir`; `close()`
+    kills them by pid."""
 
     def __init__(self, log_dir: str | os.PathLike, *, holders: int = 1, segment_bytes: int = 256 << 20,
-                 allow_shared_network: bool = False, start_timeout: float = 20.0) -> None:
-        if not allow_shared_network and not private_netns():
+                 start_timeout: float = 20.0) -> None:
+        if not private_netns():
             raise RuntimeError("refusing to start Mooncake outside a private network namespace (its clients "
                                "listen on every interface); run under tiergram.bench.mooncake_cluster.run_in_netns")
         self.master_bin = master_binary()
@@ -199,9 +194,7 @@ def _read_bytes(path: Path) -> bytes:
 
 
 def _holder_main(master: str, segment_bytes: int, local_hostname: str = "127.0.0.1") -> int:
-    """A holder: a store client lending memory to the cluster until its stdin closes (its parent went).
-
-    local_hostname is the address other clients reach this holder at (127.0.0.1 for a local cluster)."""
+    """A holder lending memory to the cluster, reached at local_hostname, until its stdin closes (its parent went)."""
     from mooncake.store import MooncakeDistributedStore  # not tiergram.tiers.mooncake: no torch import here
 
     for k in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):

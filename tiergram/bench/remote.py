@@ -1,5 +1,5 @@
-"""`tiergram bench lookup --tier mooncake`: rows read from a local Mooncake Store cluster against Mooncake's own
-EngramStore and the same pages' bytes fetched raw from it, by batch size and id distribution."""
+"""`tiergram bench lookup --tier mooncake`: a local Mooncake cluster's rows through tiergram against Mooncake's
+EngramStore and raw page fetches, by batch size and id distribution."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def _bench_file(cfg: RemoteLookupConfig, progress: bool) -> tuple[Path, np.ndarr
 
 
 def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -> dict:
-    """Start a local cluster, put the same table into Mooncake's EngramStore and tiergram's mooncake tier, and
-    time every system on the same ids, interleaved: rows/s, p50 and p99 ms per batch size and distribution."""
+    """Time every system on the same ids, interleaved, in a local cluster: rows/s, p50 and p99 ms per batch size
+    and distribution."""
     from mooncake.store import EngramStore, EngramStoreConfig
     from tqdm import tqdm
 
@@ -180,8 +180,8 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
 
 
 def _token_stream(rows: int, seed: int, tokens: int = 200_000) -> np.ndarray:
-    """Row ids int64 [n] of a real token stream: the 2-gram hashes (one head) of the corpus validation split (the
-    Python stdlib's source when no corpus is built), folded into `rows` rows, in text order."""
+    """Row ids int64 [n]: one head's 2-gram hashes of the corpus validation split (the stdlib's source when there
+    is no corpus) folded into `rows` rows, in text order."""
     from tiergram.bench.cache import CacheBenchConfig, load_docs
     from tiergram.hashing import NgramHasher, build_compression
 

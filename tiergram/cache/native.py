@@ -1,15 +1,6 @@
-"""NativeRowCache: the row cache in C++ (index, LRU / LFU / lookahead policy, pins, counters over a slot array).
-
-The file tier's fetch pipeline (`tiergram._native.fetch`) probes, admits and reads it without the GIL; this
-wrapper gives it RowCache's interface so that callers, statistics and tests see one kind of cache. It makes the
-same decisions as `RowCache` with the same policy, call for call (tests/test_native_cache.py checks hits, victims,
-the policy's order and rows bit for bit).
-
-Where it wins: a full 10% LRU cache in front of the file tier costs 0.99x the time per lookup and 0.95x the CPU per
-row of no cache, and all-hit lookups take 0.59-0.90x the host tier's time (`tiergram bench lookup --tier file`,
-docs/benchmarks.md, "File-tier lookup, fetch pipeline and cache"); its index costs 96 bytes a row (LRU) against
-256 for RowCache's (docs/placement.md, "Sizing the host cache").
-"""
+"""NativeRowCache: the row cache in C++ (index, LRU / LFU / lookahead policy, pins, counters over a slot array), with
+RowCache's interface and decisions, call for call (tests/test_native_cache.py); the fetch pipeline runs it without the
+GIL. Its index costs 96 bytes a row (LRU) against RowCache's 256 (docs/placement.md, "Sizing the host cache")."""
 
 from __future__ import annotations
 
@@ -53,8 +44,7 @@ class NativeRowCache(SlotCache):
         return dict(zip(keys, slots, strict=True))
 
     def announce(self, keys: np.ndarray) -> int | None:
-        """Tell a lookahead policy a batch of keys int64 [n] that a later probe will ask for; its batch id (else
-        None: the other policies learn nothing from it)."""
+        """Tell a lookahead policy a batch of keys int64 [n] a later probe asks for; its batch id (else None)."""
         batch = self.native.announce(np.ascontiguousarray(keys, dtype=np.int64).reshape(-1))
         return None if batch < 0 else int(batch)
 
@@ -68,16 +58,14 @@ class NativeRowCache(SlotCache):
         return int(self.native.live_batches())
 
     def probe(self, keys: np.ndarray, batch: int | None = None) -> np.ndarray:
-        """int64 slots [n] for keys int64 [n] (-1 for a miss); every hit comes back pinned; probing retires
-        `batch`."""
+        """int64 slots [n] for keys int64 [n] (-1: miss); hits come back pinned; probing retires `batch`."""
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
         slots = np.empty(keys.size, dtype=np.int64)
         self.native.probe(keys, slots, -1 if batch is None else batch)
         return slots
 
     def touch(self, keys: np.ndarray) -> int:
-        """Mark the resident keys of int64 [n] used, in order, as a probe's hits (no pins, not counted); returns
-        how many were resident."""
+        """Mark the resident keys of int64 [n] used, in order (no pins, not counted); how many were resident."""
         return int(self.native.touch(np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)))
 
     def missing(self, keys: np.ndarray) -> np.ndarray:

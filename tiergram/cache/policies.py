@@ -1,9 +1,5 @@
-"""Eviction policies for the row cache: LRU, LFU with frequency admission, lookahead (windowed Belady).
-
-A policy tracks the resident keys (global row ids). Per access the cache calls `observe(key)`, then
-`touch(key)` on a hit, or on a miss asks `victim(pinned)` and `admit(key, victim)` before `remove`/`insert`.
-Pinned keys are never chosen as victims.
-"""
+"""Eviction policies for the row cache: LRU, LFU with frequency admission, lookahead (windowed Belady); per access
+the cache calls observe(key), then touch(key) on a hit, or victim(pinned) and admit(key, victim) on a miss."""
 
 from __future__ import annotations
 
@@ -19,14 +15,7 @@ NEVER = 1 << 62  # "no known next use"
 
 
 class LRUPolicy:
-    """Least recently used: evict the resident key touched longest ago.
-
-    Where it wins: in the engine, which announces only the step about to run, it matched lookahead's hit rate (36%)
-    in 14% less time (docs/placement.md, "Sizing the host cache"), so it is the default; started full of hot rows
-    (`lru-hot`) it hits 49.65% / 67.99% at 1% / 10% of a V4.1-size table, where no policy that learns from the
-    stream can pass 32.15% (`tiergram bench cache --rows-per-head 16000000 ...`, docs/benchmarks.md, "Cache
-    policies").
-    """
+    """Least recently used: the default (docs/benchmarks.md, "Cache policies")."""
 
     name = "lru"
 
@@ -58,15 +47,8 @@ class LRUPolicy:
 
 
 class LFUPolicy:
-    """Least frequently used with frequency admission: a miss enters only if used more than its victim.
-
-    Every key seen is counted (resident or not); counts halve every `decay_every` accesses so that rows
-    that were hot long ago can leave (TinyLFU-style ageing, in a plain dict).
-
-    Where it wins: only in the smallest cache measured, and only against LRU: 12.52% against 11.25% hits at 1% of
-    the rows touched; from 5% up LRU beats it (29.79% against 23.85% at 10%), and lookahead does at every size
-    (`tiergram bench cache`, docs/benchmarks.md, "Cache policies").
-    """
+    """Least frequently used with frequency admission (a miss enters only if used more than its victim); counts
+    halve every `decay_every` accesses (TinyLFU-style ageing)."""
 
     name = "lfu"
 
@@ -122,18 +104,8 @@ class LFUPolicy:
 
 
 class LookaheadPolicy:
-    """Windowed Belady: evict the resident key whose next known use is furthest away.
-
-    The future is what the store was told is coming: batches of keys announced with `extend_future`
-    (the ids of queued prefetches, in queue order) and retired with `finish` once probed or cancelled.
-    Resident keys with no known next use are evicted first, least recently used first; a miss does not
-    enter if its victim is needed sooner than itself.
-
-    Where it wins: when the future is announced many steps ahead (queued prompts, replayed traces). With a 64-step
-    window it hits 27.22% against LRU's 11.25% at 1% of the rows touched, 34.29% against 29.79% at 10%, within 3.8
-    points of the offline optimum at every size (`tiergram bench cache`, docs/benchmarks.md, "Cache policies").
-    One step ahead, as the engine announces, it gains nothing over LRU.
-    """
+    """Windowed Belady: evict the resident key whose next announced use is furthest away; keys with none go first,
+    LRU first; a miss does not enter if its victim is needed sooner (extend_future announces, finish retires)."""
 
     name = "lookahead"
 
@@ -222,11 +194,8 @@ class LookaheadPolicy:
         self._planned.pop(key, None)
 
     def victim(self, pinned: Pinned) -> int | None:
-        """An idle key (LRU first), else the planned key used furthest in the future (None: all pinned).
-
-        Pinned keys met on the way are parked until the next probe, so an admit's victims come from the rest
-        without looking at them again; only when nothing else is left are they looked at once more.
-        """
+        """An idle key (LRU first), else the planned key used furthest ahead (None: all pinned); pinned keys met are
+        parked until the next probe, and looked at once more only when nothing else is left."""
         found = self._unpinned(pinned)
         if found is None and (self._held or self._held_plans):
             self._unpark()  # some may have been unpinned since they were parked

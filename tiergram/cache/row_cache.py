@@ -84,10 +84,7 @@ class RowCache(SlotCache):
                 self.policy.finish(batch)
 
     def probe(self, keys: np.ndarray, batch: int | None = None) -> np.ndarray:
-        """int64 slots [n] for unique keys [n] (-1 for a miss); every hit comes back pinned.
-
-        `batch` is the id `announce` gave for these keys; probing retires it.
-        """
+        """int64 slots [n] for unique keys [n] (-1: miss); hits come back pinned; probing retires `batch`."""
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)
         slots = np.full(keys.size, -1, dtype=np.int64)
         policy, index = self.policy, self.index
@@ -107,9 +104,7 @@ class RowCache(SlotCache):
         return slots
 
     def touch(self, keys: np.ndarray) -> int:
-        """Mark the resident keys of int64 [n] used, in order, as a probe's hits would be (every key observed), with
-        no pins and nothing counted: a preload that admitted in file order sets recency with it; returns how many
-        were resident."""
+        """Mark the resident keys of int64 [n] used, in order (no pins, not counted); how many were resident."""
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)
         policy, index, resident = self.policy, self.index, 0
         with self._lock:

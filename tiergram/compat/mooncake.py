@@ -1,15 +1,7 @@
-"""`EngramStore` with the API of Mooncake's `mooncake.store.EngramStore`, served by tiergram's tiers.
+"""`EngramStore` with the API of Mooncake's `mooncake.store.EngramStore`, served by tiergram's tiers (docs/remote.md).
 
-Code written against Mooncake's class keeps working: the same constructor `(layer_id, config, store)`, `populate`
-of per-head float32 [vocab, D] arrays, `lookup` of int64 [B, L, H] row ids to float32 [B, L, H, D], the same
-`get_*` accessors, `get_store_keys` and `remove_from_store(force=)`, and failures raised as RuntimeError. The rows
-live in a tiergram table (fp32 codec, page checksums) on the tier chosen:
-
-- `store` a `MooncakeDistributedStore` (the default tier 'mooncake'): the table is pushed into that store as
-  `engram-l<layer_id>` and read through the mooncake tier (pages verified on arrival, optional hot-row cache);
-- `store` a directory (tier 'host' or 'file'): the table file `engram-l<layer_id>.tgram` in that directory, held
-  in DRAM or read from disk through the file tier.
-"""
+`store` a `MooncakeDistributedStore` (tier 'mooncake': the table is pushed as `engram-l<layer_id>` and read through
+the mooncake tier), or a directory (tier 'host' or 'file': the table file `engram-l<layer_id>.tgram` there)."""
 
 from __future__ import annotations
 
@@ -130,10 +122,7 @@ class EngramStore:
             raise EngramStoreError(f"EngramStore lookup failed: {e}") from e
 
     def remove_from_store(self, force: bool = False) -> int:
-        """Remove this layer's table; returns the number of head tables removed (0 when it was not stored).
-
-        tiergram's page objects are hard-pinned, so removal is always forced; `force` is accepted for the API.
-        """
+        """Remove this layer's table; the head tables removed (0: not stored). Pages are hard-pinned: always forced."""
         del force
         self.close()
         if self.tier == "mooncake":

@@ -37,9 +37,8 @@ _FP8_BLOCK_PAGES = 256  # pages that share one window: the unit the offsets are 
 
 
 def normal_fp8_codes(std: float) -> tuple[np.ndarray, int]:
-    """(uint8 [65536] lookup: 16-bit uniform u -> the e4m3 code of the N(0, std^2) quantile at (u + 0.5) / 2^16
-    divided by the scale, ue8m0 scale byte) — one block scale for the whole table, chosen so 4.3 std (beyond the
-    largest quantile) stays under e4m3's 448."""
+    """(uint8 [65536]: 16-bit uniform u -> e4m3 code of the N(0, std^2) quantile at (u + 0.5) / 2^16 over the
+    scale, ue8m0 scale byte): one block scale for the table, keeping 4.3 std under e4m3's 448."""
     if not std > 0:
         raise ValueError(f"std must be > 0, got {std}")
     t = int(np.ceil(np.log2(4.3 * std / 448.0)))
@@ -51,15 +50,11 @@ def normal_fp8_codes(std: float) -> tuple[np.ndarray, int]:
 
 
 def random_fp8_pages(manifest: TableManifest, *, seed: int = 0, std: float = 1.0):
-    """A page filler for write_pages: N(0, std^2) fp8_e4m3 rows without generating a float per value.
+    """A write_pages filler of N(0, std^2) fp8_e4m3 rows without a float per value, at the disk's rate.
 
-    Two pools of whole pages (~17 MiB each) are made once: one of rows of fp8 codes of normal quantiles (through a
-    65,536-entry lookup) with their scale bytes, one of random sign bits at the code positions. Each block of 256
-    pages is the XOR of a window of each pool, at page offsets drawn for that block (deterministic in seed and
-    block, not in how the writer chunks the file): one contiguous vectorised pass, so writing runs at the disk's
-    rate. Every value is N(0, std^2)-distributed (to fp8 resolution) and rows of different blocks do not repeat,
-    but rows are not independent draws — a serving/benchmark init, not a training one.
-    """
+    Each 256-page block is the XOR of windows of two ~17 MiB page pools (codes of normal quantiles, random sign bits) at
+    offsets drawn per block from `seed`: values are N(0, std^2) and blocks do not repeat, but rows are not independent
+    draws — a serving/benchmark init, not a training one."""
     if manifest.codec != "fp8_e4m3":
         raise ValueError(f"random_fp8_pages writes fp8_e4m3 tables, not {manifest.codec}")
     d, rb, rpp, ps = manifest.dim, manifest.row_bytes, manifest.rows_per_page, manifest.page_size
@@ -105,8 +100,7 @@ def random_values(dim: int, seed: int = 0, std: float = 1.0) -> ValueSource:
 
 
 def stacked_values(rows: Sequence[int], read: Callable[[int, int, int], np.ndarray]) -> ValueSource:
-    """The row space of parts of `rows[i]` rows laid end to end (heads, tensors), read(i, lo, hi) giving rows
-    [lo, hi) of part i: float32 [n, D] for global rows [start, start + n)."""
+    """The row space of parts of rows[i] rows end to end, read(i, lo, hi) giving part i's rows [lo, hi)."""
     starts = np.cumsum([0, *rows])
 
     def values(start: int, n: int) -> np.ndarray:

@@ -1,14 +1,7 @@
 """Row ids: the one validator every reader of a table (store, kernels, Engram module) calls.
 
-Per-head row ids have shape [..., H], one id per hash head, each in 0 .. head_rows[h] - 1. One error type per
-problem, one message each:
-
-- not an integer array (float, bool, object, ...): ValueError "row ids must be integers, got <dtype>"
-- last axis is not the heads: ValueError "row ids must have shape [..., H] (one id per head), got [...]"
-- an id outside its head (negative, too large, or a uint64 beyond int64): IndexError
-  "row id <id as given> out of range for head <h> (rows 0..<n-1>) at position <p>" (p: index over [..., H]'s
-  leading axes flattened; the first bad id in that order is reported)
-"""
+Per-head ids [..., H], each in 0 .. head_rows[h] - 1. A non-integer array or a last axis other than H is a ValueError;
+an id outside its head an IndexError naming id, head, rows and position (the first bad id over the leading axes)."""
 
 from __future__ import annotations
 
@@ -26,12 +19,8 @@ _TORCH_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 def check_row_ids(row_ids: RowIds, head_rows: Sequence[int] | np.ndarray, *, host: bool = False,
                   check_range: bool = True) -> RowIds:
-    """Per-head row ids [..., H] as C-contiguous int64, validated against head_rows [H].
-
-    A tensor stays a tensor on its device (int64, contiguous) unless `host`; everything else, and every tensor
-    with `host=True`, becomes a numpy int64 array. check_range=False skips the range check (the caller's tier
-    does it natively) except for uint64 ids beyond int64, which would wrap to a different id.
-    """
+    """Per-head row ids [..., H] as C-contiguous int64 checked against head_rows [H]: a tensor stays on its device
+    unless `host` (then numpy); check_range=False leaves the range to the caller's tier (not uint64 beyond int64)."""
     head_rows = np.ascontiguousarray(head_rows, dtype=np.int64).reshape(-1)
     h = head_rows.size
     if isinstance(row_ids, torch.Tensor):

@@ -80,10 +80,8 @@ class TableFile:
 
     def scan(self, on_chunk: Callable[[int, np.ndarray, list[int]], None], *, verb: str = "scanning",
              progress: bool = False, chunk_bytes: int | None = None) -> None:
-        """Read every page in order at the disk's sequential rate, verify it, and hand each chunk to
-        on_chunk(first page, uint8 [n * page_size], its bad page indices); the buffer is reused after the call.
-        Three buffers of `chunk_bytes` (default: the writer's chunk) are in use. TableFormatError when the file
-        ends early."""
+        """Read and verify every page in order, handing each chunk to on_chunk(first page, uint8 [n * page_size], bad
+        pages) (buffer reused after the call; three of `chunk_bytes`); TableFormatError when the file ends early."""
         _, missing = self._scan(None, verb, progress, on_chunk, chunk_bytes)
         if missing is not None:
             raise TableFormatError(f"{self.path}: short read at page {missing}")
@@ -91,14 +89,8 @@ class TableFile:
     def _scan(self, out: np.ndarray | None, verb: str, progress: bool,
               on_chunk: Callable[[int, np.ndarray, list[int]], None] | None = None,
               chunk_bytes: int | None = None) -> tuple[list[int], int | None]:
-        """Read the data region a chunk at a time (into `out`, or into recycled buffers when None) and verify every
-        page: (bad page indices, first page the file ended before — None when it holds them all). `on_chunk` sees
-        each chunk's whole pages and bad pages once verified.
-
-        A reader thread reads the next chunks (large O_DIRECT reads where the file system and the buffer allow)
-        while this thread checks the last one (native CRC-32C, GIL released), so a large table is read at the
-        disk's sequential rate rather than at (read time + check time).
-        """
+        """Read the data region by chunks (into `out`, else recycled buffers) while this thread verifies the last one:
+        (bad pages, first page the file ended before or None); `on_chunk` sees each verified chunk."""
         m = self.manifest
         ps = m.page_size
         per = _CHUNK_PAGES or max(1, (chunk_bytes or _CHUNK_BYTES) // ps)
@@ -167,8 +159,7 @@ class TableFile:
 
 
 def _pread_fully(fd: int, buf: np.ndarray, offset: int, fallback_fd: int) -> int:
-    """pread until buf is full or the file ends; returns the bytes read. An O_DIRECT read the file system
-    refuses is redone through the buffered descriptor."""
+    """pread until buf is full or the file ends (bytes read); an O_DIRECT read refused is redone buffered."""
     view = memoryview(buf).cast("B")
     got = 0
     while got < buf.size:

@@ -1,10 +1,5 @@
-"""Where each tensor of a (sharded) safetensors checkpoint lies on disk, read from the headers alone.
-
-A safetensors file is an 8-byte little-endian header length, a JSON header ({name: {dtype, shape, data_offsets}})
-and the tensors' bytes back to back. A sharded checkpoint adds `model.safetensors.index.json`, whose `weight_map`
-names the shard of every tensor. Nothing here reads a tensor's bytes: callers pread the ranges they need, so a
-100 GB tensor is never mapped or loaded whole.
-"""
+"""Where each tensor of a (sharded) safetensors checkpoint lies on disk, read from the headers alone (the index's
+`weight_map` names each tensor's shard); callers pread the ranges they need, never mapping a tensor whole."""
 
 from __future__ import annotations
 
@@ -35,8 +30,8 @@ class TensorLocation:
 
 
 def read_header(path: Path) -> dict[str, TensorLocation]:
-    """{tensor name: location} of one safetensors file; ValueError naming the file when the header is broken or
-    a tensor's bytes run past the end of the file (a truncated shard)."""
+    """{tensor name: location} of one safetensors file; ValueError naming the file for a broken header or a
+    truncated shard."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -75,10 +70,8 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
 
 
 def locate_tensors(ckpt_dir: str | os.PathLike, names: list[str]) -> dict[str, TensorLocation]:
-    """Locations of `names` in a checkpoint directory (sharded through its index, or one model.safetensors).
-
-    Only the shards holding `names` are opened. KeyError-free: a missing tensor or shard is a ValueError naming it.
-    """
+    """Locations of `names` in a checkpoint directory (sharded through its index, or one model.safetensors),
+    opening only their shards; a missing tensor or shard is a ValueError naming it."""
     root = Path(ckpt_dir)
     index = root / INDEX
     if index.is_file():

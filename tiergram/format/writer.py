@@ -1,9 +1,5 @@
-"""Writing table files crash-safely and at disk speed: temp file, page trailers, fsync, rename, fsync the directory.
-
-Pages are filled and sealed (CRC-32C, native, GIL released) in the calling thread while a writer thread writes
-the previous chunk, in large aligned blocks with O_DIRECT where the file system allows it (the page cache
-neither slows a many-GiB write down nor holds its bytes afterwards).
-"""
+"""Writing table files crash-safely and at disk speed: temp file, page trailers, fsync, rename, fsync the directory;
+pages are filled and sealed here while a writer thread writes the previous chunk (O_DIRECT where allowed)."""
 
 from __future__ import annotations
 
@@ -74,10 +70,8 @@ def write_table(path: str | os.PathLike, manifest: TableManifest, rows: RowSourc
 
 def write_pages(path: str | os.PathLike, manifest: TableManifest, fill: PageFiller, *,
                 progress: bool = True) -> Path:
-    """Write a table file whose pages' rows come from `fill(pages, first, n)`; whole or not at all.
-
-    OSError before a byte is written when the file would not fit the free space of its file system.
-    """
+    """Write a table file whose pages' rows come from `fill(pages, first, n)`, whole or not at all; OSError before
+    a byte is written when it would not fit the free space."""
     path = Path(path)
     head, data_offset = pack_header(manifest)
     total = data_offset + manifest.data_bytes

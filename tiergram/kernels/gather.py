@@ -1,9 +1,4 @@
-"""Launchers of the fused gather + dequant kernel: every bound checked before launch, then Triton (or torch).
-
-`gather_dequant` reads rows of per-head ids from a table's data region (device memory, registered host memory
-through UVA, or a CPU tensor under TRITON_INTERPRET=1); `gather_dequant_cached` also takes an HBM row cache and
-a per-id slot array the host computed (-1: miss, served from the data region; `fill` >= 0: write the miss there).
-"""
+"""Launchers of the fused gather + dequant kernel: every bound checked before launch, then Triton (or torch)."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def triton_usable(device: torch.device) -> tuple[bool, str]:
 
 
 def pick_backend(device: torch.device, backend: str = "auto") -> str:
-    """'triton' or 'torch' for `device` ('auto': Triton on CUDA only — the interpreter is for testing the kernel,
-    asked for explicitly); RuntimeError if 'triton' is asked for and cannot run."""
+    """'triton' or 'torch' for `device` ('auto': Triton on CUDA only); RuntimeError if 'triton' cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r} (valid: {', '.join(BACKENDS)})")
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
@@ -115,10 +109,8 @@ def gather_dequant(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offs
 def gather_dequant_cached(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offsets: np.ndarray,
                           head_rows: np.ndarray, cache: torch.Tensor, slots: RowIds, fill: RowIds | None = None,
                           **kw: Any) -> torch.Tensor:
-    """As gather_dequant, but id i with slots[i] >= 0 is read from cache uint8 [S, row_bytes] row slots[i].
-
-    A miss with fill[i] >= 0 is copied into cache row fill[i] as it is read (give each slot to one id only).
-    """
+    """As gather_dequant, reading id i with slots[i] >= 0 from cache uint8 [S, row_bytes]; a miss with
+    fill[i] >= 0 is also written to cache row fill[i] (one id per slot)."""
     return gather_dequant(data, ids, layout, head_offsets, head_rows, cache=cache, slots=slots, fill=fill, **kw)
 
 
@@ -135,11 +127,8 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
                      layout: RowLayout, *, cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                      fill: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int = 4,
                      backend: str = "auto") -> None:
-    """The bare launch on out's device: ids [N*H], head_offsets [H], slots/fill [N*H] int64 there, out [N*H*D].
-
-    Nothing is checked here. Only for callers that validated the same arguments through gather_dequant /
-    check_row_ids before (the benchmark times the kernel alone this way); anything else must call gather_dequant.
-    """
+    """The bare launch on out's device (ids [N*H], head_offsets [H], slots/fill [N*H] int64 there, out [N*H*D]);
+    nothing is checked: only for arguments gather_dequant already validated (the benchmark times the kernel so)."""
     n, h, dev = ids.numel(), head_offsets.numel(), out.device
     if n == 0:
         return
@@ -164,8 +153,7 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
 
 
 def _kernel_device(device, out, ids, data) -> torch.device:
-    """The device the kernel runs on: given, else out's, else the ids', else the data's ('cuda' gets its index,
-    the current GPU, so that it compares equal to the device of the tensors made there)."""
+    """The kernel's device: given, else out's, the ids', the data's ('cuda' gets the current GPU's index)."""
     dev = None
     if device is not None:
         dev = torch.device(device)

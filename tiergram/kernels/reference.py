@@ -33,11 +33,8 @@ def decode_raw(raw: torch.Tensor, layout: RowLayout) -> torch.Tensor:
 def gather_dequant_torch(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.Tensor, layout: RowLayout,
                          out: torch.Tensor, cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                          fill: torch.Tensor | None = None) -> None:
-    """out [R, D] = rows of flat ids [R] (+ head offsets) from data uint8 [bytes]; hits from cache [S, row_bytes].
-
-    Same contract as the Triton kernel: ids already bounds-checked; slots [R] (-1: miss) pick cache rows; a miss
-    with fill [R] >= 0 is also written to that cache slot.
-    """
+    """out [R, D] = rows of checked flat ids [R] (+ head offsets) from data uint8 [bytes], as the Triton kernel: slots
+    [R] >= 0 read cache [S, row_bytes] rows, and a miss with fill [R] >= 0 is also written to that slot."""
     h = head_offsets.numel()
     g = (ids.view(-1, h) + head_offsets).reshape(-1)
     base = (g // layout.rows_per_page) * layout.page_size + (g % layout.rows_per_page) * layout.row_bytes

@@ -1,10 +1,5 @@
-"""The Triton kernel: per-head row ids -> rows decoded from a page-structured table, optionally through a row cache.
-
-One program handles BLOCK_R rows (flat index r over [N, H]) and all D values of each. Every row is read either
-from the data region (host memory through UVA, device memory, or a staging buffer) at its page address, or,
-with HAS_CACHE, from the cache slot the host assigned to it; a miss given a `fill` slot is also written there.
-Decoding is bit-exact with tiergram.codecs (see docs/accelerator.md, 'Exactness').
-"""
+"""The Triton kernel: per-head row ids -> rows decoded from a page-structured table, optionally through a row cache
+(hits from their slot, misses from the data region, written to their `fill` slot); bit-exact (docs/accelerator.md)."""
 
 import triton
 import triton.language as tl

@@ -38,11 +38,8 @@ class RowTicket(Protocol):
 
 @runtime_checkable
 class RowStore(Protocol):
-    """Per-head row ids int64 [..., H] in, rows [..., H, D] out, synchronously or prefetched.
-
-    `TieredTable` (host and file tiers) and `DeviceTable` (rows delivered into accelerator memory) satisfy it;
-    the engine, the model's row tables and the benchmarks program against it instead of probing attributes.
-    """
+    """Per-head row ids int64 [..., H] in, rows [..., H, D] out, synchronously or prefetched: what TieredTable and
+    DeviceTable offer the engine, the model's row tables and the benchmarks."""
 
     cache: RowCache | NativeRowCache | None  # the hot-row cache (DeviceRowCache is a RowCache), or None
 
@@ -65,8 +62,7 @@ class RowStore(Protocol):
         ...
 
     def warm(self, row_ids: RowIds, *, urgent: bool = False) -> RowTicket | None:
-        """Read rows into the cache ahead of need (advisory); None when the table has no cache. `urgent`: the next
-        step needs them, so they queue on the prefetch worker, in front of that step's prefetch."""
+        """Read rows into the cache ahead of need (advisory; None without a cache); `urgent`: before the next step."""
         ...
 
     def stats(self) -> dict[str, object]:
@@ -79,8 +75,7 @@ class RowStore(Protocol):
 
 
 class TableBase:
-    """What TieredTable and DeviceTable share: `num_heads` and `dim` of `self.manifest`, their cache's stats, and
-    `with` (which calls their close())."""
+    """What TieredTable and DeviceTable share: num_heads, dim, cache_stats() and `with`."""
 
     manifest: TableManifest
     cache: RowCache | NativeRowCache | None

@@ -1,8 +1,4 @@
-"""DeviceRowCache: a hot-row cache whose encoded rows live in accelerator memory, filled by the gather kernel.
-
-It sits in the store layer because it joins the host-side cache policies (tiergram.cache) with the device
-(tiergram.tiers.device) and the kernels' id transfer (tiergram.kernels).
-"""
+"""DeviceRowCache: a hot-row cache whose encoded rows live in accelerator memory, filled by the gather kernel."""
 
 from __future__ import annotations
 
@@ -30,11 +26,8 @@ class _DeviceRows:
 
 
 class DeviceRowCache(RowCache):
-    """A hot-row cache in device memory: slot array uint8 [S, row_bytes] and tag array int64 [S] (-1 empty).
-
-    The host keeps RowCache's key -> slot index and policy (LRU, LFU, lookahead) and decides hits, admission and
-    eviction; `plan` turns unique keys into hit slots and fill slots that the gather kernel serves and writes.
-    """
+    """A hot-row cache in device memory: slots uint8 [S, row_bytes] and tags int64 [S] (-1 empty); the host keeps
+    RowCache's index and policy, and `plan` turns unique keys into the hit and fill slots the kernel uses."""
 
     def __init__(self, capacity: int, row_bytes: int, device: torch.device | str, policy: str = "lru") -> None:
         super().__init__(capacity, row_bytes, policy)

@@ -48,16 +48,12 @@ class DeviceTicket(Ticket):
 
 
 class DeviceTable(TableBase):
-    """One Engram layer's table served into device memory, through the fused gather + dequant kernel.
+    """One Engram layer's table served into device memory by the fused gather + dequant kernel (docs/accelerator.md).
 
-    tier 'device': the whole table resident in device memory (HBM).
-    tier 'host': the table in DRAM (shared=True: the /dev/shm copy), registered in place and read by the kernel
-    through UVA; `cache_bytes` adds an HBM hot-row cache whose admission and eviction the RowCache policies decide
-    on the host while the kernel serves hits from it. tier 'file': rows read from the file into pinned staging and
-    copied to the device (non-blocking), optionally through the same HBM cache.
-    All work runs in submission order on one worker thread and, on a GPU, one side stream. With `staging_tokens`,
-    prefetched rows land in `n_staging` buffers of stable address used in turn (see docs/accelerator.md).
-    """
+    tier 'device': resident in HBM; 'host': in DRAM (shared=True: the /dev/shm copy) read by the kernel through UVA;
+    'file': read into pinned staging and copied over. `cache_bytes` adds an HBM hot-row cache (host and file tiers).
+    Work runs in order on one worker thread and, on a GPU, a side stream; `staging_tokens` lands prefetches in
+    `n_staging` buffers of stable address."""
 
     def __init__(self, path: str | os.PathLike, *, device: torch.device | str | None = None, tier: str = "host",
                  dtype: torch.dtype = torch.float32, cache_bytes: int = 0, cache_policy: str = "lru",
@@ -116,12 +112,8 @@ class DeviceTable(TableBase):
         return self._submit(row_ids, None, staged=True)
 
     def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> DeviceTicket | None:
-        """Read the rows of per-head ids [..., H] into the HBM cache ahead of their step (None without a cache).
-
-        Runs as an ordinary fetch on the table's worker and stream (counted in `stats()` like one), into a scratch
-        output nobody reads; the cache admits the missed rows under its policy. Always in the prefetches' order,
-        so `urgent` changes nothing here.
-        """
+        """Read the rows of per-head ids [..., H] into the HBM cache (None without a cache): a fetch into scratch on
+        the table's worker, in the prefetches' order, so `urgent` changes nothing here."""
         if self.cache is None:
             return None
         return self._submit(row_ids, None, staged=False)
@@ -273,11 +265,7 @@ class DeviceTable(TableBase):
                            pages=pages)
 
     def _stage(self, keys: np.ndarray) -> tuple[torch.Tensor, int]:
-        """(encoded rows of global keys [n] as uint8 [n * row_bytes] on the device, pages read from the file).
-
-        Read into pinned host memory and copied with non_blocking=True on the current (side) stream; torch's pinned
-        allocator keeps the buffer until that copy has finished.
-        """
+        """(rows of global keys [n] as uint8 [n * row_bytes] on the device, pages read), through pinned memory."""
         m = self.manifest
         buf, offsets, pages = self.tier.read_rows(keys)
         host = torch.empty(keys.size * m.row_bytes, dtype=torch.uint8, pin_memory=self._cuda)

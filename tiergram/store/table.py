@@ -136,11 +136,8 @@ class TieredTable(TableBase):
         return NativeTicket(self._native(queue.warm, flat, self.stats_.native_warm), None)
 
     def preload(self, row_ids: np.ndarray | torch.Tensor, *, progress: bool = False) -> int:
-        """Fill the cache with the rows of per-head ids int64 [n, H], the coldest first (the last ends the most
-        recently used), at most the cache's capacity of distinct rows; returns how many entered. A file tier
-        whose pages holding them are at least PRELOAD_SCAN_SHARE of the table is read whole, in order (large
-        reads, every page verified); otherwise the rows are read page by page through warm(). Read errors
-        raise."""
+        """Fill the cache with the rows of per-head ids int64 [n, H] (at most its capacity of distinct rows), coldest
+        first; how many entered. Read whole, in order, when the pages needed are PRELOAD_SCAN_SHARE of the file."""
         self._check_open()
         if self.cache is None:
             return 0
@@ -187,8 +184,7 @@ class TieredTable(TableBase):
         return len(self.cache) - before
 
     def drain_warm(self, timeout: float | None = None) -> None:
-        """Wait until the read-aheads queued so far, urgent ones included, have ended (TimeoutError after `timeout`
-        s); their errors are theirs (read-aheads are advisory)."""
+        """Wait (TimeoutError after `timeout` s) until the read-aheads queued so far have ended; errors are theirs."""
         self._check_open()
         if self.cache is None:
             return
@@ -261,8 +257,7 @@ class TieredTable(TableBase):
                            tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)
 
     def _native(self, call, flat: np.ndarray, *args: object) -> object:
-        """call(reader, cache, flat ids [N, H], offsets, head rows, rows per page, codec, dim, *args, tier counts): a
-        native fetch or warm-up (a ValueError after close() says the table is closed)."""
+        """A native fetch or warm-up `call` of flat ids [N, H] and *args (ValueError after close() says closed)."""
         try:
             return call(self._reader, self._native_cache, flat, self._offsets, self._head_rows,
                         *self._native_table, *args, self.tier.native_counts)

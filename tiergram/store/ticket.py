@@ -51,8 +51,7 @@ class Ticket:
 
 
 class NativeTicket:
-    """Rows being fetched by a native job (`_native.FetchJob`) on the table's C++ worker: no Python thread runs it,
-    and `wait()` waits without the GIL. The same interface as Ticket."""
+    """Rows fetched by a native job on the table's C++ worker (`wait()` without the GIL); Ticket's interface."""
 
     def __init__(self, job: object, value: torch.Tensor | None) -> None:
         self._job = job

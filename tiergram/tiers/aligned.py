@@ -4,12 +4,8 @@ import numpy as np
 
 
 def aligned_empty(nbytes: int, alignment: int = 4096) -> np.ndarray:
-    """An uninitialised uint8 array of `nbytes` whose first byte sits on an `alignment` boundary.
-
-    O_DIRECT reads DMA straight into the buffer, so the kernel refuses (EINVAL) one that is not aligned to
-    the device's block size; 4096 covers both 512-byte and 4 KiB-sector disks. The result is a view into a
-    slightly larger allocation, which it keeps alive through `.base`.
-    """
+    """An uninitialised uint8 [nbytes] starting on an `alignment` boundary, as O_DIRECT needs (a view of a
+    larger allocation, kept alive through `.base`)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if alignment < 1 or alignment & (alignment - 1):

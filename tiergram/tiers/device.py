@@ -1,9 +1,5 @@
-"""Device tier: a table in accelerator memory; host tables registered in place for UVA reads.
-
-On the CPU every class here still works (the "device" is host memory and nothing is registered), which is how
-the tests run; the GPU paths are the same code with a CUDA device. The device-side hot-row cache, which needs the
-cache policies and the kernels' id transfer, is tiergram.store.device_cache.DeviceRowCache (a layer above).
-"""
+"""Device tier: a table in accelerator memory; host tables registered in place for UVA reads. On the CPU every
+class still works (the "device" is host memory, nothing registered); DeviceRowCache lives in tiergram.store."""
 
 from __future__ import annotations
 
@@ -24,10 +20,7 @@ COPY_CHUNK_BYTES = 64 << 20
 
 
 def device_memory_budget(device: torch.device | str | None = None, *, cpu_bytes: int | None = None) -> int:
-    """Bytes of accelerator memory free for tables and caches: cudaMemGetInfo's free bytes on a GPU.
-
-    On the CPU (no accelerator) the configured number: `cpu_bytes`, else $TIERGRAM_DEVICE_BYTES, else 0.
-    """
+    """Free accelerator bytes (cudaMemGetInfo); on the CPU `cpu_bytes`, else $TIERGRAM_DEVICE_BYTES, else 0."""
     dev = torch.device(device) if device is not None else _default_device()
     if dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
@@ -44,10 +37,7 @@ def _default_device() -> torch.device:
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """A torch.device with an index for CUDA; None or 'auto' means the current GPU, or the CPU without one.
-
-    The one device resolver: every command's --device (auto, cpu, cuda, cuda:1, ...) goes through it.
-    """
+    """A torch.device (CUDA with an index); None or 'auto': the current GPU, else the CPU. Every --device uses it."""
     dev = torch.device(device) if device is not None and device != "auto" else _default_device()
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -65,11 +55,8 @@ def host_view(array: np.ndarray) -> torch.Tensor:
 
 
 class PinnedHost:
-    """A host uint8 array registered with CUDA in place (cudaHostRegister, its exact size): kernels read it by UVA.
-
-    `tensor` is a CPU tensor over the same memory; Triton translates its pointer to the device address of the
-    registered range. On the CPU nothing is registered and `tensor` is a plain view.
-    """
+    """A host uint8 array registered with CUDA in place (cudaHostRegister): kernels read it by UVA through
+    `tensor`, a CPU tensor over it; on the CPU nothing is registered."""
 
     def __init__(self, array: np.ndarray, device: torch.device | str) -> None:
         if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:

@@ -30,13 +30,10 @@ class FileCounters:
 
 
 class FileTier(PageTier):
-    """Rows straight from the table file: one batched read per lookup of every page it needs, each verified.
+    """Rows straight from the table file: one batched, verified read per lookup of every page it needs.
 
-    mode 'direct' reads with O_DIRECT (the page cache neither helps nor hides the disk), 'buffered' without
-    it, 'mmap' maps the file with MADV_RANDOM and reads rows through page faults, unverified — the baseline
-    other engines use. `mode` is the mode in use: 'buffered' when 'direct' was asked for and the filesystem
-    refused O_DIRECT (`requested_mode` keeps what was asked).
-    """
+    mode 'direct' (O_DIRECT; `mode` says 'buffered' when the filesystem refused it), 'buffered', or 'mmap' (MADV_RANDOM,
+    rows through page faults, unverified: the baseline other engines use)."""
 
     name = "file"
 
@@ -75,11 +72,8 @@ class FileTier(PageTier):
         return "mmap" if self.reader is None else self.reader.backend
 
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
-
-        Each distinct page is read once, in one batched call. The buffer is this thread's staging buffer when
-        the pages fit it: it stays valid until this thread's next `read_rows`, so decode from it before then.
-        """
+        """(source buffer, int64 byte offsets [n], pages read) of the global rows [n] (ids checked), each distinct
+        page read once; the buffer is this thread's staging buffer until its next call when the pages fit it."""
         m = self.manifest
         rows = np.asarray(rows, dtype=np.int64)
         if self.reader is None:
@@ -112,11 +106,8 @@ class FileTier(PageTier):
             return FileCounters(c.rows + rows, c.pages_read + pages, c.bytes_read + pages * self.manifest.page_size)
 
     def _staging(self, nbytes: int) -> np.ndarray:
-        """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_KEEP_BYTES.
-
-        A fresh buffer per call costs its page faults (the kernel pins and zero-fills every page it DMAs into):
-        about 4% of a 6,000-page lookup.
-        """
+        """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_KEEP_BYTES (a fresh one costs
+        its page faults: ~4% of a 6,000-page lookup)."""
         if nbytes > STAGING_KEEP_BYTES:
             return aligned_empty(nbytes)
         buf = getattr(self._local, "staging", None)

@@ -46,8 +46,7 @@ class HostTier(TableTier):
         return int(self.data.nbytes)
 
     def stats(self) -> dict[str, object]:
-        """Where the rows live: bytes, shared or private, and how many of them sit on transparent huge pages
-        (a random row read from a table of many GiB is bound by TLB misses; 2 MiB pages take most of them away)."""
+        """Where the rows live: bytes, shared or private, and how many sit on transparent huge pages."""
         huge = huge_page_bytes(self.data.ctypes.data, self.data.nbytes) if self.data.nbytes else 0
         return {"bytes": self.nbytes, "shared": self.shm_path is not None, "huge_page_bytes": huge,
                 "huge_pages": huge >= self.nbytes // 2 and huge > 0, "thp": thp_mode(shared=self.shm_path is not None)}
@@ -57,9 +56,8 @@ class HostTier(TableTier):
         return self.data, row_offsets(self.manifest, np.asarray(rows, dtype=np.int64)), 0
 
     def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16, or uint8 [N, H, row_bytes] raw; returns
-        (the global rows read [N * H], 0 pages): every id as it comes, as a cache-hot re-read of a duplicate costs
-        less than finding the duplicates first."""
+        """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16 or uint8 [N, H, row_bytes]; (global rows read
+        [N * H], 0 pages): duplicates are re-read, cheaper than finding them."""
         m = self.manifest
         if isinstance(out, torch.Tensor) and out.device.type == "cpu":
             # a numpy view crosses into the native call ~4 us faster than a tensor through DLPack (the whole
@@ -93,8 +91,7 @@ HUGE_PAGE = 2 << 20  # x86-64 / arm64 (4 KiB base pages) PMD size
 
 
 def huge_page_buffer(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """(mapping, zeroed uint8 [nbytes] view) starting on a 2 MiB boundary, advised MADV_HUGEPAGE before any page is
-    touched, so the kernel backs it with transparent huge pages where it allows (THP 'always' or 'madvise')."""
+    """(mapping, zeroed uint8 [nbytes] view) on a 2 MiB boundary, advised MADV_HUGEPAGE before first touch."""
     size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to slide the start to a boundary
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = np.frombuffer(mm, dtype=np.uint8)
@@ -125,8 +122,7 @@ def thp_mode(*, shared: bool = False) -> str:
 
 
 def huge_page_bytes(address: int, length: int) -> int:
-    """Bytes of [address, address + length) that /proc/self/smaps shows on huge pages (AnonHugePages,
-    ShmemPmdMapped, FilePmdMapped of the mappings overlapping it, capped at length)."""
+    """Bytes of [address, address + length) on huge pages, by /proc/self/smaps (capped at length)."""
     end, total, inside = address + length, 0, False
     try:
         with open("/proc/self/smaps") as f:
@@ -146,10 +142,8 @@ SHM_PREFIX = "tiergram-"
 
 
 def shared_name(table: TableFile) -> str:
-    """The /dev/shm file name for a table: the same source file gives the same name in every process of a user.
-
-    The name holds the user id, so another user cannot plant a copy under it (and a copy that is not ours, not
-    owner-only or not a plain file is never used: see _open_verified)."""
+    """The /dev/shm file name of a table, the same in every process of a user (the user id in it: see
+    _open_verified)."""
     st = table.path.resolve().stat()
     key = f"{table.path.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
     return f"{SHM_PREFIX}{os.getuid()}-{table.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.tgram"
@@ -179,8 +173,8 @@ def remove_shared_copies(directory: Path = SHM_DIR) -> list[Path]:
 
 
 def _open_verified(dst: Path, table: TableFile, need: int) -> bool:
-    """Whether dst is a sound copy of `table` to reuse: a plain file of ours, owner-only, of the right size, the
-    source's header and manifest byte for byte, and every page's checksum right. A bad one is removed."""
+    """Whether dst is a sound copy of `table` to reuse (a private plain file of ours, right size, header and every
+    page checksum); a bad one is removed."""
     try:
         fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -212,8 +206,7 @@ def _open_verified(dst: Path, table: TableFile, need: int) -> bool:
 
 
 def _shared_copy(table: TableFile, *, progress: bool) -> Path:
-    """The verified /dev/shm copy of `table`, made once (owner-only temp file + rename) and reused by later
-    processes of this user after checking it."""
+    """The verified /dev/shm copy of `table`, made once (owner-only temp file + rename) and reused after a check."""
     if not SHM_DIR.is_dir():
         raise OSError(f"{SHM_DIR} does not exist; shared host tables need a tmpfs there")
     dst = SHM_DIR / shared_name(table)

@@ -1,14 +1,7 @@
-"""Mooncake tier: a table's pages as objects in Mooncake Store, fetched into registered buffers and verified.
+"""Mooncake tier: a table's pages as objects in Mooncake Store, verified on arrival (docs/remote.md).
 
-One object per page (`tiergram/<name>/p<page>`), the header and manifest in `tiergram/<name>/manifest`, written
-last by `push_table` as the commit marker. A read fetches every distinct page it needs in one `batch_get_into`
-into a registered, page-aligned staging buffer, then checks each page's trailer (index and CRC-32C) with the
-same native check the file reader uses: a remote store is trusted less than a local disk. Any page that cannot
-be read correctly raises `PageReadError` naming the table, the page and Mooncake's error code, within the
-tier's timeout — never wrong rows. docs/remote.md explains the deployment and the measurements behind the
-object granularity. `client`: URIs, keys, error codes, the shared client and bounded calls; `tier`: the read
-path; `push`: writing and removing a table.
-"""
+`client`: URIs, keys, error codes, the shared client and bounded calls; `tier`: the read path; `push`: writing and
+removing a table."""
 
 from tiergram.tiers.mooncake.client import (
     OBJECT_NOT_FOUND,

@@ -57,8 +57,7 @@ def page_key(name: str, page: int) -> str:
 
 
 def parse_uri(uri: str, *, allow_no_master: bool = False) -> tuple[str, str]:
-    """('HOST:PORT', name) of 'mooncake://HOST:PORT/NAME' ('mooncake:///NAME' when allow_no_master: a client
-    is at hand); ValueError names what is wrong."""
+    """('HOST:PORT', name) of 'mooncake://HOST:PORT/NAME' ('mooncake:///NAME' too when allow_no_master)."""
     if not uri.startswith(URI_SCHEME):
         raise ValueError(f"{uri!r} is not a Mooncake table URI (expected mooncake://HOST:PORT/NAME)")
     rest = uri[len(URI_SCHEME):]
@@ -83,8 +82,7 @@ def table_uri(master: str, name: str) -> str:
 
 
 def mooncake_bound_s(env: Mapping[str, str] = os.environ) -> float | None:
-    """Longest a store call can take before Mooncake itself fails it, by the timeouts in env; None when one is unset
-    (then Mooncake's defaults allow a 60-s hang). A hung holder fails after 2 x the TCP timeout (measured)."""
+    """Longest a store call can take before Mooncake fails it, by the timeouts in env (None: one is unset)."""
     try:
         tcp = max(float(env["MC_TCP_STATUS_TIMEOUT_SEC"]), float(env["MC_TCP_PROGRESS_TIMEOUT_SEC"]))
         rpc = float(env["MC_RPC_TIMEOUT_MS"]) / 1e3
@@ -101,14 +99,10 @@ def client_bound_s(store: Any) -> float | None:
     return entry[1] if entry is not None and entry[0] is store else None
 
 
-def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: int = 0,
-            buffer_bytes: int = 16 << 20, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE",
+def connect(master: str, *, local_hostname: str = "127.0.0.1", buffer_bytes: int = 16 << 20,
             timeout_s: float = 20.0) -> Any:
-    """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT.
-
-    segment_bytes is the memory this process lends the store (0: it only reads and writes, holds nothing).
-    ConnectionError names the master and Mooncake's code when setup fails, or says it did not answer in time.
-    """
+    """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT; ConnectionError names the master and
+    Mooncake's code, or says it did not answer in time."""
     check_master(master)
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
@@ -124,9 +118,8 @@ def connect(master: str, *, local_hostname: str = "127.0.0.1", segment_bytes: in
                           f"(and apt-get install libibverbs1); import failed: {e}") from None
     store = MooncakeDistributedStore()
     caller = Caller(timeout_s)
-    try:  # an unreachable master makes setup retry for ~90 s
-        rc = caller(store.setup, local_hostname, metadata, int(segment_bytes), int(buffer_bytes), protocol, "",
-                    master)
+    try:  # an unreachable master makes setup retry for ~90 s; segment 0: this client lends the store nothing
+        rc = caller(store.setup, local_hostname, "P2PHANDSHAKE", 0, int(buffer_bytes), "tcp", "", master)
     except TimeoutError:
         raise ConnectionError(f"Mooncake master {master} did not answer within {timeout_s:g} s") from None
     finally:
@@ -141,8 +134,7 @@ _CLIENTS_LOCK = threading.Lock()
 
 
 def shared_client(master: str, local_hostname: str = "127.0.0.1") -> Any:
-    """This process's client of master, shared by every table read from it (a client costs threads, ports and
-    its local buffer); give it back with release_client."""
+    """This process's client of master, shared by its tables; give it back with release_client."""
     key = (master, local_hostname)
     with _CLIENTS_LOCK:
         entry = _CLIENTS.get(key)
@@ -165,18 +157,17 @@ def release_client(store: Any) -> None:
                 return
 
 
-def replicate_config(replicas: int = 1, *, hard_pin: bool = True) -> Any:
+def replicate_config(replicas: int = 1) -> Any:
     """A ReplicateConfig with `replicas` copies, hard-pinned so the master never evicts a table's pages."""
     from mooncake.store import ReplicateConfig
     cfg = ReplicateConfig()
     cfg.replica_num = int(replicas)
-    cfg.with_hard_pin = hard_pin
+    cfg.with_hard_pin = True
     return cfg
 
 
 def lower_thread_priority() -> str:
-    """Put the calling thread at the lowest CPU priority the kernel grants it: SCHED_IDLE, else nice 19; returns
-    which ("idle", "nice" or "" when neither was allowed). Linux applies both to the thread alone."""
+    """Put the calling thread at SCHED_IDLE, else nice 19; returns "idle", "nice" or "" (neither allowed)."""
     tid = threading.get_native_id()
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
@@ -189,12 +180,8 @@ def lower_thread_priority() -> str:
 
 
 class Caller:
-    """Runs store calls on a worker thread so that each returns or fails within `timeout_s` (TimeoutError).
-
-    A call that overruns is abandoned: its worker, a daemon thread (it never holds up interpreter exit), is
-    left to finish alone (Mooncake cannot cancel it) and a fresh worker serves the next call. `low_priority`: the
-    worker runs at the lowest CPU priority (see MooncakeTier).
-    """
+    """Runs store calls on a worker thread, each returning or failing within `timeout_s` (TimeoutError); an overrun
+    call is left to its daemon worker (Mooncake cannot cancel it) and a fresh worker serves the next."""
 
     def __init__(self, timeout_s: float, low_priority: bool = False) -> None:
         self.timeout_s = timeout_s
@@ -213,14 +200,12 @@ class Caller:
         return worker.run(fn, args, self.timeout_s)
 
     def priority(self) -> str:
-        """The current worker's priority: "idle", "nice", "" (lowering refused), "starting" (no call yet ran) or
-        "normal"."""
+        """The worker's priority: "idle", "nice", "" (refused), "starting" (no call yet) or "normal"."""
         worker = self._worker
         return worker.priority if worker is not None and self.low_priority else "normal"
 
     def close(self, wait_s: float = 0.0) -> bool:
-        """Stop the worker; True when no abandoned call is still running after waiting up to wait_s for them (the
-        client must not be closed under a running call: Mooncake would free what it is using)."""
+        """Stop the worker; True when no abandoned call still runs after waiting up to wait_s for them."""
         with self._lock:
             if self._worker is not None:
                 if self._worker.stuck:

@@ -47,8 +47,7 @@ def page_digest(table: TableFile) -> bytes:
 
 
 def manifest_blob(table: TableFile) -> bytes:
-    """The manifest object of a table: its file size (u64 LE), the file's bytes up to data_offset, its
-    page_digest."""
+    """A table's manifest object: file size (u64 LE), the file's bytes up to data_offset, its page_digest."""
     with open(table.path, "rb") as f:
         head = f.read(table.data_offset)
     return struct.pack("<Q", table.data_offset + table.manifest.data_bytes) + head + page_digest(table)
@@ -67,12 +66,8 @@ def describe_blob(blob: bytes) -> str:
 def push_table(path: str | os.PathLike, master: str, name: str | None = None, *, replace: bool = False,
                replicas: int = 1, progress: bool = True, store: Any = None,
                timeout_s: float = 60.0) -> str:
-    """Put a table file into Mooncake Store as `name` (default: the file's stem); returns its URI.
-
-    Each page is verified before it is sent. The data objects go first and the manifest object last, as the
-    commit marker: a reader never sees a half-written table. An existing copy is refused (FileExistsError)
-    unless replace=True, which removes its marker first, then its pages.
-    """
+    """Put a table file into Mooncake Store as `name` (default: its stem), pages verified, the manifest object last
+    as the commit marker; returns its URI. An existing copy is refused (FileExistsError) unless `replace`."""
     table = TableFile.open(path)
     m = table.manifest
     name = name or Path(path).stem
@@ -111,20 +106,14 @@ def push_table(path: str | os.PathLike, master: str, name: str | None = None, *,
 
 
 def pushed_name(path: str | os.PathLike, blob: bytes) -> str:
-    """The name ensure_pushed gives table file `path` of manifest object `blob`: its stem and a digest of the
-    object, its size and modification time (a re-exported table gets a new name instead of the old copy)."""
+    """The name ensure_pushed gives table file `path`: its stem and a digest of `blob`, its size and mtime."""
     st = Path(path).stat()
     return f"{Path(path).stem}-{hashlib.sha256(blob + f'{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:12]}"
 
 
 def ensure_pushed(path: str | os.PathLike, master: str, *, progress: bool = False) -> str:
-    """The URI of table file `path` in the store at master, pushing it first when the store lacks it.
-
-    A table already stored under its name (pushed_name) is reused only when its manifest object -- size, header,
-    pages digest -- equals the file's; ValueError names both otherwise (anyone who can write to the store can put
-    a table under a name that is easy to guess). Push before starting several engines on one table: two first
-    pushes of the same name at once would race.
-    """
+    """The URI of table file `path` in the store at master, pushed first when absent; a stored copy whose manifest
+    object (size, header, pages digest) differs from the file's is refused (ValueError), not reused."""
     table = TableFile.open(path)
     local = manifest_blob(table)
     name = pushed_name(path, local)

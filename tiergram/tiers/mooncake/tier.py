@@ -60,17 +60,10 @@ class RemoteCounters:
 
 
 class MooncakeTier(PageTier):
-    """Rows of a table held in Mooncake Store, one object per page: a `Tier`.
+    """Rows of a table held in Mooncake Store, one object per page: a `Tier` (docs/remote.md).
 
-    `fallback`: a local copy of the same table file; pages Mooncake cannot serve are read from it (counted in
-    stats as fallback_pages) instead of raising.
-
-    Every store call runs on a worker thread, abandoned after `timeout_s`, at the lowest CPU priority (SCHED_IDLE,
-    else nice 19): Mooncake's client (the PyPI wheel, built without its event-driven completion) spins on a CPU until
-    a batch's transfers complete, tens of ms for a large batch, and at that priority the spin only takes CPU time
-    nothing else wants — a server's model keeps its cores while a prefetch waits, and the waiter runs once the model
-    itself waits for the rows (1.06-1.33x the throughput of busy waits serving; docs/remote.md).
-    """
+    `fallback`: a local copy of the table file that serves the pages Mooncake cannot. Store calls run on a worker
+    abandoned after `timeout_s`, at the lowest CPU priority: Mooncake's client spins until a batch completes."""
 
     name = "mooncake"
 
@@ -110,8 +103,7 @@ class MooncakeTier(PageTier):
     @classmethod
     def open(cls, uri: str, *, local_hostname: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S,
              fallback: str | os.PathLike | None = None, store: Any = None) -> MooncakeTier:
-        """Open 'mooncake://HOST:PORT/NAME' (connecting a client unless `store` is given: then the master may be
-        left out, 'mooncake:///NAME')."""
+        """Open 'mooncake://HOST:PORT/NAME' (with a given `store`, 'mooncake:///NAME' will do)."""
         master, name = parse_uri(uri, allow_no_master=store is not None)
         owns = store is None
         if store is None:
@@ -126,10 +118,7 @@ class MooncakeTier(PageTier):
                    fallback=fallback, owns_store=owns)
 
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(source buffer, int64 byte offsets [n], pages read) for the encoded global rows [n] (ids checked).
-
-        The buffer is this thread's registered staging buffer: decode from it before this thread's next call.
-        """
+        """(this thread's registered staging buffer, int64 byte offsets [n], pages read) of the global rows [n]."""
         m = self.manifest
         rows = np.asarray(rows, dtype=np.int64)
         page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
@@ -193,10 +182,8 @@ class MooncakeTier(PageTier):
                     "fallback_pages": c.fallback_pages}
 
     def close(self) -> None:
-        """Unregister the staging buffers, close the fallback and (when this tier made it) the client.
-
-        A call abandoned after timeout_s may still be running inside Mooncake: close waits for it up to the client's
-        own bound, and if it is still running leaves the client open (closing it under the call could crash)."""
+        """Unregister the staging buffers, close the fallback and (when this tier made it) the client; a client with
+        an abandoned call still running past its bound stays open (closing it under the call could crash)."""
         self.reader.close()  # later native reads raise; lets go of read_pages (and this tier)
         bound = client_bound_s(self.store)
         if not self._caller.close(wait_s=bound + 1.0 if bound is not None else self.timeout_s):
