@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from tiergram.engram import RowSourceTable
 from tiergram.hashing import NgramHasher
-from tiergram.model.config import ModelConfig
 from tiergram.model.model import EngramLM
 
 FORMAT = "tiergram-model/1"
@@ -90,46 +89,31 @@ def hasher_of(config: dict[str, Any], tokenizer: Any) -> NgramHasher | None:
     return NgramHasher.from_config(hashing, tokenizer=tokenizer)
 
 
-def resolve_dir(model_dir: str | os.PathLike, tier: str) -> Path:
-    """The directory to load for a tier: host/file need an exported one (DIR itself or DIR/export)."""
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
-    model_dir = Path(model_dir)
-    config = read_config(model_dir)
-    exported = config.get("tables") is not None
-    if tier == "memory":
-        if exported:
-            raise ValueError(f"{model_dir} is an exported model (tables in table files): load it with tier "
-                             "host or file, or load the training directory for tier memory")
-        return model_dir
-    if exported:
-        return model_dir
-    if (model_dir / EXPORT_SUBDIR / CONFIG).is_file():
-        return model_dir / EXPORT_SUBDIR
-    raise ValueError(f"tier {tier} reads the Engram tables from table files, and {model_dir} has none: run "
-                     f"`tiergram export {model_dir} --codec fp32|bf16|fp8_e4m3` first")
-
-
 def load_pretrained(model_dir: str | os.PathLike, *, tier: str = "memory", device: str | torch.device = "cpu",
                     cache_bytes: int = 0) -> tuple[EngramLM, Any]:
     """(model in eval mode on device, tokenizer | None); tier host / file reads the exported table files."""
+    from tiergram.model.model_dir import ModelDir
     from tiergram.store import TieredTable
 
-    src = resolve_dir(model_dir, tier)
-    config = read_config(src)
-    mconfig = ModelConfig.from_dict(config["model"])
-    tokenizer = load_tokenizer_of(src)
-    hasher = hasher_of(config, tokenizer)
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r} (valid: {', '.join(TIERS)})")
+    src = ModelDir.open(model_dir)
+    if tier == "memory" and src.exported:
+        raise ValueError(f"{model_dir} is an exported model (tables in table files): load it with tier "
+                         "host or file, or load the training directory for tier memory")
+    if tier != "memory" and not src.exported:
+        if not (src.path / EXPORT_SUBDIR / CONFIG).is_file():
+            raise ValueError(f"tier {tier} reads the Engram tables from table files, and {model_dir} has none: run "
+                             f"`tiergram export {model_dir} --codec fp32|bf16|fp8_e4m3` first")
+        src = ModelDir.open(src.path / EXPORT_SUBDIR)
     tables = {}
-    if config.get("tables") is not None:
-        for layer, name in config["tables"].items():
-            store = TieredTable(src / name, tier=tier, cache_bytes=cache_bytes if tier == "file" else 0)
-            check_table(store.manifest, hasher, int(layer), mconfig.engram.dim, src / name)
-            tables[int(layer)] = RowSourceTable(store)
-    model = EngramLM(mconfig, hasher, tables)
-    state = load_file(str(src / WEIGHTS))
-    model.load_state_dict(state, strict=True)
-    return model.to(device).eval(), tokenizer
+    for layer, name in (src.config.get("tables") or {}).items():
+        store = TieredTable(src.path / name, tier=tier, cache_bytes=cache_bytes if tier == "file" else 0)
+        check_table(store.manifest, src.hasher, int(layer), src.model_config.engram.dim, src.path / name)
+        tables[int(layer)] = RowSourceTable(store)
+    model = EngramLM(src.model_config, src.hasher, tables)
+    model.load_state_dict(load_file(str(src.path / WEIGHTS)), strict=True)
+    return model.to(device).eval(), src.tokenizer
 
 
 def check_table(manifest: Any, hasher: NgramHasher, layer: int, dim: int, path: Path) -> None:

@@ -14,24 +14,14 @@ from tqdm import tqdm
 from tiergram.corpus import EOT, load_split, read_manifest
 
 
-def tokenizer_digest(tokenizer_path: str | os.PathLike) -> str:
-    """sha256 hex of a tokenizer.json, naming the token arrays made with it."""
-    return hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()
-
-
-def token_cache_path(corpus: str | os.PathLike, split: str, tokenizer_path: str | os.PathLike) -> Path:
-    """Where the token array of a split lives: the corpus folder, keyed by corpus and tokenizer digests."""
-    corpus = Path(corpus)
-    key = hashlib.sha256((read_manifest(corpus)["content_sha256"] + tokenizer_digest(tokenizer_path)).encode())
-    return corpus / f"tokens-{split}-{key.hexdigest()[:16]}.npy"
-
-
 def tokenize_split(corpus: str | os.PathLike, split: str, tokenizer_path: str | os.PathLike, *,
                    progress: bool = True, batch_docs: int = 256) -> np.ndarray:
     """A split as one token stream (<|endoftext|> before each document), cached as .npy; a read-only memory map."""
     from tokenizers import Tokenizer
 
-    path = token_cache_path(corpus, split, tokenizer_path)
+    tok_digest = hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()
+    key = hashlib.sha256((read_manifest(corpus)["content_sha256"] + tok_digest).encode()).hexdigest()
+    path = Path(corpus) / f"tokens-{split}-{key[:16]}.npy"  # keyed by the corpus and the tokenizer
     if path.is_file():
         return np.load(path, mmap_mode="r")
     tok = Tokenizer.from_file(str(tokenizer_path))

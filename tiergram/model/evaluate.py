@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,17 +27,6 @@ class EvalDoc:
     tokens: np.ndarray  # int64 [n + 1]
     loss_sum: float = 0.0
     count: int = 0
-
-
-@dataclass
-class CategoryResult:
-    """Mean loss per token of a category, with its 95% bootstrap interval over documents."""
-
-    loss: float
-    tokens: int
-    documents: int
-    ci95: list[float] = field(default_factory=list)
-    stderr: float = 0.0
 
 
 def eval_documents(corpus: str | os.PathLike, split: str, tokenizer: Any, *,
@@ -124,30 +113,30 @@ def score_documents(model: EngramLM, docs: list[EvalDoc], *, batch_size: int = 1
             doc.count += n
 
 
-def summarize(docs: list[EvalDoc], seed: int = 0) -> CategoryResult:
-    """Token-weighted mean loss of documents, with the document-bootstrap 95% interval and standard error."""
+def summarize(docs: list[EvalDoc], seed: int = 0) -> dict[str, Any]:
+    """{loss (token-weighted mean), tokens, documents, ci95 (document bootstrap), stderr}."""
     sums = np.array([d.loss_sum for d in docs])
     counts = np.array([d.count for d in docs], dtype=np.float64)
     mean = float(sums.sum() / counts.sum())
     idx = np.random.default_rng(seed).integers(0, len(docs), size=(BOOTSTRAP, len(docs)))
     boot = sums[idx].sum(1) / counts[idx].sum(1)
     lo, hi = np.percentile(boot, [2.5, 97.5])
-    return CategoryResult(loss=mean, tokens=int(counts.sum()), documents=len(docs), ci95=[float(lo), float(hi)],
-                          stderr=float(boot.std(ddof=1)) if len(docs) > 1 else 0.0)
+    return {"loss": mean, "tokens": int(counts.sum()), "documents": len(docs), "ci95": [float(lo), float(hi)],
+            "stderr": float(boot.std(ddof=1)) if len(docs) > 1 else 0.0}
 
 
 def evaluate(model: EngramLM, corpus: str | os.PathLike, split: str, tokenizer: Any, *,
              max_tokens_per_category: int | None = 131072, batch_size: int = 16,
              engram_enabled: bool | Iterable[int] = True, progress: bool = True, seed: int = 0) -> dict[str, Any]:
-    """{'split', 'engram_enabled', 'categories': {category: CategoryResult as dict}, 'all': ...}."""
+    """{'split', 'engram_enabled', 'categories': {category: summarize()}, 'all': ...}."""
     docs = eval_documents(corpus, split, tokenizer, max_tokens_per_category=max_tokens_per_category, seed=seed)
     if not docs:
         raise ValueError(f"the {split} split of {corpus} has no documents to evaluate")
     score_documents(model, docs, batch_size=batch_size, engram_enabled=engram_enabled, progress=progress)
-    cats = {c: vars(summarize(mine, seed)) for c in CATEGORIES if (mine := [d for d in docs if d.category == c])}
+    cats = {c: summarize(mine, seed) for c in CATEGORIES if (mine := [d for d in docs if d.category == c])}
     on = model.active_engram_layers(engram_enabled)
     return {"split": split, "engram_enabled": bool(on), "engram_layers_on": on,
-            "max_tokens_per_category": max_tokens_per_category, "categories": cats, "all": vars(summarize(docs, seed))}
+            "max_tokens_per_category": max_tokens_per_category, "categories": cats, "all": summarize(docs, seed)}
 
 
 def format_eval(result: dict[str, Any]) -> str:

@@ -97,11 +97,12 @@ def count_model_hot_rows(model_dir: str | os.PathLike, *, corpus: str | os.PathL
                          out: str | os.PathLike | None = None, progress: bool = True) -> tuple[Path, HotRows]:
     """Count a corpus split's hot rows under a model's hashing, written to `out` (default DIR/hot_rows.npz)."""
     from tiergram.corpus import ensure_corpus
-    from tiergram.model.checkpoint import TOKENIZER, hasher_of, load_tokenizer_of, read_config
+    from tiergram.model.checkpoint import TOKENIZER
     from tiergram.model.data import tokenize_split
+    from tiergram.model.model_dir import ModelDir
 
     model_dir = Path(model_dir)
-    hasher = hasher_of(read_config(model_dir), load_tokenizer_of(model_dir))
+    hasher = ModelDir.open(model_dir).hasher
     if hasher is None:
         raise ValueError(f"{model_dir} has no Engram layers: it reads no rows")
     if not (model_dir / TOKENIZER).is_file():

@@ -67,18 +67,6 @@ class TrainConfig:
         return cls(**{**json.loads(path.read_text()), "out": str(out)})
 
 
-def model_config_for(cfg: TrainConfig, tokenizer: Any) -> ModelConfig:
-    """The preset sized to the tokenizer, with Engram left-padding by <|pad|>, or without Engram."""
-    mconfig = preset(cfg.config, tokenizer.get_vocab_size())
-    if not cfg.engram:
-        return mconfig.without_engram()
-    pad = tokenizer.token_to_id(PAD)
-    if pad is None:
-        raise ValueError(f"the tokenizer has no {PAD} token to left-pad n-grams with")
-    mconfig.engram.pad_id = pad
-    return mconfig
-
-
 def make_optimizers(model: EngramLM, cfg: TrainConfig) -> tuple[torch.optim.AdamW, torch.optim.SparseAdam | None]:
     """AdamW over the dense weights (decay on matrices only) and SparseAdam over the Engram tables."""
     tables = {id(p) for p in model.table_parameters()}
@@ -122,7 +110,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True, stop
     corpus = ensure_corpus(cfg.corpus, progress=progress)  # builds a missing corpus / tokenizer first
     tok_path = corpus / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path)
-    mconfig = model_config if model_config is not None else model_config_for(cfg, tokenizer)
+    mconfig = model_config or preset(cfg.config, tokenizer.get_vocab_size())
+    if model_config is None and not cfg.engram:
+        mconfig = mconfig.without_engram()
+    elif model_config is None:
+        if tokenizer.token_to_id(PAD) is None:
+            raise ValueError(f"the tokenizer has no {PAD} token to left-pad n-grams with")
+        mconfig.engram.pad_id = tokenizer.token_to_id(PAD)
 
     torch.manual_seed(cfg.seed)
     hasher = make_hasher(mconfig, tokenizer=tokenizer) if mconfig.engram is not None else None
