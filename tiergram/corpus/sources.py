@@ -33,10 +33,8 @@ class SourceFile:
 
     def read(self) -> bytes:
         """The file's bytes, gunzipped when the disk copy is compressed and the path is not."""
-        if self.file.name.endswith(".gz") and not self.path.endswith(".gz"):
-            with gzip.open(self.file, "rb") as f:
-                return f.read()
-        return self.file.read_bytes()
+        data = self.file.read_bytes()
+        return gzip.decompress(data) if self.file.name.endswith(".gz") and not self.path.endswith(".gz") else data
 
 
 @dataclass
