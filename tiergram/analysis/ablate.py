@@ -205,8 +205,7 @@ def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask],
 
 
 def task_ids(tokenizer: Any, task: DoctestTask, budget: int) -> tuple[list[int], list[int]]:
-    """(prompt ids with a leading <|endoftext|>, cut to fit the budget, answer ids): the answer is the newline
-    the prompt stops before plus the indented expected output, tokenized on its own (BPE splits there)."""
+    """(prompt ids with a leading <|endoftext|>, cut to fit the budget; answer ids: newline + indented output)."""
     eot = tokenizer.token_to_id(EOT)
     pad = " " * task.indent
     answer = tokenizer.encode("\n" + "\n".join(pad + line for line in task.expected.split("\n"))).ids
@@ -232,8 +231,7 @@ def answer_batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor
 @torch.no_grad()
 def answer_losses(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *,
                   batch_size: int = 8) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """({setting: summed answer-token loss per task}, answer tokens per task), teacher-forced, with the
-    prompt as the prefill and the answer as the decode."""
+    """({setting: answer-token loss sum per task}, answer tokens per task): prompt = prefill, answer = decode."""
     pairs = [task_ids(tokenizer, t, model.config.max_seq) for t in tasks]
     sums = {s.name: np.zeros(len(tasks)) for s in SETTINGS}
     for b in range(0, len(tasks), batch_size):
@@ -298,8 +296,7 @@ NAMES = {"none": "none (plain)", "prefill": "prefill only", "decode": "decode on
 
 
 def loss_seeds_markdown(runs: list[dict[str, Any]]) -> str:
-    """Teacher-forced loss of several `tiergram ablate --json` results on the same documents: per setting, the loss
-    of the seed-mean per-document sums, Δ vs none, per seed and over seeds; decode positions, then all positions."""
+    """The loss table of several `tiergram ablate --json` results on the same documents (seed mean, per seed)."""
     counts = _same(runs, "doc_counts")
     lines = ["| Engram off in | positions scored | loss, seed mean | " + _SEED_HEAD, "|---|---|---|---|---|---|"]
     for row, where in ((1, "decode"), (0, "all")):
@@ -315,8 +312,7 @@ def loss_seeds_markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def generation_seeds_markdown(runs: list[dict[str, Any]]) -> str:
-    """The doctest task of several ablation results on the same tasks: exact match and generated tokens per seed,
-    and the answer loss as loss_seeds_markdown gives the loss (intervals over tasks)."""
+    """The doctest table of several ablation results on the same tasks (seed mean, per seed)."""
     counts, tasks = _same(runs, "answer_tokens"), int(_same(runs, "tasks"))
     gen = [{g["setting"]: g for g in r["generation"]} for r in runs]
     sums = {s.name: [np.asarray(r["answer_sums"][s.name]) for r in runs] for s in SETTINGS}
@@ -339,8 +335,7 @@ LN2 = float(np.log(2.0))
 
 @dataclass
 class RerouteReport:
-    """Answer loss on the doctest tasks with Engram on, off, and off with the Engram-on run's expert choices forced;
-    and how many routing decisions change when Engram is off."""
+    """Doctest answer loss with Engram on, off, off with the on run's experts forced; routing changes."""
 
     model: str
     tasks: int
@@ -356,9 +351,7 @@ class RerouteReport:
 @torch.no_grad()
 def reroute(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask], *, batch_size: int = 8, model_name: str = "",
             progress: bool = False) -> RerouteReport:
-    """Teacher-forced answer loss (prompt = the code, answer = the doctest output) with Engram on; off (every
-    layer, every position); off with every MoE block's choices forced to the on run's; off with one block's forced
-    at a time. Routing changes are counted over every non-padding position of prompt and answer."""
+    """The reroute ablation on the tasks' teacher-forced answers (prompt = the code, answer = its output)."""
     from tqdm import tqdm
 
     from tiergram.model.moe import moe_layers, routing

@@ -149,8 +149,7 @@ def run_name(kind: str, share: float, n_experts: int, seed: int) -> str:
 
 
 def plan(cfg: AllocationConfig, vocab_size: int, pad_id: int) -> list[tuple[Point, ModelConfig]]:
-    """Every (point, model config) of the sweep and its controls, seeds outermost so a cut-short sweep has whole
-    seeds; a control's tokens are 0 until a "compute" control's step-time ratio is known."""
+    """Every (point, model config) of the sweep and its controls, seeds outermost (a cut-short sweep: whole seeds)."""
     out = []
     for seed in cfg.seeds:
         for share in cfg.shares:
@@ -188,8 +187,7 @@ def median_step_s(run: Path) -> float:
 
 def measure_step_ratio(share: float, engram: ModelConfig, control: ModelConfig, cfg: AllocationConfig,
                        corpus: Path, *, rounds: int = 5, steps: int = 4) -> StepRatio:
-    """Time training steps of both models on the same real batches, alternating `rounds` times `steps` steps, so
-    that load from other work on the machine falls on both alike."""
+    """Alternate `rounds` x `steps` training steps of both models on the same batches (load falls on both alike)."""
     import torch
     import torch.nn.functional as F
 
@@ -257,8 +255,7 @@ def _step_ratio(cfg: AllocationConfig, share: float, vocab_size: int, pad: int, 
 
 
 def _scores(run: Path, model: Any, docs: list[Any], cfg: AllocationConfig) -> dict[str, np.ndarray]:
-    """Per-document validation loss sums with Engram on (and off, for an Engram model) and token counts, kept in
-    the run directory (scores.npz) so a re-run of the sweep does not score again."""
+    """Per-document validation loss sums (Engram on, and off) and token counts, kept in the run's scores.npz."""
     import torch
 
     from tiergram.model.evaluate import score_documents
@@ -293,8 +290,7 @@ class SweepRun:
 
 
 def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> SweepRun:
-    """Train every point (a finished run directory is reused; none with train=False), score all on the same
-    validation documents with Engram on and off."""
+    """Train every point (reusing finished runs) and score all on the same validation documents."""
     from tqdm import tqdm
 
     from tiergram.corpus import PAD, ensure_corpus, load_tokenizer

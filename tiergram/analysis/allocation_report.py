@@ -57,8 +57,7 @@ class Comparison:
 
 @dataclass
 class Power:
-    """Seeds per share that a two-sided two-sample t test on per-seed validation losses needs to detect a
-    difference of `delta` nats between two shares with the given power, from the measured seed spread."""
+    """Seeds per share a two-sided two-sample t test on per-seed losses needs to detect `delta` nats."""
 
     delta: float
     alpha: float
@@ -113,8 +112,7 @@ def compare(result: SweepRun, what: str, share: float, subject: dict[int, str], 
 
 
 def comparisons(result: SweepRun) -> list[Comparison]:
-    """Per share > 0: Engram vs its MoE-only control, the control and the Engram model vs share 0 (16 experts),
-    Engram off vs on, and Engram vs the equal-compute control."""
+    """Per share > 0: Engram vs its controls and share 0, the control vs share 0, and Engram off."""
     runs: dict[tuple[str, float], dict[int, str]] = {}
     for p in result.points:
         runs.setdefault((p.kind, p.share), {})[p.seed] = p.run
@@ -175,8 +173,7 @@ def seeds_for_power(sd: float, delta: float, alpha: float = 0.05, power: float =
 
 def power_analysis(shares: list[ShareResult], points: list[Point], delta: float = PAPER_U_DEPTH, alpha: float = 0.05,
                    power: float = 0.8, grid: int | None = None) -> Power | None:
-    """How many seeds per share would detect `delta` (default: the paper's U depth), from the pooled seed SD;
-    `grid` shares (default: those given) price the machine time."""
+    """Seeds per share that detect `delta` at the pooled seed SD; `grid` shares price the machine time."""
     from scipy import optimize, stats
 
     spread = [s for s in shares if s.seed_sd is not None]
@@ -287,8 +284,7 @@ def sweep_table(data: dict[str, Any]) -> str:
 
 
 def controls_table(data: dict[str, Any]) -> str:
-    """Per share: Engram model minus its MoE-only control (same experts, same tokens), with the two parts of the
-    Engram model's gain over share 0: the control against share 0 (fewer experts) and Engram against the control."""
+    """Per share: Engram − its MoE-only control (same experts, same tokens), and each against share 0."""
     engram = _by(data, "engram_vs_control")
     fewer, total = _deltas(data, "control_vs_share0"), _deltas(data, "engram_vs_share0")
     lines = ["| Engram share | experts per block | Engram − MoE-only (same experts), seed mean | per seed | over "
@@ -300,8 +296,7 @@ def controls_table(data: dict[str, Any]) -> str:
 
 
 def engram_off_table(data: dict[str, Any]) -> str:
-    """Per share: validation loss with Engram on and off (every position), off − on paired over documents, and the
-    Engram-off model against the MoE-only control with the same experts."""
+    """Per share: loss with Engram on and off, off − on, and off − the MoE-only control."""
     on = {}
     for p in data["points"]:
         on.setdefault(p["share"], []).append((p["loss"]["value"], p["loss_off"]["value"]))
@@ -378,9 +373,7 @@ def to_markdown(report: AllocationReport) -> str:
 
 
 def plot(report: AllocationReport, path: str | os.PathLike) -> None:
-    """Two panels against the actual Engram share, to a PNG: validation loss of the Engram models and of their
-    MoE-only controls (95% intervals over documents, one dot per seed), and the paired difference Engram − control
-    (same tokens, same compute; dots per seed)."""
+    """Loss vs actual Engram share (Engram models, MoE-only controls) and Engram − control, to a PNG."""
     fig, (ax, bx) = subplots(1, 2, figsize=(11, 4.2))
     actual = {s.share: s.actual_share * 100 for s in report.shares}
     x = np.array([s.actual_share * 100 for s in report.shares])

@@ -105,8 +105,7 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def row_mean_gate(tr: Trace, layer: int, offsets: np.ndarray, n_rows: int,
                   weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(bool [rows]: read in the trace, mean gate (over branches) of those rows at their reads), each read of the
-    trace counted `weight` [N * H] times (None: once)."""
+    """(bool [rows] read in the trace, mean gate of those rows), each read counted `weight` [N * H] times."""
     flat = (tr.row_ids[layer] + offsets).ravel()
     g = np.repeat(tr.gates[layer].mean(axis=1).astype(np.float64), tr.row_ids[layer].shape[1])
     seen = np.bincount(flat, weights=weight, minlength=n_rows)
@@ -115,9 +114,7 @@ def row_mean_gate(tr: Trace, layer: int, offsets: np.ndarray, n_rows: int,
 
 
 def basic_interval(value: float, boot: list[float] | np.ndarray) -> list[float]:
-    """95% basic bootstrap interval [2v - q97.5, 2v - q2.5]: unlike the percentile interval it corrects for a
-    statistic the resampling itself shifts (a per-row mean from fewer distinct documents is noisier, which pulls a
-    correlation over rows towards 0)."""
+    """95% basic bootstrap interval [2v - q97.5, 2v - q2.5] (corrects a shift the resampling causes)."""
     if len(boot) == 0:
         return [float("nan"), float("nan")]
     lo, hi = np.nanpercentile(boot, [2.5, 97.5])
@@ -126,8 +123,7 @@ def basic_interval(value: float, boot: list[float] | np.ndarray) -> list[float]:
 
 def hotness_gate(reads: np.ndarray, tr: Trace, layer: int, offsets: np.ndarray, *, resamples: int = 200,
                  seed: int = 0) -> Estimate:
-    """Spearman(row reads [rows], the row's mean gate in the trace) over rows the trace reads, with its basic
-    bootstrap interval over resampled trace documents (a document's positions count as often as it is drawn)."""
+    """Spearman(row reads [rows], mean gate in the trace), basic bootstrap interval over trace documents."""
     doc = np.repeat(tr.documents(), tr.row_ids[layer].shape[1])
     n_docs = int(doc.max()) + 1
 
@@ -172,8 +168,7 @@ def head_orders(model: EngramLM) -> list[int]:
 def analyze(model: EngramLM, windows: list[Window], tr: Trace | None, *, model_name: str = "",
             split: str = "", null: Trace | None = None, resamples: int = 0
             ) -> tuple[CapacityReport, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """(report, {layer: (access count, mean gate) of every row with a gate observation}) for the plot;
-    Spearman(reads, gate) of `tr` and of `null` (a random-init model's trace), with `resamples` for its interval."""
+    """(report, {layer: (reads, mean gate) of rows the trace reads}); Spearman(reads, gate) of `tr` and `null`."""
     orders = head_orders(model)
     report = CapacityReport(model=model_name, split=split, positions=int(sum(len(w.inputs) for w in windows)),
                             gate_positions=tr.n if tr is not None else 0, layers=[])

@@ -1,16 +1,6 @@
-"""Layer similarity between two models on the same tokens: linear CKA between every pair of residual-stream states.
-
-Linear CKA (Kornblith et al. 2019) of X [n, p] and Y [n, q], columns centred over the n positions:
-    CKA(X, Y) = ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F)
-It is 1 for X = Y, invariant to orthogonal transforms and isotropic scaling of either side (not to arbitrary
-invertible maps), and 0 when the centred features are orthogonal. Layer k of a model is its residual stream
-after k blocks (k = 0: the token embeddings), so a model of L blocks has L + 1 states.
-
-The summary follows the Engram paper's layer-alignment reading: for each layer j of model A, the layer of B it
-matches best (argmax) and a soft alignment index, the CKA-weighted mean index of B's top-3 matches. A soft index
-above j says A's layer j looks like a *deeper* layer of B. The positions are split in two halves (alternate
-windows) and the CKA recomputed on each, so the spread between halves shows which differences are sampling noise.
-"""
+"""Layer similarity (docs/findings.md section 7): linear CKA (Kornblith et al. 2019) between every residual-stream
+state of two models on the same tokens (layer k = after k blocks), the Engram paper's alignment summary, and the
+spread between two halves of the positions as the sampling-noise scale."""
 
 from __future__ import annotations
 
@@ -31,7 +21,7 @@ TOP = 3  # B layers averaged in the soft alignment index
 
 
 def linear_cka(x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor) -> float:
-    """Linear CKA of x [n, p] and y [n, q] (the same n positions; float64 inside) -> a value in [0, 1]."""
+    """Linear CKA ||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F) of x [n, p], y [n, q], centred over the n positions."""
     x = torch.as_tensor(x, dtype=torch.float64)
     y = torch.as_tensor(y, dtype=torch.float64)
     if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
@@ -41,8 +31,7 @@ def linear_cka(x: np.ndarray | torch.Tensor, y: np.ndarray | torch.Tensor) -> fl
 
 def cross_products(xs: list[torch.Tensor], ys: list[torch.Tensor]
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Centred Frobenius products of states xs[i] [n, p], ys[j] [n, q] -> (||Y_j^T X_i||^2 [I, J], ||X_i^T X_i|| [I],
-    ||Y_j^T Y_j|| [J])."""
+    """Centred states xs[i] [n, p], ys[j] [n, q] -> (||Y_j^T X_i||^2 [I, J], ||X_i^T X_i|| [I], ||Y_j^T Y_j|| [J])."""
     xs = [x - x.mean(0, keepdim=True) for x in xs]
     ys = [y - y.mean(0, keepdim=True) for y in ys]
     cross = np.array([[float((y.T @ x).square().sum()) for y in ys] for x in xs])
@@ -60,8 +49,7 @@ def cka_from_cross(cross: np.ndarray, nx: np.ndarray, ny: np.ndarray) -> np.ndar
 
 @contextmanager
 def residual_states(model: EngramLM) -> Iterator[list[torch.Tensor | None]]:
-    """Forward hooks keeping the residual stream after the embedding and after each block of the last forward:
-    states[k] [B, T, d] for k = 0..L."""
+    """Hooks keeping states[k] [B, T, d], the residual stream after k blocks (0: embeddings), of the last forward."""
     states: list[torch.Tensor | None] = [None] * (len(model.blocks) + 1)
 
     def keep(k: int):
@@ -82,8 +70,7 @@ def residual_states(model: EngramLM) -> Iterator[list[torch.Tensor | None]]:
 @torch.no_grad()
 def collect_states(model: EngramLM, windows: list[Window], *, batch_size: int = 8,
                    progress: bool = False) -> tuple[list[torch.Tensor], np.ndarray]:
-    """(states [L+1] of float64 [n, d] over every valid position of the windows, in window order of `batches`;
-    window index [n] of each position)."""
+    """(states [L+1] of float64 [n, d] over the windows' valid positions, window index [n] of each position)."""
     parts: list[list[torch.Tensor]] = [[] for _ in range(len(model.blocks) + 1)]
     owner: list[np.ndarray] = []
     with residual_states(model) as states:
@@ -143,8 +130,7 @@ def compare_layers(a: EngramLM, b: EngramLM, windows: list[Window], *, batch_siz
 
 
 def verdict(result: LayerComparison) -> str:
-    """One sentence: do A's early blocks (first half, embeddings excluded) match deeper layers of B by more than the
-    sampling spread?"""
+    """One sentence: do A's early blocks match deeper layers of B by more than the sampling spread?"""
     n = len(result.cka) - 1
     early = range(1, max(2, n // 2 + 1))
     cka = np.array(result.cka)

@@ -1,14 +1,5 @@
-"""A generation task from the standard library's doctests: predict a short snippet's printed output.
-
-Tasks come only from held-out splits (validation, test) of the corpus, from the Python standard library
-sources (`python-stdlib` modules and their `python-docs` pages, which the corpus splits by module, so a
-module and its documentation always share a split). Each `>>>` example whose expected output is at most
-20 characters becomes a task: the prompt is the example with the examples before it in the same
-uninterrupted session (up to a few, with their outputs), exactly as written in the file, up to the end of
-its last source line (not the newline: the tokenizer merges a newline with the next line's indentation, so
-the model writes it), and the answer is the expected output. Examples whose source and output also occur
-in the training split are dropped (the task would test recall of training text).
-"""
+"""Generation tasks from the held-out standard-library doctests (docs/findings.md section 2): predict a short `>>>`
+example's printed output, prompted with the example and the ones before it in its session."""
 
 from __future__ import annotations
 
@@ -108,8 +99,7 @@ def _output_lines(text: str) -> list[str]:
 
 
 def answer_of(text: str, indent: int) -> str:
-    """The output in generated text: lines after the source line, up to a blank line or the next `>>>`,
-    with the example's indentation removed."""
+    """The output in generated text: the lines after the source line up to a blank or `>>>` line, unindented."""
     lines = []
     for line in _output_lines(text):
         if not line.strip() or line.lstrip().startswith(">>>"):

@@ -1,17 +1,5 @@
-"""Pre-retrieval usefulness predictor: decide, before a row is read, that its position's gate will be low.
-
-An Engram gate multiplies everything a position reads, so a low gate means the position's rows hardly
-matter. Reading the gate needs the rows, so the predictor uses only what is known before the read:
-
-- static: a per-row scalar computed offline from the table, the row's key contribution along the layer's
-  mean gate query, s_r = <W_k,h e_r, w1 * mean_query> (int8 per row, 1/264 of an fp8 row)
-- sketch: a count-min sketch of each row's access count and mean observed gate, learned from gate traces
-- position: log(1 + position) and whether the n-grams are still left-padded
-
-A per-layer least-squares fit maps these to the gate's logit. SkipPredictor.predict_skip(layer, row_ids,
-positions) marks whole positions (all H rows) whose predicted gate is below the threshold; a serving engine
-then skips those reads and the Engram layer for those positions (zero rows and zero output).
-"""
+"""Fit the pre-retrieval skip predictor (tiergram.engram.skip.SkipPredictor; docs/findings.md section 4) on gate
+traces: per-row static scores from the table, a count-min sketch of observed gates, and a least-squares fit."""
 
 from __future__ import annotations
 

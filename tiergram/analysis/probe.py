@@ -1,10 +1,5 @@
-"""Gate probe: which n-grams open each Engram layer's gate, in which kind of text.
-
-Every position's gate (per hyper-connection branch) is attributed to each n-gram ending there: for every
-order n in 2..max_ngram_size, the last n compressed token ids (left-padded with the pad id at a window's
-start, as the hashing does). An n-gram's mean gate is the mean over its occurrences; so for every layer,
-branch and order, the attribution counts add up to the number of positions probed.
-"""
+"""Gate probe (docs/findings.md section 1): each position's gate is attributed to every n-gram (order 2..max) ending
+there, in compressed ids, so an n-gram's mean gate is the mean over its occurrences."""
 
 from __future__ import annotations
 
@@ -51,13 +46,8 @@ class LayerProbe:
 
 @dataclass
 class GateEvidence:
-    """Whether a layer's gate (the largest over its branches) depends on the n-gram and the category beyond chance.
-
-    between_share is the share of the gate's variance over positions that lies between n-grams (eta squared over
-    the n-grams of this order seen at least min_count times); the shuffle null is the same share with the gates
-    permuted across those positions, which keeps the n-gram counts and breaks any n-gram-gate link. The category
-    gaps come with document-bootstrap intervals (documents resampled within each category).
-    """
+    """Whether a layer's gate (largest over branches) depends on the n-gram and the category beyond chance: the
+    share of gate variance between n-grams seen min_count times against a gate shuffle, and category gaps."""
 
     layer: int
     order: int

@@ -29,8 +29,7 @@ RATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 @torch.no_grad()
 def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarray]], *,
                 batch_size: int = 8, progress: bool = False) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """({config: per-document loss sums}, per-document token counts) over the trace's windows, where
-    masks[config][layer] is a bool [N, H] over the trace's positions: True = that row read is skipped."""
+    """({config: per-document loss sums}, token counts), masks[config][layer] bool [N, H]: True = read skipped."""
     starts = tr.window_starts()
     n_docs = max(w.doc for w in tr.windows) + 1
     sums = {name: np.zeros(n_docs) for name in masks}
@@ -60,8 +59,7 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
 
 
 def spread_documents(docs: list[EvalDoc], doc_tokens: int, tokens_per_category: int | None) -> list[EvalDoc]:
-    """Each document cut to its first doc_tokens tokens (after <|endoftext|>), then the documents in order until
-    a category has tokens_per_category (None: all): more, shorter documents make the document bootstrap tighter."""
+    """The documents cut to doc_tokens each, in order until a category has tokens_per_category (None: all)."""
     if doc_tokens < 1:
         raise ValueError(f"doc_tokens must be >= 1, got {doc_tokens}")
     taken: dict[str, int] = {}
@@ -173,8 +171,7 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
                rates: tuple[float, ...] = RATES, methods: tuple[str, ...] = ("predictor", *BASELINES, "oracle"),
                random_seeds: int = 5, batch_size: int = 8, sketch_width: int = 2**16, model_name: str = "",
                fit_split: str = "", eval_split: str = "", progress: bool = False) -> tuple[SkipReport, SkipPredictor]:
-    """Fit the predictor(s) on `fit`, skip the lowest-scored share of `held`'s positions at every rate for every
-    method, and score all of it (plus none and every read skipped) in one pass over `held`."""
+    """Fit the predictor on `fit`, skip every method's lowest-scored share of `held` per rate, score all at once."""
     check_settings(rates, methods, random_seeds)
     predictor = fit_predictor(model, fit, sketch_width=sketch_width)
     h = {layer: held.row_ids[layer].shape[1] for layer in held.layers}

@@ -56,8 +56,7 @@ def seed_interval(values: list[float]) -> list[float] | None:
 
 def seed_delta(sums_a: list[np.ndarray], sums_b: list[np.ndarray],
                counts: np.ndarray) -> tuple[Estimate, list[float], list[float] | None]:
-    """loss(b) - loss(a) over several models (seeds) scored on the same units: of the model-mean per-unit sums (unit
-    bootstrap), per model, and the t interval over models."""
+    """loss(b) - loss(a) over models on the same units: of the model-mean sums, per model, t interval over models."""
     per = [float((b.sum() - a.sum()) / counts.sum()) for a, b in zip(sums_a, sums_b, strict=True)]
     return paired_ratio_delta(np.mean(sums_a, 0), np.mean(sums_b, 0), counts), per, seed_interval(per)
 

@@ -29,8 +29,7 @@ def load_windows(model: EngramLM, corpus: str | os.PathLike, split: str, tokeniz
 
 @dataclass
 class EngramHooks:
-    """Record every Engram layer's gates, and zero its value and output where `keep` is False: a switched-off
-    position adds nothing to the short conv and the residual, as engram_enabled=False for a cached chunk does."""
+    """Record every Engram layer's gates; zero its value and output where `keep` is False (engram_enabled=False)."""
 
     record: bool = True
     record_query: bool = False  # also keep each layer's gate query (the normalised hidden state)

@@ -33,8 +33,7 @@ class TrainingRows:
         return np.log1p(self.counts[layer][row_ids + offsets]).mean(1)
 
     def gate_score(self, layer: int, offsets: np.ndarray, row_ids: np.ndarray, shrink: float = 2.0) -> np.ndarray:
-        """Mean training gate of each position's rows [N] from row ids [N, H], shrunk to the layer's mean gate
-        as if seen `shrink` extra times (rows never gated get the mean); low = skip first."""
+        """Mean training gate of each position's rows [N] from row ids [N, H], shrunk `shrink` reads to the mean."""
         n, s = self.gate_n[layer], self.gate_sum[layer]
         prior = s.sum() / max(n.sum(), 1)
         flat = row_ids + offsets

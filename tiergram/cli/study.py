@@ -159,8 +159,7 @@ def _windows(model: Any, tokenizer: Any, corpus: Path, args: argparse.Namespace,
 
 
 def _trace(model: Any, windows: list[Any], args: argparse.Namespace, null: bool = False) -> Any:
-    """The gate trace of the model over windows; null: of a random-init model of its config and hashing (seeded by
-    --null-seed), the null of probe and analyze."""
+    """The gate trace over windows of the model or (null) of a random-init one of its config (--null-seed)."""
     import torch
 
     from tiergram.analysis.trace import trace
@@ -180,8 +179,7 @@ def _nonnegative(args: argparse.Namespace, *names: str) -> None:
 
 def _emit(args: argparse.Namespace, report: Any, markdown: str, draw: Callable[[str], Any] | None = None,
           extra: dict[str, Any] | None = None) -> None:
-    """Draw --plot (with `draw(path)`, when given), write --json (the report dataclass and `extra`) / --markdown, or
-    print the markdown."""
+    """Draw --plot with `draw`, write --json (report | extra) and --markdown, or print the markdown."""
     if draw is not None and getattr(args, "plot", None):
         draw(args.plot)
     if args.json:
