@@ -149,11 +149,6 @@ def host_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     return best
 
 
-def host_memory_bytes() -> int:
-    """MemTotal (what sysconf's physical pages count on Linux)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def serve_runs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
                output_len: int = 32, requests_per_user: int = 4, passes: int = SERVE_PASSES) -> dict[str, Any]:
     """A real `tiergram serve` (host placement) under `bench serve`'s closed loop, `passes` times up and down the
@@ -219,7 +214,7 @@ def measure(model_dir: str, progress: bool = True, disk_seconds: float = 1.0, ga
     file = file_tier_times(tables[0], heads, seconds=gather_seconds)
     speed.append(cpu_speed_ms(probe_s))
     log(progress, "[4/5] host memory bandwidth and size")
-    bandwidth, memory = host_bandwidth(), host_memory_bytes()
+    bandwidth, memory = host_bandwidth(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # MemTotal
     runs = None
     if serve:
         log(progress, "[5/5] the HTTP path: `tiergram serve` (host placement) under a closed loop at c = "

@@ -1,9 +1,7 @@
 """A stand-in for K/V swap traffic: copy K/V-sized blocks through host memory at a set rate, until stopped.
 
-`python -m tiergram.bench.stream --rate-gbps 2 --block-mib 16` copies a block from one buffer of many blocks to
-another (read + write: 2 x block bytes moved per copy), paced to the rate, printing the rate it reached each
-second. Run it beside a `tiergram bench serve --placements host` sweep to measure what host-memory traffic
-that is not the Engram table's does to the host placement (docs/planner.md).
+`python -m tiergram.bench.stream --rate-gbps 2` beside a `tiergram bench serve --placements host` sweep measures
+what host-memory traffic other than the Engram table's does to the host placement (docs/planner-validation.md).
 """
 
 from __future__ import annotations
