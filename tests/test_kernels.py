@@ -20,7 +20,6 @@ from tiergram.format import TableFile, TableManifest, create_table, random_value
 from tiergram.kernels import (  # noqa: E402
     RowLayout,
     gather_dequant,
-    gather_dequant_cached,
     gather_dequant_torch,
     pick_backend,
 )
@@ -220,8 +219,8 @@ def test_cached_gather_hits_misses_and_fill(regions, codec, dtype):
     slots[[0, 4, 9]] = [0, 1, 2]
     fill = np.full(15, -1, np.int64)
     fill[[1, 7]] = [4, 5]
-    got = gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, slots, fill, dtype=dtype,
-                                block_rows=4, backend="triton")
+    got = gather_dequant(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache=cache, slots=slots, fill=fill, dtype=dtype,
+                         block_rows=4, backend="triton")
     want = r.expect(ids + OFFSETS, dtype).reshape(15, 64)
     want[[0, 4, 9]] = decoy.codec.decode(decoy.rows[:3], 64, dtype)
     assert_bits(got.reshape(15, 64), want)
@@ -249,8 +248,8 @@ def test_cached_gather_without_fill_writes_nothing(regions, as_tensor):
     slots = np.full(15, -1, np.int64)
     slots[[2, 6]] = [0, 1]
     arg = torch.from_numpy(slots).to(DEV) if as_tensor else slots
-    got = gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, arg, block_rows=4,
-                                backend="triton")
+    got = gather_dequant(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache=cache, slots=arg, block_rows=4,
+                         backend="triton")
     want = r.expect(ids + OFFSETS, torch.float32).reshape(15, 32)
     want[[2, 6]] = r.codec.decode(np.full((2, r.layout.row_bytes), 9, np.uint8), 32, torch.float32)
     assert_bits(got.reshape(15, 32), want)
@@ -258,7 +257,7 @@ def test_cached_gather_without_fill_writes_nothing(regions, as_tensor):
     if as_tensor:
         fill = torch.full((15,), -1, dtype=torch.int64, device=DEV)
         fill[0] = 5
-        gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, arg, fill, backend="triton")
+        gather_dequant(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache=cache, slots=arg, fill=fill, backend="triton")
         assert np.array_equal(cache[5].cpu().numpy(), r.rows[ids[0, 0] + OFFSETS[0]])
 
 
@@ -279,11 +278,11 @@ def test_cached_gather_refuses_bad_slots(regions):
     for bad, match in [(np.array([0, 1, 2, 3, 4, -1]), r"-1\.\.3"), (np.array([-2, 0, 0, 0, 0, 0]), r"-1\.\.3"),
                        (np.zeros(5, np.int64), "one slot per id")]:
         with pytest.raises(ValueError, match=match):
-            gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, bad)
+            gather_dequant(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache=cache, slots=bad)
         with pytest.raises(ValueError, match=match.replace("slots", "fill")):
-            gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache, np.full(6, -1), bad)
+            gather_dequant(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache=cache, slots=np.full(6, -1), fill=bad)
     with pytest.raises(ValueError, match="cache must be"):
-        gather_dequant_cached(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache[:, 1:], np.full(6, -1))
+        gather_dequant(r.data, ids, r.layout, OFFSETS, HEAD_ROWS, cache=cache[:, 1:], slots=np.full(6, -1))
 
 
 # --- compiled for a GPU, without one -------------------------------------------------------------------

@@ -113,24 +113,12 @@ class Codec:
         # plus rounding the input to float32: half an ulp (relative 2^-24) and subnormal slack
         return self._quant_bound(x32) + np.abs(x) * 2.0**-24 + 2.0**-150
 
-    # --- per-codec parts -------------------------------------------------------------------------
-
     def _check_dim(self, dim: int) -> None:
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
             raise ValueError(f"codec {self.name}: dim must be a positive integer, got {dim!r}")
 
-    def _row_bytes(self, dim: int) -> int:
-        raise NotImplementedError
-
-    def _encode(self, x32: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
-
-    def _decode(self, rows: np.ndarray, dim: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def _quant_bound(self, x32: np.ndarray) -> np.ndarray:
-        """float64 [N, D]: worst-case error of encoding the float32 values `x32` and decoding them."""
-        raise NotImplementedError
+    # each codec defines _row_bytes(dim), _encode(x32), _decode(rows, dim) and _quant_bound(x32), the worst-case
+    # error of encoding the float32 values x32 and decoding them (float64 [N, D])
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,17 @@ PAGE_TRAILER_BYTES = 8
 CODEC_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "fp8_e4m3": 3}
 
 
+REQUIRED_FIELDS = ("codec", "dim", "row_bytes", "page_size", "rows_per_page", "heads", "total_rows", "n_pages",
+                   "data_offset")
+_INT = (lambda v: _is_int(v), "an integer")
+FIELD_TYPES = {  # each field's check and what it expects: required ones always, optional ones unless null
+    **dict.fromkeys(("dim", "row_bytes", "page_size", "rows_per_page", "total_rows", "n_pages", "data_offset"), _INT),
+    "codec": (lambda v: isinstance(v, str), "a string"), "layer_id": (lambda v: _is_int(v), "an integer or null"),
+    "hashing": (lambda v: isinstance(v, dict), "an object or null"),
+    "provenance": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
 class TableFormatError(ValueError):
     """A table file or manifest that breaks the format; the message names the file and the problem."""
 
@@ -133,22 +144,12 @@ class TableManifest:
         version = obj.get("version")
         if not _is_int(version) or version != FORMAT_VERSION:  # the integer 1: not true, not 1.0
             raise bad(f"field 'version' is {version!r}; this reader knows version {FORMAT_VERSION}")
-        for key in ("codec", "dim", "row_bytes", "page_size", "rows_per_page", "heads", "total_rows", "n_pages",
-                    "data_offset"):
+        for key in REQUIRED_FIELDS:
             if key not in obj:
                 raise bad(f"lacks field {key!r}")
-
-        for key in ("dim", "row_bytes", "page_size", "rows_per_page", "total_rows", "n_pages", "data_offset"):
-            if not _is_int(obj[key]):
-                raise bad(f"field {key!r} is {obj[key]!r}, expected an integer")
-        if not isinstance(obj["codec"], str):
-            raise bad(f"field 'codec' is {obj['codec']!r}, expected a string")
-        if obj.get("layer_id") is not None and not _is_int(obj["layer_id"]):
-            raise bad(f"field 'layer_id' is {obj['layer_id']!r}, expected an integer or null")
-        if obj.get("hashing") is not None and not isinstance(obj["hashing"], dict):
-            raise bad(f"field 'hashing' is {obj['hashing']!r}, expected an object or null")
-        if obj.get("provenance") is not None and not isinstance(obj["provenance"], dict):
-            raise bad(f"field 'provenance' is {obj['provenance']!r}, expected an object")
+        for key, (ok, expected) in FIELD_TYPES.items():
+            if (key in REQUIRED_FIELDS or obj.get(key) is not None) and not ok(obj.get(key)):
+                raise bad(f"field {key!r} is {obj.get(key)!r}, expected {expected}")
         heads = obj["heads"]
         if not isinstance(heads, list) or not all(isinstance(h, dict) and _is_int(h.get("rows")) for h in heads):
             raise bad("field 'heads' must be a list of {'rows': N, 'row_offset': O}")
@@ -167,7 +168,7 @@ class TableManifest:
             if h.get("row_offset") != off:
                 raise bad(f"head {i} row_offset is {h.get('row_offset')!r}, expected {off}")
         data_offset = obj["data_offset"]
-        if not isinstance(data_offset, int) or data_offset <= 0 or data_offset % m.page_size:
+        if data_offset <= 0 or data_offset % m.page_size:
             raise bad(f"field 'data_offset' {data_offset!r} is not a positive multiple of the page size")
         return m, data_offset
 

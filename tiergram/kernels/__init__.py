@@ -4,7 +4,6 @@ from tiergram.kernels.gather import (
     BACKENDS,
     HAVE_TRITON,
     gather_dequant,
-    gather_dequant_cached,
     ids_to_device,
     interpreted,
     pick_backend,
@@ -13,5 +12,5 @@ from tiergram.kernels.gather import (
 from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import decode_raw, gather_dequant_torch
 
-__all__ = ["BACKENDS", "HAVE_TRITON", "RowLayout", "decode_raw", "gather_dequant", "gather_dequant_cached",
-           "gather_dequant_torch", "ids_to_device", "interpreted", "pick_backend", "triton_usable"]
+__all__ = ["BACKENDS", "HAVE_TRITON", "RowLayout", "decode_raw", "gather_dequant", "gather_dequant_torch",
+           "ids_to_device", "interpreted", "pick_backend", "triton_usable"]

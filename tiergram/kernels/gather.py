@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 from contextlib import nullcontext
-from typing import Any
 
 import numpy as np
 import torch
@@ -74,8 +73,10 @@ def gather_dequant(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offs
                    block_rows: int | None = None, num_warps: int = 4, backend: str = "auto",
                    cache: torch.Tensor | None = None, slots: RowIds | None = None,
                    fill: RowIds | None = None) -> torch.Tensor:
-    """Rows [..., H, D] float32/bfloat16 of per-head ids int64 [..., H] from data uint8 [bytes] laid out as `layout`
-    (through an HBM row cache when given: see gather_dequant_cached)."""
+    """Rows [..., H, D] float32/bfloat16 of per-head ids int64 [..., H] from data uint8 [bytes] laid out as `layout`.
+
+    With `cache` uint8 [S, row_bytes], id i with slots[i] >= 0 is read from cache row slots[i], and a miss with
+    fill[i] >= 0 is also written to cache row fill[i] (one id per slot)."""
     head_offsets = np.ascontiguousarray(head_offsets, dtype=np.int64).reshape(-1)
     head_rows = np.ascontiguousarray(head_rows, dtype=np.int64).reshape(-1)
     h = head_rows.size
@@ -104,14 +105,6 @@ def gather_dequant(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offs
     launch_unchecked(data, ids_dev, off, out, layout, cache=cache, slots=slots_dev, fill=fill_dev,
                      block_rows=block_rows, num_warps=num_warps, backend=backend)
     return out
-
-
-def gather_dequant_cached(data: torch.Tensor, ids: RowIds, layout: RowLayout, head_offsets: np.ndarray,
-                          head_rows: np.ndarray, cache: torch.Tensor, slots: RowIds, fill: RowIds | None = None,
-                          **kw: Any) -> torch.Tensor:
-    """As gather_dequant, reading id i with slots[i] >= 0 from cache uint8 [S, row_bytes]; a miss with
-    fill[i] >= 0 is also written to cache row fill[i] (one id per slot)."""
-    return gather_dequant(data, ids, layout, head_offsets, head_rows, cache=cache, slots=slots, fill=fill, **kw)
 
 
 def default_block_rows(dim: int) -> int:

@@ -16,7 +16,7 @@ from tiergram import _native
 from tiergram.codecs import check_out_dtype
 from tiergram.format import TableFile
 from tiergram.format.ids import check_in_range, check_row_ids
-from tiergram.kernels import RowLayout, gather_dequant, gather_dequant_cached, pick_backend
+from tiergram.kernels import RowLayout, gather_dequant, pick_backend
 from tiergram.store.contract import TableBase
 from tiergram.store.device_cache import DeviceRowCache
 from tiergram.store.stats import StoreStats, per_head_counts
@@ -241,19 +241,19 @@ class DeviceTable(TableBase):
             fill_id[first] = fill  # one writer per filled slot
             if self.data is not None:  # host tier: misses read through UVA at their page address
                 pages = 0
-                gather_dequant_cached(self.data, flat, self.layout, self._offsets, self._rows, cache.slots,
-                                      slots[inverse], fill_id, out=out, device=self.device,
-                                      offsets_dev=self._offsets_dev, backend=self.kernel_backend)
+                gather_dequant(self.data, flat, self.layout, self._offsets, self._rows, cache=cache.slots,
+                               slots=slots[inverse], fill=fill_id, out=out, device=self.device,
+                               offsets_dev=self._offsets_dev, backend=self.kernel_backend)
             else:  # file tier: misses staged, addressed by their position in the staging buffer
                 n_miss = int(miss.sum())
                 pos = np.zeros(uniq.size, dtype=np.int64)
                 pos[miss] = np.arange(n_miss)
                 staged, pages = (self._stage(uniq[miss]) if n_miss
                                  else (torch.zeros(m.row_bytes, dtype=torch.uint8, device=self.device), 0))
-                gather_dequant_cached(staged, pos[inverse].reshape(-1, 1), RowLayout.packed(m.codec, m.dim), [0],
-                                      [max(1, n_miss)], cache.slots, slots[inverse], fill_id,
-                                      out=out.view(-1, 1, self.dim), device=self.device, offsets_dev=self._zero_dev,
-                                      backend=self.kernel_backend)
+                gather_dequant(staged, pos[inverse].reshape(-1, 1), RowLayout.packed(m.codec, m.dim), [0],
+                               [max(1, n_miss)], cache=cache.slots, slots=slots[inverse], fill=fill_id,
+                               out=out.view(-1, 1, self.dim), device=self.device, offsets_dev=self._zero_dev,
+                               backend=self.kernel_backend)
             cache.set_tags(fill[fill >= 0], uniq[fill >= 0])
         finally:
             cache.unpin(slots)  # later launches on this stream run after this one: the slots may be reused

@@ -18,7 +18,7 @@ from tiergram.format.ids import check_row_ids
 from tiergram.store.contract import TableBase
 from tiergram.store.stats import StoreStats, per_head_counts
 from tiergram.store.ticket import NativeTicket, Ticket
-from tiergram.tiers import FileTier, HostTier, Tier
+from tiergram.tiers import FileTier, HostTier
 from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 TIERS = ("host", "file", "mooncake")
@@ -63,7 +63,7 @@ class TieredTable(TableBase):
         if tier == "mooncake":  # path is mooncake://HOST:PORT/NAME; the manifest lives beside the pages
             from tiergram.tiers.mooncake import MooncakeTier  # optional dependency (the remote extra)
 
-            self.tier: Tier = MooncakeTier.open(str(path), **(remote_options or {}))
+            self.tier: HostTier | FileTier | MooncakeTier = MooncakeTier.open(str(path), **(remote_options or {}))
         elif tier == "file":
             self.tier = FileTier(TableFile.open(Path(path)), mode=file_mode, queue_depth=queue_depth, backend=backend)
         else:

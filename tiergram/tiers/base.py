@@ -1,8 +1,8 @@
-"""The tier contract: what the host, file and Mooncake tiers offer the table that reads rows through them."""
+"""What the host, file and Mooncake tiers share and offer the table that reads rows through them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,41 +14,13 @@ if TYPE_CHECKING:
     PageSource = _native.PageReader | _native.CallbackPageSource
 
 
-@runtime_checkable
-class Tier(Protocol):
-    """Rows of one table file's geometry, wherever they live; every tier is read through these members alone."""
+class TableTier:
+    """What every tier shares: its table's geometry and its ids checked in the native core. Host, file and Mooncake
+    tiers also offer read_rows, gather, stats and close, and the native fetch pipeline's page source `reader`."""
 
     name: str  # its key in the table's bytes_read: 'host', 'file' or 'mooncake'
-    table: TableFile
-    manifest: TableManifest
-    # the native fetch pipeline's page source (file reads, Mooncake's read_pages); None where it has none (host, mmap)
-    reader: PageSource | None
+    reader: PageSource | None  # file reads, Mooncake's read_pages; None where there is none (host, mmap)
     native_counts: np.ndarray  # int64 [2]: rows and pages the native pipeline read through `reader`
-
-    def check_ids(self, ids: np.ndarray) -> None:
-        """IndexError naming head and id for any id of int64 [N, H] outside its head."""
-        ...
-
-    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(source buffer, int64 byte offsets [n], pages read) of the encoded global rows [n] (ids checked)."""
-        ...
-
-    def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out [N, H, D] (float32/bfloat16) or uint8 [N, H, row_bytes]; returns (the
-        global rows read int64 [n], pages read)."""
-        ...
-
-    def stats(self) -> dict[str, object]:
-        """What this tier reports of itself (memory, read mode, remote calls)."""
-        ...
-
-    def close(self) -> None:
-        """Release the memory, file or client."""
-        ...
-
-
-class TableTier:
-    """What every tier shares: its table's geometry, and its ids checked in the native core."""
 
     def __init__(self, table: TableFile) -> None:
         self.table = table
