@@ -86,21 +86,13 @@ def count_rows(model: EngramLM, windows: list[Window], batch: int = 256) -> dict
     return out
 
 
-def rankdata(a: np.ndarray) -> np.ndarray:
-    """Ranks 0..n-1 with ties given their average rank."""
-    _, inverse, counts = np.unique(a, return_inverse=True, return_counts=True)
-    start = np.cumsum(counts) - counts
-    return (start + (counts - 1) / 2.0)[inverse.reshape(-1)]
-
-
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Spearman rank correlation (nan when either side is constant or there are < 3 points)."""
-    if len(a) < 3:
+    from scipy import stats
+
+    if len(a) < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return float("nan")
-    ra, rb = rankdata(np.asarray(a)), rankdata(np.asarray(b))
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
+    return float(stats.spearmanr(a, b).statistic)
 
 
 def row_mean_gate(tr: Trace, layer: int, offsets: np.ndarray, n_rows: int,

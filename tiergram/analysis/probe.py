@@ -106,10 +106,7 @@ def example(tokenizer: Any, tr: Trace, i: int, order: int, before: int = 10, aft
 def _ngram_gate(tokenizer: Any, tr: Trace, table: NgramTable, u: int, order: int, mean: float,
                 n_examples: int) -> NgramGate:
     where = np.flatnonzero(table.inverse == u)
-    first = int(where[0])
-    inputs = tr.windows[int(tr.window[first])].inputs
-    p = int(tr.pos[first])
-    text = PAD_TEXT * max(0, order - 1 - p) + _render(tokenizer, inputs[max(0, p - order + 1):p + 1])
+    text = example(tokenizer, tr, int(where[0]), order, 0, 0)[1:-1]  # the first occurrence's tokens, no ⟦ ⟧
     cats = np.bincount(tr.category[where], minlength=len(CATEGORIES)) / len(where)
     return NgramGate(order=order, text=text, compressed=[int(v) for v in table.keys[u]], count=int(len(where)),
                      mean_gate=float(mean), category_share={c: float(s) for c, s in zip(CATEGORIES, cats, strict=True)},

@@ -172,7 +172,6 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
                random_seeds: int = 5, batch_size: int = 8, sketch_width: int = 2**16, model_name: str = "",
                fit_split: str = "", eval_split: str = "", progress: bool = False) -> tuple[SkipReport, SkipPredictor]:
     """Fit the predictor on `fit`, skip every method's lowest-scored share of `held` per rate, score all at once."""
-    check_settings(rates, methods, random_seeds)
     predictor = fit_predictor(model, fit, sketch_width=sketch_width)
     h = {layer: held.row_ids[layer].shape[1] for layer in held.layers}
     masks: dict[str, dict[int, np.ndarray]] = {
@@ -198,12 +197,15 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
     sums = {name: np.round(s, 4) for name, s in sums.items()}  # what the JSON keeps is what the tables use
     base, off = ratio_estimate(sums["none"], counts), ratio_estimate(sums["all"], counts)
     order = [m for m in methods if m != "random"] + (["random"] if "random" in methods else [])
+    rows_used = {} if train is None else {
+        "source": train.source, "tokens_counted": train.tokens_counted, "tokens_gated": train.tokens_gated,
+        "rows_never_read": {str(la): float((c == 0).mean()) for la, c in train.counts.items()}}
     report = SkipReport(model=model_name, fit_split=fit_split, eval_split=eval_split, fit_positions=fit.n,
-                        eval_positions=held.n, training_rows=_train_summary(train), methods=order,
+                        eval_positions=held.n, methods=order,
                         rates=[float(r) for r in rates], random_seeds=seeds,
                         base_loss=base, off_loss=off, memory=memory_summary(model, predictor),
                         quality=quality, doc_counts=counts.tolist(),
-                        doc_sums={name: s.tolist() for name, s in sums.items()})
+                        doc_sums={name: s.tolist() for name, s in sums.items()}, training_rows=rows_used)
     for name, (method, seed, rate, thr) in meta.items():
         delta = paired_ratio_delta(sums["none"], sums[name], counts)
         reads = float(np.mean([m.mean() for m in masks[name].values()]))
@@ -213,13 +215,6 @@ def skip_study(model: EngramLM, fit: Trace, held: Trace, train: TrainingRows | N
     report.matched = matched_rows(report.doc_sums, report.doc_counts, report.rates, seeds, order)
     report.target = target_summary(report)
     return report, predictor
-
-
-def _train_summary(train: TrainingRows | None) -> dict[str, Any]:
-    if train is None:
-        return {}
-    return {"source": train.source, "tokens_counted": train.tokens_counted, "tokens_gated": train.tokens_gated,
-            "rows_never_read": {str(la): float((c == 0).mean()) for la, c in train.counts.items()}}
 
 
 def matched_rows(doc_sums: dict[str, list[float]], doc_counts: list[float], rates: tuple[float, ...] | list[float],
