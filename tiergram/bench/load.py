@@ -19,8 +19,7 @@ from tiergram.bench.common import stdlib_files
 
 def trace_tokens(tokenizer: Any, need: int, source: str = "auto", corpus: str | None = None
                  ) -> tuple[np.ndarray, str]:
-    """At least `need` tokens of held-out text, documents joined by <|endoftext|>, and where they came from ('corpus'
-    builds a missing corpus; 'auto' takes it only when built)."""
+    """At least `need` tokens of held-out text, documents joined by <|endoftext|>, and their source."""
     from tiergram.corpus import EOT, corpus_dir, ensure_corpus, load_split
 
     if source not in ("auto", "corpus", "stdlib"):
@@ -76,8 +75,7 @@ class Trace:
 
 
 class Conversations:
-    """Multi-turn sessions over `docs` shared documents of input_len tokens (document i with weight 1/(i+1)), each
-    asking `turns` questions of input_len/8 tokens; a turn's prompt is everything before it, all real text."""
+    """Sessions of `turns` questions over `docs` shared documents; each prompt is all before it."""
 
     def __init__(self, tokens: np.ndarray, input_len: int, output_len: int, seed: int, turns: int = 4,
                  docs: int = 8) -> None:
@@ -165,9 +163,7 @@ async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> T
 
 async def closed_loop(url: str, model: str, requests: list[TraceRequest] | list[list[TraceRequest]],
                       concurrency: int, think_s: float = 0.0, seed: int = 0) -> tuple[list[Timing], float]:
-    """c users each sending their next request as soon as the previous one ends; (timings, wall seconds).
-    Sessions (lists of requests) run turn by turn, a user thinking between turns for a time drawn exponentially
-    with mean think_s."""
+    """c users, each sending its next request (session turn) when the last ends: (timings, wall s)."""
     import httpx
 
     pending = [r if isinstance(r, list) else [r] for r in reversed(requests)]

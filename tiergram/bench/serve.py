@@ -47,8 +47,7 @@ def workload(cfg: SweepConfig, tokens: Any, max_model_len: int) -> Trace | Conve
 
 
 def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
-    """Random page reads per second the disk gives the native reader at QD 128 (O_DIRECT), on pages no earlier probe
-    read; None where the filesystem refuses O_DIRECT (that would measure the page cache)."""
+    """Random page reads/s the disk gives the native reader at QD 128 on new pages; None without O_DIRECT."""
     from tiergram.bench.file_lookup import LimitReader
     from tiergram.format import TableFile
 

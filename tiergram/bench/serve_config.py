@@ -77,8 +77,7 @@ class SweepConfig:
         return self.cache_fractions or (self.cache_fraction,)
 
     def labels(self) -> list[str]:
-        """Every server of the sweep: the placements (file once per cache fraction), each variant after the server
-        it copies, then file-big."""
+        """Every server: the placements (file per cache fraction), variants after their base, file-big."""
         out = []
         for p in self.placements:
             if p == "file" and len(self.fractions) > 1:
@@ -126,8 +125,7 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]*")
 
 
 def load_variants(path: str | os.PathLike) -> dict[str, Variant]:
-    """A variants file (TOML, or JSON by its .json suffix): [variants.NAME] with `base`, an optional `reference`,
-    and [engine] settings to change (`hot_rows` there is true or false: the sweep's hot-rows file, or none)."""
+    """A variants file (TOML, or JSON by suffix): [variants.NAME] with base, reference, [engine] keys."""
     import json
 
     import tomllib
@@ -170,8 +168,7 @@ def file_label(fraction: float) -> str:
 
 
 def round_order(members: list[str], r: int) -> list[str]:
-    """The servers' turns in round r: forward in even rounds, backward in odd ones, rotated every two rounds, so each
-    goes first, and before each other, equally often (docs/serving.md)."""
+    """The servers' turns in round r, balanced over 2 x len(members) rounds (docs/serving.md)."""
     base = members if r % 2 == 0 else members[::-1]
     k = (r // 2) % max(1, len(members))
     return base[k:] + base[:k]

@@ -17,8 +17,7 @@ from tiergram.bench.serve_config import SweepConfig, file_label
 
 
 class ServeSubprocess:
-    """`tiergram serve MODEL_DIR --config FILE` in a subprocess on a free loopback port, healthy once entered; stopped
-    with SIGTERM (drained), SIGKILL if it does not exit within a minute. `config`: ServeSettings.to_dict's shape."""
+    """`tiergram serve MODEL_DIR --config FILE` on a free loopback port, healthy once entered."""
 
     def __init__(self, model_dir: str | os.PathLike, *, config: dict[str, Any] | None = None,
                  startup_timeout_s: float = 300.0) -> None:
@@ -98,8 +97,7 @@ class ServerProcess(ServeSubprocess):
 
 
 def server_settings(cfg: SweepConfig, label: str, cache_bytes: int, max_waiting: int, model_dir: str | None = None):
-    """The typed configuration one server of the sweep runs: the sweep's engine settings, its placement and cache,
-    then its variant's changes."""
+    """One server's typed configuration: the sweep's engine, its placement and cache, its variant's."""
     from dataclasses import replace
 
     from tiergram.settings import EngineSettings, ServerSettings, ServeSettings
@@ -150,8 +148,7 @@ def _tasks(pid: int) -> list[str]:
 
 
 def peak_rss(pid: int) -> int:
-    """The peak resident memory (VmHWM) of a live process and its descendants (the server's engine process),
-    summed, bytes; 0 for what cannot be read."""
+    """Peak resident memory (VmHWM) of a live process and its descendants, bytes (0: unreadable)."""
     own = next((int(line.split()[1]) * 1024 for line in _read(f"/proc/{pid}/status").splitlines()
                 if line.startswith("VmHWM:")), 0)
     return own + sum(peak_rss(child) for child in _children(pid))
@@ -163,8 +160,7 @@ def _children(pid: int) -> list[int]:
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a live process's threads and its descendants', summed per thread name, as
-    samples `thread_cpu_seconds{name="..."}` (torch's workers carry the name of the thread that started them)."""
+    """CPU seconds of a process tree's threads per name, as `thread_cpu_seconds{name=...}` samples."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for proc in [pid, *_children(pid)]:
@@ -206,8 +202,7 @@ def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
 
 
 def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
-    """Each server's host cache per layer, bytes (0: none): a fraction of the smallest layer's table (mooncake: the
-    first file fraction's; file-big: big_cache_bytes, or the first file server's)."""
+    """Each server's host cache per layer, bytes: a fraction of the smallest layer's table."""
     labels = cfg.labels()
     smallest = min(path.stat().st_size for path in tables)
     caches = {label: 0 for label in labels}
@@ -232,8 +227,7 @@ def concurrency_limit(cfg: SweepConfig, kv_blocks_total: int) -> int:
 
 
 def file_mode(path: Path) -> str:
-    """The read mode a file server's tier gets on a table file: 'direct' (O_DIRECT), or 'buffered' where the
-    filesystem refuses O_DIRECT (the native reader's fallback: reads then go through the page cache)."""
+    """The file tier's read mode on a table: 'direct' (O_DIRECT), or 'buffered' where refused."""
     from tiergram.format import TableFile
     from tiergram.tiers.file import FileTier
 

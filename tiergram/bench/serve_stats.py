@@ -159,8 +159,7 @@ def _by_c(res: SweepResult, placement: str) -> dict[int, Point]:
 
 
 def _ratios(res: SweepResult, num: str, den: str, field: str = "throughput_tok_s") -> dict[int, float]:
-    """A point field of num over den's at each concurrency both ran; throughput paired by round (the median of the
-    rounds' ratios: docs/decisions.md), else the ratio of the fields."""
+    """A point field of num over den's per common concurrency (throughput: median of paired rounds)."""
     a, b = _by_c(res, num), _by_c(res, den)
     out = {}
     for c in sorted(set(a) & set(b)):
@@ -180,8 +179,7 @@ def round_ratios(num: Point, den: Point) -> list[float]:
 
 
 def against(res: SweepResult, num: str, den: str, target: float) -> dict[str, Any]:
-    """num's throughput over den's held against `target`: ratios, their rounds, the noise and the verdict (pass,
-    fail, within noise: docs/serving.md, "`tiergram bench serve`")."""
+    """num's throughput over den's against `target`: ratios, rounds, noise, verdict (docs/serving.md)."""
     a, b = _by_c(res, num), _by_c(res, den)
     common = sorted(set(a) & set(b))
     logs = {c: np.log(r) for c in common if (r := round_ratios(a[c], b[c])) and min(r) > 0}
@@ -208,13 +206,15 @@ def against(res: SweepResult, num: str, den: str, target: float) -> dict[str, An
     return out
 
 
-def pool_rounds(sweeps: list[dict[str, Any]], check: str, *, resamples: int = 4000,
+def pool_rounds(sweeps: list[dict[str, Any]], check: str, names: list[str] | None = None, *, resamples: int = 4000,
                 seed: int = 0) -> dict[int, dict[str, float]]:
-    """One check's paired round ratios pooled over `bench serve` JSONs: per concurrency the rounds, their median and
-    geometric mean, each with a bootstrap 95% interval."""
+    """One check's round ratios pooled over sweep JSONs: per c median and geomean, bootstrap 95%."""
     pooled: dict[int, list[float]] = {}
-    for sweep in sweeps:
-        for c, ratios in (sweep.get("checks", {}).get(check, {}).get("round_ratios") or {}).items():
+    for i, sweep in enumerate(sweeps):
+        if check not in sweep.get("checks", {}):
+            known = ", ".join(sorted(sweep.get("checks", {}))) or "none"
+            raise ValueError(f"{names[i] if names else i} has no check {check!r} (it has: {known})")
+        for c, ratios in sweep["checks"][check]["round_ratios"].items():
             pooled.setdefault(int(c), []).extend(float(r) for r in ratios if r > 0)
     rng = np.random.default_rng(seed)
     out = {}
@@ -271,8 +271,7 @@ ABOVE_LIMIT = 1.25
 
 
 def disk_figures(res: SweepResult, label: str, target: float, ref: str) -> dict[str, Any]:
-    """The disk's limits on the tables `label` read; the concurrencies where it read past ABOVE_LIMIT x them (a cache
-    under the disk served them); the share of the limit it needs for target x `ref`'s tokens/s (>= 1: disk-bound)."""
+    """The disk's limits on `label`'s tables, points read past them, and the share of them it needs."""
     big = res.config.base_of(label) == "file-big" and res.big_disk_pages_per_s
     measured = res.big_disk_pages_per_s if big else res.disk_pages_per_s
     out: dict[str, Any] = {"disk_pages_per_s": measured, "disk_share_needed": {}, "above_disk_limit": []}

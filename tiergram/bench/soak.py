@@ -21,7 +21,7 @@ import httpx
 from tqdm import tqdm
 
 from tiergram.bench.common import log, percentile
-from tiergram.bench.serve_process import ServeSubprocess, scrape
+from tiergram.bench.serve_process import ServeSubprocess, layer_tables, scrape
 
 PROMPT = "def insort(a, x):\n    lo = 0"
 
@@ -52,9 +52,7 @@ def answers_cleanly(url: str) -> bool:
 # ------------------------------------------------------------------------------------------------ fuzzing
 
 def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 60.0) -> dict[str, Any]:
-    """schemathesis on every operation of /openapi.json, positive and negative cases, `examples` per operation and
-    mode: no 5xx, every answer as the schema documents it, schema-violating input rejected with 4xx. Returns the
-    cases sent, the statuses they got and the checks that failed."""
+    """schemathesis on /openapi.json, positive and negative: {cases, statuses, failures}."""
     try:
         import schemathesis
         from hypothesis import HealthCheck, Phase, given, settings
@@ -149,8 +147,7 @@ def hostile_requests(max_model_len: int) -> list[tuple[str, bytes]]:
 
 
 def send_hostile(url: str, max_model_len: int) -> tuple[int, dict[str, int], list[str]]:
-    """Send every hostile request: (tried, {status: count}, failures — anything not answered 4xx in the OpenAI
-    error shape)."""
+    """Send every hostile request: (tried, {status: count}, those not 4xx in the OpenAI shape)."""
     statuses: Counter = Counter()
     failures = []
     with httpx.Client(timeout=60) as client:
@@ -223,8 +220,7 @@ def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[st
 def overload(url: str, *, clients: int, requests: int | None = None, duration_s: float | None = None,
              max_tokens: int = 8, retry_after_s: float = 0.02, progress: bool = False,
              on_progress: Any = None) -> LoadReport:
-    """`clients` closed-loop streaming clients until `requests` were sent or `duration_s` passed (one of them); a 429
-    is retried after `retry_after_s`, and the waiting queue's length is scraped all along."""
+    """`clients` streaming clients until `requests` sent or `duration_s` passed; 429s retried."""
     if requests is None and duration_s is None:
         raise ValueError("give requests or duration_s")
     rep = LoadReport(clients=clients)
@@ -299,8 +295,7 @@ def scraping(url: str, every_s: float) -> Iterator[list[dict[str, float]]]:
 
 def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, timeout_s: float = 60.0
                      ) -> dict[str, Any]:
-    """Clients that open long streams and drop them after a few events: K/V blocks used before, at the peak,
-    and once the server has noticed (it must return to where it started)."""
+    """Clients that drop long streams: K/V blocks used at start, at the peak, and after."""
     start = scrape(url)["tiergram_kv_blocks_used"]
     long = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["max_model_len"] // 2  # runs for a while
     peak = [start]
@@ -406,8 +401,7 @@ def _normal_requests(url: str, seconds: float) -> dict[str, Any]:
 
 
 def slow_clients(url: str, *, clients: int, seconds: float, baseline_s: float) -> dict[str, Any]:
-    """Normal requests alone for baseline_s, then beside `clients` slow clients (SLOW_KINDS in equal shares) for
-    `seconds`: each kind's answers and longest hold, the server's connections, fds and RSS, the normal latency."""
+    """Normal requests alone, then beside `clients` slow clients: what each side saw."""
     port = int(url.rsplit(":", 1)[1])
     baseline = _normal_requests(url, baseline_s)
     start = scrape(url)
@@ -471,8 +465,7 @@ def fault_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def compare_to_reference(got: list[tuple[int, Any]], want: list[tuple[int, Any]]) -> dict[str, int]:
-    """Outcomes under faults against the fault-free run: ok (same tokens), failed cleanly (500 naming the
-    read), wrong (200 with other tokens: must be 0), other (anything else: must be 0)."""
+    """Outcomes against the fault-free run: ok, failed_cleanly, wrong and other (both must be 0)."""
     counts = Counter()
     for (status, value), (_, ref) in zip(got, want, strict=True):
         if status == 200:
@@ -498,8 +491,7 @@ def corrupt_page(path: Path, page: int) -> None:
 
 
 def page_read_by(model_dir: Path, prompt: str, codec: str = "fp8_e4m3") -> tuple[Path, int]:
-    """(table file, page) holding a row that `prompt` reads (its last token, the first Engram layer, head 0) in
-    an exported model directory."""
+    """(table file, page) of a row `prompt` reads (first Engram layer, head 0) in an exported model."""
     import numpy as np
 
     from tiergram.format import TableFile
@@ -514,14 +506,9 @@ def page_read_by(model_dir: Path, prompt: str, codec: str = "fp8_e4m3") -> tuple
     return path, int(t.head_offsets[0] + rows[layer][0, -1, 0]) // t.manifest.rows_per_page
 
 
-def copy_export(model_dir: Path, out: Path, codec: str = "fp8_e4m3") -> Path:
+def copy_export(model_dir: Path, out: Path) -> Path:
     """An exported copy of a model (its tables can then be damaged without touching the original)."""
-    from tiergram.engine.tables import export_dir_for
-    from tiergram.model.model_dir import ModelDir
-
-    model = ModelDir.open(model_dir)
-    src = export_dir_for(model, model.engram_layers, {codec}).path if model.engram_layers else model_dir
-    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.lock", ".engine-export.lock"))
+    shutil.copytree(layer_tables(str(model_dir))[0].parent, out, ignore=shutil.ignore_patterns("*.lock"))
     return out
 
 
@@ -623,9 +610,7 @@ def _file_server(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
 
 def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[float, ...] = (0.01, 1.0),
                    progress: bool = False) -> dict[str, Any]:
-    """File servers on a copy of the model: for each rate, that share of every table's pages failing (below 1 a
-    transient bit flip on the next read and re-read, which the checksum catches; at 1 an I/O error on every read),
-    then a page corrupted on disk."""
+    """File servers on a model copy: injected page faults at each rate, then a page corrupted on disk."""
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="tiergram-soak-") as tmp:
         model = copy_export(Path(model_dir), Path(tmp) / "model")

@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="a serve configuration (TOML or JSON, docs/serving.md) whose [engine] every server runs with: "
                          "device_memory, host_memory, cache_policy, torch_threads, max_num_seqs, ...; its placement "
                          "is each server's own")
-    sv.add_argument("--variants", default=None, metavar="FILE",
+    sv.add_argument("--variants", dest="variants_file", default=None, metavar="FILE",
                     help="more servers: [variants.NAME] copies server `base` with [engine] settings changed, e.g. "
                          "base = \"file\", hot_rows = false (docs/serving.md, \"Comparing settings\"; an example: "
                          "docs/variants.toml)")
@@ -142,7 +142,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--cache-fractions", type=_fractions, default=(0.10,),
                     help="file placement: host cache per layer as a fraction of that layer's table; several make a "
                          "server each (file-1%%, file-10%%, ...), e.g. 0.01,0.1 (default 0.1)")
-    sv.add_argument("--big-model", default=None, metavar="DIR",
+    sv.add_argument("--big-model", dest="big_model_dir", default=None, metavar="DIR",
                     help="also serve this model (same backbone, larger tables, e.g. larger than RAM) with the file "
                          "placement, as file-big")
     sv.add_argument("--big-cache-bytes", type=_size, default=None,
@@ -285,6 +285,8 @@ SWEEP_ENGINE_KEYS = ("device_memory", "host_memory", "cache_policy", "torch_thre
 
 def sweep_config(args: argparse.Namespace):
     """The SweepConfig `bench serve`'s options and files describe."""
+    from dataclasses import replace
+
     from tiergram.bench import serve
     from tiergram.settings import ConfigError, EngineSettings, read_file, section
 
@@ -299,17 +301,11 @@ def sweep_config(args: argparse.Namespace):
             raise ConfigError(f"{path}: [engine] placement: each server's is the sweep's (--placements)")
     fields = {k: engine.pop(k) for k in SWEEP_ENGINE_KEYS if k in engine}
     fields["mooncake_master"] = fields.get("mooncake_master") or None
-    known = args.source in ("auto", "corpus", "stdlib")
-    fractions = args.cache_fractions
-    return serve.SweepConfig(
-        model_dir=args.model_dir, placements=args.placements, input_len=args.input_len, output_len=args.output_len,
-        max_concurrency=args.max_concurrency, requests_per_user=args.requests_per_user,
-        warmup_per_user=args.warmup_per_user, rounds=args.rounds, cache_fraction=fractions[0],
-        cache_fractions=fractions if len(fractions) > 1 else None, big_model_dir=args.big_model,
-        big_cache_bytes=args.big_cache_bytes, hot_rows=args.hot_rows, engine=engine,
-        variants=serve.load_variants(args.variants) if args.variants else {},
-        source=args.source if known else "corpus", corpus=None if known else args.source, seed=args.seed,
-        plot=args.plot, markdown=args.markdown, workload=args.workload, **fields)
+    fractions, known = args.cache_fractions, args.source in ("auto", "corpus", "stdlib")
+    return replace(config_from(serve.SweepConfig, args), cache_fraction=fractions[0],
+                   cache_fractions=fractions if len(fractions) > 1 else None, engine=engine,
+                   variants=serve.load_variants(args.variants_file) if args.variants_file else {},
+                   source=args.source if known else "corpus", corpus=None if known else args.source, **fields)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -345,22 +341,13 @@ def cmd_split(args: argparse.Namespace) -> int:
 def cmd_pool(args: argparse.Namespace) -> int:
     from tiergram.bench.serve_stats import pool_rounds
 
-    sweeps, targets = [], set()
-    for path in args.sweeps:
-        try:
-            sweep = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            print(f"tiergram: error: {path}: not a readable bench serve JSON ({e})", file=sys.stderr)
-            return 1
-        check = sweep.get("checks", {}).get(args.check) if isinstance(sweep, dict) else None
-        if check is None:
-            known = ", ".join(sorted(sweep.get("checks", {}))) if isinstance(sweep, dict) else ""
-            print(f"tiergram: error: {path} has no check {args.check!r} (it has: {known or 'none'})", file=sys.stderr)
-            return 1
-        sweeps.append(sweep)
-        targets.add(check.get("target"))
-    pooled = pool_rounds(sweeps, args.check)
-    target = min((t for t in targets if t), default=None)
+    try:
+        sweeps = [json.loads(Path(path).read_text()) for path in args.sweeps]
+        pooled = pool_rounds(sweeps, args.check, args.sweeps)
+    except (OSError, ValueError, AttributeError, KeyError) as e:
+        print(f"tiergram: error: not a set of bench serve JSONs with check {args.check!r}: {e}", file=sys.stderr)
+        return 1
+    target = sweeps[0]["checks"][args.check].get("target")
     if args.json:
         print(json.dumps({"check": args.check, "runs": args.sweeps, "target": target, "points": pooled}, indent=2))
         return 0
