@@ -34,20 +34,14 @@ def _predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=float, default=1024, help="mean output tokens (default 1024)")
     p.add_argument("--max-num-seqs", type=int, default=4096, help="the engine's sequence cap (default 4096)")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="tokens per step (default 16384)")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cache-fractions", default="0.01,0.1",
                    help="file placement host caches, as fractions of the table (default 0.01,0.1)")
-    p.add_argument("--placements", default="device,host,file",
-                   help="comma-separated kinds (default device,host,file)")
-    p.add_argument("--no-kv-offload", action="store_true", help="leave out host + KV offload")
     p.add_argument("--prompt-rows-first", action="store_true",
                    help="file placements: the engine reads a new prompt's rows before it joins (steps wait only for "
                         "decode rows); default: every step waits for all its rows")
     p.add_argument("--hot-rows", action="store_true",
                    help="also each file placement with its cache preloaded with hot rows (the model spec's "
                         "hot_hit_rate_curve; the engine's --hot-rows)")
-    p.add_argument("--device-memory", type=float, default=None, help="override the device budget, bytes")
-    p.add_argument("--max-concurrency", type=int, default=1 << 16)
     add_common(p, "--plot", "--json", plot="PNG path (default: plan-MODEL-HARDWARE.png in the cache)",
                json="print JSON instead of the table")
     return p
@@ -116,7 +110,6 @@ def _studies_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", default=None,
                    help="a trained model whose top-k next-token hit rate stands in for a real model's (default: "
                         "the demo's model if cached; none: speculation shown with hit rate 0)")
-    p.add_argument("--topk-tokens", type=int, default=20000, help="test-split tokens to measure top-k on")
     return p
 
 
@@ -128,7 +121,7 @@ def _studies(a: argparse.Namespace) -> int:
     model_dir = a.model_dir
     if model_dir is None and (cache_dir("models") / "demo-small" / "config.json").is_file():
         model_dir = str(cache_dir("models") / "demo-small")
-    md = run(out, model_dir, topk_tokens=a.topk_tokens)
+    md = run(out, model_dir)
     (out / "studies.md").write_text(md)
     print(md)
     print(f"plots and studies.md in {out}")
@@ -150,31 +143,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _predict(a: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from tiergram.paths import cache_dir
     from tiergram.plan import predict
     from tiergram.plan.model import Workload, predict_front
     from tiergram.plan.specs import load_hardware, load_model
 
     model, hw = load_model(a.model), load_hardware(a.hardware)
-    if a.device_memory is not None:
-        hw = replace(hw, device_memory_bytes=a.device_memory)
     try:
         fractions = tuple(float(x) for x in a.cache_fractions.split(",") if x)
     except ValueError:
         raise ValueError(f"--cache-fractions must be comma-separated numbers, got {a.cache_fractions!r}") from None
     wl = Workload(input_len=a.input_len, output_len=a.output_len, max_num_seqs=a.max_num_seqs,
-                  max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-                  prompt_rows_first=a.prompt_rows_first)
-    kinds = tuple(k.strip() for k in a.placements.split(",") if k.strip())
-    pls = predict.placements(fractions, kv_offload=not a.no_kv_offload, kinds=kinds, hot_rows=a.hot_rows)
-    fronts = [predict_front(model, hw, wl, pl, a.max_concurrency) for pl in pls]
+                  max_num_batched_tokens=a.max_num_batched_tokens, prompt_rows_first=a.prompt_rows_first)
+    fronts = [predict_front(model, hw, wl, pl) for pl in predict.placements(fractions, hot_rows=a.hot_rows)]
     path = Path(a.plot) if a.plot else cache_dir("plan") / f"plan-{Path(str(a.model)).stem}-{Path(a.hardware).stem}.png"
-    title = (f"PREDICTED: {model.name} on {hw.name}\ninput {wl.input_len:g} / output {wl.output_len:g} tokens "
-             "(labels: the last concurrency and what binds there)")
-    png = predict.plot({f.placement.label: [(p.interactivity, p.throughput_tok_s, p.concurrency, p.binding)
-                                            for p in f.pareto] for f in fronts if f.points}, path, title)
+    title = f"PREDICTED: {model.name} on {hw.name}\ninput {wl.input_len:g} / output {wl.output_len:g} tokens"
+    png = predict.plot({f.placement.label: [(p.interactivity, p.throughput_tok_s) for p in f.pareto]
+                        for f in fronts if f.points}, path, title)
     if a.json:
         print(predict.to_json(model, hw, wl, fronts))
     else:
@@ -226,11 +211,10 @@ def _validate(a: argparse.Namespace) -> int:
     res = predict.validate(sweep, model, hw, a.host_traffic_gbps * 1e9, rows_first=rows_first,
                            disk_from=a.disk, speed_from=a.speed, naive=a.naive)
     if a.plot:  # each server's points as validate predicted them, beside the measured ones
-        lines: dict[str, list[tuple[float, float, int, str]]] = {}
+        lines: dict[str, list[tuple[float, float]]] = {}
         measured: dict[str, list[tuple[float, float]]] = {}
         for r in res["points"]:
-            lines.setdefault(r["placement"], []).append((r["predicted_interactivity"], r["predicted_tok_s"],
-                                                         r["concurrency"], r["predicted_binding"]))
+            lines.setdefault(r["placement"], []).append((r["predicted_interactivity"], r["predicted_tok_s"]))
             if r["measured_interactivity"] is not None:
                 measured.setdefault(r["placement"], []).append((r["measured_interactivity"], r["measured_tok_s"]))
         predict.plot(lines, Path(a.plot), f"{model.name} on {hw.name}: predicted (lines) vs measured (x)", measured)

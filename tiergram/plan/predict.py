@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from tiergram.plan.model import (
+    ENGRAM_SOURCE,
     Front,
     HardwareSpec,
     ModelSpec,
@@ -28,20 +29,11 @@ from tiergram.plan.prefix import Conversations, Reuse
 from tiergram.plan.split import Split, conversations_workload, predict_conversations
 
 
-def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), kv_offload: bool = True,
-               kinds: tuple[str, ...] = ("device", "host", "file"), hot_rows: bool = False) -> list[Placement]:
-    """device, host, file at each cache size (and, with hot_rows, each again preloaded with hot rows), and host
-    with K/V offloaded to host DRAM too."""
-    out = []
-    for kind in kinds:
-        if kind == "file":
-            out += [Placement("file", cache_fraction=f) for f in cache_fractions]
-            out += [Placement("file", cache_fraction=f, hot_rows=True) for f in cache_fractions if hot_rows]
-        else:
-            out.append(Placement(kind))
-    if kv_offload:
-        out.append(Placement("host", kv_offload=True))
-    return out
+def placements(cache_fractions: tuple[float, ...] = (0.01, 0.1), hot_rows: bool = False) -> list[Placement]:
+    """device, host, file at each cache size (with hot_rows, each again preloaded), host with K/V offload."""
+    return [Placement("device"), Placement("host"), *(Placement("file", cache_fraction=f) for f in cache_fractions),
+            *(Placement("file", cache_fraction=f, hot_rows=True) for f in cache_fractions if hot_rows),
+            Placement("host", kv_offload=True)]
 
 
 def to_text(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front]) -> str:
@@ -79,30 +71,32 @@ def to_json(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front
                                    "points": [asdict(p) for p in f.points]} for f in fronts]}, indent=2)
 
 
-def plot(lines: dict[str, list[tuple[float, float, int, str]]], path: Path, title: str,
+def label_axes(ax: Any, x: str, y: str, title: str, legend: int = 7) -> None:
+    """Axis labels, title, a light grid and the legend of one plot panel."""
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=legend)
+
+
+def plot(lines: dict[str, list[tuple[float, float]]], path: Path, title: str,
          measured: dict[str, list[tuple[float, float]]] | None = None) -> Path:
-    """Throughput against interactivity: each server's predicted points [(interactivity, tok/s, c, binding)] as a
-    line labelled with its last concurrency and what binds there; measured (interactivity, tok/s) as markers."""
+    """Throughput against interactivity: each server's predicted (interactivity, tok/s) points as a line, the
+    measured ones as markers of its colour."""
     from tiergram.plots import save_figure, subplots
 
     fig, ax = subplots(figsize=(7.0, 4.6))
     colors: dict[str, Any] = {}
     for name, pts in lines.items():
-        line, = ax.plot([x for x, *_ in pts], [y for _, y, *_ in pts], marker=".", label=f"{name} (predicted)")
+        line, = ax.plot(*zip(*pts, strict=True), marker=".", label=f"{name} (predicted)")
         colors[name] = line.get_color()
-        x, y, c, binding = pts[-1]
-        ax.annotate(f"c={c}: {binding}", (x, y), fontsize=6, textcoords="offset points", xytext=(3, -8),
-                    color=line.get_color())
     for name, pts in (measured or {}).items():
-        ax.scatter([x for x, _ in pts], [y for _, y in pts], marker="x", s=30, color=colors.get(name, "black"),
+        ax.scatter(*zip(*pts, strict=True), marker="x", s=30, color=colors.get(name, "black"),
                    label=f"{name} (measured)")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("interactivity (output tokens/s per user)")
-    ax.set_ylabel("throughput (tokens/s, prompt + output)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    label_axes(ax, "interactivity (output tokens/s per user)", "throughput (tokens/s, prompt + output)", title)
     return save_figure(fig, path)
 
 
@@ -123,27 +117,18 @@ class Compared:
     hit_rate: float | None
     hit_rate_source: str | None  # "model spec" or "sweep (...)"
     measured_runs: list[float]  # each run's throughput when several repeats were merged
-    measured_binding: str  # from the sweep's own evidence: disk reads against its limit, exposed stall, else CPU
+    measured_binding: str  # from the sweep's own evidence, by `binds`
     stall_share: float  # exposed stall seconds / measured seconds
     predicted_stall_share: float  # the step model's engine wait for rows / its step time (the same quantity)
     disk_share: float  # file pages/s / the disk's limit measured in the same sweep
-    # of the file tier's page reads, the share its server read for the first time (the rest are re-reads, which a
-    # cache under the disk serves at the spec's cache_pages_per_s); None where the sweep did not count them
-    first_read_share: float | None = None
-    # the cycle's parts: the server's mean step and the steps a request took, predicted and (where the sweep has
-    # the server's own counters) measured; measured / predicted throughput is about their product's inverse, the
-    # rest is the time between steps (HTTP, prompt rows waited for)
-    predicted_step_ms: float = 0.0
+    first_read_share: float | None = None  # of the file tier's page reads, first reads (the rest: re-reads)
+    predicted_step_ms: float = 0.0  # the server's mean step and the steps a request took, predicted and measured
     measured_step_ms: float | None = None
     predicted_steps_per_request: float = 0.0
     measured_steps_per_request: float | None = None
-    # the sweep flagged this point as reading well past the disk's new-page limit: a cache under the disk served
-    # pages an earlier run read (bench serve's `above_disk_limit`), so its figure is not the disk's
-    past_disk_limit: bool = False
-    # the naive baseline: calibration's own host server's throughput at this concurrency (None: not asked for)
-    naive_tok_s: float | None = None
-    # conversations: the prefix cache's hit rate (hit tokens / queried tokens), predicted and measured
-    predicted_prefix_hit: float | None = None
+    past_disk_limit: bool = False  # bench serve's `above_disk_limit`: a cache under the disk served it
+    naive_tok_s: float | None = None  # calibration's own host server's throughput at this concurrency
+    predicted_prefix_hit: float | None = None  # conversations: hit tokens / queried tokens
     measured_prefix_hit: float | None = None
 
 
@@ -161,8 +146,7 @@ def sweep_workload(cfg: dict[str, Any]) -> Workload:
 
 
 def sweep_conversations(cfg: dict[str, Any]) -> Conversations | None:
-    """The conversations a `--workload conversations` sweep sent (None for one-shot requests), as bench/load.py
-    builds them: documents of input_len tokens, questions of input_len // 8, answers of output_len."""
+    """The conversations a `--workload conversations` sweep sent, as bench/load.py builds them (else None)."""
     if cfg.get("workload", "requests") != "conversations":
         return None
     n = int(cfg["input_len"])
@@ -171,8 +155,7 @@ def sweep_conversations(cfg: dict[str, Any]) -> Conversations | None:
 
 
 def sweep_sessions(cfg: dict[str, Any], conv: Conversations, c: int) -> tuple[int, float]:
-    """(sessions per round at c, sessions a server ran before the middle of that point): every server runs each
-    level, lowest first, as a warm-up and then the rounds (bench/serve.py), so its cache saw all earlier ones."""
+    """(sessions per round at c, sessions a server ran before the middle of that point: warm-ups and rounds)."""
     def per(requests: int) -> int:
         return -(-requests // conv.turns)
 
@@ -187,8 +170,7 @@ def sweep_sessions(cfg: dict[str, Any], conv: Conversations, c: int) -> tuple[in
 
 
 def round_thinks(cfg: dict[str, Any], conv: Conversations, c: int) -> list[list[float]]:
-    """Per round, each user's think seconds: the load generator's seeded draws (seed + round, one per turn after a
-    session's first; bench/load.closed_loop), dealt to the users in turn."""
+    """Per round, each user's think seconds: the load generator's seeded draws, dealt to the users in turn."""
     each, _ = sweep_sessions(cfg, conv, c)
     out = []
     for r in range(int(cfg.get("rounds", 1))):
@@ -199,9 +181,8 @@ def round_thinks(cfg: dict[str, Any], conv: Conversations, c: int) -> list[list[
 
 def predict_conversation_point(model: ModelSpec, hw: HardwareSpec, cfg: dict[str, Any], conv: Conversations,
                                split: Split, c: int, hit_rate: float | None = None) -> tuple[Point, Reuse]:
-    """A conversations sweep's point as it was measured: each round predicted with its own think draws (a user's
-    requests take the predicted request time each, then its draws; the round lasts as long as its slowest user),
-    the point the median round, as `bench serve` reports it."""
+    """A conversations sweep's point: each round with its own think draws (lasting as long as its slowest user), the
+    median round, as `bench serve` reports it."""
     each, before = sweep_sessions(cfg, conv, c)
     thinks = round_thinks(cfg, conv, c) if conv.think_s > 0 else [[0.0] * c]
     mean_think = sum(map(sum, thinks)) / max(1, len(thinks) * each * conv.turns)
@@ -218,9 +199,14 @@ def predict_conversation_point(model: ModelSpec, hw: HardwareSpec, cfg: dict[str
     return point, got
 
 
+def _engine(sweep: dict[str, Any], label: str) -> dict[str, Any]:
+    """The [engine] settings a sweep's server ran with."""
+    return ((sweep.get("servers") or {}).get(label) or {}).get("settings", {}).get("engine") or {}
+
+
 def sweep_split(sweep: dict[str, Any], label: str) -> Split:
-    """The host budget a sweep's server ran with and its split (host_memory and kv_host_fraction of its settings)."""
-    engine = ((sweep.get("servers") or {}).get(label) or {}).get("settings", {}).get("engine") or {}
+    """The host budget a sweep's server ran with and its split."""
+    engine = _engine(sweep, label)
     host = engine.get("host_memory") or sweep["config"].get("host_memory")
     if not host:
         raise ValueError(f"server {label!r} ran without host_memory: a conversations sweep is predicted per split of "
@@ -230,14 +216,11 @@ def sweep_split(sweep: dict[str, Any], label: str) -> Split:
 
 
 SWEEP_SCHEMA = 1  # the layout of `bench serve --json`: bench writes it, validate reads it
-# the label suffixes of the servers the removed `bench serve --compare-*` flags added (variants replaced them)
 COMPARED_LABEL = re.compile(r"-(nowait|process|plain|cold|busy|greedy|nice|passive|core|t\d+)$")
 
 
 def read_sweep(path: Path) -> dict[str, Any]:
-    """A `bench serve --json` sweep, its schema checked. One written before the `schema` field is schema 1 when its
-    config has `variants` (the layout the field was added to); an older one, whose servers the `--compare-*` flags
-    named by label suffixes, is refused with the labels the planner no longer reads."""
+    """A `bench serve --json` sweep, its schema checked (one without the field is 1 when it has `variants`)."""
     try:
         sweep = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -296,10 +279,7 @@ def sweep_base(cfg: dict[str, Any], label: str) -> str:
 
 
 def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
-    """The placement a sweep server runs: device, host, file (the sweep's cache fraction), file-N% (N% cache), or
-    file-big (the larger table with the smallest cache's bytes: its hit rate comes from the sweep anyway); a variant
-    (`bench serve --variants`) runs its base's placement, whatever else it changes (torch's threads, the engine's
-    process, the preload), which the step model does not tell apart."""
+    """The placement a sweep server (or its variant's base) runs: device, host, file, file-N%, file-big."""
     base = sweep_base(cfg, name)
     kind, _, tail = base.partition("-")
     if base not in ("device", "host", "file", "file-big") and not (kind == "file" and tail.endswith("%")):
@@ -315,56 +295,32 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     return Placement("file", cache_fraction=float(min(fractions)))
 
 
-def sweep_rows_first(cfg: dict[str, Any], label: str) -> bool:
-    """Whether a sweep's server read rows ahead, and so waited for a joining prompt's rows (the engine's
-    prompt_rows_first): its variant's read_ahead, else the sweep's [engine] one, else on."""
-    variant = ((cfg.get("variants") or {}).get(label) or {}).get("engine") or {}
-    return bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", True)))
-
-
 def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first: bool | None = None) -> Workload:
-    """The sweep's workload as one server ran it: prompt_rows_first from the sweep (`sweep_rows_first`), or as
-    `rows_first` says for a server that read rows ahead."""
-    first = sweep_rows_first(cfg, label)
+    """The sweep's workload as one server ran it: prompt_rows_first where it read rows ahead (and `rows_first`)."""
+    variant = ((cfg.get("variants") or {}).get(label) or {}).get("engine") or {}
+    first = bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", True)))
     return replace(base, prompt_rows_first=first if rows_first is None else rows_first and first)
 
 
 def sweep_disk_limit(sweep: dict[str, Any], label: str) -> float:
-    """The disk's limit (pages/s, QD 128) the sweep measured on the tables `label` read, the slower of its
-    before/after figures (0: none measured); file-big read the big model's tables, measured apart."""
+    """The disk's limit (pages/s, QD 128) the sweep measured on the tables `label` read (0: none measured)."""
     key = "big_disk_pages_per_s" if sweep_base(sweep["config"], label) == "file-big" else "disk_pages_per_s"
     return min((sweep.get(key) or {}).values(), default=0.0)
 
 
-DISK_BOUND_SHARE = 1.0  # reads at the disk's whole limit: it cannot keep up
-STALL_BOUND_SHARE = 0.25  # the engine waits for rows over a quarter of its time
-
-
 def binds(engram: str, disk_share: float, stall_share: float) -> str:
-    """What binds a served point, by its evidence: the disk when its reads take its whole limit, the Engram source
-    when the engine waits for rows over a quarter of the time, else compute. A disk busy short of its limit while
-    the engine seldom waits keeps up, so it does not set the step (the wait shows when it stops keeping up).
-    validate names both sides by this rule."""
-    if disk_share >= DISK_BOUND_SHARE * (1 - 1e-9):  # the model's disk-bound step is its disk time exactly
+    """What binds a point, by its evidence: the disk at its whole limit, the Engram source past 25% stall, else
+    compute (validate names both sides by this rule)."""
+    if disk_share >= 1 - 1e-9:  # the model's disk-bound step is its disk time exactly
         return "engram (disk)"
-    return engram if stall_share > STALL_BOUND_SHARE else "compute"
+    return engram if stall_share > 0.25 else "compute"
 
 
 def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_traffic_bps: float = 0.0,
              rows_first: bool | None = None, disk_from: str = "sweep", speed_from: str = "sweep",
              naive: bool = False) -> dict[str, Any]:
-    """Every measured point against the prediction for the same model, settings and placement (and any other
-    host-memory traffic that ran beside the sweep). `rows_first`: whether file servers ran with the engine's
-    prompt_rows_first (None: from the sweep's config, `sweep_rows_first`). `disk_from` "sweep": predict a file point
-    on the disk as the sweep measured it on that point's own tables (the spec's queue-depth curve scaled to that
-    limit at QD 128; the spec's disk where the sweep measured none), "spec": on the spec's. A disk with a cache under
-    it (this VM's volume) serves a table it holds several times faster than one it does not, so one calibration
-    cannot give every table's rate (docs/benchmarks.md, this VM's disk). `speed_from` "sweep": predict every point at
-    the median of the CPU speed probes the sweep took beside its rounds (`HardwareSpec.at_speed`; where the sweep and
-    the spec both have probes: one 0.25 s probe is too noisy to set one point's speed), "spec": at the
-    calibration's (docs/planner.md, "Validation"). `naive`: also the naive baseline's prediction of every point,
-    the throughput calibration's own host server reached at that concurrency (the spec's serve_tok_s_curve,
-    interpolated in log c; the same for every placement, model and length), and its errors in the summary."""
+    """Every measured point against its prediction (docs/planner.md, "Validation"): `disk_from` / `speed_from`
+    "sweep" predict on the disk and CPU speed the sweep measured, "spec" on the spec's; `naive` adds the baseline."""
     if naive and not hw.serve_tok_s_curve:
         raise ValueError(f"hardware spec {hw.name!r} has no serve_tok_s_curve for the naive baseline: rerun "
                          "`tiergram plan calibrate` (without --no-serve), or refit with --measured")
@@ -397,36 +353,32 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             skipped.add(name)  # a placement the planner does not model (e.g. mooncake, a remote store)
             continue
         kind = pl.kind
-        source = None
+        source = first = None
+        wl = server_workload(base_wl, cfg, name, rows_first)
+        disk_limit = sweep_disk_limit(sweep, name)
+        hw_pt = hw
         if kind == "file":
-            if model.hit_rate_curve:
-                # a server that preloaded hot rows reads the hot curve, where the spec has one
-                engine = ((sweep.get("servers") or {}).get(name) or {}).get("settings", {}).get("engine") or {}
-                hot = bool(engine.get("hot_rows") or cfg.get("hot_rows")) and bool(model.hot_hit_rate_curve)
+            if model.hit_rate_curve:  # a server that preloaded hot rows reads the hot curve, where the spec has one
+                hot = bool(_engine(sweep, name).get("hot_rows") or cfg.get("hot_rows")) and bool(
+                    model.hot_hit_rate_curve)
                 pl = replace(pl, hot_rows=hot)
                 source = "model spec" + (" (hot rows)" if hot else "")
             elif pt.get("file_pages_per_s") and pt.get("throughput_tok_s"):
-                # the pages the file tier read per row served: the engine's read-ahead warms rows before their
-                # step (they count as hits, but were read all the same), so the reported hit rate undercounts
-                # the reads; one page per missed row, so the share of rows read = pages / rows
+                # pages per row served: read-ahead counts the rows it warmed as hits, though they were read
                 rows_per_s = float(pt["throughput_tok_s"]) * model.engram.rows_per_token
                 pl = replace(pl, hit_rate=max(0.0, 1.0 - float(pt["file_pages_per_s"]) / rows_per_s))
                 source = "sweep (pages read per row)"
             elif pt.get("engram_cache_hit_rate") is not None:
                 pl = replace(pl, hit_rate=float(pt["engram_cache_hit_rate"]))
                 source = "sweep (reported hit rate)"
-        wl = server_workload(base_wl, cfg, name, rows_first)
-        disk_limit = sweep_disk_limit(sweep, name)
-        hw_pt = hw
-        if kind == "file" and disk_from == "sweep" and disk_limit:
-            hw_pt = replace(hw_pt, disk=hw_pt.disk.at_limit(disk_limit, wl.queue_depth))
-        if kind == "file":
+            on_sweep = disk_from == "sweep" and bool(disk_limit)
+            if on_sweep:
+                hw_pt = replace(hw, disk=hw.disk.at_limit(disk_limit, wl.queue_depth))
             disks[name] = hw_pt.disk.pages_per_s(wl.queue_depth)  # new pages: the probe's and the curve's
-            disk_sources[name] = "sweep" if disk_from == "sweep" and disk_limit else "spec"
-        # the share of its page reads that were re-reads is the sweep's: a spec disk takes none of it
-        first = pt.get("file_first_read_share") if kind == "file" and disk_from == "sweep" else None
-        if first is not None:  # its re-reads at the cache's rate, where the disk has a faster one under it
-            hw_pt = replace(hw_pt, disk=hw_pt.disk.with_rereads(1.0 - float(first)))
+            disk_sources[name] = "sweep" if on_sweep else "spec"
+            first = pt.get("file_first_read_share") if disk_from == "sweep" else None
+            if first is not None:  # re-reads at the rate of a cache under the disk
+                hw_pt = replace(hw_pt, disk=hw_pt.disk.with_rereads(1.0 - float(first)))
         got = None
         if conv is not None:
             p, got = predict_conversation_point(model, hw_pt, {**cfg, "_levels": sweep["points"]}, conv,
@@ -438,7 +390,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         inter = pt.get("interactivity_p50")
         stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
         disk = float(pt.get("file_pages_per_s") or 0.0) / disk_limit if disk_limit else 0.0
-        seen = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}[kind]
+        seen = ENGRAM_SOURCE[kind]
         # the prediction's side by the same rule, from its own disk share and stall (the engine's wait) share
         p_stall = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0)) / p.step_s if p.step_s > 0 else 0.0
         p_disk = p.terms.get("disk busy", 0.0) / p.step_s if p.step_s > 0 else 0.0
@@ -463,34 +415,31 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
               if r.predicted_prefix_hit is not None and r.measured_prefix_hit is not None]
     naive_errs = [abs(r.measured_tok_s / r.naive_tok_s - 1) for r in rows if r.naive_tok_s]
     on_disk = [abs(r.ratio - 1) for r in rows if not r.past_disk_limit]
-    stepped = [r for r in rows if r.measured_step_ms]
-    step_errs = [abs(r.measured_step_ms / r.predicted_step_ms - 1) for r in stepped if r.predicted_step_ms > 0]
+    step_errs = [abs(r.measured_step_ms / r.predicted_step_ms - 1) for r in rows
+                 if r.measured_step_ms and r.predicted_step_ms > 0]
+
+    def within(xs: list[float]) -> int:
+        return sum(e <= 0.15 for e in xs)
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    summary = {"points": len(rows), "within_15pct": within(errs),
+               "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
+               "max_abs_error": max(errs) if errs else None, "mean_abs_error": mean(errs),
+               "prefix_mean_abs_points": mean(prefix), "steps_compared": len(step_errs),
+               "step_within_15pct": within(step_errs), "step_mean_abs_error": mean(step_errs),
+               "past_disk_limit": len(rows) - len(on_disk), "within_15pct_on_disk": within(on_disk)}
+    if naive:
+        summary |= {"naive_within_15pct": within(naive_errs), "naive_mean_abs_error": mean(naive_errs)}
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
-            "runs": sweep.get("runs", [1]),
-            "points": [asdict(r) for r in rows], "limits": limits, "skipped_placements": sorted(skipped),
-            "disk": {"from": disk_sources, "pages_per_s": disks}, "speed": speed,
-            "best_split": best_of(rows) if conv is not None else {},
-            "summary": {"points": len(rows), "within_15pct": sum(e <= 0.15 for e in errs),
-                        "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
-                        "max_abs_error": max(errs) if errs else None,
-                        "mean_abs_error": sum(errs) / len(errs) if errs else None,
-                        "prefix_mean_abs_points": sum(prefix) / len(prefix) if prefix else None,
-                        # the server's mean step against the predicted, where the sweep has its counters
-                        "steps_compared": len(step_errs),
-                        "step_within_15pct": sum(e <= 0.15 for e in step_errs),
-                        "step_mean_abs_error": sum(step_errs) / len(step_errs) if step_errs else None,
-                        # points whose reads a cache under the disk served (the sweep's own flag), and the count
-                        # within 15% among the rest
-                        "past_disk_limit": len(rows) - len(on_disk),
-                        "within_15pct_on_disk": sum(e <= 0.15 for e in on_disk),
-                        **({"naive_within_15pct": sum(e <= 0.15 for e in naive_errs),
-                            "naive_mean_abs_error": sum(naive_errs) / len(naive_errs) if naive_errs else None}
-                           if naive else {})}}
+            "runs": sweep.get("runs", [1]), "points": [asdict(r) for r in rows], "limits": limits,
+            "skipped_placements": sorted(skipped), "disk": {"from": disk_sources, "pages_per_s": disks},
+            "speed": speed, "best_split": best_of(rows) if conv is not None else {}, "summary": summary}
 
 
 def best_of(rows: list[Compared]) -> dict[int, dict[str, Any]]:
-    """Per concurrency, the server with the most throughput, predicted and measured, each with its margin (ratio
-    to the next best)."""
+    """Per concurrency, the server with the most throughput, predicted and measured, each with its margin."""
     from tiergram.plan.split import best_splits
 
     def points(key: str) -> dict[str, list[Point]]:
@@ -525,20 +474,22 @@ def validate_text(res: dict[str, Any]) -> str:
             hit += f"; prefix hit {r['measured_prefix_hit']:.1%} [predicted {r['predicted_prefix_hit']:.1%}]"
         if r.get("naive_tok_s"):
             hit += f"; naive {r['naive_tok_s']:,.0f} ({r['measured_tok_s'] / r['naive_tok_s']:.3f})"
+        if r.get("measured_step_ms"):  # measured / predicted, where the sweep has the server's counters
+            hit += (f"; step {r['measured_step_ms']:.1f}/{r['predicted_step_ms']:.1f} ms x "
+                    f"{r['measured_steps_per_request']:.1f}/{r['predicted_steps_per_request']:.1f} steps per request")
+        if r.get("past_disk_limit"):
+            hit += " [read past the disk's new-page limit: a cache under the disk]"
         lines.append(f"{r['placement']:<10}{r['concurrency']:>4}{r['predicted_tok_s']:>12,.1f}"
                      f"{r['measured_tok_s']:>12,.1f}{r['ratio']:>11.3f}  {r['predicted_binding']} (measured "
                      f"{r['measured_binding']}: stall {r['stall_share']:.1%} "
-                     f"[predicted {r['predicted_stall_share']:.1%}], "
-                     f"disk {r['disk_share']:.0%}){hit}{_cycle_text(r)}"
-                     + (" [read past the disk's new-page limit: a cache under the disk]" if r.get("past_disk_limit")
-                        else ""))
+                     f"[predicted {r['predicted_stall_share']:.1%}], disk {r['disk_share']:.0%}){hit}")
     for kind, lim in res["limits"].items():
         lines.append(f"limit {kind}: predicted c = {lim['predicted']} ({lim['predicted_binding']}), "
                      f"measured c = {lim['measured']}")
     if res.get("disk", {}).get("pages_per_s"):
         lines.append("disk predicted on (QD 128, new pages; re-reads at the cache's rate where the spec has one): "
-                     + ", ".join(
-            f"{k} {v:,.0f} pages/s (the {res['disk']['from'][k]}'s)" for k, v in res["disk"]["pages_per_s"].items()))
+                     + ", ".join(f"{k} {v:,.0f} pages/s (the {res['disk']['from'][k]}'s)"
+                                 for k, v in res["disk"]["pages_per_s"].items()))
     sp = res.get("speed")
     if sp and sp["from"] == "sweep":
         lines.append(f"CPU costs at the sweep's speed: its probes' median {sp['sweep_probe_ms']:.2f} ms against the "
@@ -567,8 +518,7 @@ def validate_text(res: dict[str, Any]) -> str:
 
 
 def validate_markdown(res: dict[str, Any]) -> str:
-    """The comparison as a markdown table: every point's predicted, measured and naive throughput, the errors,
-    the prefix-cache hit rates where the sweep had conversations; the summary below it."""
+    """The comparison as a markdown table (naive and prefix-hit columns where present), its summary below."""
     from tiergram.analysis.stats import md_table  # (tiergram.analysis imports torch: only where a table is written)
 
     conv = any(r.get("predicted_prefix_hit") is not None for r in res["points"])
@@ -585,24 +535,14 @@ def validate_markdown(res: dict[str, Any]) -> str:
         if conv:
             row += [f"{100 * r['predicted_prefix_hit']:.1f}%", f"{100 * (r['measured_prefix_hit'] or 0):.1f}%"]
         rows.append(row)
-    lines = [md_table(head, rows), ""]
     s = res["summary"]
-    lines.append(f"planner: {s['within_15pct']}/{s['points']} within ±15%, mean |error| {s['mean_abs_error']:.1%}"
-                 + (f"; naive: {s['naive_within_15pct']}/{s['points']}, {s['naive_mean_abs_error']:.1%}"
-                    if s.get("naive_mean_abs_error") is not None else ""))
-    lines += _best_split_lines(res)
-    return "\n".join(lines)
+    naive_line = (f"; naive: {s['naive_within_15pct']}/{s['points']}, {s['naive_mean_abs_error']:.1%}"
+                  if s.get("naive_mean_abs_error") is not None else "")
+    return "\n".join([md_table(head, rows), "", f"planner: {s['within_15pct']}/{s['points']} within ±15%, "
+                      f"mean |error| {s['mean_abs_error']:.1%}{naive_line}", *_best_split_lines(res)])
 
 
 def _best_split_lines(res: dict[str, Any]) -> list[str]:
     """Per concurrency, the best split predicted and measured, each by its margin over the next best."""
     return [f"best split at c = {c}: predicted {b['predicted']} (by {b['predicted_margin'] - 1:.1%}), measured "
             f"{b['measured']} (by {b['measured_margin'] - 1:.1%})" for c, b in res.get("best_split", {}).items()]
-
-
-def _cycle_text(r: dict[str, Any]) -> str:
-    """' step M/P ms x M/P steps per request' (measured / predicted), where the sweep has the server's counters."""
-    if not r.get("measured_step_ms"):
-        return ""
-    return (f"; step {r['measured_step_ms']:.1f}/{r['predicted_step_ms']:.1f} ms x "
-            f"{r['measured_steps_per_request']:.1f}/{r['predicted_steps_per_request']:.1f} steps per request")

@@ -1,13 +1,5 @@
-"""`tiergram plan studies`: the planner's predictions beyond this machine (docs/planner.md), with their plots.
-
-(1) DRAM offload against HBM-resident tables for DeepSeek-V4.1-Flash on H200 and B200; (2) NVMe (prefetched,
-cached io_uring) against DRAM, by drive count; (3) K/V offload and Engram sharing host DRAM and the link at long
-contexts; (4) the exposed stall of a decode step on H200 with host (UVA) and NVMe tables, and what speculative
-prefetch of the top-k next tokens' rows would hide, with the demo model's measured top-k hit rate as the stand-in;
-(5) one host memory split between the prefix cache's host K/V tier and the Engram tables, for conversations over
-long shared documents.
-Every number here is a PREDICTION from the specs' figures and stated assumptions.
-"""
+"""`tiergram plan studies`: the planner's predictions beyond this machine, with their plots (docs/planner.md,
+"Studies"). Every number here is a PREDICTION from the specs' figures and stated assumptions."""
 
 from __future__ import annotations
 
@@ -20,6 +12,7 @@ import numpy as np
 
 from tiergram.plan import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_front, predict_point
 from tiergram.plan.model import concurrency_limit, step_terms_at
+from tiergram.plan.predict import label_axes
 from tiergram.plan.prefix import Conversations
 from tiergram.plan.split import Split, best_splits, conversations_workload, predict_conversations
 from tiergram.plots import save_figure, subplots
@@ -69,8 +62,7 @@ def offload_vs_resident(model: ModelSpec, hws: dict[str, HardwareSpec]) -> dict[
 
 def ssd_vs_dram(model: ModelSpec, hws: dict[str, HardwareSpec], drives: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
                 fractions: tuple[float, ...] = (0.01, 0.1), workload: str = "8K/1K") -> dict[str, Any]:
-    """(2) file / host throughput (same node, so the same cost per hour: tokens per dollar) by drive count; keys
-    (machine, cache label, drives), the label "10%" or, with the model's hot-row curve, "10% + hot rows"."""
+    """(2) file / host best throughput (= tokens per dollar) by {(machine, cache label, drives)}."""
     wl = _workload(workload)
     out: dict[str, Any] = {}
     caches = [(f"{f:.0%}", f, False) for f in fractions]
@@ -109,8 +101,7 @@ def contention(model: ModelSpec, hws: dict[str, HardwareSpec], workload: tuple[i
     return out
 
 
-# (5): conversations over long shared documents: a codebase or a manual of 32K tokens opened by many users (document i
-# with weight 1/(i+1)), 4 turns of a 512-token question and a 1,024-token answer, 30 s of reading between turns
+# (5): conversations over long shared documents (a codebase or a manual of 32K tokens opened by many users)
 SPLIT_CONV = Conversations(doc_len=32768, question_len=512, answer_len=1024, turns=4, docs=100_000, think_s=30.0)
 SPLIT_FRACTIONS = (0.0, 0.5, 0.85, 0.95)
 
@@ -118,8 +109,7 @@ SPLIT_FRACTIONS = (0.0, 0.5, 0.85, 0.95)
 def kv_engram_split(model: ModelSpec, hws: dict[str, HardwareSpec], conv: Conversations = SPLIT_CONV,
                     fractions: tuple[float, ...] = SPLIT_FRACTIONS, concurrencies: tuple[int, ...] = (256, 1024, 4096)
                     ) -> dict[str, Any]:
-    """(5) per machine: each split of its host memory (tables in DRAM, or on NVMe behind a hot-row cache, the rest to
-    the host K/V tier) at each concurrency, with its prefix reuse; the best split per concurrency."""
+    """(5) per machine: each split of its host memory at each concurrency, its prefix reuse, the best split."""
     wl = conversations_workload(conv, max_num_seqs=1 << 14, max_num_batched_tokens=16384)
     out: dict[str, Any] = {}
     for hname, hw in hws.items():
@@ -141,12 +131,7 @@ def kv_engram_split(model: ModelSpec, hws: dict[str, HardwareSpec], conv: Conver
 
 def decode_stall(model: ModelSpec, hw: HardwareSpec, hit_rates: dict[int, float], batches: tuple[int, ...] =
                  (1, 8, 64, 256), context: int = 8192, cache_fraction: float = 0.1) -> list[dict[str, Any]]:
-    """(4) one decode step of c sequences: exposed stall, and with speculative prefetch of the top-k candidates.
-
-    Speculation: the rows of the k most likely next tokens are fetched one step early (while the whole previous
-    step runs); with probability p_k the real token is among them and only what that bigger fetch overruns the
-    step is exposed; otherwise the step fetches its own rows as without speculation.
-    """
+    """(4) one decode step of c sequences: exposed stall, and with the top-k candidates' rows fetched a step early."""
     wl = Workload(input_len=context, output_len=1024, max_num_seqs=1 << 14)
     rows = []
     for kind in ("host", "file"):
@@ -201,86 +186,35 @@ def topk_hit_rate(model_dir: str, ks: tuple[int, ...] = (1, 4, 16), max_tokens: 
 
 # --------------------------------------------------------------------------------------------- output
 
-def _label(ax, x: str, y: str, title: str, *, legend: int = 7) -> None:
-    """Axis labels, title, a light grid and the legend of one study panel."""
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=legend)
-
-
-def plot_offload(res: dict[str, Any], path: Path) -> Path:
-    """(1) device vs host fronts, one panel per machine and workload."""
-    keys = list(res)
-    cols = len(WORKLOADS)
-    rows = math.ceil(len(keys) / cols)
-    fig, axes = subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), dpi=100, squeeze=False)
-    for ax, key in zip(axes.flat, keys, strict=False):
-        for f in res[key]["fronts"]:
-            pts = f.pareto
-            if pts:
-                ax.plot([p.interactivity for p in pts], [p.throughput_tok_s for p in pts], marker=".",
-                        label=f"{f.placement.label} (c<={f.limit.concurrency})")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"PREDICTED {key}", fontsize=8)
-        ax.grid(True, alpha=0.3, which="both")
-        ax.legend(fontsize=6)
-        ax.set_xlabel("tok/s per user", fontsize=7)
-        ax.set_ylabel("tok/s", fontsize=7)
+def plot_panels(panels: dict[str, dict[str, tuple[list[float], list[float]]]], path: Path, xlabel: str, ylabel: str,
+                cols: int = 0, xbase: float = 10, yscale: str = "log") -> Path:
+    """One panel per title, a line per label of its (xs, ys) on log axes."""
+    cols = cols or len(panels)
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), dpi=100, squeeze=False)
+    for ax, (title, lines) in zip(axes.flat, panels.items(), strict=False):
+        for label, (xs, ys) in lines.items():
+            ax.plot(xs, ys, marker=".", label=label)
+        ax.set_xscale("log", base=xbase)
+        ax.set_yscale(yscale, **({"linthresh": 1e-3} if yscale == "symlog" else {}))
+        label_axes(ax, xlabel, ylabel, title, legend=6)
     return save_figure(fig, path)
 
 
-def plot_ssd(res: dict[Any, Any], path: Path) -> Path:
-    """(2) file / host best throughput against drive count."""
-    fig, ax = subplots(figsize=(6.0, 4.0), dpi=100)
-    for hname, label in sorted({(h, c) for h, c, _ in res}):
-        ds = sorted(d for h, c, d in res if h == hname and c == label)
-        ax.plot(ds, [res[(hname, label, d)]["max_tok_s_ratio"] for d in ds], marker="o",
-                linestyle="--" if "hot" in label else "-", label=f"{hname}, cache {label}")
-    ax.axhline(52 / 121, color="grey", ls="--", lw=1,
-               label="SemiAnalysis mmap path, tokens/$ (52M vs 121M)")
-    ax.set_xscale("log", base=2)
-    _label(ax, "NVMe drives", "file / host, best throughput (= tokens per $)",
-           "PREDICTED: DeepSeek-V4.1-Flash 8K/1K, NVMe vs DRAM tables")
-    return save_figure(fig, path)
+def _by_users(points: dict[str, list[Any]]) -> dict[str, tuple[list[float], list[float]]]:
+    """Each line's throughput against concurrency."""
+    return {k: ([p.concurrency for p in pts], [p.throughput_tok_s for p in pts]) for k, pts in points.items() if pts}
 
 
-def plot_by_users(panels: dict[str, dict[str, list[Any]]], path: Path, xlabel: str, title: str,
-                  split_styles: bool = False) -> Path:
-    """(3), (5): per machine (`title` formats its name), each line's points' throughput against concurrency; with
-    split_styles, host lines solid and file lines dashed."""
-    fig, axes = subplots(1, len(panels), figsize=(5.0 * len(panels), 3.8), dpi=100, squeeze=False)
-    for ax, (hname, lines) in zip(axes.flat, panels.items(), strict=True):
-        for label, pts in lines.items():
-            host = split_styles and "host" in label
-            ax.plot([p.concurrency for p in pts], [p.throughput_tok_s for p in pts], marker="o" if host else ".",
-                    ls="-" if host or not split_styles else "--", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        _label(ax, xlabel, "tok/s", title.format(hname), legend=6)
-    return save_figure(fig, path)
+def _fronts(res: dict[str, Any], kind: str) -> dict[str, Any]:
+    """(1)'s panels of one K/V kind: each placement's pareto front."""
+    return {f"PREDICTED {k}": {f"{f.placement.label} (c<={f.limit.concurrency})": (
+        [p.interactivity for p in f.pareto], [p.throughput_tok_s for p in f.pareto]) for f in v["fronts"] if f.points}
+        for k, v in res.items() if kind in k}
 
 
-def plot_decode(rows: list[dict[str, Any]], ks: tuple[int, ...], path: Path) -> Path:
-    """(4) exposed stall per decode step, without and with speculative top-k prefetch."""
-    fig, axes = subplots(1, 2, figsize=(10, 3.8), dpi=100)
-    for ax, pl in zip(axes, sorted({r["placement"] for r in rows}), strict=True):
-        rs = [r for r in rows if r["placement"] == pl]
-        cs = [r["c"] for r in rs]
-        ax.plot(cs, [r["exposed_ms"] for r in rs], marker="o", label="no speculation")
-        for k in ks:
-            ax.plot(cs, [r[f"spec_k{k}_exposed_ms"] for r in rs], marker=".", label=f"top-{k} prefetched")
-        ax.plot(cs, [r["step_ms"] for r in rs], color="grey", ls=":", label="step")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("symlog", linthresh=1e-3)
-        _label(ax, "decode batch (sequences)", "ms per step", f"PREDICTED H200 decode, {pl}")
-    return save_figure(fig, path)
-
-
-def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: int = 20000) -> str:
-    """All four studies: PNGs into `out`, a markdown summary returned (every figure labelled a prediction)."""
+def run(out: Path, model_dir: str | None, progress: bool = True) -> str:
+    """All five studies: PNGs into `out`, a markdown summary returned (every figure labelled a prediction)."""
     from tiergram.analysis.stats import md_table  # (tiergram.analysis imports torch)
     from tiergram.plan.specs import load_hardware, load_model
 
@@ -302,21 +236,26 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
                           f"{v['max_ratio']:.3f}", f"{v['share_host_better']:.0%}"])
     md.append(md_table(["machine, workload (in/out)", "K/V bytes/token", "limit resident → host", "host / resident at "
                         "equal interactivity: median, max", "share of the range where host is >1% better"], rows1))
-    plot_offload({k: v for k, v in res1.items() if "V4.1" in k}, out / "offload-vs-resident.png")
-    plot_offload({k: v for k, v in res1.items() if "MLA" in k}, out / "offload-vs-resident-mla-kv.png")
+    for kind, name in (("V4.1", "offload-vs-resident"), ("MLA", "offload-vs-resident-mla-kv")):
+        plot_panels(_fronts(res1, kind), out / f"{name}.png", "tok/s per user", "tok/s", cols=len(WORKLOADS))
     # (2)
     res2 = ssd_vs_dram(model, {"H200": h200, "B200": b200})
-    plot_ssd(res2, out / "ssd-vs-dram.png")
-    md.append("\n### (2) NVMe against DRAM, by drive count (8K/1K; file / host best throughput = tokens per $)\n")
     drives = sorted({d for _, _, d in res2})
+    caches = sorted({(h, c) for h, c, _ in res2})
+    ssd = {f"{h}, cache {c}": (drives, [res2[(h, c, d)]["max_tok_s_ratio"] for d in drives]) for h, c in caches}
+    ssd["SemiAnalysis mmap path, tokens/$ (52M vs 121M)"] = ([drives[0], drives[-1]], [52 / 121] * 2)
+    plot_panels({"PREDICTED: DeepSeek-V4.1-Flash 8K/1K, NVMe vs DRAM tables": ssd}, out / "ssd-vs-dram.png",
+                "NVMe drives", "file / host, best throughput (= tokens per $)", xbase=2, yscale="linear")
+    md.append("\n### (2) NVMe against DRAM, by drive count (8K/1K; file / host best throughput = tokens per $)\n")
     md.append(md_table(["machine", "cache", *(f"{d} drives" for d in drives)], (
         [h, c, *(f"{res2[(h, c, d)]['max_tok_s_ratio']:.2f} ({res2[(h, c, d)]['binding_at_max']})" for d in drives)]
-        for h, c in sorted({(h, c) for h, c, _ in res2}))))
+        for h, c in caches)))
     # (3)
     res3 = contention(model, {"H200": h200, "B200": b200, "GB300": gb300})
-    lines3 = {h: {f"{label} (c<={r['limit']:,})": r["front"].points for (hh, label), r in res3.items()
-                  if hh == h and r["front"].points} for h in sorted({h for h, _ in res3})}
-    plot_by_users(lines3, out / "kv-engram-contention.png", "concurrency", "PREDICTED {}: 128K in / 4K out")
+    plot_panels({f"PREDICTED {h}: 128K in / 4K out": _by_users({f"{label} (c<={r['limit']:,})": r["front"].points
+                                                                for (hh, label), r in res3.items() if hh == h})
+                 for h in sorted({h for h, _ in res3})}, out / "kv-engram-contention.png", "concurrency", "tok/s",
+                xbase=2)
     md.append("\n### (3) K/V offload and Engram sharing host DRAM and the link (128K in / 4K out)\n")
     md.append(md_table(["machine", "placement", "concurrency limit (binds)", "peak tok/s",
                         "cliff: first c where the K/V link binds"],
@@ -324,41 +263,15 @@ def run(out: Path, model_dir: str | None, progress: bool = True, topk_tokens: in
                          "-" if v["cliff_c"] is None else v["cliff_c"]] for (h, label), v in res3.items())))
     # (5)
     res5 = kv_engram_split(model, {"H200": h200, "B200": b200})
-    plot_by_users({h: r["points"] for h, r in res5.items()}, out / "kv-engram-split.png", "users (closed loop, 30 s "
-                  "think)", "PREDICTED {}: K/V tier vs Engram tables in DRAM", split_styles=True)
-    md.append(kv_split_markdown(res5))
-    # (4)
-    hits = {1: 0.0, 4: 0.0, 16: 0.0}
-    measured = ""
-    if model_dir:
-        got = topk_hit_rate(model_dir, tuple(hits), topk_tokens, progress)
-        hits = {k: float(got[k]) for k in hits}
-        measured = (f"top-k hit rates of `{Path(model_dir).name}` on {got['tokens']:,} test-split tokens: "
-                    + ", ".join(f"k={k}: {v:.1%}" for k, v in hits.items()))
-    rows = decode_stall(model, h200, hits)
-    plot_decode(rows, tuple(hits), out / "decode-stall-h200.png")
-    md.append("\n### (4) Decode on H200: exposed stall per step (8K context, file with a 10% host cache)\n")
-    if measured:
-        md.append(measured + "\n")
-    md.append(md_table(["placement", "c", "step ms", "fetch ms", "hidden by embedding + block 0, ms", "exposed ms",
-                        *(f"top-{k} spec. exposed ms" for k in hits)],
-                       ([r["placement"], r["c"], f"{r['step_ms']:.2f}", f"{r['fetch_ms']:.3f}", f"{r['hide_ms']:.3f}",
-                         f"{r['exposed_ms']:.3f}", *(f"{r[f'spec_k{k}_exposed_ms']:.3f}" for k in hits)]
-                        for r in rows)))
-    return "\n".join(md) + "\n"
-
-
-def kv_split_markdown(res: dict[str, Any], conv: Conversations = SPLIT_CONV) -> str:
-    """(5) as a table per machine: every split and concurrency, its prefix reuse and throughput; the best split per
-    c."""
-    from tiergram.analysis.stats import md_table
-
-    md = [f"\n### (5) One host memory for the host K/V tier and the Engram tables ({conv.docs:,} shared documents of "
-          f"{conv.doc_len // 1024}K tokens, {conv.turns} turns of {conv.question_len} + {conv.answer_len}, "
-          f"{conv.think_s:g} s between turns)\n"]
+    plot_panels({f"PREDICTED {h}: K/V tier vs Engram tables in DRAM": _by_users(r["points"]) for h, r in res5.items()},
+                out / "kv-engram-split.png", "users (closed loop, 30 s think)", "tok/s", xbase=2)
+    conv = SPLIT_CONV
+    md.append(f"\n### (5) One host memory for the host K/V tier and the Engram tables ({conv.docs:,} shared documents "
+              f"of {conv.doc_len // 1024}K tokens, {conv.turns} turns of {conv.question_len} + {conv.answer_len}, "
+              f"{conv.think_s:g} s between turns)\n")
     head = ["machine", "split (tables + K/V share of host memory)", "c", "prefix hit", "of it from host",
             "prefix cache, GB (device room + host tier)", "running", "tok/s", "binds"]
-    for hname, r in res.items():
+    for hname, r in res5.items():
         rows = []
         for label, pts in r["points"].items():
             for p in pts:
@@ -368,4 +281,30 @@ def kv_split_markdown(res: dict[str, Any], conv: Conversations = SPLIT_CONV) -> 
                              f"{p.throughput_tok_s:,.0f}", p.binding])
         best = "; ".join(f"c = {c:,}: {name} (by {m - 1:.1%})" for c, (name, m) in r["best"].items())
         md += [md_table(head, rows), "", f"{hname} best split: {best}", ""]
-    return "\n".join(md)
+    # (4)
+    hits = {1: 0.0, 4: 0.0, 16: 0.0}
+    measured = ""
+    if model_dir:
+        got = topk_hit_rate(model_dir, tuple(hits), progress=progress)
+        hits = {k: float(got[k]) for k in hits}
+        measured = (f"top-k hit rates of `{Path(model_dir).name}` on {got['tokens']:,} test-split tokens: "
+                    + ", ".join(f"k={k}: {v:.1%}" for k, v in hits.items()))
+    rows = decode_stall(model, h200, hits)
+    panels = {}
+    for pl in sorted({r["placement"] for r in rows}):
+        rs = [r for r in rows if r["placement"] == pl]
+        cs = [r["c"] for r in rs]
+        panels[f"PREDICTED H200 decode, {pl}"] = {"no speculation": (cs, [r["exposed_ms"] for r in rs]), **{
+            f"top-{k} prefetched": (cs, [r[f"spec_k{k}_exposed_ms"] for r in rs]) for k in hits},
+            "step": (cs, [r["step_ms"] for r in rs])}
+    plot_panels(panels, out / "decode-stall-h200.png", "decode batch (sequences)", "ms per step", xbase=2,
+                yscale="symlog")
+    md.append("\n### (4) Decode on H200: exposed stall per step (8K context, file with a 10% host cache)\n")
+    if measured:
+        md.append(measured + "\n")
+    md.append(md_table(["placement", "c", "step ms", "fetch ms", "hidden by embedding + block 0, ms", "exposed ms",
+                        *(f"top-{k} spec. exposed ms" for k in hits)],
+                       ([r["placement"], r["c"], f"{r['step_ms']:.2f}", f"{r['fetch_ms']:.3f}", f"{r['hide_ms']:.3f}",
+                         f"{r['exposed_ms']:.3f}", *(f"{r[f'spec_k{k}_exposed_ms']:.3f}" for k in hits)]
+                        for r in rows)))
+    return "\n".join(md) + "\n"
