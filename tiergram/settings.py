@@ -33,8 +33,7 @@ CHOICES = {"placement": PLACEMENTS, "tier": PLACEMENTS, "cache_policy": CACHE_PO
 
 
 class ConfigError(ValueError):
-    """A configuration value that is not allowed; the message names where it came from (`key` and `detail`: the
-    key at fault and what is wrong with it, when one is)."""
+    """A configuration value not allowed, named where it came from (`key` at fault, `detail`: what is wrong)."""
 
     def __init__(self, message: str, key: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
@@ -62,8 +61,29 @@ def byte_size(text: str | int) -> int:
     return int(value)
 
 
+@dataclass(kw_only=True)
+class EngineShared:
+    """The settings [engine] and the engine's own EngineConfig share, under the same names, checked here once."""
+
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto
+    block_size: int = 16  # K/V cache block, in tokens
+    max_num_seqs: int = 64  # running sequences at most
+    max_num_batched_tokens: int = 512  # tokens per step: decodes first, then prefill chunks
+    max_model_len: int | None = None  # prompt + output tokens (None: the model's)
+    max_waiting: int = 256  # the bounded waiting queue: more requests are refused (QueueFullError, 429)
+    kv_host_fraction: float = 0.0  # of the host memory, for K/V blocks evicted from the device (0: no host tier)
+    prefix_caching: bool = True  # share full K/V blocks between requests with the same prefix (docs/engine.md)
+    hot_rows: str | None = None  # a hot-rows file (tiergram hot-rows): each cache starts full of its most read rows
+
+    def check_shared(self, host_memory: str) -> None:
+        """ConfigError for the first shared setting out of range (`host_memory`: the host budget's field)."""
+        at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", host_memory)
+        at_least(self, 0, "max_waiting")
+        check_kv_host(self, host_memory)
+
+
 @dataclass
-class EngineSettings:
+class EngineSettings(EngineShared):
     """[engine]: the engine, the one placement of every Engram layer (unless [engram] names each), its process."""
 
     placement: str = "host"  # device | host | file | mooncake
@@ -73,24 +93,14 @@ class EngineSettings:
     codec: str = "fp8_e4m3"  # table file codec (exported on first use)
     file_mode: str = "direct"  # file: direct (O_DIRECT) | buffered | mmap
     mooncake_master: str = ""  # mooncake: HOST:PORT of the mooncake_master
-    hot_rows: str | None = None  # a hot-rows file: fill each cache with its table's most read rows at start
-    device: str = "cpu"  # cpu, cuda, cuda:N or auto
     device_memory: int | None = None  # the device budget (None: CUDA's free memory; CPU: $TIERGRAM_DEVICE_BYTES, 2G)
     host_memory: int | None = None  # for the Engram tables and the host K/V tier in all (None: no limit)
-    kv_host_fraction: float = 0.0
-    prefix_caching: bool = True  # share the K/V blocks of a prompt's cached prefix (docs/engine.md)
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's
-    max_waiting: int = 256
     torch_threads: int = 0  # 0: the CPUs less one
     engine_process: bool = False  # the engine in a process of its own
 
     def check(self) -> None:
-        at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "host_memory")
-        at_least(self, 0, "max_waiting", "torch_threads")
-        check_kv_host(self, "host_memory")
+        self.check_shared("host_memory")
+        at_least(self, 0, "torch_threads")
         if self.placement == "mooncake" and not self.mooncake_master:
             raise ConfigError("placement 'mooncake' needs mooncake_master (HOST:PORT of the mooncake_master)")
 
@@ -119,8 +129,7 @@ class EngramSettings:
 
 @dataclass
 class ServerSettings:
-    """[server]: the HTTP server, its edge (deadlines, caps, who may call, what errors show) and what one request may
-    ask for (beyond any limit it is answered 4xx before any work is done). The server reads them from here."""
+    """[server]: the HTTP server, its edge and what one request may ask for (docs/serving.md, "Limits")."""
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free one, printed when listening
@@ -160,8 +169,7 @@ class ServerSettings:
         return self.max_prompt_chars if self.max_prompt_chars is not None else 32 * max_model_len
 
     def for_bind(self, host: str) -> ServerSettings:
-        """These settings for a server bound to `host`: unset allowed hosts are loopback names on a loopback bind
-        (no DNS rebinding), any name on another (the names it is reached by are the deployment's to give)."""
+        """These settings bound to `host`: unset allowed hosts become any name off a loopback bind."""
         if self.allowed_hosts is not None or is_loopback(host):
             return self
         return dataclasses.replace(self, allowed_hosts=["*"])
@@ -198,24 +206,18 @@ class ServeSettings:
 
         e = self.engine
 
-        def placement(kind: str, cache_bytes: int | None = None, cache_policy: str | None = None,
-                      read_ahead: bool | None = None) -> Placement:
-            if cache_bytes is None:  # a layer's own cache, else [engine]'s where the layer's tier has one
-                cache_bytes = e.cache_bytes if kind in ("file", "mooncake") else 0
-            return Placement(kind=kind, cache_bytes=cache_bytes, cache_policy=cache_policy or e.cache_policy,
-                             codec=e.codec,
-                             file_mode=e.file_mode, master=e.mooncake_master if kind == "mooncake" else "",
-                             read_ahead=e.read_ahead if read_ahead is None else read_ahead)
+        def placement(layer: LayerSettings) -> Placement:  # what a layer leaves out comes from [engine]
+            offloaded = layer.tier in ("file", "mooncake")  # (only these tiers have a cache)
+            return Placement(kind=layer.tier, cache_bytes=e.cache_bytes * offloaded if layer.cache_bytes is None
+                             else layer.cache_bytes, cache_policy=layer.cache_policy or e.cache_policy, codec=e.codec,
+                             file_mode=e.file_mode, master=e.mooncake_master if layer.tier == "mooncake" else "",
+                             read_ahead=e.read_ahead if layer.read_ahead is None else layer.read_ahead)
 
         layers = self.engram.layers
-        chosen = {k: placement(v.tier, v.cache_bytes, v.cache_policy, v.read_ahead) for k, v in layers.items()} \
-            if layers else placement(e.placement, e.cache_bytes)
-        return EngineConfig(model_dir=str(model_dir), placement=chosen, device=device or e.device,
-                            device_memory_bytes=e.device_memory, block_size=e.block_size,
-                            max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                            max_model_len=e.max_model_len, max_waiting=e.max_waiting,
-                            host_memory_bytes=e.host_memory, hot_rows=e.hot_rows,
-                            kv_host_fraction=e.kv_host_fraction, prefix_caching=e.prefix_caching)
+        chosen = {k: placement(v) for k, v in layers.items()} or placement(LayerSettings(e.placement, e.cache_bytes))
+        shared = {f.name: getattr(e, f.name) for f in dataclasses.fields(EngineShared)}
+        return EngineConfig(model_dir=str(model_dir), placement=chosen, device_memory_bytes=e.device_memory,
+                            host_memory_bytes=e.host_memory, **{**shared, "device": device or e.device})
 
 
 SECTIONS = {"engine": EngineSettings, "server": ServerSettings}
@@ -239,16 +241,13 @@ def load(path: str | os.PathLike) -> ServeSettings:
 
 
 def from_dict(raw: Any, where: str = "the configuration") -> ServeSettings:
-    """ServeSettings from a file's object: only [engine], [engram] and [server], each key checked."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a table of sections, got {type(raw).__name__}")
+    """ServeSettings from a file's table (read_file's): only [engine], [engram] and [server], each key checked."""
     unknown = set(raw) - {*SECTIONS, "engram"}
     if unknown:
         raise ConfigError(f"{where}: unknown sections {sorted(unknown)} (valid: engine, engram, server)")
-    out = ServeSettings(engram=engram_from(raw.get("engram", {}), f"{where}: [engram]"))
-    for name, cls in SECTIONS.items():
-        setattr(out, name, section(cls, raw.get(name, {}), f"{where}: [{name}]"))
-    return out
+    return ServeSettings(engram=engram_from(raw.get("engram", {}), f"{where}: [engram]"),
+                         **{name: section(cls, raw.get(name, {}), f"{where}: [{name}]")
+                            for name, cls in SECTIONS.items()})
 
 
 def engram_from(raw: Any, where: str) -> EngramSettings:
@@ -281,16 +280,14 @@ def engram_config(text: str) -> EngramSettings:
 
 
 def section(cls: type, raw: Any, where: str, partial: bool = False) -> Any:
-    """An instance of a settings dataclass from a dict, every key converted and checked (partial: the checked
-    dict of the keys given, for overrides)."""
+    """A settings dataclass from a dict, every key converted and checked (partial: only the dict of those given)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a table of keys, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)  # the dataclass's fields and their types
     values = {}
     for key, value in raw.items():
-        if key not in fields:
-            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(fields)})")
+        if key not in hints:
+            raise ConfigError(f"{where}: unknown key {key!r} (valid: {', '.join(hints)})")
         try:
             values[key] = convert(key, hints[key], value)
         except ValueError as e:
@@ -340,8 +337,7 @@ def at_least(obj: Any, low: int, *names: str) -> None:
 
 
 def check_kv_host(obj: Any, host_memory: str) -> None:
-    """ConfigError unless obj.kv_host_fraction lies in [0, 1), with the field `host_memory` and prefix caching set
-    when it is above 0 (the host K/V tier takes that share of host memory for cached prefix blocks)."""
+    """ConfigError unless kv_host_fraction lies in [0, 1), with `host_memory` and prefix caching set if above 0."""
     f = obj.kv_host_fraction
     if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
         raise ConfigError.field(obj, "kv_host_fraction", f"must be a number in [0, 1), got {f!r}")

@@ -18,8 +18,7 @@ COMMON: dict[str, dict[str, Any]] = {
 
 
 def add_common(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, **helps: str) -> None:
-    """Add the COMMON options named by `flags` ("--seed", ...) to p, in order; `helps` replaces an option's help
-    text, keyed by its name without dashes (plot="heat map PNG")."""
+    """Add the COMMON options `flags` to p in order; `helps` replaces one's help, by name (plot="heat map PNG")."""
     for flag in flags:
         kw = COMMON[flag]
         name = flag.removeprefix("--")

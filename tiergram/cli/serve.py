@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import asdict
 
+from tiergram import settings
 from tiergram.settings import CACHE_POLICIES, LOG_LEVELS, PLACEMENTS, ConfigError, ServeSettings
 
 # the options that override a key of the --config file, by section; each is named as its key (every other setting is
@@ -17,10 +19,8 @@ FLAGS = {"engine": ("placement", "cache_bytes", "cache_policy", "mooncake_master
 
 def byte_size(text: str) -> int:
     """'1048576', '512M', '1.5G', '64KiB' -> bytes (K, M, G, T are powers of 1024)."""
-    from tiergram.settings import byte_size as parse
-
     try:
-        return parse(text)
+        return settings.byte_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -63,10 +63,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def settings_of(args: argparse.Namespace) -> ServeSettings:
     """The configuration file (or the defaults), then --engram-config, then each flag given, checked as one."""
-    from dataclasses import asdict
-
-    from tiergram import settings
-
     base = settings.load(args.config) if args.config else ServeSettings()
     raw = {"engine": asdict(base.engine), "server": asdict(base.server)}
     given = {key: (sect, getattr(args, key)) for sect, keys in FLAGS.items() for key in keys
@@ -122,21 +118,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tiergram.engine import LLMEngine, serving_torch_threads
     from tiergram.server import EngineProcess, EngineStartError, serve
 
-    try:
+    try:  # a bad setting, or an engine that cannot start (e.g. CUDA asked for without one): one line
         cfg = settings_of(args)
-        e, sv = cfg.engine, cfg.server
+        e = cfg.engine
         threads = serving_torch_threads(e.torch_threads)
         engine_cfg = cfg.engine_config(args.model_dir, _device(e.device))
-    except (ConfigError, ValueError, RuntimeError) as err:
-        raise SystemExit(f"tiergram serve: error: {err}") from None
-    try:
         if e.engine_process:
             engine = EngineProcess(engine_cfg, torch_threads=threads)
         else:
             torch.set_num_threads(threads)
             engine = LLMEngine(engine_cfg)
-    except (EngineStartError, RuntimeError, ImportError, KeyError, ValueError) as err:  # e.g. CUDA asked for
-        raise SystemExit(f"tiergram serve: error: {err}") from None                  # without one: one line
+    except (EngineStartError, RuntimeError, ImportError, KeyError, ValueError) as err:
+        raise SystemExit(f"tiergram serve: error: {err}") from None
     print(f"tiergram serve: torch on {threads} CPU thread{'s' * (threads > 1)}"  # once started: an error stays one line
           + ("" if e.torch_threads else " (the CPUs less one; --torch-threads to change)"), file=sys.stderr, flush=True)
-    return serve(engine, sv)
+    return serve(engine, cfg.server)

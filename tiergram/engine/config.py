@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiergram.engine.validate import check_max_tokens
-from tiergram.settings import CACHE_POLICIES, CODECS, FILE_MODES, PLACEMENTS, at_least, check_kv_host
+from tiergram.settings import CACHE_POLICIES, CODECS, FILE_MODES, PLACEMENTS, EngineShared, at_least
 
 
 def serving_torch_threads(requested: int = 0) -> int:
-    """torch's CPU threads for an engine that serves: `requested`, or (0) the CPUs this process may run on less one
-    (the spare core is the HTTP loop's and the Engram reads'; docs/serving.md)."""
+    """torch's CPU threads for a serving engine: `requested`, or (0) the CPUs less one (docs/serving.md)."""
     if requested < 0:
         raise ValueError(f"torch threads must be >= 0, got {requested}")
     if requested:
@@ -118,28 +117,18 @@ class DegradePolicy:
 
 
 @dataclass
-class EngineConfig:
-    """Everything the engine needs; placement and the device budget are configuration, not code."""
+class EngineConfig(EngineShared):
+    """Everything the engine needs (what it shares with [engine], keyword-only: settings.EngineShared)."""
 
     model_dir: str  # trained model directory (config.json, model.safetensors, tokenizer.json), or an exported one
     placement: Placement | dict[int, Placement]  # one for every Engram layer, or {layer: Placement}
-    device: str = "cpu"
     # weights + device tables + activations + KV cache (None: CUDA's free memory; CPU: $TIERGRAM_DEVICE_BYTES, 2G)
     device_memory_bytes: int | None = None
-    block_size: int = 16  # KV cache block, in tokens
-    max_num_seqs: int = 64  # running sequences at most
-    max_num_batched_tokens: int = 512  # tokens per step: decodes first, then prefill chunks
-    max_model_len: int | None = None  # prompt + output tokens; None: the model's max_seq
-    max_waiting: int = 256  # bounded waiting queue: add_request raises QueueFullError beyond
     num_kv_blocks: int | None = None  # override the KV blocks the budget affords (tests, experiments)
     eos_token_id: int | None = None  # None: the tokenizer's <|endoftext|>, if it has one
     degrade: DegradePolicy = field(default_factory=DegradePolicy)  # off unless degrade.stall_bound_s is set
     # host memory the Engram tables and the host K/V tier may use in all (None: no limit; docs/engine.md)
     host_memory_bytes: int | None = None
-    kv_host_fraction: float = 0.0  # of host_memory_bytes, for K/V blocks evicted from the device (0: no host tier)
-    prefix_caching: bool = True  # share full K/V blocks between requests with the same prefix
-    # a hot-rows file (tiergram hot-rows): each file / mooncake cache starts full of its most read rows
-    hot_rows: str | None = None
 
     def __post_init__(self) -> None:
         self.model_dir = str(self.model_dir)
@@ -151,10 +140,9 @@ class EngineConfig:
             self.placement = Placement.from_any(self.placement)
         if not isinstance(self.degrade, DegradePolicy):  # a dict of its fields, or None (off)
             self.degrade = DegradePolicy(**(self.degrade or {}))
-        at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks",
-                 "host_memory_bytes")
-        at_least(self, 0, "max_waiting", "device_memory_bytes")
-        check_kv_host(self, "host_memory_bytes")
+        self.check_shared("host_memory_bytes")
+        at_least(self, 1, "num_kv_blocks")
+        at_least(self, 0, "device_memory_bytes")
 
     @property
     def kv_host_bytes(self) -> int:

@@ -193,8 +193,7 @@ class _Generation:
 
 
 def _failure(gen: _Generation, e: Exception) -> APIError:
-    """The 500 that ends a failed request: the engine's message, or for its own failure (e.g. detokenizing) an
-    internal error logged with its traceback."""
+    """The 500 ending a failed request: the engine's message, or (its own failure) an internal error logged."""
     gen.finish_reason = "error"
     engine = isinstance(e, (EngineDeadError, EngineLoopError, RequestFailed))
     return APIError(500, gen.state.shown(str(e)) if engine else gen.state.internal(e, "the request failed"),
@@ -302,9 +301,7 @@ def _json(raw: bytes) -> Any:
 
 
 def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app serving an engine: an LLMEngine stepped by a thread of this process, or an EngineProcess
-    (either starts and stops with the app's lifespan); `settings`: the model's name, the request limits, deadlines,
-    caps and access rules (run it with serve or serve_in_thread, which apply the connection ones)."""
+    """The FastAPI app serving an LLMEngine (on a thread of this process) or an EngineProcess, under `settings`."""
     aengine = engine if isinstance(engine, EngineProcess) else AsyncEngine(engine)
     tok = engine.tokenizer
     settings = settings or ServerSettings()
@@ -472,8 +469,7 @@ def uvicorn_config(app: FastAPI, **kw: Any) -> uvicorn.Config:
 
 
 def open_files_for(max_connections: int) -> int:
-    """Raise this process's open-file limit (up to the hard one) to hold max_connections and FD_RESERVE more;
-    the connections it holds then (fewer when the hard limit is lower)."""
+    """Raise the open-file limit to hold max_connections + FD_RESERVE; the connections it holds then."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = max_connections + FD_RESERVE
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -484,8 +480,7 @@ def open_files_for(max_connections: int) -> int:
 
 @contextmanager
 def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[str]:
-    """An app (create_app's) served by uvicorn in a daemon thread of this process on a free loopback port; yields
-    its base URL, stops the server on exit (closing the engine is the caller's)."""
+    """Serve an app on a free loopback port in a daemon thread; yields its base URL (the engine is the caller's)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # so asyncio sets TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn_config(app, log_level="warning"))
@@ -505,9 +500,7 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
 
 
 def serve(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = None) -> int:
-    """Serve until SIGTERM (drain, then exit) or Ctrl-C, as the [server] settings say; port 0 picks a free one
-    (printed when listening). Hosts not named in allowed_hosts are refused; left unset, a loopback bind answers
-    loopback names only and any other bind any name."""
+    """Serve until SIGTERM (drain, then exit) or Ctrl-C, as the [server] settings say (docs/serving.md)."""
     settings = settings or ServerSettings()
     host, port = settings.host, settings.port
     settings = settings.for_bind(host)

@@ -29,8 +29,7 @@ class EngineLoopError(RuntimeError):
 
 @dataclass
 class AsyncioStream:
-    """A request's stream into an asyncio event loop: the acceptance future and the output queue (the engine thread
-    calls a stream's accept(error or None) once, then put(RequestOutput or the exception that ends it))."""
+    """A request's stream into an event loop: accept(error or None) once, then put(output or exception)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
@@ -65,8 +64,7 @@ def new_stream() -> AsyncioStream:
 
 
 async def accepted(stream: AsyncioStream, abort: Callable[[], None]) -> asyncio.Queue:
-    """Wait until the engine took the request (its refusal is raised here); a handler cancelled meanwhile aborts
-    it. Returns the queue its outputs arrive on."""
+    """The request's output queue once the engine took it (its refusal raised here; cancelled: aborted)."""
     try:
         await stream.accepted
     except asyncio.CancelledError:
@@ -80,7 +78,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, on_update: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.on_update = on_update  # called on the engine thread after each round of deliveries (and at the end)
+        # called on the engine thread after each round of deliveries (and at the end)
+        self.on_update = on_update or (lambda: None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, Any] = {}  # engine thread only
@@ -117,16 +116,13 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Submit a request; returns the queue its RequestOutputs arrive on.
-
-        Raises what LLMEngine.add_request raises (ValueError, QueueFullError), or EngineDeadError."""
+        """Submit a request; its output queue (raises ValueError, QueueFullError or EngineDeadError)."""
         stream = new_stream()
         self.submit(request_id, prompt_token_ids, params, stream)
         return await accepted(stream, lambda: self.abort(request_id))
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, stream: Any) -> None:
-        """Queue a request for the engine thread, which calls stream.accept once it is applied; raises
-        QueueFullError or EngineDeadError at once when it cannot be queued."""
+        """Queue a request for the engine thread (QueueFullError or EngineDeadError at once when it cannot be)."""
         self.check_capacity()  # a request that will be refused costs nothing: no read-ahead
         self.engine.read_ahead(prompt_token_ids)  # its rows are read while the step in flight runs
         with self._lock:
@@ -204,10 +200,10 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(e)
             self._deliver(outputs)
             self._take_snapshot(force=changed)
-            self._updated()
+            self.on_update()
         else:
             self._take_snapshot(force=True)
-            self._updated()
+            self.on_update()
             self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()
 
@@ -222,18 +218,15 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put(err)
         self._streams.clear()
-        self._updated()
+        self.on_update()
         time.sleep(RESTART_PAUSE_S)  # a failure that repeats does not spin
 
     def _deliver(self, outputs: list[Any]) -> None:
         """Hand each RequestOutput to its request's queue (a finished request's stream is dropped)."""
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            stream.put(out)
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
 
     def _fail_all(self, error: BaseException | None) -> None:
         """End every open request (engine stopped) and refuse the queued ones."""
@@ -254,8 +247,4 @@ class AsyncEngine:
                 break
             if cmd[0] == "add":
                 cmd[4].accept(err)
-        self._updated()
-
-    def _updated(self) -> None:
-        if self.on_update is not None:
-            self.on_update()
+        self.on_update()

@@ -36,8 +36,7 @@ def raw_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...] 
 
 
 def edge_protocol(settings: ServerSettings, on_refused: Callable[[int], None], on_count: Callable[[int], None]) -> type:
-    """uvicorn's h11 protocol with the edge's deadlines and connection cap; on_refused(status) counts a request
-    the edge answered itself, on_count(delta) the open connections."""
+    """uvicorn's h11 protocol with the deadlines and connection cap (callbacks count refusals and connections)."""
 
     class EdgeProtocol(H11Protocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -137,22 +136,19 @@ def _digest(text: str | bytes) -> bytes:
 
 
 class Guard:
-    """ASGI middleware: Host header in the allowed hosts (no DNS rebinding), Origin allowed (no cross-site
-    request from a browser), and the API key on every path but the public ones (compared in constant time)."""
+    """ASGI middleware: an allowed Host (no DNS rebinding) and Origin, and the API key off the public paths."""
 
     def __init__(self, app: Any, settings: ServerSettings) -> None:
         self.app, self.settings = app, settings
         self.key = _digest(settings.api_key) if settings.api_key else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
-            refusal = self.check(scope)
-            if refusal is not None:
-                status, message, code, headers = refusal
-                await Response(error_body(status, message, code), status, headers, "application/json")(
-                    scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        refusal = self.check(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+        else:
+            status, message, code, headers = refusal
+            await Response(error_body(status, message, code), status, headers, "application/json")(scope, receive, send)
 
     def check(self, scope: dict) -> tuple[int, str, str, dict[str, str]] | None:
         """(status, message, code, headers) of a refusal, or None when the request may go on."""

@@ -13,7 +13,6 @@ import multiprocessing as mp
 import signal
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +25,6 @@ PR_SET_PDEATHSIG = 1
 
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine (the message is the cause, as the engine raised it)."""
-
-
-@dataclass
-class EngineSnapshot:
-    """What the engine process last reported: EngineMetrics and its CPU seconds."""
-
-    metrics: Any
-    cpu_seconds: float
 
 
 # ------------------------------------------------------------------------------------------ engine process
@@ -60,7 +51,7 @@ class _Outbox:
         snap, now = None, time.perf_counter()
         if self.core is not None and self.core.snapshot is not self.sent_snapshot and \
                 (now - self.sent_at >= SNAPSHOT_EVERY_S or self.outputs):
-            snap = EngineSnapshot(self.core.snapshot, time.process_time())
+            snap = (self.core.snapshot, time.process_time())
             self.sent_snapshot, self.sent_at = self.core.snapshot, now
         if self.outputs or snap is not None:
             outputs, self.outputs = self.outputs, []
@@ -83,8 +74,7 @@ class _PipeStream:
 
 @dataclass
 class WireError:
-    """An exception as it crosses the pipe: its type's name and message (any exception pickles this way; the HTTP
-    process rebuilds the types its handlers tell apart and a RuntimeError for the rest)."""
+    """An exception across the pipe as its type's name and message (any exception pickles this way)."""
 
     kind: str
     message: str
@@ -100,19 +90,14 @@ class WireError:
         return known(self.message) if known else RuntimeError(f"{self.kind}: {self.message}")
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the HTTP process dies (no orphaned engine holding memory)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
     """The engine process: build the engine, then serve the pipe until told to stop or the HTTP process goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the HTTP process's to handle: it drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # first, then stops us
-    _die_with_parent()
+    try:  # Linux kills this process when the HTTP process dies: no orphaned engine holding memory
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
     outbox = _Outbox(conn)
     try:
         import torch
@@ -121,7 +106,7 @@ def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
             torch.set_num_threads(torch_threads)
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which raises EngineStartError
-        outbox.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        outbox.send(("failed", f"{type(e).__name__}: {e}"))
         conn.close()
         return
     core = AsyncEngine(engine, on_update=outbox.flush)
@@ -129,7 +114,7 @@ def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
     outbox.send(("ready", {"tokenizer": engine.tokenizer, "model_name": engine.model_name,
                            "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                            "max_waiting": engine.config.max_waiting,
-                           "snapshot": EngineSnapshot(core.snapshot, time.process_time())}))
+                           "snapshot": (core.snapshot, time.process_time())}))
     core.start()
     try:
         while True:
@@ -174,7 +159,7 @@ class EngineProcess:
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
         self.max_waiting: int = info["max_waiting"]
-        self._latest: EngineSnapshot = info["snapshot"]
+        self._latest: tuple[Any, float] = info["snapshot"]  # EngineMetrics, the engine process's CPU seconds
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _streams, _pending and _dead
         self._streams: dict[str, AsyncioStream] = {}
@@ -185,21 +170,18 @@ class EngineProcess:
 
     def _startup(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive():
-                raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while starting")
+        while not self._conn.poll(0.2):  # (a process that exits closes its end: poll answers, recv raises EOFError)
             if time.monotonic() > deadline:
                 self._proc.kill()
                 raise EngineStartError(f"the engine process did not start within {timeout_s:.0f} s")
         try:
             msg = self._conn.recv()
         except EOFError:
-            self._proc.join(5)
-            raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while starting") \
-                from None
+            msg = ("failed", None)
         if msg[0] == "failed":
             self._proc.join(10)
-            raise EngineStartError(msg[1])
+            exited = f"the engine process exited with code {self._proc.exitcode} while starting"
+            raise EngineStartError(msg[1] or exited)
         return msg[1]
 
     # -- what the HTTP side reads
@@ -212,12 +194,12 @@ class EngineProcess:
     @property
     def snapshot(self) -> Any:
         """The latest EngineMetrics the engine process sent."""
-        return self._latest.metrics
+        return self._latest[0]
 
     @property
     def engine_cpu_seconds(self) -> float:
         """CPU seconds of the engine process (all its threads) at the latest snapshot."""
-        return self._latest.cpu_seconds
+        return self._latest[1]
 
     # -- requests
 
@@ -228,9 +210,8 @@ class EngineProcess:
             self._reader.start()
 
     def check_capacity(self) -> None:
-        """QueueFullError when the waiting queue (as last reported, plus the adds in flight) is full; the engine
-        checks again when the request arrives."""
-        waiting = self._latest.metrics.num_waiting + self._pending
+        """QueueFullError when the waiting queue, as last reported plus the adds in flight, is full."""
+        waiting = self._latest[0].num_waiting + self._pending
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting (max_waiting {self.max_waiting}); retry later")
 
@@ -252,8 +233,7 @@ class EngineProcess:
         return len(self._streams)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request and forget its stream (the engine sends nothing more for it); no-op when it has
-        finished."""
+        """Abort a request and forget its stream; no-op when it has finished."""
         with self._lock:
             self._streams.pop(request_id, None)
         self._send(("abort", request_id))
@@ -309,7 +289,7 @@ class EngineProcess:
         if stream is not None:
             stream.accept(error)
 
-    def _deliver(self, outputs: list[tuple[str, Any]], snapshot: EngineSnapshot | None) -> None:
+    def _deliver(self, outputs: list[tuple[str, Any]], snapshot: tuple[Any, float] | None) -> None:
         if snapshot is not None:
             self._latest = snapshot
         for rid, out in outputs:

@@ -26,8 +26,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
 
 
 class ServerMetrics(Collector):
-    """Request-level metrics of the HTTP server and /metrics, in a registry of its own (`state()`: what the HTTP
-    side knows now; `engine_cpu()`: the engine process's CPU seconds, when it has one)."""
+    """The HTTP server's metrics and /metrics, in a registry of its own (`state()`: the HTTP side now)."""
 
     def __init__(self, state: Callable[[], tuple[Any, int, bool, tuple[int, int, int]]] | None = None,
                  engine_cpu: Callable[[], float] | None = None) -> None:

@@ -71,13 +71,10 @@ class GenerationRequest:
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
     """The chat template: "System: ...\\n\\nUser: ...\\n\\nAssistant:" (the model continues after it)."""
-    parts = [f"{CHAT_ROLES[m['role']]}: {_content_text(m['content'])}" for m in messages]
+    # a message's content is a string, or OpenAI's list of {"type": "text", "text": ...} parts, joined
+    parts = [f"{CHAT_ROLES[m['role']]}: " + (m["content"] if isinstance(m["content"], str) else
+                                             "".join(part["text"] for part in m["content"])) for m in messages]
     return "\n\n".join(parts) + "\n\nAssistant:"
-
-
-def _content_text(content: str | list[dict[str, Any]]) -> str:
-    """A message's content: a string, or OpenAI's list of {"type": "text", "text": ...} parts, joined."""
-    return content if isinstance(content, str) else "".join(part["text"] for part in content)
 
 
 # Request fields each endpoint knows; anything else is refused (400) rather than silently ignored.
@@ -110,10 +107,8 @@ def _int_list(value: Any, param: str, max_len: int, vocab_size: int | None = Non
                   "context_length_exceeded" if param in ("prompt", "prompt_token_ids") else None)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise bad(f"'{param}' must be a list of integer token ids", param)
-    if vocab_size is not None and any(v < 0 for v in value):
-        raise bad(f"'{param}' holds a negative token id", param)
-    if vocab_size is not None and any(v >= vocab_size for v in value):
-        raise bad(f"'{param}' holds token id {max(value)}, outside the vocabulary of {vocab_size}", param)
+    if vocab_size is not None and not all(0 <= v < vocab_size for v in value):
+        raise bad(f"'{param}' holds a token id outside the vocabulary [0, {vocab_size})", param)
     return value
 
 
@@ -224,18 +219,14 @@ def _unsupported(kind: str, body: dict[str, Any]) -> None:
     if unknown:
         raise bad(f"unknown field '{unknown[0]}'" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""),
                   unknown[0])
-    if body.get("top_logprobs") is not None:
-        raise bad("logprobs are not supported", "top_logprobs")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad("logit_bias is not supported", "logit_bias")
-    if body.get("suffix") not in (None, ""):
-        raise bad("suffix is not supported", "suffix")
+    for name, neutral in (("top_logprobs", (None,)), ("logit_bias", (None, {})), ("suffix", (None, ""))):
+        if body.get(name) not in neutral:
+            raise bad(f"{name} is not supported", name)
 
 
 def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: int, vocab_size: int,
                      limits: ServerSettings | None = None) -> GenerationRequest:
-    """Every check of a completion ("completion") or chat ("chat") body that needs no tokenizer. A text prompt
-    is left in prompt_text for tokenize(); a token-id prompt is checked in full here."""
+    """Every check of a completion or chat body short of tokenizing (a text prompt waits in prompt_text)."""
     limits = limits or ServerSettings()
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
