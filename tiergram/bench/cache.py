@@ -78,7 +78,6 @@ class CacheBenchResult:
     stream: dict[str, object]
     capacity_rows: dict[str, int]
     hit_rate: dict[str, dict[str, float]] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
     plot: str | None = None
 
     @property
@@ -101,8 +100,7 @@ def cap_key(frac: float) -> str:
 
 
 def load_docs(cfg: CacheBenchConfig) -> TokenDocs:
-    """The corpus split, its documents in a seeded order, tokenized until max_tokens (the corpus and its tokenizer
-    built first when missing)."""
+    """The corpus split's documents in a seeded order, tokenized until max_tokens (the corpus built when missing)."""
     from tiergram.corpus import PAD, ensure_corpus, iter_texts, load_tokenizer
 
     folder = ensure_corpus(cfg.corpus)
@@ -140,11 +138,7 @@ def request_rows(requests: list[np.ndarray], hasher: NgramHasher, layer: int) ->
 
 
 def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
-    """Continuous batching: per step, the sorted unique global rows of the tokens processed in it.
-
-    Up to max_seqs requests run; each whose prompt is done decodes one token per step, and the rest of the
-    step_tokens budget goes to prompt chunks in arrival order. A finished request frees its place.
-    """
+    """Continuous batching (decodes first, then prompt chunks): per step the sorted unique rows of its tokens."""
     waiting = deque(range(len(rows)))
     running: list[list[int]] = []  # [request, tokens done]
     steps: list[np.ndarray] = []
@@ -174,11 +168,8 @@ def schedule(rows: list[np.ndarray], cfg: CacheBenchConfig) -> list[np.ndarray]:
 
 def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64,
            hot: np.ndarray | None = None) -> float:
-    """Hit rate (hits / probes) of a row cache with `policy` over the steps; lookahead is told `window` ahead.
-
-    `hot` (keys, hottest first): the cache starts holding hot[:capacity], the hottest most recently used. A row is
-    the key's low byte, and every hit is checked to read back its own.
-    """
+    """Hit rate of a row cache with `policy` over the steps (lookahead told `window` ahead; starting full of
+    `hot`[:capacity], hottest first); a row is its key's low byte, checked on every hit."""
     def rows(keys: np.ndarray) -> np.ndarray:
         return (keys & 0xFF).astype(np.uint8)[:, None]
 
@@ -204,8 +195,7 @@ def replay(steps: list[np.ndarray], capacity: int, policy: str, window: int = 64
 
 def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, object] | None = None,
               progress: bool = False, hot: np.ndarray | None = None) -> CacheBenchResult:
-    """Replay per-step unique keys through every policy and capacity of cfg (lru-hot: `hot`, keys hottest first);
-    plots unless cfg.plot == ""."""
+    """Replay the steps through every policy and capacity of cfg (lru-hot: from `hot`); plots unless cfg.plot == ""."""
     for name in cfg.policies:
         if name not in ALL_POLICIES:
             raise ValueError(f"unknown cache policy {name!r} (valid: {', '.join(ALL_POLICIES)})")
@@ -226,7 +216,6 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
     if HOT in cfg.policies and hot is None:
         raise ValueError("lru-hot needs the hot rows (run() counts them from the corpus's train split)")
     for name in cfg.policies:
-        t0 = time.perf_counter()
         res.hit_rate[name] = {}
         for key, cap in caps.items():
             # a cache of at least every row the stream touches never evicts: the same hits at that size, without
@@ -243,7 +232,6 @@ def run_steps(steps: list[np.ndarray], cfg: CacheBenchConfig, stream: dict[str, 
                 res.hit_rate[name][key] = replay(steps, eff, name, cfg.window)
             if res.hit_rate[name][key] is not None:
                 log(progress, f"  {name:<10} {key:>5} ({cap} rows): {100 * res.hit_rate[name][key]:6.2f}%")
-        res.seconds[name] = time.perf_counter() - t0
     if cfg.plot != "":
         res.plot = str(plot(res, Path(cfg.plot) if cfg.plot else cache_dir("bench") / "cache_hit_rate.png"))
     return res
@@ -329,7 +317,7 @@ def to_json(res: CacheBenchResult) -> str:
     """One JSON object: hit_rate {policy: {capacity fraction: rate}}, the gap, the stream facts, the config."""
     obj = {"hit_rate": res.hit_rate, "capacity_rows": res.capacity_rows, "lookahead_gap_points": res.gap_points,
            "target_points": res.config.target_points, "target_met": res.target_met, "stream": res.stream,
-           "seconds": res.seconds, "plot": res.plot, "config": asdict(res.config)}
+           "plot": res.plot, "config": asdict(res.config)}
     return json.dumps(obj, indent=2)
 
 

@@ -36,8 +36,7 @@ def step_placement(table_bytes: int) -> str:
 
 def engine_steps(model_dir: str, batches: tuple[int, ...] = (1, 2, 4, 8, 16), input_len: int = 128,
                  output_len: int = 32, progress: bool = True, placement: str = "device") -> dict[str, Any]:
-    """Every timed engine step as [tokens, sequences, seconds], three runs per batch size, the first a warm-up, on
-    the torch threads `tiergram serve` gives the engine (recorded as `torch_threads`)."""
+    """Every engine step as [tokens, sequences, seconds] (3 runs per batch size, 1 warm-up) on serve's torch threads."""
     import torch
     from tqdm import tqdm
 
@@ -119,8 +118,7 @@ def file_tier_times(table_path: Path, heads: int, cache_fraction: float = 0.1, s
 
 
 def disk_curve(table_path: Path, seconds: float = 1.0) -> dict[str, Any]:
-    """Random 4 KiB page reads per second at each queue depth (native O_DIRECT reader, pages no earlier probe chose)
-    and CPU seconds per page; and at QD 128 new pages against the same pages read again (a cache under the disk)."""
+    """Fresh random 4 KiB page reads/s per queue depth, CPU per page, and `reread_rates` at QD 128."""
     from tiergram.bench.file_lookup import LimitReader, reread_rates
     from tiergram.format import TableFile
 
@@ -151,9 +149,8 @@ def host_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 def serve_runs(model_dir: str, concurrencies: tuple[int, ...] = SERVE_CONCURRENCIES, input_len: int = 128,
                output_len: int = 32, requests_per_user: int = 4, passes: int = SERVE_PASSES) -> dict[str, Any]:
-    """A real `tiergram serve` (host placement) under `bench serve`'s closed loop, `passes` times up and down the
-    concurrencies: per run its wall seconds, requests and, from /metrics, the engine's busy seconds, steps and
-    tokens computed (what `plan.calibrate.fit_serve` fits)."""
+    """A real `tiergram serve` (host) under `bench serve`'s closed loop, `passes` times up and down the levels: per
+    run its wall seconds, requests, and the engine's busy seconds, steps and tokens (`plan.calibrate.fit_serve`)."""
     import asyncio
 
     import httpx

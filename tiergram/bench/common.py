@@ -54,8 +54,7 @@ def rates_interleaved(fns: dict[str, Callable[[], object]], items: int, *, round
 
 
 def python_calls(fn: Callable[[], object]) -> int:
-    """Function calls (Python and C, as `sys.setprofile` sees them) made while running fn() once on this thread:
-    a count of the Python work of a call that, unlike its time, no cache or other process can disturb."""
+    """Function calls (Python and C, as `sys.setprofile` sees them) of fn() run once: work no other process skews."""
     calls = 0
 
     def count(frame: object, event: str, arg: object) -> None:
@@ -95,8 +94,7 @@ def drop_page_cache(path: str | os.PathLike) -> None:
 
 
 def cached_table(path: Path, manifest: TableManifest, create: Callable[[Path], object]) -> TableFile:
-    """The bench table at `path` when it has the geometry of `manifest` (its provenance aside: an earlier run's), else
-    made anew by create(path); a stale or damaged file is replaced."""
+    """The bench table at `path` when it has `manifest`'s geometry, else (stale or damaged) made by create(path)."""
     try:
         table = TableFile.open(path)
         if replace(table.manifest, provenance=manifest.provenance) == manifest:

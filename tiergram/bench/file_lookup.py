@@ -194,9 +194,8 @@ class LimitReader:
 
 
 def reread_rates(table: TableFile, pages: int = 20000, qd: int = 128) -> tuple[float, float]:
-    """Pages/s reading `pages` random pages no probe chose before, then the same pages again (native reader, O_DIRECT:
-    not the guest's page cache). Equal on a bare device; several times faster the second time where a cache sits
-    under the VM's disk (this machine's volume: docs/benchmarks.md, this VM's disk)."""
+    """(new, again) pages/s of `pages` fresh random pages read, then read again: equal on a bare device, faster again
+    where a cache sits under the VM's disk (docs/benchmarks.md)."""
     with LimitReader(table, qd) as reader:
         if not reader.reader.direct:
             raise RuntimeError(f"{table.path}: the filesystem refuses O_DIRECT; no figure would be the disk's")
@@ -249,11 +248,7 @@ class PythonThreads:
 
 
 class TiergramLookup:
-    """TieredTable.lookup from the file (O_DIRECT): pages from its own stats, rows as served.
-
-    `cache_rows` > 0 adds an LRU cache, filled before the first segment with the first cache_rows / heads rows of
-    every head (a full cache: every call's misses evict), which uniform ids hit at about cache_rows / rows.
-    """
+    """TieredTable.lookup from the file (O_DIRECT); `cache_rows` > 0: through an LRU cache that starts full."""
 
     def __init__(self, table: TableFile, cfg: FileLookupBenchConfig, dist: str, cache_rows: int = 0) -> None:
         self.store = TieredTable(table.path, tier="file", file_mode="direct", dtype=getattr(torch, cfg.dtype),
@@ -334,9 +329,7 @@ def run(cfg: FileLookupBenchConfig, progress: bool = True) -> FileLookupBenchRes
 
 def interleaved_rounds(readers: dict[tuple[str, str], Any], cfg: FileLookupBenchConfig,
                        progress: bool) -> dict[tuple[str, str], dict[str, float]]:
-    """Each reader's figures: throughput from its best segment (others' work only slows one down), CPU per page or
-    row the median over the rounds (one segment's CPU swings by +-10% on a shared machine), and the rounds' CPU
-    figures themselves (`*_rounds`, for paired ratios)."""
+    """Per reader: throughput of its best round, CPU per page and row the median of the rounds (and `*_rounds`)."""
     best: dict[tuple[str, str], dict[str, float]] = {}
     cpus: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in range(cfg.rounds):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,59 +28,38 @@ def copy_limit(ranges: list[TensorLocation], directory: Path) -> float:
     """Bytes/s of copying the tensors into a new file (removed after): 32 MiB buffered reads in this thread,
     O_DIRECT writes in another, fsync: the import's own I/O with none of its work per row."""
     dst = directory / f".tiergram-copy-limit-{os.getpid()}"
-    free: queue.Queue = queue.Queue()
-    full: queue.Queue = queue.Queue()
-    for _ in range(4):
-        free.put(aligned_pages(BLOCK))
+    bufs = [aligned_pages(BLOCK) for _ in range(4)]
+    writes: list[Future] = []  # one per block, in order; block k is in bufs[k % 4]
     wfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
-    failed: list[BaseException] = []
-
-    def writer() -> None:
-        done = 0
-        while (item := full.get()) is not None:
-            buf, n = item
-            try:
-                if not failed:  # whole 32 MiB blocks at multiples of 32 MiB, as the table writer's; the last padded
-                    os.pwrite(wfd, memoryview(buf)[: -(-n // 4096) * 4096], done)
-            except BaseException as e:
-                failed.append(e)
-            done += n
-            free.put(buf)
-
-    thread = threading.Thread(target=writer, daemon=True)
-    total, buf, fill = 0, None, 0
     try:
-        t0 = time.perf_counter()
-        thread.start()
-        for t in ranges:  # blocks are filled across tensor boundaries, so every write but the last is whole
-            rfd = os.open(t.file, os.O_RDONLY)
-            try:
-                done = 0
-                while done < t.nbytes and not failed:
-                    if buf is None:
-                        buf, fill = free.get(), 0
-                    n = os.preadv(rfd, [memoryview(buf)[fill: fill + min(BLOCK - fill, t.nbytes - done)]],
-                                  t.offset + done)
-                    if n <= 0:
-                        raise OSError(f"{t.file}: short read at byte {t.offset + done:,}")
-                    os.posix_fadvise(rfd, t.offset + done, n, os.POSIX_FADV_DONTNEED)  # as the import does
-                    done, fill = done + n, fill + n
-                    if fill == BLOCK:
-                        full.put((buf, fill))
-                        buf = None
-                total += done
-            finally:
-                os.close(rfd)
-        if buf is not None:
-            full.put((buf, fill))
-        full.put(None)
-        thread.join()
-        if failed:
-            raise failed[0]
-        os.fsync(wfd)
-        return total / (time.perf_counter() - t0)
+        with ThreadPoolExecutor(1) as pool:
+            t0, total, fill = time.perf_counter(), 0, 0
+            for t in ranges:  # blocks are filled across tensor boundaries, so every write but the last is whole
+                rfd = os.open(t.file, os.O_RDONLY)
+                try:
+                    done = 0
+                    while done < t.nbytes:
+                        if fill == 0 and len(writes) >= len(bufs):
+                            writes[-len(bufs)].result()  # the buffer is free again (or its write's error raises)
+                        buf = bufs[len(writes) % len(bufs)]
+                        n = os.preadv(rfd, [memoryview(buf)[fill: fill + min(BLOCK - fill, t.nbytes - done)]],
+                                      t.offset + done)
+                        if n <= 0:
+                            raise OSError(f"{t.file}: short read at byte {t.offset + done:,}")
+                        os.posix_fadvise(rfd, t.offset + done, n, os.POSIX_FADV_DONTNEED)  # as the import does
+                        done, fill, total = done + n, fill + n, total + n
+                        if fill == BLOCK:  # whole 32 MiB blocks at multiples of 32 MiB, as the table writer's
+                            writes.append(pool.submit(os.pwrite, wfd, buf, total - fill))
+                            fill = 0
+                finally:
+                    os.close(rfd)
+            if fill:  # the last block, padded to whole pages
+                writes.append(pool.submit(os.pwrite, wfd, memoryview(buf)[: -(-fill // 4096) * 4096], total - fill))
+            for w in writes:
+                w.result()
+            os.fsync(wfd)
+            return total / (time.perf_counter() - t0)
     finally:
-        full.put(None)
         os.close(wfd)
         dst.unlink(missing_ok=True)
 

@@ -31,7 +31,6 @@ class PrefetchBenchConfig:
     heads: int = 24
     rows_per_head: int = 0  # 0: as many as table_gib holds
     dim: int = 256
-    codec: str = "fp8_e4m3"
     table: str | None = None
     positions: int = 64  # token positions per step
     steps: int = 200
@@ -43,7 +42,6 @@ class PrefetchBenchConfig:
     compute_ms: float = 0.0  # 0: per store, about its synchronous fetch time
     hidden: int = 512  # width of the compute's matmuls
     torch_threads: int = 1
-    dtype: str = "float32"
     seed: int = 0
 
 
@@ -98,8 +96,7 @@ def _digest(rows: torch.Tensor) -> str:
 def open_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig) -> TieredTable:
     """The store `kind` names: host, file (O_DIRECT), file+cache (O_DIRECT + cache_fraction of the table)."""
     cache = int(cfg.cache_fraction * table.manifest.data_bytes) if kind == "file+cache" else 0
-    return TieredTable(table.path, tier=kind.removesuffix("+cache"), dtype=getattr(torch, cfg.dtype),
-                       cache_policy=cfg.cache_policy, cache_bytes=cache)
+    return TieredTable(table.path, tier=kind.removesuffix("+cache"), cache_policy=cfg.cache_policy, cache_bytes=cache)
 
 
 def run_store(table: TableFile, kind: str, cfg: PrefetchBenchConfig, warm: list[np.ndarray],
@@ -156,7 +153,7 @@ def run(cfg: PrefetchBenchConfig, progress: bool = True) -> PrefetchBenchResult:
             raise ValueError(f"unknown store {kind!r} (valid: {', '.join(STORES)})")
     t_start = time.perf_counter()
     table = bench_file_table(FileLookupBenchConfig(table_gib=cfg.table_gib, heads=cfg.heads,
-                                                   rows_per_head=cfg.rows_per_head, dim=cfg.dim, codec=cfg.codec,
+                                                   rows_per_head=cfg.rows_per_head, dim=cfg.dim,
                                                    table=cfg.table), progress)
     m = table.manifest
     res = PrefetchBenchResult(cfg, {"path": str(table.path), "bytes": table.data_offset + m.data_bytes,

@@ -16,8 +16,7 @@ import numpy as np
 
 def stream(rate_bps: float, block_bytes: int, pool_bytes: int, seconds: float | None = None,
            report: bool = True) -> float:
-    """Copy blocks at rate_bps (bytes moved per second, read + write) for `seconds` (None: until interrupted);
-    returns the rate reached."""
+    """Copy blocks at rate_bps (read + write) for `seconds` (None: until interrupted); returns the rate reached."""
     if rate_bps <= 0 or block_bytes <= 0 or pool_bytes < block_bytes:
         raise ValueError(f"rate ({rate_bps}), block ({block_bytes}) must be > 0 and the pool ({pool_bytes}) "
                          "at least one block")

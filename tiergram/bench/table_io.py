@@ -57,8 +57,7 @@ def _sequential(desc: str, nbytes: int, step: Callable[[int], int], progress: bo
 
 
 def disk_write_limit(directory: Path, nbytes: int, *, zeros: bool = False, progress: bool = False) -> float:
-    """Bytes/s of a plain O_DIRECT sequential write of nbytes of random bytes (or zeros) in 32 MiB requests, fsync;
-    the file is removed."""
+    """Bytes/s of a plain O_DIRECT write of nbytes of random bytes (or zeros) in 32 MiB requests, fsync, removed."""
     path = directory / f".tiergram-disk-limit-{os.getpid()}"
     buf = aligned_pages(BLOCK)
     if not zeros:
