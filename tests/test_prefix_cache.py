@@ -130,12 +130,12 @@ def test_evicted_blocks_come_back_from_the_host() -> None:
     assert pool.blocks.admit(other, 100) == 11
     pool.run_copies()
     pool.compute(other, 11)
-    assert pool.host.stats.blocks_to_host == 2 and pool.blocks.stats.host_saved_blocks == 2
+    assert pool.host.stats.bytes_to_host == 2 * pool.host.slot_bytes and pool.blocks.stats.evicted_blocks == 2
     pool.blocks.free(other)
     again = make_seq(2, list(range(1, 9)) + [40])
     assert pool.blocks.admit(again, 100) == 1 and again.num_computed == 8
     pool.run_copies()
-    assert pool.host.stats.blocks_to_device == 2 and pool.blocks.stats.host_hit_tokens == 8
+    assert pool.host.stats.bytes_to_device == 2 * pool.host.slot_bytes and pool.blocks.stats.host_hit_tokens == 8
     pool.check([again])
     pool.host.close()
 

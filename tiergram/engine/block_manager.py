@@ -25,7 +25,6 @@ class PrefixStats:
     device_hit_tokens: int = 0  # of those, found in device blocks
     host_hit_tokens: int = 0  # found in the host K/V tier and copied back
     evicted_blocks: int = 0  # cached device blocks reused for other tokens
-    host_saved_blocks: int = 0  # of those, kept in the host tier (copied there, or there already)
 
 
 @dataclass
@@ -90,10 +89,8 @@ class BlockManager:
             self.stats.evicted_blocks += 1
             if self.host is not None and self.host.has(name):
                 self.host.touch(name)  # the host holds these tokens already: nothing to copy
-                self.stats.host_saved_blocks += 1
             elif (slot := self.host.put(name) if self.host is not None else None) is not None:
                 self.copies.to_host.append((block, slot))
-                self.stats.host_saved_blocks += 1
         self.ref[block] = 1
         return block
 

@@ -27,12 +27,6 @@ class Degrader:
         self.level_steps = dict.fromkeys(range(MAX_LEVEL + 1), 0)
         self.skipped_rows = 0
 
-    @property
-    def max_level(self) -> int:
-        if self.policy.stall_bound_s is None:
-            return 0
-        return MAX_LEVEL if self.predictor is not None else 1
-
     def skip_positions(self, layer: int, row_ids: np.ndarray, positions: np.ndarray, decode: np.ndarray
                        ) -> np.ndarray | None:
         """bool [N] of positions skipping this layer's reads (None: none); row_ids [N, H], positions, decode [N]."""
@@ -57,7 +51,8 @@ class Degrader:
         self.dwell += 1
         avg = sum(self.stalls) / len(self.stalls)
         settled = self.dwell >= self.policy.window_steps  # the window holds only this level's steps
-        if avg >= bound and self.level < self.max_level and (self.level == 0 or settled):
+        top = MAX_LEVEL if self.predictor is not None else 1
+        if avg >= bound and self.level < top and (self.level == 0 or settled):
             self.level, self.dwell = self.level + 1, 0
         elif avg < bound * self.policy.recover_factor and self.level > 0 and settled:
             self.level, self.dwell = self.level - 1, 0

@@ -16,8 +16,6 @@ import torch
 class HostKVStats:
     """Host K/V tier counters since start."""
 
-    blocks_to_host: int = 0
-    blocks_to_device: int = 0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     wait_s: float = 0.0  # time steps waited for their copies before the forward (the exposed part)
@@ -129,11 +127,8 @@ class HostKV:
             self.forget([slot for _, slot in to_host])  # half-written slots must not be found by name
             raise
         with self._lock:
-            st = self.stats
-            st.blocks_to_host += len(to_host)
-            st.blocks_to_device += len(to_device)
-            st.bytes_to_host += len(to_host) * self.slot_bytes
-            st.bytes_to_device += len(to_device) * self.slot_bytes
+            self.stats.bytes_to_host += len(to_host) * self.slot_bytes
+            self.stats.bytes_to_device += len(to_device) * self.slot_bytes
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

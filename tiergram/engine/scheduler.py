@@ -19,10 +19,6 @@ class ScheduledBatch:
     num_new: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)

@@ -24,8 +24,6 @@ class TrainableTable(nn.Module):
 
     def __init__(self, head_sizes: Sequence[int], dim: int):
         super().__init__()
-        if not head_sizes or any(int(n) < 1 for n in head_sizes):
-            raise ValueError(f"head_sizes must be a non-empty list of positive ints, got {head_sizes}")
         self.head_sizes = [int(n) for n in head_sizes]
         self.dim = int(dim)
         # sparse: a step touches a few rows of millions (train with torch.optim.SparseAdam)

@@ -60,13 +60,6 @@ GEOMETRIES = {
 }
 
 
-def geometry(name: str) -> EngramGeometry:
-    """A named Engram geometry; ValueError listing the known ones."""
-    if name not in GEOMETRIES:
-        raise ValueError(f"unknown Engram geometry {name!r} (known: {', '.join(GEOMETRIES)})")
-    return GEOMETRIES[name]
-
-
 class _NoRows:
     """Stands in for the tables while the model is built and saved: they are written as table files instead."""
 
@@ -100,7 +93,9 @@ def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1"
     from tiergram.corpus import PAD, ensure_corpus
     from tiergram.corpus.tokenizer import load_tokenizer, tokenizer_file
 
-    geo = geometry(engram_geometry)
+    if engram_geometry not in GEOMETRIES:
+        raise ValueError(f"unknown Engram geometry {engram_geometry!r} (known: {', '.join(GEOMETRIES)})")
+    geo = GEOMETRIES[engram_geometry]
     if not table_gib > 0:
         raise ValueError(f"--table-gib must be > 0, got {table_gib}")
     tok_path = tokenizer_file(tokenizer if tokenizer is not None else ensure_corpus(progress=progress),

@@ -358,9 +358,7 @@ def check_hasher(hasher: NgramHasher, config: ModelConfig) -> None:
     want = {"layer_ids": sorted(e.layers), "max_ngram_size": e.max_ngram_size,
             "n_head_per_ngram": e.n_head_per_ngram, "engram_vocab_size": list(e.engram_vocab_size),
             "vocab_size": config.vocab_size, "pad_id": e.pad_id, "seed": e.seed}
-    have = {"layer_ids": sorted(hasher.layer_ids), "max_ngram_size": hasher.max_ngram_size,
-            "n_head_per_ngram": hasher.n_head_per_ngram, "engram_vocab_size": list(hasher.engram_vocab_size),
-            "vocab_size": hasher.vocab_size, "pad_id": hasher.pad_id, "seed": hasher.seed}
+    have = {**hasher.config(), "layer_ids": sorted(hasher.layer_ids)}
     bad = [f"{k} {have[k]} != {want[k]}" for k in want if have[k] != want[k]]
     if bad:
         raise ValueError(f"hasher does not match the model config: {'; '.join(bad)}")

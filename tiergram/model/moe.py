@@ -87,13 +87,8 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """coef * the mean over MoE layers of their last forward's load-balancing loss; None for a dense model."""
-    layers = moe_layers(model)
-    if not layers:
-        return None
-    losses = [m.aux_loss for m in layers.values() if m.aux_loss is not None]
-    if not losses:
-        return None
-    return model.config.moe.aux_loss_coef * torch.stack(losses).mean()
+    losses = [m.aux_loss for m in moe_layers(model).values() if m.aux_loss is not None]
+    return model.config.moe.aux_loss_coef * torch.stack(losses).mean() if losses else None
 
 
 @contextmanager
