@@ -22,7 +22,7 @@ from tiergram.analysis.stats import (
     seed_delta,
 )
 from tiergram.analysis.trace import EngramHooks
-from tiergram.corpus import CATEGORIES, EOT
+from tiergram.corpus import EOT
 from tiergram.model.evaluate import Window, eval_batches
 from tiergram.model.model import EngramLM
 
@@ -42,7 +42,7 @@ SETTINGS = (Setting("none", True, True), Setting("prefill", False, True), Settin
 
 @dataclass
 class LossResult:
-    """Teacher-forced losses of one setting: per category and overall, all positions and decode positions."""
+    """Teacher-forced losses of one setting ("all" documents), all positions and decode positions."""
 
     setting: str
     all_positions: dict[str, Estimate]
@@ -57,7 +57,6 @@ class GenerationResult:
 
     setting: str
     exact_match: Estimate
-    delta_vs_none: Estimate  # paired over tasks
     mean_generated_tokens: float
     answer_loss: Estimate | None = None  # teacher-forced nats per answer token, prompt = prefill
     answer_loss_delta: Estimate | None = None  # vs none, paired over tasks
@@ -115,27 +114,15 @@ class LossSums:
     counts: np.ndarray  # [2, documents]
     doc_category: list[str]
 
-    def groups(self) -> dict[str, np.ndarray]:
-        """{category | 'all': bool mask over documents}."""
-        cats = np.array(self.doc_category)
-        out = {c: cats == c for c in CATEGORIES if (cats == c).any()}
-        out["all"] = cats != ""
-        return out
-
     def delta(self, a: str, b: str, row: int = 1) -> dict[str, Estimate]:
-        """loss(b) - loss(a) per category, paired over documents."""
-        return {cat: paired_ratio_delta(self.sums[a][row, m], self.sums[b][row, m], self.counts[row, m])
-                for cat, m in self.groups().items() if self.counts[row, m].sum() > 0}
+        """{"all": loss(b) - loss(a)}, paired over documents."""
+        return {"all": paired_ratio_delta(self.sums[a][row], self.sums[b][row], self.counts[row])}
 
     def results(self) -> list[LossResult]:
         """A LossResult per setting (deltas against the first setting)."""
         base = next(iter(self.sums))
-        out = []
-        for name, sm in self.sums.items():
-            est = [{cat: ratio_estimate(sm[k, m], self.counts[k, m]) for cat, m in self.groups().items()
-                    if self.counts[k, m].sum() > 0} for k in (0, 1)]
-            out.append(LossResult(name, est[0], est[1], self.delta(base, name, 0), self.delta(base, name, 1)))
-        return out
+        return [LossResult(name, *({"all": ratio_estimate(sm[k], self.counts[k])} for k in (0, 1)),
+                           self.delta(base, name, 0), self.delta(base, name, 1)) for name, sm in self.sums.items()]
 
 
 @torch.no_grad()
@@ -199,8 +186,7 @@ def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask],
             hits[s.name][k] = float(answer == t.expected)
             answers.append(answer)
             n_gen.append(len(ids))
-        results.append(GenerationResult(s.name, mean_estimate(hits[s.name]), mean_estimate(hits[s.name] - hits["none"]),
-                                        float(np.mean(n_gen)), answers=answers))
+        results.append(GenerationResult(s.name, mean_estimate(hits[s.name]), float(np.mean(n_gen)), answers=answers))
     return results
 
 

@@ -304,8 +304,6 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> SweepRun:
     corpus = ensure_corpus(cfg.corpus, progress=progress)  # a missing corpus / tokenizer is built first, as train does
     tokenizer = load_tokenizer(corpus / "tokenizer.json")
     pad = tokenizer.token_to_id(PAD)
-    if pad is None:
-        raise ValueError(f"the tokenizer has no {PAD} token to left-pad n-grams with")
     vocab = tokenizer.get_vocab_size()
     planned = plan(cfg, vocab, pad)
     write_json(out / "allocation_config.json", asdict(cfg))

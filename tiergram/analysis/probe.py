@@ -46,8 +46,7 @@ class LayerProbe:
 
 @dataclass
 class GateEvidence:
-    """Whether a layer's gate (largest over branches) depends on the n-gram and the category beyond chance: the
-    share of gate variance between n-grams seen min_count times against a gate shuffle, and category gaps."""
+    """Whether a layer's gate depends on the n-gram (against a gate shuffle) and on the category."""
 
     layer: int
     order: int
@@ -146,8 +145,7 @@ def probe(tr: Trace, tokenizer: Any, *, model: str = "", split: str = "", min_co
 
 
 def between_share(g: np.ndarray, groups: np.ndarray, weight: np.ndarray | None = None) -> float:
-    """Eta squared: the share of the variance of g [N] explained by the group means (groups int [N] in 0..U-1),
-    each position counted `weight` [N] times (a bootstrap resample's multiplicities; None: once)."""
+    """Eta squared of g [N] over groups [N], each position counted `weight` [N] times (None: once)."""
     w = np.ones(len(g)) if weight is None else np.asarray(weight, dtype=np.float64)
     n = np.bincount(groups, weights=w)
     mean = (w * g).sum() / w.sum()
@@ -179,8 +177,7 @@ def _category_estimates(g: np.ndarray, doc: np.ndarray, category: np.ndarray, se
 
 
 def gate_evidence(tr: Trace, *, min_count: int = 5, permutations: int = 200, seed: int = 0) -> list[GateEvidence]:
-    """For every layer and n-gram order: the between-n-gram share of gate variance against its shuffle null, and
-    the mean gate overall and per category with document-bootstrap intervals."""
+    """Per layer and order: between-n-gram share of gate variance vs its shuffle null; mean gate per category."""
     rng = np.random.default_rng(seed)
     doc = tr.documents()
     n_docs = int(doc.max()) + 1
