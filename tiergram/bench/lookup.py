@@ -16,7 +16,7 @@ import torch
 from tiergram import _native
 from tiergram.bench.common import cached_table, draw_ids, rates_interleaved
 from tiergram.codecs import FP8_E4M3FN_VALUES, get_codec
-from tiergram.format import TableFile, TableManifest, create_random_table, create_table, random_values
+from tiergram.format import TableFile, TableManifest, create_random_table
 from tiergram.paths import cache_dir
 from tiergram.store import TieredTable
 
@@ -65,17 +65,6 @@ class LookupBenchResult:
                                       "vs_numpy")}
 
 
-def bench_table(cfg: LookupBenchConfig, progress: bool = True) -> TableFile:
-    """The benchmark's table file in the cache (created once with random N(0,1) rows)."""
-    path = cache_dir("bench") / f"bench-{cfg.codec}-{cfg.heads}x{cfg.rows_per_head}x{cfg.dim}.tgram"
-    manifest = TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(cfg.rows_per_head,) * cfg.heads,
-                             provenance={"tool": "tiergram bench lookup", "init": "normal(0, 1), seed 0"})
-    if cfg.table_gib is not None:  # a large table: written at disk speed
-        return cached_table(path, manifest, lambda p: create_random_table(p, manifest, seed=0, progress=progress))
-    return cached_table(path, manifest, lambda p: create_table(p, manifest, random_values(cfg.dim, seed=0),
-                                                               progress=progress))
-
-
 def numpy_lookup(data: np.ndarray, table: TableFile, ids: np.ndarray) -> np.ndarray:
     """The baseline others use: numpy fancy-index gather, then a vectorised dequant -> float32 [N, H, D]."""
     m = table.manifest
@@ -97,8 +86,10 @@ def run(cfg: LookupBenchConfig, progress: bool = True) -> LookupBenchResult:
     """Measure limit, tiergram and numpy rates for each id distribution."""
     if cfg.threads:
         _native.set_num_threads(cfg.threads)
-    table = bench_table(cfg, progress)
-    m = table.manifest
+    m = TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(cfg.rows_per_head,) * cfg.heads,
+                      provenance={"tool": "tiergram bench lookup", "init": "normal(0, 1), seed 0"})
+    path = cache_dir("bench") / f"bench-{cfg.codec}-{cfg.heads}x{cfg.rows_per_head}x{cfg.dim}.tgram"
+    table = cached_table(path, m, lambda p: create_random_table(p, m, seed=0, progress=progress))  # created once
     res = LookupBenchResult(cfg, m.row_bytes, m.data_bytes, _native.num_threads())
     rng = np.random.default_rng(cfg.seed)
     try:
@@ -129,12 +120,6 @@ def run(cfg: LookupBenchConfig, progress: bool = True) -> LookupBenchResult:
     return res
 
 
-def page_kind(memory: dict) -> str:
-    """The pages the host table got, as measured in /proc/self/smaps (HostTier.stats())."""
-    huge, total = memory["huge_page_bytes"], memory["bytes"]
-    return f"{huge / 2**20:.0f} of {total / 2**20:.0f} MiB on huge pages, THP mode {memory['thp']}"
-
-
 def to_json(res: LookupBenchResult) -> str:
     """One JSON object: the headline keys at top level, then per-distribution figures and the config."""
     obj = {**res.summary, "row_bytes": res.row_bytes, "table_bytes": res.table_bytes, "threads": res.threads,
@@ -144,11 +129,12 @@ def to_json(res: LookupBenchResult) -> str:
 
 def to_text(res: LookupBenchResult) -> str:
     """A table of rows/s and ratios per distribution, with what was measured against."""
-    c = res.config
+    c, mem = res.config, res.memory  # HostTier.stats(): the pages the table got, from /proc/self/smaps
     out_b = c.dim * (4 if c.dtype == "float32" else 2)
     size = f"{res.table_bytes / 2**30:.2f} GiB" if res.table_bytes >= 2**30 else f"{res.table_bytes / 2**20:.0f} MiB"
     lines = [f"host lookup: table {size} ({c.heads} heads x {c.rows_per_head} rows, D={c.dim} {c.codec}, "
-             f"{res.row_bytes} B/row), {page_kind(res.memory)}",
+             f"{res.row_bytes} B/row), {mem['huge_page_bytes'] / 2**20:.0f} of {mem['bytes'] / 2**20:.0f} MiB on huge "
+             f"pages, THP mode {mem['thp']}",
              f"{c.positions} positions x {c.heads} heads per call, out {c.dtype} ({out_b} B/row), "
              f"{res.threads} native threads; best of {c.rounds} interleaved rounds",
              f"same-bytes limit: one native pass per row, same ids, table mapping and threads: {res.row_bytes} B read, "
