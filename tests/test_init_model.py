@@ -25,7 +25,7 @@ def tokenizer_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def v41_dir(tmp_path_factory, tokenizer_file):
     out = tmp_path_factory.mktemp("v41") / "model"
-    rc = main(["init-model", str(out), "--engram-geometry", "deepseek-v4.1", "--table-gib", "0.004",
+    rc = main(["init-model", str(out), "--table-gib", "0.004",
                "--backbone", "tiny", "--tokenizer", str(tokenizer_file), "--quiet"])
     assert rc == 0
     return out
@@ -81,13 +81,6 @@ def test_refused_when_the_tables_do_not_fit_the_disk(tmp_path, tokenizer_file, c
     err = capsys.readouterr().err
     assert rc == 2 and "need" in err and "1,048,576 bytes" in err
     assert not any((tmp_path / "m").glob("*.tgram"))
-
-
-def test_unknown_geometry_is_refused(tmp_path, tokenizer_file):
-    from tiergram.model.init_model import init_model
-
-    with pytest.raises(ValueError, match="unknown Engram geometry 'v9'.*deepseek-v4.1"):
-        init_model(tmp_path / "m", engram_geometry="v9", table_gib=0.01, tokenizer=tokenizer_file)
 
 
 def test_default_tokenizer_is_the_cache_corpus_s_built_when_missing(tmp_path, monkeypatch):

@@ -24,12 +24,12 @@ def _count(text: str) -> int:
     return int(value)
 
 
-def load_with_tokenizer(args: argparse.Namespace, **kw: Any) -> tuple[Any, Any]:
+def load_with_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     """(model, tokenizer) of args.dir on args.tier and args.device; ValueError when it has no tokenizer.json."""
     from tiergram.model.checkpoint import load_pretrained
     from tiergram.tiers.device import resolve_device
 
-    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device), **kw)
+    model, tokenizer = load_pretrained(args.dir, tier=args.tier, device=resolve_device(args.device))
     if tokenizer is None:
         raise ValueError(f"{args.dir} has no tokenizer.json")
     return model, tokenizer
@@ -49,7 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--warmup-steps", type=int, default=100)
-    t.add_argument("--table-lr-mult", type=float, default=5.0, help="Engram table lr = lr x this (SparseAdam)")
     t.add_argument("--checkpoint-every", type=int, default=250, help="steps between checkpoints")
     t.add_argument("--eval-tokens", type=int, default=131072,
                    help="tokens per category in the final evaluation (0: all)")
@@ -75,12 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(x, "--quiet")
     x.set_defaults(func=cmd_export)
 
-    i = sub.add_parser("init-model", help="a servable model directory with a production Engram geometry (e.g. "
-                                         "DeepSeek-V4.1's) at a chosen table size, random weights")
+    i = sub.add_parser("init-model", help="a servable model directory with DeepSeek-V4.1's Engram geometry (2 layers "
+                                         "x 24 heads, 264-byte fp8_e4m3 rows) at a chosen table size, random weights")
     i.add_argument("out", help="output model directory")
-    i.add_argument("--engram-geometry", default="deepseek-v4.1", choices=["deepseek-v4.1"],
-                   help="Engram layers, heads, orders and row format (default deepseek-v4.1: 2 layers x 24 heads, "
-                        "264-byte fp8_e4m3 rows)")
     i.add_argument("--table-gib", type=float, required=True,
                    help="both tables together, GiB on disk (rows per head scaled to fit)")
     i.add_argument("--backbone", default="small", choices=["small", "tiny"], help="backbone preset (random weights)")
@@ -118,7 +114,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--tier", default="memory", choices=TIERS,
                    help="memory: trained tables; host/file: exported table files (DIR or DIR/export)")
-    g.add_argument("--cache-bytes", type=int, default=0, help="hot-row cache of the file tier")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=int)
     add_common(g, "--seed")
@@ -138,9 +133,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = TrainConfig(out=args.out, config=args.config, engram=not args.no_engram, seed=args.seed,
                           tokens=args.tokens, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
-                          warmup_steps=args.warmup_steps, table_lr_mult=args.table_lr_mult,
-                          checkpoint_every=args.checkpoint_every, eval_tokens=args.eval_tokens or None,
-                          corpus=args.corpus, device=args.device)
+                          warmup_steps=args.warmup_steps, checkpoint_every=args.checkpoint_every,
+                          eval_tokens=args.eval_tokens or None, corpus=args.corpus, device=args.device)
     summary = train(cfg, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
     print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
     return 0
@@ -172,8 +166,8 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     from tiergram.model.checkpoint import read_config
     from tiergram.model.init_model import init_model
 
-    out = init_model(args.out, engram_geometry=args.engram_geometry, table_gib=args.table_gib,
-                     backbone=args.backbone, tokenizer=args.tokenizer, seed=args.seed, progress=not args.quiet)
+    out = init_model(args.out, table_gib=args.table_gib, backbone=args.backbone, tokenizer=args.tokenizer,
+                     seed=args.seed, progress=not args.quiet)
     info = read_config(out)["init"]
     print(f"wrote {out}: {info['geometry']} Engram, {info['rows_per_head']:,} rows per head, tables "
           f"{info['table_bytes'] / 2**30:.2f} GiB written in {info['tables_write_s']:.1f} s "
@@ -207,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tiergram.corpus import EOT
     from tiergram.model.generate import generate
 
-    model, tokenizer = load_with_tokenizer(args, cache_bytes=args.cache_bytes)
+    model, tokenizer = load_with_tokenizer(args)
     eot = tokenizer.token_to_id(EOT)
     # training documents each follow <|endoftext|>, so a prompt starts like a document does
     prompt = ([eot] if eot is not None else []) + tokenizer.encode(args.prompt).ids

@@ -86,16 +86,15 @@ def write_servable_dir(out: Path, mconfig: ModelConfig, hasher: NgramHasher, tok
                     extra={**extra, "tables": names, "table_codec": CODEC})
 
 
-def init_model(out: str | os.PathLike, *, engram_geometry: str = "deepseek-v4.1", table_gib: float,
-               backbone: str = "small", tokenizer: str | os.PathLike | None = None, seed: int = 0,
-               table_std: float = 0.02, progress: bool = True) -> Path:
-    """Write a servable directory: a random backbone preset and random fp8_e4m3 tables of about table_gib GiB."""
+def init_model(out: str | os.PathLike, *, table_gib: float, backbone: str = "small",
+               tokenizer: str | os.PathLike | None = None, seed: int = 0, table_std: float = 0.02,
+               progress: bool = True) -> Path:
+    """Write a servable directory: a random backbone preset and random DeepSeek-V4.1-geometry fp8_e4m3 tables of
+    about table_gib GiB."""
     from tiergram.corpus import PAD, ensure_corpus
     from tiergram.corpus.tokenizer import load_tokenizer, tokenizer_file
 
-    if engram_geometry not in GEOMETRIES:
-        raise ValueError(f"unknown Engram geometry {engram_geometry!r} (known: {', '.join(GEOMETRIES)})")
-    geo = GEOMETRIES[engram_geometry]
+    geo = GEOMETRIES["deepseek-v4.1"]
     if not table_gib > 0:
         raise ValueError(f"--table-gib must be > 0, got {table_gib}")
     tok_path = tokenizer_file(tokenizer if tokenizer is not None else ensure_corpus(progress=progress),
