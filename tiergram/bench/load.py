@@ -123,7 +123,6 @@ class Timing:
     e2e_s: float
     prompt_tokens: int
     output_tokens: int
-    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
 
 
 async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> Timing:
@@ -156,9 +155,8 @@ async def one_request(client: Any, url: str, model: str, req: TraceRequest) -> T
     end = time.perf_counter()
     if first is None:
         raise RuntimeError("the stream carried no tokens")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Timing(first - t0, gaps, end - t0, usage.get("prompt_tokens", len(req.prompt)),
-                  usage.get("completion_tokens", got), cached)
+                  usage.get("completion_tokens", got))
 
 
 async def closed_loop(url: str, model: str, requests: list[TraceRequest] | list[list[TraceRequest]],

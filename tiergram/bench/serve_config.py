@@ -34,13 +34,11 @@ class SweepConfig:
     source: str = "auto"  # auto (corpus test split if built, else stdlib), corpus, stdlib
     corpus: str | None = None
     seed: int = 0
-    startup_timeout_s: float = 300.0
     plot: str | None = None
     markdown: str | None = None
     # file placement at several cache sizes, each its own server labelled file-<pct>% (None: cache_fraction alone)
     cache_fractions: tuple[float, ...] | None = None
-    # a second model (larger tables) served by the file placement as "file-big", with a per-layer cache of
-    # big_cache_bytes (None: the first file placement's bytes)
+    # a second model (larger tables) served as "file-big" with a per-layer cache of big_cache_bytes (None: file's)
     big_model_dir: str | None = None
     big_cache_bytes: int | None = None
     host_memory: int | None = None  # every server's --host-memory (bytes)
@@ -48,9 +46,7 @@ class SweepConfig:
     hot_rows: bool = False  # file and mooncake servers preload MODEL_DIR/hot_rows.npz
     engine: dict[str, Any] = field(default_factory=dict)  # more [engine] settings (`--config`), checked
     variants: dict[str, Variant] = field(default_factory=dict)  # more servers (`--variants FILE`)
-    # seconds of the CPU speed probe before and after each placement's round (0: none); `plan validate` predicts
-    # the sweep at the probes' median speed
-    speed_probe_s: float = 0.25
+    speed_probe_s: float = 0.25  # the CPU speed probe before and after each placement's round (0: none)
     # "requests", or "conversations": `turns`-turn sessions over `docs` shared documents of input_len tokens, with
     # think times of mean think_time_s (tiergram.bench.load.Conversations)
     workload: str = "requests"
@@ -116,9 +112,7 @@ class Variant:
 
     base: str  # the server it copies: device, host, file, file-N%, mooncake
     engine: dict[str, Any] = field(default_factory=dict)  # [engine] keys and values, checked (settings.py)
-    # the server a file variant's throughput check is held against (None: host), e.g. a host variant at the same
-    # torch threads
-    reference: str | None = None
+    reference: str | None = None  # the server a file variant's check is held against (None: host)
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]*")

@@ -92,8 +92,7 @@ class ServerProcess(ServeSubprocess):
     def __init__(self, cfg: SweepConfig, label: str, cache_bytes: int, max_waiting: int,
                  model_dir: str | None = None) -> None:
         self.settings = server_settings(cfg, label, cache_bytes, max_waiting, model_dir)
-        super().__init__(model_dir or cfg.model_dir, startup_timeout_s=cfg.startup_timeout_s,
-                         config=self.settings.to_dict())
+        super().__init__(model_dir or cfg.model_dir, config=self.settings.to_dict())
 
 
 def server_settings(cfg: SweepConfig, label: str, cache_bytes: int, max_waiting: int, model_dir: str | None = None):

@@ -91,9 +91,9 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     """A point from its rounds: throughput is the median round's; latencies pool every request; counters sum."""
     timings = [t for r in rounds for t in r.timings]
     wall_s = sum(r.wall_s for r in rounds)
-    ttft = [t.ttft_s * 1e3 for t in timings]
-    itl = [g * 1e3 for t in timings for g in t.gaps_s]
-    e2e = [t.e2e_s * 1e3 for t in timings]
+    ms = {"ttft": [t.ttft_s * 1e3 for t in timings], "itl": [g * 1e3 for t in timings for g in t.gaps_s],
+          "e2e": [t.e2e_s * 1e3 for t in timings]}
+    pct = {f"{k}_p{q}_ms": percentile(v, q) for k, v in ms.items() for q in (50, 90, 99)}
     per_round = [r.tokens / r.wall_s for r in rounds]
     out_share = sum(t.output_tokens for t in timings) / max(1, sum(r.tokens for r in rounds))
 
@@ -107,7 +107,6 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     tokens = max(1, sum(r.tokens for r in rounds))
     names = {k for r in rounds for k in r.after if k.startswith("thread_cpu_seconds{")}
     by_thread = {k.split('name="')[1][:-2]: round(1e3 * total(k) / tokens, 4) for k in sorted(names)}
-    itl50, itl90 = percentile(itl, 50), percentile(itl, 90)
     throughput = float(np.median(per_round))
     pages = total("tiergram_engram_pages_read_total")
     first = total("tiergram_engram_pages_first_read_total") / pages if pages > 0 else None
@@ -118,11 +117,8 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
     hits = total("tiergram_prefix_cache_device_hit_tokens_total") + host_hits
     return Point(placement=placement, concurrency=concurrency, requests=len(timings), duration_s=wall_s,
                  throughput_tok_s=throughput, output_tok_s=throughput * out_share,
-                 ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90), ttft_p99_ms=percentile(ttft, 99),
-                 itl_p50_ms=itl50, itl_p90_ms=itl90, itl_p99_ms=percentile(itl, 99),
-                 e2e_p50_ms=percentile(e2e, 50), e2e_p90_ms=percentile(e2e, 90), e2e_p99_ms=percentile(e2e, 99),
-                 interactivity_p50=1000 / itl50 if itl50 > 0 else float("nan"),
-                 interactivity_p90=1000 / itl90 if itl90 > 0 else float("nan"),
+                 **pct, interactivity_p50=1000 / pct["itl_p50_ms"] if pct["itl_p50_ms"] > 0 else float("nan"),
+                 interactivity_p90=1000 / pct["itl_p90_ms"] if pct["itl_p90_ms"] > 0 else float("nan"),
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
                  engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
                  prefill_stall_s=total("tiergram_engram_prefill_stall_seconds_total"),

@@ -119,29 +119,19 @@ def hostile_requests(max_model_len: int) -> list[tuple[str, bytes]]:
         b"", b"{not json", b"[1, 2]", b"null", b"\"text\"", b'{"prompt": "\xff\xfe"}',
         b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": -Infinity}',
         b'{"prompt": "\\ud800"}', b"[" * 50_000 + b"]" * 50_000, big,
-        json.dumps({"prompt": PROMPT, "max_tokens": 10**40}).encode(),
-        json.dumps({"prompt": PROMPT, "seed": 2**70}).encode(),
-        json.dumps({"prompt": [0] * (max_model_len + 5)}).encode(),
-        json.dumps({"prompt": [2**63]}).encode(),
-        json.dumps({"prompt": PROMPT, "stop": ["x"] * 100}).encode(),
-        json.dumps({"prompt": PROMPT, "stop": "y" * 10_000}).encode(),
-        json.dumps({"prompt": PROMPT, "n": 5}).encode(),
-        json.dumps({"prompt": PROMPT, "logprobs": 3}).encode(),
-        json.dumps({"prompt": PROMPT, "temperature": 1e308}).encode(),
-        json.dumps({"prompt": PROMPT, "top_k": -5}).encode(),
-        json.dumps({"prompt": PROMPT, "forced_tokens": [-1]}).encode(),
-        json.dumps({"prompt": PROMPT, "surprise": {"a": [1]}}).encode(),
-        json.dumps({"prompt": {"nested": True}}).encode(),
-        json.dumps({"prompt": PROMPT, "stream_options": []}).encode(),
+        *(json.dumps(body).encode() for body in [
+            {"prompt": PROMPT, "max_tokens": 10**40}, {"prompt": PROMPT, "seed": 2**70},
+            {"prompt": [0] * (max_model_len + 5)}, {"prompt": [2**63]}, {"prompt": PROMPT, "stop": ["x"] * 100},
+            {"prompt": PROMPT, "stop": "y" * 10_000}, {"prompt": PROMPT, "n": 5}, {"prompt": PROMPT, "logprobs": 3},
+            {"prompt": PROMPT, "temperature": 1e308}, {"prompt": PROMPT, "top_k": -5},
+            {"prompt": PROMPT, "forced_tokens": [-1]}, {"prompt": PROMPT, "surprise": {"a": [1]}},
+            {"prompt": {"nested": True}}, {"prompt": PROMPT, "stream_options": []}]),
         *(b'{"prompt": "hi", "%s": %s}' % (name, b"9" * 400) for name in (b"temperature", b"top_p",
                                                                           b"presence_penalty")),
         b'{"prompt": "hi", "model": "\\ud800"}', b'{"prompt": "hi", "\\udfff": 1}',
     ]
-    chats = [
-        json.dumps({"messages": [{"role": "user", "content": {"x": 1}}]}).encode(),
-        json.dumps({"messages": [{"role": "user", "content": "hi"}] * 5000}).encode(),
-        json.dumps({"messages": [["user", "hi"]]}).encode(),
-    ]
+    messages = [[{"role": "user", "content": {"x": 1}}], [{"role": "user", "content": "hi"}] * 5000, [["user", "hi"]]]
+    chats = [json.dumps({"messages": m}).encode() for m in messages]
     return ([("/v1/completions", b) for b in bodies] + [("/v1/chat/completions", b) for b in bodies[:11]]
             + [("/v1/chat/completions", b) for b in chats])
 
