@@ -10,7 +10,6 @@ import torch
 
 from tiergram.bench import file_lookup
 from tiergram.cli import main
-from tiergram.codecs import get_codec
 from tiergram.format import TableFile
 from tiergram.store import TieredTable
 
@@ -59,7 +58,7 @@ def test_file_bench_json(bench_home, capsys):
         max(obj["limit_pages_per_s"].values()) / obj["python_threads_pages_per_s"])
     table = obj["table"]
     assert table["path"].startswith(str(bench_home)) and table["rows"] == 6000
-    assert "tiled" in table["provenance"]["init"]
+    assert table["provenance"]["init"] == "normal(0, 1), seed 0"
     assert obj["config"]["positions"] == 4 and obj["backend"] in ("io_uring", "threads")
 
 
@@ -96,19 +95,13 @@ def test_bench_table_is_valid_and_reused(bench_home):
     assert table.verify() == [] and m.codec == "fp8_e4m3" and m.head_rows == (3000, 3000)
     mtime = table.path.stat().st_mtime_ns
     assert file_lookup.bench_file_table(cfg, progress=False).path.stat().st_mtime_ns == mtime  # created once
-    # every row is one of the encoded pool rows, and decodes to finite values
+    # every row decodes to finite values of N(0, 1)
     store = TieredTable(table.path, tier="file")
     try:
         rows = store.lookup(np.arange(3000).reshape(1500, 2))
     finally:
         store.close()
-    assert torch.isfinite(rows).all() and rows.abs().max() < 10
-    raw = table.read_data().reshape(m.n_pages, m.page_size)[:, : m.rows_per_page * m.row_bytes]
-    raw = raw.reshape(-1, m.row_bytes)[: m.total_rows]
-    pool = get_codec("fp8_e4m3").encode(np.random.default_rng(0).standard_normal((file_lookup.POOL_ROWS, 64),
-                                                                                  dtype=np.float32))
-    pool_set = {bytes(r) for r in pool}
-    assert all(bytes(r) in pool_set for r in raw[::97])
+    assert torch.isfinite(rows).all() and rows.abs().max() < 10 and 0.8 < rows.std() < 1.2
     assert TableFile.open(table.path).manifest == m
 
 

@@ -23,15 +23,13 @@ import torch
 
 from tiergram import _native
 from tiergram.bench.common import cached_table, draw_ids, drop_page_cache, log, python_calls
-from tiergram.codecs import get_codec
-from tiergram.format import TableFile, TableManifest, write_table
+from tiergram.format import TableFile, TableManifest, create_random_table
 from tiergram.paths import cache_dir
 from tiergram.store import TieredTable
 from tiergram.tiers.aligned import aligned_empty
 
 TARGET_VS_LIMIT = 0.85  # of the best measured limit at queue depth >= 32
 TARGET_VS_THREADS = 2.0  # times the Python-threads baseline
-POOL_ROWS = 65536  # distinct encoded rows the table is tiled from
 
 
 @dataclass
@@ -115,28 +113,16 @@ def table_manifest(cfg: FileLookupBenchConfig) -> TableManifest:
     rows = cfg.rows_per_head or int(cfg.table_gib * 2**30) // probe.page_size * probe.rows_per_page // cfg.heads
     if rows < 1:
         raise ValueError(f"a {cfg.table_gib} GiB table holds no rows of {probe.row_bytes} bytes per head")
-    prov = {"tool": "tiergram bench lookup --tier file",
-            "init": f"{POOL_ROWS} distinct N(0,1) rows (seed {cfg.seed}) encoded with {cfg.codec}; every table row is "
-                    f"a seeded random pick among them (tiled for creation speed; the values carry no meaning)"}
+    prov = {"tool": "tiergram bench lookup --tier file", "init": f"normal(0, 1), seed {cfg.seed}"}
     return TableManifest(codec=cfg.codec, dim=cfg.dim, head_rows=(rows,) * cfg.heads, provenance=prov)
 
 
 def bench_file_table(cfg: FileLookupBenchConfig, progress: bool = True) -> TableFile:
-    """The benchmark's table file, created once (tiled random valid rows, fsynced) and dropped from the page cache."""
+    """The benchmark's table file, created once (random rows, at disk speed) and dropped from the page cache."""
     m = table_manifest(cfg)
     name = f"file-{cfg.codec}-{cfg.heads}x{m.head_rows[0]}x{cfg.dim}.tgram"
     path = Path(cfg.table) if cfg.table else cache_dir("bench") / name
-
-    def create(path: Path) -> None:
-        values = np.random.default_rng(cfg.seed).standard_normal((POOL_ROWS, cfg.dim), dtype=np.float32)
-        pool = get_codec(cfg.codec).encode(values)
-
-        def rows(start: int, n: int) -> np.ndarray:  # a seeded pick among the pool's rows
-            return pool[np.random.default_rng([cfg.seed, start]).integers(0, POOL_ROWS, n)]
-
-        write_table(path, m, rows, progress=progress)
-
-    table = cached_table(path, m, create)
+    table = cached_table(path, m, lambda p: create_random_table(p, m, seed=cfg.seed, progress=progress))
     drop_page_cache(table.path)
     return table
 
