@@ -234,7 +234,7 @@ def test_sketch_counts_and_leave_one_out():
 def test_predictor_thresholds_zero_and_one(setup, traces, tmp_path):
     _, _, model, _ = setup
     fit, held = traces["validation"], traces["test"]
-    pred = fit_predictor(model, fit, "full", sketch_width=1024)
+    pred = fit_predictor(model, fit, sketch_width=1024)
     for layer in held.layers:
         g = pred.predict_gate(layer, held.row_ids[layer], held.pos)
         assert g.shape == (held.n,) and ((g >= 0) & (g < 1)).all()

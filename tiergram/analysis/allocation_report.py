@@ -203,20 +203,13 @@ def verdict(shares: list[ShareResult], n_seeds: int) -> str:
         return f"{len(shares)} shares cannot show a U (at least 3 are needed)"
     ordered = sorted(shares, key=lambda s: s.share)
     best = min(ordered, key=lambda s: s.loss.value)
-    lo, hi = ordered[0], ordered[-1]
-    noise = "" if n_seeds > 1 else " (intervals over validation documents only; one seed, so training noise " \
-                                   "is not in them)"
-    if best is lo or best is hi:
-        side = "no Engram" if best is lo and best.share == 0 else f"Engram share {best.share:.0%}"
-        return f"no U: the lowest loss is at an end of the sweep ({side}, {best.loss.value:.4f} nats){noise}"
-    worse = [s for s in (lo, hi) if s.delta_vs_best.ci95[0] > 0]
-    if len(worse) == 2:
-        return (f"a U appears: the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats), "
-                f"and share {lo.share:.0%} (+{lo.delta_vs_best.value:.4f}) and share {hi.share:.0%} "
-                f"(+{hi.delta_vs_best.value:.4f}) are both worse{noise}")
-    return (f"no clear U: the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats), but "
-            f"{'neither end point is' if not worse else 'only one end point is'} worse by more than the 95% "
-            f"interval{noise}")
+    noise = "" if n_seeds > 1 else " (one seed: the intervals are over validation documents only)"
+    where = f"the lowest loss is at Engram share {best.share:.0%} ({best.loss.value:.4f} nats)"
+    if best in (ordered[0], ordered[-1]):
+        return f"no U: {where}, an end of the sweep{noise}"
+    worse = sum(s.delta_vs_best.ci95[0] > 0 for s in (ordered[0], ordered[-1]))
+    return (f"{'a U appears' if worse == 2 else 'no clear U'}: {where}; {worse} of 2 end points worse by more than "
+            f"the 95% interval{noise}")
 
 
 def build_report(result: SweepRun) -> AllocationReport:

@@ -46,27 +46,18 @@ def target_gate(tr: Trace, layer: int) -> np.ndarray:
     return tr.gates[layer].max(axis=1).astype(np.float64)
 
 
-def fit_predictor(model: EngramLM, tr: Trace, features: str = "full", *, sketch_width: int = 2**16,
-                  sketch_depth: int = 2, ridge: float = 1e-3, shrink: float = 2.0) -> SkipPredictor:
+def fit_predictor(model: EngramLM, tr: Trace, *, sketch_width: int = 2**16, sketch_depth: int = 2,
+                  ridge: float = 1e-3, shrink: float = 2.0) -> SkipPredictor:
     """Fit on a gate trace: sketch from its accesses, weights by least squares on leave-one-out features."""
-    if features not in FEATURE_SETS:
-        raise ValueError(f"unknown feature set {features!r} (valid: {', '.join(FEATURE_SETS)})")
-    feats = FEATURE_SETS[features]
+    pred = SkipPredictor({}, FEATURE_SETS["full"], model.hasher.max_ngram_size, shrink=shrink)
     orders = np.array(head_orders(model), dtype=np.int64)
-    layers = {}
     for layer in tr.layers:
         offsets = model.hasher.head_offsets(layer)
         g = target_gate(tr, layer)
-        lm = LayerModel(offsets=offsets, orders=orders, prior=float(g.mean()))
-        if "static" in feats:
-            lm.static, lm.static_scale = static_scores(model, layer, tr.query_mean[layer])
-        if "sketch" in feats:
-            lm.sketch = CountMinSketch(sketch_width, sketch_depth, seed=layer)
-            lm.sketch.add(tr.row_ids[layer] + offsets, np.repeat(g, tr.row_ids[layer].shape[1]))
-        layers[layer] = lm
-    pred = SkipPredictor(layers, feats, model.hasher.max_ngram_size, shrink=shrink)
-    for layer, lm in layers.items():
-        g = target_gate(tr, layer)
+        lm = pred.layers[layer] = LayerModel(offsets=offsets, orders=orders, prior=float(g.mean()))
+        lm.static, lm.static_scale = static_scores(model, layer, tr.query_mean[layer])
+        lm.sketch = CountMinSketch(sketch_width, sketch_depth, seed=layer)
+        lm.sketch.add(tr.row_ids[layer] + offsets, np.repeat(g, tr.row_ids[layer].shape[1]))
         x = pred.feature_matrix(layer, tr.row_ids[layer], tr.pos, own_gates=g)
         y = np.log(np.clip(g, EPS, 1 - EPS) / (1 - np.clip(g, EPS, 1 - EPS)))
         mu, sd = x[:, 1:].mean(0), x[:, 1:].std(0) + 1e-9  # standardise so the ridge treats features alike

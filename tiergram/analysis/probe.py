@@ -18,7 +18,7 @@ PAD_TEXT = "<pad>"
 
 @dataclass
 class NgramGate:
-    """One n-gram's gate statistics in one layer and branch."""
+    """One n-gram's gate statistics in one layer."""
 
     order: int
     text: str  # the original tokens of its first occurrence (compression merges case/whitespace variants)
@@ -31,10 +31,9 @@ class NgramGate:
 
 @dataclass
 class LayerProbe:
-    """Gate summary and the highest/lowest mean-gate n-grams of one layer and branch."""
+    """Gate summary and the highest/lowest mean-gate n-grams of one layer."""
 
     layer: int
-    branch: int
     mean_gate: float
     quantiles: dict[str, float]  # p01, p10, p50, p90, p99
     mean_gate_by_category: dict[str, float]
@@ -61,7 +60,7 @@ class GateEvidence:
 
 @dataclass
 class ProbeReport:
-    """The whole probe: per layer and branch, over a corpus split; evidence for the trained model and a null."""
+    """The whole probe: per layer, over a corpus split; evidence for the trained model and a null."""
 
     model: str
     split: str
@@ -112,13 +111,13 @@ def _ngram_gate(tokenizer: Any, tr: Trace, table: NgramTable, u: int, order: int
                      examples=[example(tokenizer, tr, int(i), order) for i in where[:n_examples]])
 
 
-def probe_layer(tr: Trace, tokenizer: Any, layer: int, branch: int, tables: dict[int, NgramTable], *,
-                min_count: int = 5, top: int = 30, n_examples: int = 3) -> LayerProbe:
-    """Gate summary and top/bottom n-grams of one layer and branch."""
-    g = tr.gates[layer][:, branch].astype(np.float64)
+def probe_layer(tr: Trace, tokenizer: Any, layer: int, tables: dict[int, NgramTable], *, min_count: int = 5,
+                top: int = 30, n_examples: int = 3) -> LayerProbe:
+    """Gate summary and top/bottom n-grams of one layer (the model has one hyper-connection branch)."""
+    g = tr.gates[layer][:, 0].astype(np.float64)
     qs = (0.01, 0.1, 0.5, 0.9, 0.99)
     by_cat = {c: float(g[tr.category == k].mean()) for k, c in enumerate(CATEGORIES) if (tr.category == k).any()}
-    out = LayerProbe(layer=layer, branch=branch, mean_gate=float(g.mean()),
+    out = LayerProbe(layer=layer, mean_gate=float(g.mean()),
                      quantiles={f"p{int(q * 100):02d}": float(v) for q, v in zip(qs, np.quantile(g, qs), strict=True)},
                      mean_gate_by_category=by_cat, attributed={}, distinct={})
     for order, table in tables.items():
@@ -136,11 +135,10 @@ def probe_layer(tr: Trace, tokenizer: Any, layer: int, branch: int, tables: dict
 
 def probe(tr: Trace, tokenizer: Any, *, model: str = "", split: str = "", min_count: int = 5, top: int = 30,
           n_examples: int = 3) -> ProbeReport:
-    """Probe every Engram layer and branch of a trace."""
-    max_n = tr.context.shape[1]
-    tables = {order: ngram_table(tr, order) for order in range(2, max_n + 1)}
-    layers = [probe_layer(tr, tokenizer, layer, b, tables, min_count=min_count, top=top, n_examples=n_examples)
-              for layer in tr.layers for b in range(tr.gates[layer].shape[1])]
+    """Probe every Engram layer of a trace."""
+    tables = {order: ngram_table(tr, order) for order in range(2, tr.context.shape[1] + 1)}
+    layers = [probe_layer(tr, tokenizer, layer, tables, min_count=min_count, top=top, n_examples=n_examples)
+              for layer in tr.layers]
     return ProbeReport(model=model, split=split, positions=tr.n, min_count=min_count, layers=layers)
 
 
@@ -230,7 +228,7 @@ def to_markdown(report: ProbeReport) -> str:
                   "permutes gates across the positions of the ranked n-grams.", "",
                   evidence_markdown(report.evidence).rstrip(), ""]
     for lp in report.layers:
-        lines += [f"## Layer {lp.layer}, branch {lp.branch}", "",
+        lines += [f"## Layer {lp.layer}", "",
                   f"Mean gate {lp.mean_gate:.4f}; quantiles " +
                   ", ".join(f"{k} {v:.4f}" for k, v in lp.quantiles.items()) + "; by category " +
                   ", ".join(f"{k} {v:.4f}" for k, v in lp.mean_gate_by_category.items()) + ".", ""]

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tiergram.corpus import CATEGORIES
 from tiergram.model.evaluate import EvalDoc, Window, eval_batches, eval_documents, make_windows
@@ -86,7 +85,6 @@ class Trace:
     pos: np.ndarray  # int32 [N]: position in the window
     category: np.ndarray  # int8 [N]: index into CATEGORIES
     context: np.ndarray  # int64 [N, max_n]: compressed ids ending at the position, oldest first (pad-padded)
-    loss: np.ndarray  # float32 [N]: next-token loss at the position
     gates: dict[int, np.ndarray]  # layer -> float32 [N, hc]
     row_ids: dict[int, np.ndarray]  # layer -> int64 [N, H]
     query_mean: dict[int, np.ndarray]  # layer -> float32 [hc, d]: mean gate query over the positions
@@ -117,18 +115,17 @@ def compressed_context(model: EngramLM, x: np.ndarray) -> np.ndarray:
 
 @torch.no_grad()
 def trace(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progress: bool = False) -> Trace:
-    """Run the model over windows (Engram on) and record gates, row ids, n-gram contexts and losses."""
+    """Run the model over windows (Engram on) and record gates, row ids and n-gram contexts."""
     if not model.engram_layers:
         raise ValueError("the model has no Engram layers to trace")
     hooks = EngramHooks(record=True, record_query=True)
     qsum = {layer: 0.0 for layer in model.engram_layers}
-    parts: dict[str, list] = {k: [] for k in ("window", "pos", "context", "loss")}
+    parts: dict[str, list] = {k: [] for k in ("window", "pos", "context")}
     gates: dict[int, list] = {layer: [] for layer in model.engram_layers}
     rows: dict[int, list] = {layer: [] for layer in model.engram_layers}
     with hooks.installed(model):
-        for idx, x, y in eval_batches(model, windows, batch_size, "trace", progress):
-            logits, _ = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+        for idx, x, _ in eval_batches(model, windows, batch_size, "trace", progress):
+            model(x)
             row_ids = model.engram_row_ids(x)
             ctx = compressed_context(model, x.cpu().numpy())
             for j, i in enumerate(idx):
@@ -136,7 +133,6 @@ def trace(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progre
                 parts["window"].append(np.full(n, i, dtype=np.int32))
                 parts["pos"].append(np.arange(n, dtype=np.int32))
                 parts["context"].append(ctx[j, :n])
-                parts["loss"].append(loss[j, :n].float().cpu().numpy())
                 for layer in model.engram_layers:
                     gates[layer].append(hooks.gates[layer][j, :n].float().cpu().numpy())
                     rows[layer].append(row_ids[layer][j, :n].cpu().numpy())
@@ -146,7 +142,7 @@ def trace(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progre
     category = np.array([cat_index[windows[i].category] for i in window], dtype=np.int8)
     return Trace(windows=windows, layers=list(model.engram_layers), window=window,
                  pos=np.concatenate(parts["pos"]), category=category, context=np.concatenate(parts["context"]),
-                 loss=np.concatenate(parts["loss"]), gates={k: np.concatenate(v) for k, v in gates.items()},
+                 gates={k: np.concatenate(v) for k, v in gates.items()},
                  row_ids={k: np.concatenate(v) for k, v in rows.items()},
                  query_mean={k: (v / len(window)).astype(np.float32) for k, v in qsum.items()})
 
