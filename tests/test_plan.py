@@ -536,21 +536,6 @@ def test_validate_cli_on_a_spec_calibrated_on_a_tiny_model(tmp_path: Path, capsy
     assert "cannot read the sweep JSON" in capsys.readouterr().err
 
 
-def test_repeated_sweeps_merge_by_their_mean_and_refuse_other_settings() -> None:
-    from tiergram.plan.predict import merge_sweeps
-
-    a, b = _sweep("m", 1.0), _sweep("m", 1.2)
-    a["big_disk_pages_per_s"], b["big_disk_pages_per_s"] = {"before": 300.0, "after": 200.0}, {"before": 250.0}
-    merged = merge_sweeps([a, b], ["a.json", "b.json"])
-    assert merged["big_disk_pages_per_s"] == {"min over runs": 200.0} and merged["disk_pages_per_s"] == {}
-    res = validate(merged, MODEL, CPU)
-    for r in res["points"]:
-        assert r["ratio"] == pytest.approx(1.1) and len(r["measured_runs"]) == 2
-    b["config"]["input_len"] = 99
-    with pytest.raises(ValueError, match=r"b\.json: not a repeat of a\.json: settings \['input_len'\]"):
-        merge_sweeps([a, b], ["a.json", "b.json"])
-
-
 def test_the_kv_swap_streamer_moves_blocks_and_refuses_bad_sizes() -> None:
     from tiergram.bench.stream import stream
 

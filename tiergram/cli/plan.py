@@ -11,7 +11,7 @@ from tiergram.cli.common import add_common
 
 USAGE = """tiergram plan MODEL HARDWARE [options]     predict the fronts (table + PNG)
        tiergram plan calibrate [--model DIR | --measured JSON] [--out SPEC.toml]
-       tiergram plan validate SWEEP_JSON... --hardware SPEC [--model MODEL] [--json]
+       tiergram plan validate SWEEP_JSON --hardware SPEC [--model MODEL] [--json]
        tiergram plan studies [--out DIR] [--model-dir DIR]   the predictions of docs/planner.md, with plots
 
 MODEL: a model spec name or .toml (shipped: deepseek-v4.1-flash) or a trained model directory.
@@ -70,9 +70,7 @@ def _validate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiergram plan validate",
                                 description="Compare a measured `bench serve` sweep with the prediction, point by "
                                             "point.")
-    p.add_argument("sweep_json", nargs="+",
-                   help="the JSON `tiergram bench serve --json` / `tiergram demo` wrote; several repeats of one sweep "
-                        "are compared by their mean")
+    p.add_argument("sweep_json", help="the JSON `tiergram bench serve --json` / `tiergram demo` wrote")
     p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
     p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
     p.add_argument("--host-traffic-gbps", type=float, default=0.0,
@@ -202,7 +200,7 @@ def _validate(a: argparse.Namespace) -> int:
     from tiergram.plan import predict
     from tiergram.plan.specs import load_hardware, load_model, with_hit_rates
 
-    sweep = predict.merge_sweeps([predict.read_sweep(Path(name)) for name in a.sweep_json], list(a.sweep_json))
+    sweep = predict.read_sweep(Path(a.sweep_json))
     model = load_model(a.model or sweep["config"]["model_dir"])
     if a.hit_rates:
         model = with_hit_rates(model, Path(a.hit_rates))

@@ -1,8 +1,5 @@
-"""The fitting half of `tiergram plan calibrate`: a hardware spec from this machine's measured figures.
-
-`tiergram.bench.calibrate.measure` runs the measurements and returns them as one dict (the JSON beside the spec);
-here they become the spec's figures by least squares, each with how it was measured. No I/O but reading that JSON.
-"""
+"""The fitting half of `tiergram plan calibrate`: a hardware spec from the measurements `tiergram.bench.calibrate`
+kept as JSON, by least squares, each figure with how it was measured (docs/planner.md, "Calibration")."""
 
 from __future__ import annotations
 
@@ -70,13 +67,8 @@ def fit_lookups(points: list[list[float]]) -> dict[str, float]:
 
 
 def fit_steps(steps: dict[str, Any], gather: dict[str, float], rows_per_token: int, n_layers: int) -> dict[str, Any]:
-    """step seconds = overhead + per_token x tokens + per_seq x sequences, over the engine's timed steps.
-
-    Steps timed with host tables first lose their host gather (`gather`, fitted on the same table): the step model
-    adds it back for the host and file placements, so it must not be in the backbone's cost too. One sample per
-    batch shape (its median step), weighted by how often it ran: a loaded machine's slow outliers then move the fit
-    far less than in a fit over every step.
-    """
+    """step seconds = overhead + per_token x tokens + per_seq x sequences, over each batch shape's median step
+    (weighted by how often it ran; host-table steps less their gather, which the step model adds back)."""
     rows = [(t, s, d) for t, s, d in steps["samples"]]
     if not rows:
         raise ValueError("calibration measurements: no engine steps to fit")
@@ -97,9 +89,7 @@ def fit_steps(steps: dict[str, Any], gather: dict[str, float], rows_per_token: i
 
 
 def fit_file(file: dict[str, Any]) -> dict[str, float]:
-    """The file tier's own costs behind a host cache: rows/s and seconds per call of the all-hit path, and the CPU
-    seconds a page read costs on the real path (checksum, copy, cache admission): the miss run's CPU less the hit
-    path's share, over the pages it read."""
+    """The file tier's all-hit path (rows/s, seconds per call) and the CPU seconds per page its misses cost."""
     (r1, s1), (r2, s2) = file["hits"]
     per_row = max(1e-12, (s2 - s1) / (r2 - r1))
     per_call = max(0.0, s1 - r1 * per_row)
@@ -110,16 +100,8 @@ def fit_file(file: dict[str, Any]) -> dict[str, float]:
 
 
 def fit_serve(serve: dict[str, Any], engine_step: Callable[[float, float], float] | None = None) -> dict[str, Any]:
-    """What the HTTP path adds to the engine's steps: a fixed cost per request and a cost per sequence per step.
-
-    The time the server's engine sat idle (wall less its own step seconds) per request cycle, times the c users who
-    each wait it out, is split into t_req + S·c·t_http by least squares over every run. The server's own step
-    counters, not the engine-only step model, give the idle time: a shared machine's speed moves more in the minute
-    between the two than the HTTP path costs. `engine_step(tokens, sequences)`: the engine's own step (the fit
-    above); the server's mean step over it at each concurrency is `server_step_curve`, each level's fastest pass
-    (another tenant's load only ever adds to a pass; docs/planner.md, "Calibration"). The steps a request lived
-    through (steps x c / requests) over the steps it needs give `request_steps_curve`, the passes' median.
-    """
+    """The HTTP path's cost per request and per sequence per step (from the server's idle time), σ(c), φ(c) and
+    the server's own tok/s at each concurrency (docs/planner.md, "Calibration")."""
     conc, wl = serve["concurrencies"], sweep_workload(serve)  # the closed loop's lengths, as in a sweep
     gaps: list[tuple[int, float, float]] = []
     ratios: dict[int, list[float]] = {c: [] for c in conc}
@@ -246,8 +228,7 @@ def sources(raw: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:
 
 
 def summary(cal: Calibration) -> str:
-    """The fitted figures, one line each: check the fit's R^2, a disk curve that rises with the queue depth and the
-    CPU speed probes before trusting the spec."""
+    """The fitted figures, one line each (check R^2, the disk curve and the speed probes before trusting them)."""
     g, st, fc, d, srv = (cal.fits[k] for k in ("lookups", "steps", "file", "disk", "serve"))
 
     def passes(curve: list[list[float]], runs: dict[int, list[float]]) -> str:

@@ -116,7 +116,6 @@ class Compared:
     measured_interactivity: float | None
     hit_rate: float | None
     hit_rate_source: str | None  # "model spec" or "sweep (...)"
-    measured_runs: list[float]  # each run's throughput when several repeats were merged
     measured_binding: str  # from the sweep's own evidence, by `binds`
     stall_share: float  # exposed stall seconds / measured seconds
     predicted_stall_share: float  # the step model's engine wait for rows / its step time (the same quantity)
@@ -236,41 +235,6 @@ def read_sweep(path: Path) -> dict[str, Any]:
     if schema != SWEEP_SCHEMA:
         raise ValueError(f"{path}: sweep schema {schema!r}; this tiergram reads schema {SWEEP_SCHEMA}")
     return sweep
-
-
-SAME_SETTINGS = ("model_dir", "input_len", "output_len", "device_memory", "cache_fraction", "max_num_seqs",
-                 "max_num_batched_tokens", "block_size")
-
-
-def merge_sweeps(sweeps: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """Repeated runs of one sweep (from the files `names`) as one: each point's throughput the runs' mean."""
-    if len(sweeps) == 1:
-        return sweeps[0]
-    base = sweeps[0]["config"]
-    for name, sw in zip(names[1:], sweeps[1:], strict=True):
-        diff = [k for k in SAME_SETTINGS if sw["config"].get(k) != base.get(k)]
-        if diff:
-            raise ValueError(f"{name}: not a repeat of {names[0]}: settings {diff} differ")
-    keyed = [{(p["placement"], p["concurrency"]): p for p in sw["points"]} for sw in sweeps]
-    points = []
-    for key, first in keyed[0].items():
-        runs = [k[key] for k in keyed if key in k]
-        if len(runs) < len(sweeps):
-            continue
-        merged = dict(first)
-        for f in ("throughput_tok_s", "file_pages_per_s", "interactivity_p50", "file_first_read_share",
-                  "cpu_speed_ms"):
-            vals = [float(r[f]) for r in runs if r.get(f) is not None]
-            merged[f] = sum(vals) / len(vals) if vals else None
-        for f in ("exposed_stall_s", "duration_s"):
-            merged[f] = sum(float(r.get(f) or 0.0) for r in runs)
-        merged["throughput_runs"] = [float(r["throughput_tok_s"]) for r in runs]
-        points.append(merged)
-    out = {**sweeps[0], "points": points, "runs": names}
-    for key in ("disk_pages_per_s", "big_disk_pages_per_s"):
-        disk = [v for sw in sweeps for v in (sw.get(key) or {}).values()]
-        out[key] = {"min over runs": min(disk)} if disk else {}
-    return out
 
 
 def sweep_base(cfg: dict[str, Any], label: str) -> str:
@@ -394,10 +358,9 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         # the prediction's side by the same rule, from its own disk share and stall (the engine's wait) share
         p_stall = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0)) / p.step_s if p.step_s > 0 else 0.0
         p_disk = p.terms.get("disk busy", 0.0) / p.step_s if p.step_s > 0 else 0.0
-        runs = [round(x, 1) for x in pt.get("throughput_runs", [measured])]
         rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
                              binds(seen, p_disk, p_stall), p.interactivity,
-                             float(inter) if inter is not None else None, p.hit_rate, source, runs,
+                             float(inter) if inter is not None else None, p.hit_rate, source,
                              binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
                              None if first is None else round(float(first), 4), round(p.step_s * 1e3, 3),
                              pt.get("server_step_ms"),
@@ -433,7 +396,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     if naive:
         summary |= {"naive_within_15pct": within(naive_errs), "naive_mean_abs_error": mean(naive_errs)}
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
-            "runs": sweep.get("runs", [1]), "points": [asdict(r) for r in rows], "limits": limits,
+            "points": [asdict(r) for r in rows], "limits": limits,
             "skipped_placements": sorted(skipped), "disk": {"from": disk_sources, "pages_per_s": disks},
             "speed": speed, "best_split": best_of(rows) if conv is not None else {}, "summary": summary}
 
@@ -468,8 +431,6 @@ def validate_text(res: dict[str, Any]) -> str:
         hit = f" (hit {r['hit_rate']:.0%} from {r['hit_rate_source']})" if r["hit_rate"] is not None else ""
         if r.get("first_read_share") is not None:
             hit += f" ({r['first_read_share']:.0%} of its pages first reads)"
-        if len(r["measured_runs"]) > 1:
-            hit += " runs: " + ", ".join(f"{x:,.0f}" for x in r["measured_runs"])
         if r.get("predicted_prefix_hit") is not None and r.get("measured_prefix_hit") is not None:
             hit += f"; prefix hit {r['measured_prefix_hit']:.1%} [predicted {r['predicted_prefix_hit']:.1%}]"
         if r.get("naive_tok_s"):

@@ -1,19 +1,5 @@
-"""The prefix cache as the planner sees it: how many of a conversation's prompt tokens come back from cached K/V.
-
-Plain dataclasses and arithmetic, no I/O. The workload is `bench serve --workload conversations`: sessions over
-shared documents, each turn's prompt the whole history. The cache is the engine's (engine/block_manager.py): full
-blocks named by their prefix, LRU over the blocks no running request holds, evicted blocks kept by the host K/V tier
-when it has slots. The model (docs/planner.md, "Prefix reuse"):
-
-- a freed block survives the next E new block allocations, E = the blocks no running request holds (device pool
-  less the running requests' own blocks and the live sessions' distinct documents, which they share) plus the host
-  tier's slots: LRU evicts the block freed longest ago first;
-- a session's history comes back at its next turn when the others allocated fewer than E blocks during its think
-  time (exponential, so P = 1 - exp(-E / the mean allocations in one think));
-- a document comes back at a session's start when it was opened within the last E / (allocations per session)
-  sessions or is held by another user's live session, and within the sessions the server has run at all (first
-  opens always miss).
-"""
+"""The prefix cache as the planner sees it: how many of a conversation's prompt tokens come back from cached K/V
+(no I/O; the model is docs/planner.md's "Prefix reuse")."""
 
 from __future__ import annotations
 
@@ -25,8 +11,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Conversations:
-    """`docs` shared documents of doc_len tokens (document i opened with weight 1/(i+1)); sessions of `turns` turns,
-    each a question_len-token question and an answer_len-token answer; think_s mean (exponential) between turns."""
+    """Sessions of `turns` question + answer turns over `docs` shared documents (i opened with weight 1/(i+1))."""
 
     doc_len: int
     question_len: int
@@ -64,8 +49,7 @@ class Conversations:
         return min(self.doc_len // block, (self.prompt_len(1) - 1) // block) * block
 
     def history_hit_tokens(self, turn: int, block: int) -> int:
-        """Tokens turn > 1 reuses when its session's blocks are cached: the full blocks the turn before computed
-        (its prompt and every answer token but the last, which is sampled, never fed back)."""
+        """Tokens turn > 1 reuses when its session's blocks are cached: the full blocks the turn before computed."""
         computed = self.prompt_len(turn - 1) + self.answer_len - 1
         return min(computed // block, (self.prompt_len(turn) - 1) // block) * block
 
@@ -89,15 +73,13 @@ class Reuse:
 
 def reuse(conv: Conversations, block: int, device_blocks: int, host_blocks: int, concurrency: int,
           running: float, cycle_s: float, sessions_before: float = math.inf) -> Reuse:
-    """The prefix cache's reuse with `running` of `concurrency` users' requests in the engine at a time (the rest
-    think), each user's request + think taking cycle_s, after `sessions_before` sessions (inf: steady state)."""
+    """The prefix cache's reuse with `running` of `concurrency` users running, after `sessions_before` sessions."""
     if block < 1 or device_blocks < 0 or host_blocks < 0:
         raise ValueError(f"block {block}, device_blocks {device_blocks}, host_blocks {host_blocks}: need block >= 1 "
                          "and no negative pool")
     p = conv.weights
     doc_tokens = conv.doc_hit_tokens(block)
-    # running requests hold their own blocks; the users' sessions share their documents' blocks, held once for the
-    # distinct documents the c live sessions opened
+    # running requests hold their own blocks; the live sessions' distinct documents are held once
     own = sum(conv.blocks_held(k, block) for k in range(1, conv.turns + 1)) / conv.turns - doc_tokens / block
     held = running * own + float(np.sum(1.0 - (1.0 - p) ** concurrency)) * doc_tokens / block
     free_dev = max(0.0, device_blocks - held)
@@ -113,15 +95,13 @@ def reuse(conv: Conversations, block: int, device_blocks: int, host_blocks: int,
             # the others' requests (c - 1 of them, one per cycle each) allocate during one think time
             during_think = (concurrency - 1) * conv.think_s / cycle_s * per_session / conv.turns if cycle_s else 0.0
             hist = 1.0 if during_think <= 0 else 1.0 - math.exp(-pool / during_think)
-            # a document stays while a session opened it within the last pool / per_session sessions, or while one
-            # of the c - 1 other users' live sessions holds it (as its history)
+            # a document stays for pool / per_session sessions, or while another user's live session holds it
             window = max(pool / per_session if per_session > 0 else math.inf, (concurrency - 1) * hist)
             window = min(window, sessions_before)
             doc = float(np.sum(p * (1.0 - (1.0 - p) ** window))) if window > 0 else 0.0
         # a turn's history includes its document's blocks, which its own earlier turns kept as recent as the rest
         out[pool] = (doc, hist, doc * doc_tokens + hist * hist_tokens)
     doc, hist, hits = out[free_dev + host_blocks]
-    host_hits = hits - out[free_dev][2]
+    host_hits = max(0.0, hits - out[free_dev][2])
     q = conv.queried()
-    host_hits = max(0.0, host_hits)
     return Reuse(hits / q, host_hits / q, hits / conv.turns, host_hits / conv.turns, doc, hist, free_dev + host_blocks)

@@ -1,11 +1,5 @@
-"""One host memory split between the host K/V tier and the Engram tables, as the planner predicts it.
-
-A server's split (host_memory, kv_host_fraction, placement) becomes the step model's inputs: the device pool's K/V
-blocks, the host tier's slots, the Engram tables' placement with the file tier's cache sized as the engine sizes it
-from its share (staging first). A conversations point iterates the prefix reuse (plan.prefix) with the step model
-(plan.model): the reuse sets the prompt tokens computed, which set the step and the cycle, which set how many users
-run at once, which sets the blocks held. No I/O.
-"""
+"""One host memory split between the host K/V tier and the Engram tables, as the planner predicts it: the reuse
+(plan.prefix) iterated with the step model (plan.model); docs/planner.md, "One host budget"."""
 
 from __future__ import annotations
 
@@ -47,8 +41,7 @@ def conversations_workload(conv: Conversations, max_num_seqs: int = 64, max_num_
 
 
 def file_cache_fraction(model: ModelSpec, engram_bytes: float) -> float:
-    """The file tier's row cache as a fraction of the tables, from the Engram share of the budget: each layer's
-    equal part less its staging, as the engine sizes it (store.table.budget_cache_bytes, the native index)."""
+    """The file tier's row cache as a fraction of the tables, as the engine sizes it from the Engram share."""
     from tiergram.store.table import budget_cache_bytes
 
     g = model.engram
@@ -82,8 +75,7 @@ def kv_blocks(model: ModelSpec, hw: HardwareSpec, wl: Workload, split: Split) ->
 def predict_conversations(model: ModelSpec, hw: HardwareSpec, conv: Conversations, split: Split, c: int,
                           wl: Workload | None = None, sessions_before: float = math.inf,
                           hit_rate: float | None = None) -> tuple[Point, Reuse]:
-    """A closed loop of c users holding conversations against one split: the point and its prefix reuse (the file
-    tier's cache hit rate `hit_rate`, else the model's curve at the split's cache size)."""
+    """A closed loop of c users holding conversations against one split: the point and its prefix reuse."""
     wl = wl or conversations_workload(conv)
     placement = split_placement(model, split)
     if hit_rate is not None and placement.kind == "file":

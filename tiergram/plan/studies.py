@@ -10,8 +10,17 @@ from typing import Any
 
 import numpy as np
 
-from tiergram.plan import Front, HardwareSpec, ModelSpec, Placement, Workload, predict_front, predict_point
-from tiergram.plan.model import concurrency_limit, step_terms_at
+from tiergram.plan.model import (
+    Front,
+    HardwareSpec,
+    ModelSpec,
+    Placement,
+    Workload,
+    concurrency_limit,
+    predict_front,
+    predict_point,
+    step_terms_at,
+)
 from tiergram.plan.predict import label_axes
 from tiergram.plan.prefix import Conversations
 from tiergram.plan.split import Split, best_splits, conversations_workload, predict_conversations
