@@ -128,8 +128,8 @@ def test_bench_table_reports_ratios_and_leaves_nothing(tmp_path):
     from tiergram.bench import table_io
 
     r = table_io.run(0.02, tmp_path, progress=False)
-    assert r.table_bytes > 0.019 * 2**30 and r.create > 0 and r.verify > 0 and r.zeros_limit > 0
-    assert r.create_ratio == pytest.approx(r.create / ((r.write_limit_before + r.write_limit_after) / 2))
-    assert r.open_read_bytes < 64 << 10  # the open reads the header and manifest, not the data
+    assert r["table_bytes"] > 0.019 * 2**30 and r["create"] > 0 and r["verify"] > 0 and r["zeros_limit"] > 0
+    assert r["create_ratio"] == pytest.approx(r["create"] / ((r["write_limit_before"] + r["write_limit_after"]) / 2))
+    assert r["open_read_bytes"] < 64 << 10  # the open reads the header and manifest, not the data
     assert "x the read limit" in table_io.report(r)
     assert os.listdir(tmp_path) == []

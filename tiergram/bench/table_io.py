@@ -11,8 +11,8 @@ import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -22,28 +22,6 @@ from tiergram.format.writer import LAST_WRITE_STATS, aligned_pages, free_bytes
 from tiergram.model.init_model import CODEC, GEOMETRIES, PAGE_SIZE
 
 BLOCK = 32 << 20  # bytes per O_DIRECT request of the limits, as the table writer and reader use
-
-
-@dataclass
-class TableIOResult:
-    """One run: sizes, rates (bytes/s) and the ratios against the limits of the same run."""
-
-    table_bytes: int
-    write_limit_before: float  # random bytes
-    zeros_limit: float  # zeros (dd's figure), mean of before and after
-    create: float
-    read_limit_before: float
-    verify: float
-    write_limit_after: float
-    read_limit_after: float
-    open_s: float  # TieredTable(path, tier="file") construction
-    open_read_bytes: int  # bytes the open read from storage (/proc/self/io rchar)
-    open_rss_bytes: int  # resident memory the open added
-    create_ratio: float  # create / mean write limit (random bytes)
-    verify_ratio: float  # verify / mean read limit
-    create_cpu_s_per_gib: float
-    verify_cpu_s_per_gib: float
-    create_waits: dict  # writer idle (disk starved) / writing / filler waiting for a buffer (disk behind), seconds
 
 
 def _sequential(desc: str, nbytes: int, step: Callable[[int], int], progress: bool) -> tuple[int, float]:
@@ -96,7 +74,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(table_gib: float, directory: Path, *, progress: bool = True, keep: bool = False) -> TableIOResult:
+def run(table_gib: float, directory: Path, *, progress: bool = True, keep: bool = False) -> dict[str, Any]:
     """Measure create / verify / open of a V4.1-geometry table of table_gib GiB in directory."""
     from tiergram.store import TieredTable
 
@@ -137,29 +115,34 @@ def run(table_gib: float, directory: Path, *, progress: bool = True, keep: bool 
     finally:
         if not keep:
             path.unlink(missing_ok=True)
-    wl, rl = (w0 + w1) / 2, (r0 + r1) / 2
     gib = size / 2**30
-    return TableIOResult(size, w0, (z0 + z1) / 2, create, r0, verify, w1, r1, open_s, open_read, max(0, open_rss),
-                         create / wl, verify / rl, create_cpu / gib, verify_cpu / gib, waits)
+    return {"table_bytes": size, "zeros_limit": (z0 + z1) / 2, "write_limit_before": w0, "write_limit_after": w1,
+            "read_limit_before": r0, "read_limit_after": r1, "create": create, "verify": verify,  # bytes/s
+            "create_ratio": create / ((w0 + w1) / 2), "verify_ratio": verify / ((r0 + r1) / 2),
+            "create_cpu_s_per_gib": create_cpu / gib, "verify_cpu_s_per_gib": verify_cpu / gib,
+            "create_waits": waits,  # the writer idle (disk starved), writing, the filler waiting for a buffer
+            "open_s": open_s, "open_read_bytes": open_read, "open_rss_bytes": max(0, open_rss)}
 
 
-def report(r: TableIOResult) -> str:
+def report(r: dict[str, Any]) -> str:
     """A readable summary with the ratios against the limits."""
-    gib, w = 2**30, r.create_waits
+    gib, w = 2**30, r["create_waits"]
     return "\n".join([
-        f"table {r.table_bytes / gib:.2f} GiB (V4.1 rows, 24 heads, fp8_e4m3), peak RSS of this process "
+        f"table {r['table_bytes'] / gib:.2f} GiB (V4.1 rows, 24 heads, fp8_e4m3), peak RSS of this process "
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
-        f"  disk sequential write, O_DIRECT zeros   {r.zeros_limit / gib:6.2f} GiB/s (dd's figure; before/after mean)",
-        f"  disk sequential write, O_DIRECT data    {r.write_limit_before / gib:6.2f} / {r.write_limit_after / gib:.2f}"
-        " GiB/s (before / after)",
-        f"  table create                            {r.create / gib:6.2f} GiB/s  = {r.create_ratio:.2f} x the data "
-        f"write limit, {r.create / r.zeros_limit:.2f} x zeros (target >= 0.80); {r.create_cpu_s_per_gib:.2f} CPU-s/GiB",
+        f"  disk sequential write, O_DIRECT zeros   {r['zeros_limit'] / gib:6.2f} GiB/s (dd's figure; before/after "
+        "mean)",
+        f"  disk sequential write, O_DIRECT data    {r['write_limit_before'] / gib:6.2f} / "
+        f"{r['write_limit_after'] / gib:.2f} GiB/s (before / after)",
+        f"  table create                            {r['create'] / gib:6.2f} GiB/s  = {r['create_ratio']:.2f} x the "
+        f"data write limit, {r['create'] / r['zeros_limit']:.2f} x zeros (target >= 0.80); "
+        f"{r['create_cpu_s_per_gib']:.2f} CPU-s/GiB",
         f"    create's writer thread: idle {w.get('writer_idle_s', 0):.2f} s (waiting for filled pages), writing "
         f"{w.get('write_s', 0):.2f} s; the filler waited {w.get('fill_wait_s', 0):.2f} s for a free buffer",
-        f"  disk sequential read (O_DIRECT)         {r.read_limit_before / gib:6.2f} / {r.read_limit_after / gib:.2f}"
-        " GiB/s (before / after)",
-        f"  table verify                            {r.verify / gib:6.2f} GiB/s  = {r.verify_ratio:.2f} x the read "
-        f"limit (target >= 0.80); {r.verify_cpu_s_per_gib:.2f} CPU-s/GiB",
-        f"  TieredTable(tier='file') open           {r.open_s * 1e3:6.1f} ms, read {r.open_read_bytes:,} B, "
-        f"RSS +{r.open_rss_bytes / 2**20:.1f} MiB",
+        f"  disk sequential read (O_DIRECT)         {r['read_limit_before'] / gib:6.2f} / "
+        f"{r['read_limit_after'] / gib:.2f} GiB/s (before / after)",
+        f"  table verify                            {r['verify'] / gib:6.2f} GiB/s  = {r['verify_ratio']:.2f} x the "
+        f"read limit (target >= 0.80); {r['verify_cpu_s_per_gib']:.2f} CPU-s/GiB",
+        f"  TieredTable(tier='file') open           {r['open_s'] * 1e3:6.1f} ms, read {r['open_read_bytes']:,} B, "
+        f"RSS +{r['open_rss_bytes'] / 2**20:.1f} MiB",
     ])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -265,7 +264,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     from tiergram.paths import cache_dir
 
     r = table_io.run(args.table_gib, Path(args.dir or cache_dir("bench")), progress=not args.json, keep=args.keep)
-    print(json.dumps(dataclasses.asdict(r)) if args.json else table_io.report(r))
+    print(json.dumps(r) if args.json else table_io.report(r))
     return 0
 
 
