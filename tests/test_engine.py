@@ -217,8 +217,8 @@ def test_prefill_ahead_guesses_the_next_steps_prompt_chunks(model_dir):
         eng.step()  # runs that step (b's rows are in), and reads b's next window (7..14) behind it, from 8 on
         assert seqs["b"].num_computed == 7 and seqs["b"].warmed_to == 14
         assert sched.prefill_ahead({}) == []  # a window is handed out once
-        assert sched.prefill_ahead({"a": 1, "b": 7}) == [(seqs["b"], 14, 21)]  # after a step that runs 7..14
-        assert sched.prefill_ahead({"a": 1, "b": 19}) == [(seqs["b"], 26, 30)]  # c's 0..3 was read on arrival
+        assert sched.prefill_ahead({"a": 1, "b": 7}) == [(seqs["b"].token_ids, 14, 21)]  # after a step that runs 7..14
+        assert sched.prefill_ahead({"a": 1, "b": 19}) == [(seqs["b"].token_ids, 26, 30)]  # c's 0..3 was read on arrival
         seqs["b"].reset()  # a preempted sequence is warmed again from its start
         assert seqs["b"].warmed_to == 0
 

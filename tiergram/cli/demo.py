@@ -31,12 +31,6 @@ def _stage(n: int, title: str, t0: float) -> None:
     print(f"\n== [{n}/5] {title}  (t = {time.perf_counter() - t0:.0f} s)", flush=True)
 
 
-def _trained(model_dir: Path) -> bool:
-    """Whether model_dir holds a finished training run."""
-    config = model_dir / "config.json"
-    return config.is_file() and bool((json.loads(config.read_text()).get("training") or {}).get("finished"))
-
-
 def ensure_model(model_dir: Path, minutes: float, retrain: bool) -> Path:
     """The default model: reused when trained, resumed when interrupted, else trained for `minutes`."""
     import shutil
@@ -45,9 +39,10 @@ def ensure_model(model_dir: Path, minutes: float, retrain: bool) -> Path:
 
     if retrain and model_dir.exists():
         shutil.rmtree(model_dir)
-    if _trained(model_dir):
-        steps = json.loads((model_dir / "config.json").read_text())["training"]["steps"]
-        print(f"reusing the trained model at {model_dir} ({steps} steps; --retrain to train again)")
+    config = model_dir / "config.json"
+    training = (json.loads(config.read_text()).get("training") or {}) if config.is_file() else {}
+    if training.get("finished"):
+        print(f"reusing the trained model at {model_dir} ({training['steps']} steps; --retrain to train again)")
         return model_dir
     if (model_dir / "checkpoint.pt").is_file():
         print(f"resuming the interrupted training run in {model_dir}")

@@ -66,10 +66,6 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self.cached)
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens positions."""
         return -(-num_tokens // self.block_size)

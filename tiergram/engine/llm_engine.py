@@ -53,7 +53,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mconfig.max_seq
         self.vocab_size = mconfig.vocab_size
         self.model_name = model_dir.path.resolve().name
-        layers = [] if mconfig.engram is None else sorted(mconfig.engram.layers)
+        layers = model_dir.engram_layers
         self.placements: dict[int, Placement] = config.placements_for(layers) if layers else {}
         self.sources: dict[int, Any] = {}
         try:
@@ -163,7 +163,7 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._stats.prompt_tokens += len(prompt)
             if self.ahead.active() and self._inflight:  # a step runs now: read this prompt's rows meanwhile
-                self.runner.warm(self.ahead.windows(self.scheduler, self._inflight))
+                self.runner.warm(self.scheduler.prefill_ahead(self._inflight))
 
     def queue_full(self) -> bool:
         """Whether add_request would raise QueueFullError now (a lock-free read: a cheap check before any work)."""
@@ -232,7 +232,7 @@ class LLMEngine:
             batch = self.scheduler.schedule(self.ahead.ready if self.ahead.enabled else None)
             copies = self.blocks.take_copies()
             self._inflight = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new, strict=True)}
-            ahead = self.ahead.windows(self.scheduler, self._inflight) if self.ahead.active() and batch.seqs else []
+            ahead = self.scheduler.prefill_ahead(self._inflight) if self.ahead.active() and batch.seqs else []
             # nothing runs and the first waiting prompt's rows are still being read: wait for them (outside the lock)
             head = self.scheduler.waiting[0] if not batch.seqs and self.scheduler.waiting else None
             pending = (list(head.rows_pending), head.rows_since) if head is not None else ([], 0.0)
@@ -378,7 +378,7 @@ class LLMEngine:
         out = dict(prefix_queried_tokens=p.queried_tokens, prefix_device_hit_tokens=p.device_hit_tokens,
                    prefix_host_hit_tokens=p.host_hit_tokens,
                    prefix_hit_rate=hits / p.queried_tokens if p.queried_tokens else 0.0,
-                   kv_cached_blocks=self.blocks.num_cached, kv_evicted_blocks=p.evicted_blocks)
+                   kv_cached_blocks=len(self.blocks.cached), kv_evicted_blocks=p.evicted_blocks)
         if self.kv_host is not None:
             h = self.kv_host.stats
             out.update(kv_host_blocks_total=self.kv_host.num_slots, kv_host_blocks_used=self.kv_host.num_used,

@@ -10,7 +10,6 @@ from typing import Any
 from tiergram.engine.degrade import Degrader
 from tiergram.engine.metrics import EngineMetrics
 from tiergram.engine.model_runner import ModelRunner
-from tiergram.engine.scheduler import Scheduler
 from tiergram.engine.sequence import Sequence
 
 # a prompt whose rows are still being read after this long joins the batch anyway (its step reads what is missing)
@@ -63,10 +62,6 @@ class ReadAhead:
             self.stats.prompt_rows_wait_s += waited
             self.stats.prompt_rows_timeouts += not done
         return not seq.rows_pending
-
-    def windows(self, scheduler: Scheduler, inflight: dict[str, int]) -> list[tuple[list[int], int, int]]:
-        """The prompt windows the step after `inflight` will most likely prefill, not read ahead before."""
-        return [(s.token_ids, a, b) for s, a, b in scheduler.prefill_ahead(inflight)]
 
     def decodes(self, seqs: list[Sequence], sampled: list[Any], max_model_len: int) -> None:
         """Read the next decode rows of the sequences this step's tokens do not end by length."""

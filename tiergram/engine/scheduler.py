@@ -79,8 +79,8 @@ class Scheduler:
                      for s, n in zip(batch.seqs, batch.num_new, strict=True)]
         return batch
 
-    def prefill_ahead(self, inflight: dict[str, int]) -> list[tuple[Sequence, int, int]]:
-        """Prompt windows [(seq, start, end)] the step after `inflight` will likely prefill, each returned once."""
+    def prefill_ahead(self, inflight: dict[str, int]) -> list[tuple[list[int], int, int]]:
+        """Prompt windows [(token ids, start, end)] the step after `inflight` will likely prefill (each once)."""
         starts = [(seq, seq.num_computed + inflight.get(seq.request_id, 0)) for seq in self.running]
         budget = self.max_num_batched_tokens - sum(1 for seq, start in starts if start >= seq.prompt_len)
         out = []
@@ -92,7 +92,7 @@ class Scheduler:
             end = min(seq.prompt_len, start + budget)
             budget -= end - start
             if max(start, seq.warmed_to) < end:
-                out.append((seq, max(start, seq.warmed_to), end))
+                out.append((seq.token_ids, max(start, seq.warmed_to), end))
                 seq.warmed_to = end
         return out
 

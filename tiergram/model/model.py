@@ -40,13 +40,6 @@ class Past:
     length: int  # P: positions processed
 
 
-def rope_tables(head_dim: int, max_seq: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [max_seq, head_dim/2] for rotary position embeddings."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[i], x[i + hd/2]) of x [B, nh, T, hd] by position angles (cos, sin [T, hd/2])."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -221,9 +214,11 @@ class EngramLM(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
-        cos, sin = rope_tables(config.head_dim, config.max_seq, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        hd = config.head_dim  # rotary tables [max_seq, hd/2]
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = torch.outer(torch.arange(config.max_seq, dtype=torch.float64), inv_freq)
+        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
