@@ -18,7 +18,6 @@ from tiergram.bench.serve_process import (
     ServerProcess,
     cache_budgets,
     concurrency_limit,
-    file_mode,
     layer_table_bytes,
     layer_tables,
     peak_rss,
@@ -115,8 +114,6 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                   "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
                                   "base": cfg.base_of(placement), "settings": server.settings.to_dict(),
                                   "model_dir": model_dir, "table_bytes": sum(layer_table_bytes(model_dir))}
-            if cfg.kind_of(placement) == "file":
-                servers[placement]["file_mode"] = file_mode(layer_tables(model_dir)[0])
             started = scrape(server.url)
             if started.get("tiergram_engram_hot_rows_preloaded"):  # the start's cost of the preload
                 servers[placement]["hot_rows_preloaded"] = int(started["tiergram_engram_hot_rows_preloaded"])
@@ -131,6 +128,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
         if any(cfg.kind_of(lb) == "file" for lb in labels):
             for which, table in limit_tables.items():
                 before = disk_limit(table)
+                for lb in labels:  # the file servers of these tables read as the probe did
+                    if cfg.kind_of(lb) == "file" and (cfg.base_of(lb) == "file-big") == bool(which):
+                        servers[lb]["file_mode"] = "buffered" if before is None else "direct"
                 if before is None:
                     log(progress, f"{table}: the filesystem refuses O_DIRECT; the file servers read through the "
                                    "page cache and no disk limit is measured")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 PLACEMENTS = ("device", "host", "file", "mooncake")
@@ -120,17 +119,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.%-]*")
 
 def load_variants(path: str | os.PathLike) -> dict[str, Variant]:
     """A variants file (TOML, or JSON by suffix): [variants.NAME] with base, reference, [engine] keys."""
-    import json
+    from tiergram.settings import ConfigError, EngineSettings, read_file, section
 
-    import tomllib
-
-    from tiergram.settings import ConfigError, EngineSettings, section
-
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable TOML or JSON variants file ({e})") from None
+    raw = read_file(path)
     if set(raw) != {"variants"} or not isinstance(raw["variants"], dict):
         raise ConfigError(f"{path}: expected only [variants.NAME] tables, got {sorted(raw)}")
     out = {}

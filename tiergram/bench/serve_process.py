@@ -99,6 +99,7 @@ def server_settings(cfg: SweepConfig, label: str, cache_bytes: int, max_waiting:
     """One server's typed configuration: the sweep's engine, its placement and cache, its variant's."""
     from dataclasses import replace
 
+    from tiergram.model.hot_rows import HOT_ROWS
     from tiergram.settings import EngineSettings, ServerSettings, ServeSettings
 
     kind = cfg.kind_of(label)
@@ -111,23 +112,14 @@ def server_settings(cfg: SweepConfig, label: str, cache_bytes: int, max_waiting:
     changes = {**cfg.engine, **(cfg.variants[label].engine if label in cfg.variants else {})}
     hot = changes.pop("hot_rows", cfg.hot_rows)  # true: the model's own file; a path: that file
     if hot and cached:
-        engine.hot_rows = hot if isinstance(hot, str) else str(hot_rows_path(model_dir or cfg.model_dir))
+        engine.hot_rows = hot if isinstance(hot, str) else str(Path(model_dir or cfg.model_dir) / HOT_ROWS)
+        if not Path(engine.hot_rows).is_file():
+            raise FileNotFoundError(f"--hot-rows: no {engine.hot_rows}; write it with `tiergram hot-rows MODEL_DIR`")
     engine = replace(engine, **changes)
     if not cached:  # the sweep's cache settings are the file and mooncake servers'
         engine.cache_bytes = 0
     engine.check()
     return ServeSettings(engine=engine, server=ServerSettings(host="127.0.0.1", port=0, log_level="warning"))
-
-
-def hot_rows_path(model_dir: str | os.PathLike) -> Path:
-    """A model's hot-rows file for the sweep; FileNotFoundError with the command that writes it when absent."""
-    from tiergram.model.hot_rows import HOT_ROWS
-
-    path = Path(model_dir) / HOT_ROWS
-    if not path.is_file():
-        raise FileNotFoundError(f"--hot-rows: {model_dir} has no {HOT_ROWS}; write it first with "
-                                f"`tiergram hot-rows {model_dir}`")
-    return path
 
 
 def _read(path: str) -> str:
@@ -223,15 +215,3 @@ def concurrency_limit(cfg: SweepConfig, kv_blocks_total: int) -> int:
     """The sequences of input_len + output_len tokens a server's K/V blocks hold at once, capped by max_num_seqs."""
     blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
     return min(cfg.max_num_seqs, kv_blocks_total // blocks_per_seq)
-
-
-def file_mode(path: Path) -> str:
-    """The file tier's read mode on a table: 'direct' (O_DIRECT), or 'buffered' where refused."""
-    from tiergram.format import TableFile
-    from tiergram.tiers.file import FileTier
-
-    tier = FileTier(TableFile.open(path), mode="direct", queue_depth=1)
-    try:
-        return tier.mode
-    finally:
-        tier.close()

@@ -136,8 +136,8 @@ def hostile_requests(max_model_len: int) -> list[tuple[str, bytes]]:
             + [("/v1/chat/completions", b) for b in chats])
 
 
-def send_hostile(url: str, max_model_len: int) -> tuple[int, dict[str, int], list[str]]:
-    """Send every hostile request: (tried, {status: count}, those not 4xx in the OpenAI shape)."""
+def send_hostile(url: str, max_model_len: int) -> dict[str, Any]:
+    """Send every hostile request: {tried, statuses, failures (those not 4xx in the OpenAI shape)}."""
     statuses: Counter = Counter()
     failures = []
     with httpx.Client(timeout=60) as client:
@@ -150,7 +150,7 @@ def send_hostile(url: str, max_model_len: int) -> tuple[int, dict[str, int], lis
                 shaped = False
             if not (400 <= r.status_code < 500 and shaped):
                 failures.append(f"{path} {body[:80]!r}: {r.status_code} {r.text[:200]}")
-    return sum(statuses.values()), dict(sorted(statuses.items())), failures
+    return {"tried": sum(statuses.values()), "statuses": dict(sorted(statuses.items())), "failures": failures}
 
 
 # ------------------------------------------------------------------------------------------------ overload
@@ -553,9 +553,7 @@ def run(cfg: SoakConfig, progress: bool = True) -> dict[str, Any]:
         log(progress, f"fuzzing {url}/openapi.json with schemathesis ({cfg.fuzz_examples} cases per operation "
                        "and mode), then hostile requests")
         res["fuzz"] = fuzz_api(url, examples=cfg.fuzz_examples, seed=cfg.seed, timeout_s=cfg.fuzz_timeout_s)
-        tried, statuses, failures = send_hostile(url, cfg.max_model_len)
-        res["hostile"] = {"tried": tried, "statuses": statuses, "failures": failures,
-                          "served_after": serves_normally(url, reference)}
+        res["hostile"] = {**send_hostile(url, cfg.max_model_len), "served_after": serves_normally(url, reference)}
         clients = int(cfg.overload_factor * (cfg.max_num_seqs + cfg.max_waiting))
         log(progress, f"overload: {clients} streaming clients (capacity {cfg.max_num_seqs} running + "
                        f"{cfg.max_waiting} waiting), {cfg.requests} requests")
