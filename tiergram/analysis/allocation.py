@@ -256,8 +256,6 @@ def _step_ratio(cfg: AllocationConfig, share: float, vocab_size: int, pad: int, 
 
 def _scores(run: Path, model: Any, docs: list[Any], cfg: AllocationConfig) -> dict[str, np.ndarray]:
     """Per-document validation loss sums (Engram on, and off) and token counts, kept in the run's scores.npz."""
-    import torch
-
     from tiergram.model.evaluate import score_documents
 
     path = run / "scores.npz"
@@ -269,8 +267,7 @@ def _scores(run: Path, model: Any, docs: list[Any], cfg: AllocationConfig) -> di
     for name, enabled in (("on", True), ("off", False)) if model.engram_layers else (("on", True),):
         for d in docs:
             d.loss_sum, d.count = 0.0, 0
-        with torch.no_grad():
-            score_documents(model, docs, batch_size=cfg.batch_size, engram_enabled=enabled, progress=False)
+        score_documents(model, docs, batch_size=cfg.batch_size, engram_enabled=enabled, progress=False)
         out[name] = np.array([d.loss_sum for d in docs])
     out["counts"] = np.array([d.count for d in docs], dtype=np.float64)
     np.savez(path, **out)
@@ -294,7 +291,7 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> SweepRun:
     from tqdm import tqdm
 
     from tiergram.corpus import PAD, ensure_corpus, load_tokenizer
-    from tiergram.model.checkpoint import load_pretrained, write_json
+    from tiergram.model.checkpoint import load_pretrained
     from tiergram.model.evaluate import eval_documents
     from tiergram.model.train import TrainConfig, train
     from tiergram.tiers.device import resolve_device
@@ -306,7 +303,6 @@ def run_sweep(cfg: AllocationConfig, *, progress: bool = True) -> SweepRun:
     pad = tokenizer.token_to_id(PAD)
     vocab = tokenizer.get_vocab_size()
     planned = plan(cfg, vocab, pad)
-    write_json(out / "allocation_config.json", asdict(cfg))
     docs = eval_documents(corpus, "validation", tokenizer, max_tokens_per_category=cfg.eval_tokens)
     if not docs:
         raise ValueError(f"the validation split of {corpus} has no documents")
