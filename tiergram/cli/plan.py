@@ -37,11 +37,9 @@ def _predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-fractions", default="0.01,0.1",
                    help="file placement host caches, as fractions of the table (default 0.01,0.1)")
     p.add_argument("--prompt-rows-first", action="store_true",
-                   help="file placements: the engine reads a new prompt's rows before it joins (steps wait only for "
-                        "decode rows); default: every step waits for all its rows")
+                   help="file placements: steps wait only for decode rows (default: for all their rows)")
     p.add_argument("--hot-rows", action="store_true",
-                   help="also each file placement with its cache preloaded with hot rows (the model spec's "
-                        "hot_hit_rate_curve; the engine's --hot-rows)")
+                   help="also each file placement with its cache preloaded with hot rows (the engine's --hot-rows)")
     add_common(p, "--plot", "--json", plot="PNG path (default: plan-MODEL-HARDWARE.png in the cache)",
                json="print JSON instead of the table")
     return p
@@ -49,18 +47,12 @@ def _predict_parser() -> argparse.ArgumentParser:
 
 def _calibrate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiergram plan calibrate",
-                                description="Measure this machine briefly (engine steps, host lookups, disk, DRAM, the "
-                                            "HTTP path), keep the measurements as JSON beside the spec, and write the "
-                                            "hardware spec fitted from them.")
+                                description="Measure this machine briefly and write the hardware spec fitted from it.")
     p.add_argument("--model", default=None, metavar="DIR",
-                   help="the trained model to calibrate on: the one you will predict (its backbone's steps, its "
-                        "tables' row size and codec, the disk under its table files), e.g. an `init-model` one "
-                        "(default: the demo's model in the cache)")
+                   help="the trained model to calibrate on, the one you will predict (default: the demo's)")
     p.add_argument("--out", default=None, help="spec path (default: this-machine.toml in the cache); the "
                                                "measurements go beside it as NAME.measured.json")
-    p.add_argument("--disk-seconds", type=float, default=1.0, help="seconds per queue depth (default 1)")
-    p.add_argument("--no-serve", action="store_true",
-                   help="skip the HTTP-path measurement (a real server under a closed loop at c = 1, 2, 4, 8, 16)")
+    p.add_argument("--no-serve", action="store_true", help="skip the HTTP-path measurement (a server's closed loop)")
     p.add_argument("--measured", default=None, metavar="JSON",
                    help="fit the spec from measurements an earlier calibrate kept, without measuring again")
     return p
@@ -68,32 +60,22 @@ def _calibrate_parser() -> argparse.ArgumentParser:
 
 def _validate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiergram plan validate",
-                                description="Compare a measured `bench serve` sweep with the prediction, point by "
-                                            "point.")
+                                description="Compare a measured `bench serve` sweep with the prediction.")
     p.add_argument("sweep_json", help="the JSON `tiergram bench serve --json` / `tiergram demo` wrote")
     p.add_argument("--hardware", required=True, help="hardware spec (e.g. this-machine)")
     p.add_argument("--model", default=None, help="model spec or directory (default: the sweep's model_dir)")
     p.add_argument("--host-traffic-gbps", type=float, default=0.0,
-                   help="other traffic that streamed through host memory during the sweep, GB/s (e.g. "
-                        "`python -m tiergram.bench.stream`)")
+                   help="other traffic through host memory during the sweep, GB/s (`python -m tiergram.bench.stream`)")
     p.add_argument("--prompt-rows-first", choices=("auto", "on", "off"), default="auto",
-                   help="whether the file servers ran with the engine's prompt_rows_first (auto: from the sweep's "
-                        "config; a server without read-ahead never)")
+                   help="whether the file servers ran with prompt_rows_first (auto: from the sweep's config)")
     p.add_argument("--disk", choices=("sweep", "spec"), default="sweep",
-                   help="the disk each file server is predicted on: the limit the sweep measured on its own tables "
-                        "(default; the spec's curve scaled to it, the spec's where the sweep measured none), or the "
-                        "spec's")
+                   help="predict file servers on the disk limit the sweep measured on their tables, or the spec's")
     p.add_argument("--speed", choices=("sweep", "spec"), default="sweep",
-                   help="the CPU speed the points are predicted at: the median of the speed probes the sweep took "
-                        "beside its rounds, against the spec's (default; the spec's where either has none), or the "
-                        "spec's")
+                   help="predict at the median of the sweep's CPU speed probes, or at the spec's")
     p.add_argument("--hit-rates", default=None, metavar="JSON",
-                   help="the file tier's cache hit rates from this `tiergram bench cache --capacity-of table "
-                        "--policies lru lru-hot --json` run on the model's geometry (out of sample), not from the "
-                        "sweep's pages")
+                   help="the file tier's hit rates from a `bench cache --capacity-of table --json` run")
     p.add_argument("--naive", action="store_true",
-                   help="also the naive baseline's prediction of every point (calibration's own host server's "
-                        "throughput at that concurrency) and its error beside the planner's (JSON: naive_tok_s)")
+                   help="also the naive baseline (calibration's own server's throughput at each concurrency)")
     add_common(p, "--plot", "--json", plot="PNG of the predicted points (lines) with the measured ones",
                json="print JSON instead of the table")
     p.add_argument("--markdown", action="store_true", help="print a markdown table instead")
@@ -101,13 +83,10 @@ def _validate_parser() -> argparse.ArgumentParser:
 
 
 def _studies_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiergram plan studies",
-                                description="DeepSeek-V4.1-Flash on H200/B200/GB300: DRAM vs HBM, NVMe vs DRAM, K/V + "
-                                            "Engram contention, decode stall and speculative prefetch (predictions).")
+    p = argparse.ArgumentParser(prog="tiergram plan studies", description="The predictions of docs/planner.md.")
     p.add_argument("--out", default=None, help="folder for the PNGs and studies.md (default: the cache)")
     p.add_argument("--model-dir", default=None,
-                   help="a trained model whose top-k next-token hit rate stands in for a real model's (default: "
-                        "the demo's model if cached; none: speculation shown with hit rate 0)")
+                   help="the model whose top-k hit rate stands in for a real model's (default: the demo's, if cached)")
     return p
 
 
@@ -131,12 +110,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plan_help or not rest or rest[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if rest or args.plan_help else 2
-    if rest[0] == "calibrate":
-        return _calibrate(_calibrate_parser().parse_args(rest[1:]))
-    if rest[0] == "validate":
-        return _validate(_validate_parser().parse_args(rest[1:]))
-    if rest[0] == "studies":
-        return _studies(_studies_parser().parse_args(rest[1:]))
+    subcommands = {"calibrate": (_calibrate_parser, _calibrate), "validate": (_validate_parser, _validate),
+                   "studies": (_studies_parser, _studies)}
+    if rest[0] in subcommands:
+        parser, run = subcommands[rest[0]]
+        return run(parser().parse_args(rest[1:]))
     return _predict(_predict_parser().parse_args(rest))
 
 
@@ -185,7 +163,7 @@ def _calibrate(a: argparse.Namespace) -> int:
         if not (Path(model_dir) / "config.json").is_file():
             raise ValueError(f"{model_dir}: no trained model there (run `tiergram demo` once, or pass a model "
                              "directory)")
-        raw = measure(model_dir, disk_seconds=a.disk_seconds, serve=not a.no_serve)
+        raw = measure(model_dir, serve=not a.no_serve)
         measured = out.with_name(out.stem + ".measured.json")
         measured.write_text(json.dumps(raw, indent=1))
     cal = fit(raw)

@@ -183,15 +183,13 @@ def sources(raw: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:
     unserved = "not measured (calibrate --no-serve)"
     bare = f" (the bare reader: {d['cpu_us_per_page']:.1f} us)" if d.get("cpu_us_per_page") is not None else ""
     return {
-        "device_memory_gb": "the engine's default device budget on a CPU (2 GiB); `plan validate` uses the sweep's "
-                            "--device-memory when it had one",
+        "device_memory_gb": "the engine's default device budget on a CPU (2 GiB)",
         "device_bw_gbps": f"{how}: a 256 MiB numpy copy (no separate device memory on a CPU)",
         "compute_tflops": f"{how}: the model's FLOPs per token / the fitted seconds per token",
         "step_overhead_us": f"{how}: least-squares fit over {st['steps']} engine steps of "
                             f"{Path(raw['model_dir']).name} ({st['placement']} tables; R^2 {st['r2']:.2f})",
-        "per_seq_us": f"{how}: the same fit" + (", plus the HTTP path's cost per sequence per step (`tiergram serve` "
-                                                 f"under a closed loop at {closed}: the server's idle time, wall less "
-                                                 "its own step seconds)" if serve else ""),
+        "per_seq_us": f"{how}: the same fit" + (f", plus the HTTP path's cost per sequence per step (a `tiergram "
+                                                 f"serve` closed loop at {closed})" if serve else ""),
         "per_token_us": f"{how}: the same fit",
         "request_overhead_ms": f"{how}: the HTTP path's fixed cost per request (same closed loop)"
                                if serve else unserved,
@@ -200,19 +198,14 @@ def sources(raw: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:
         "gather_call_us": f"{how}: the same fit, per call, x {n_layers} Engram layers",
         "link_gbps": "a CPU-only machine has no host-to-device link",
         "cores": "os.cpu_count()",
-        "server_step_curve": f"{how}: a `tiergram serve`'s mean step (its own counters) over the engine's alone (the "
-                             f"fit above) at {closed}, the fastest of {serve['passes']} passes up and down the levels "
-                             "(interpolated in log c)" if serve else unserved,
-        "request_steps_curve": f"{how}: the same closed loop's steps x c / requests (from the server's counters) over "
-                               "the steps a request needs, the passes' median at each level, at least 1: the steps "
-                               "that run while a user is between requests (interpolated in log c)"
-                               if serve else unserved,
-        "serve_tok_s_curve": f"{how}: the same closed loop's tokens computed per wall second at each level, the "
-                             "passes' median: the naive baseline of `plan validate --naive` (no step model)"
+        "server_step_curve": f"{how}: the server's mean step over the engine's alone at {closed}, the fastest of "
+                             f"{serve['passes']} passes" if serve else unserved,
+        "request_steps_curve": f"{how}: the same loop's steps x c / requests over the steps a request needs (median "
+                               "pass, at least 1)" if serve else unserved,
+        "serve_tok_s_curve": f"{how}: the same loop's tokens per wall second (median pass): the naive baseline"
                              if serve else unserved,
-        "cpu_speed_ms": f"{how}: the median of `machine.cpu_speed_ms` before the host lookups and after the engine "
-                        "steps, the file tier and the HTTP path (" + ", ".join(f"{x:.2f}" for x in raw["cpu_speed_ms"])
-                        + " ms); `plan validate` scales the CPU costs by a sweep's own probes over this figure",
+        "cpu_speed_ms": f"{how}: the median of `machine.cpu_speed_ms` probes ("
+                        + ", ".join(f"{x:.2f}" for x in raw["cpu_speed_ms"]) + " ms)",
         "file_gather_mrows_s": f"{how}: TieredTable file lookups of cached rows ([1, T, {heads}] ids, T = 8 and 128, "
                                f"{raw['file']['cache_fraction']:.0%} cache)",
         "file_call_us": f"{how}: the same, per call, x {n_layers} Engram layers",
@@ -220,10 +213,8 @@ def sources(raw: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:
         "disk.cpu_us_per_page": f"{how}: the file tier's CPU time over the pages it read on lookups of random rows "
                                 f"behind a {raw['file']['cache_fraction']:.0%} cache{bare}",
         "disk.threads": "the file tier's single reader thread",
-        "disk.iops_curve": f"{how}: the native O_DIRECT io_uring reader, {d['seconds']:g} s per queue depth, pages no "
-                           "earlier probe read",
-        "disk.cache_pages_per_s": f"{how}: the same pages read again at QD 128 (a cache under the disk serves them at "
-                                  "its rate; about the curve's QD-128 figure where there is none)",
+        "disk.iops_curve": f"{how}: O_DIRECT io_uring reads, {d['seconds']:g} s per queue depth, pages not read before",
+        "disk.cache_pages_per_s": f"{how}: the same pages read again at QD 128 (a cache under the disk, if any)",
     }
 
 
