@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiergram.cache.native import NativeRowCache
 from tiergram.cache.policies import LFUPolicy, LookaheadPolicy, LRUPolicy, belady_hit_rate
 from tiergram.cache.row_cache import RowCache
 
@@ -51,6 +52,23 @@ class Harness:
 
     def __post_init__(self) -> None:
         policy, cache = self.cache.policy, self.cache
+        if not hasattr(policy, "victims"):
+            self._check_victim_and_admit(policy, cache)
+        else:  # LRU's one-pass form
+            victims = policy.victims
+
+            def checked_victims(count, pinned):
+                vs = victims(count, pinned)
+                assert len(vs) <= count and len(set(vs)) == len(vs)
+                for v in vs:
+                    assert cache.pins[cache.index[v]] == 0, f"victim {v} is pinned"
+                unpinned = [k for k in policy._order if not pinned(k)]
+                assert vs == unpinned[:count], "not the least recently used unpinned keys"
+                return vs
+
+            policy.victims = checked_victims
+
+    def _check_victim_and_admit(self, policy, cache) -> None:
         victim, admit = policy.victim, policy.admit
 
         def checked_victim(pinned):
@@ -67,19 +85,6 @@ class Harness:
             return ok
 
         policy.victim, policy.admit = checked_victim, checked_admit
-        if hasattr(policy, "victims"):  # LRU's one-pass form
-            victims = policy.victims
-
-            def checked_victims(count, pinned):
-                vs = victims(count, pinned)
-                assert len(vs) <= count and len(set(vs)) == len(vs)
-                for v in vs:
-                    assert cache.pins[cache.index[v]] == 0, f"victim {v} is pinned"
-                unpinned = [k for k in policy._order if not pinned(k)]
-                assert vs == unpinned[:count], "not the least recently used unpinned keys"
-                return vs
-
-            policy.victims = checked_victims
 
     def probe(self, keys: list[int], batch: int | None) -> np.ndarray:
         slots = self.cache.probe(np.array(keys, dtype=np.int64), batch)
@@ -304,7 +309,7 @@ def test_lookahead_victim_skips_pinned_idle_keys_once():
 @given(capacity=st.integers(1, 6), admitted=st.lists(st.integers(0, N_KEYS - 1), unique=True, max_size=8),
        asked=st.lists(st.integers(0, N_KEYS - 1), max_size=12))
 def test_missing_names_exactly_the_absent_keys_and_changes_nothing(policy, capacity, admitted, asked):
-    cache = RowCache(capacity, ROW_BYTES, policy)
+    cache = NativeRowCache(capacity, ROW_BYTES, policy)
     cache.admit(np.array(admitted, dtype=np.int64), rows_of(admitted))
     before = (dict(cache.index), vars(cache.counters).copy(), cache.pins.copy())
     got = cache.missing(np.array(asked, dtype=np.int64))

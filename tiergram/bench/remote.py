@@ -28,9 +28,7 @@ class RemoteLookupConfig:
     calls: int = 12  # timed calls per system, batch size and distribution (interleaved)
     warmup_calls: int = 4  # untimed calls first (they fill tiergram's cache)
     cache_fraction: float = 0.10
-    # the cached table is opened fresh for each id stream and first looks up this many of the stream's rows,
-    # untimed (for the token stream: the text just before the timed calls), so its figures are a warm cache's on
-    # that stream, not a cold one's or one filled by the previous stream's ids
+    # the cached table opens fresh for each id stream and first looks up this many of its rows, untimed: a warm cache
     cache_warm_rows: int = 65536
     seed: int = 0
 

@@ -1,5 +1,6 @@
 """Eviction policies for the row cache: LRU, LFU with frequency admission, lookahead (windowed Belady); per access
-the cache calls observe(key), then touch(key) on a hit, or victim(pinned) and admit(key, victim) on a miss."""
+the cache calls observe(key), then touch(key) on a hit, or victim(pinned) and admit(key, victim) on a miss (LRU:
+one victims(n, pinned) per admit, every miss admitted)."""
 
 from __future__ import annotations
 
@@ -28,21 +29,15 @@ class LRUPolicy:
     def touch(self, key: int) -> None:
         self._order.move_to_end(key)
 
-    def admit(self, key: int, victim: int | None) -> bool:
-        return True
-
     def insert(self, key: int) -> None:
         self._order[key] = None
 
     def remove(self, key: int) -> None:
         del self._order[key]
 
-    def victim(self, pinned: Pinned) -> int | None:
-        """The least recently used unpinned key (None if every key is pinned)."""
-        return next((k for k in self._order if not pinned(k)), None)
-
     def victims(self, count: int, pinned: Pinned) -> list[int]:
-        """Up to `count` unpinned keys, least recently used first, in one pass (a whole admit's victims)."""
+        """Up to `count` unpinned keys, least recently used first, in one pass (a whole admit's victims; LRU admits
+        every miss)."""
         return list(itertools.islice((k for k in self._order if not pinned(k)), count))
 
 

@@ -103,25 +103,6 @@ class RowCache(SlotCache):
             self.counters.hits += int(hit.sum())
         return slots
 
-    def touch(self, keys: np.ndarray) -> int:
-        """Mark the resident keys of int64 [n] used, in order (no pins, not counted); how many were resident."""
-        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
-        policy, index, resident = self.policy, self.index, 0
-        with self._lock:
-            for key in keys.tolist():
-                policy.observe(key)
-                if key in index:
-                    policy.touch(key)
-                    resident += 1
-        return resident
-
-    def missing(self, keys: np.ndarray) -> np.ndarray:
-        """The keys of int64 [n] not resident now (no pins taken, nothing counted, the policy not told)."""
-        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
-        with self._lock:
-            index = self.index
-            return keys[[key not in index for key in keys.tolist()]] if keys.size else keys
-
     def admit(self, keys: np.ndarray, rows: np.ndarray) -> int:
         """Offer missed keys [n] with their encoded rows uint8 [n, row_bytes]; returns how many entered."""
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)

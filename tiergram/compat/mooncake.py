@@ -65,8 +65,6 @@ class EngramStore:
         self._options = {"cache_bytes": cache_bytes, "cache_policy": cache_policy, "fallback": fallback}
         self._table: TieredTable | None = None
 
-    # -- Mooncake's API ----------------------------------------------------------------------------------
-
     def get_num_heads(self) -> int:
         """Number of hash heads (tables) of this layer."""
         return self.manifest.n_heads
@@ -135,8 +133,6 @@ class EngramStore:
             return 0
         self.path.unlink()
         return self.manifest.n_heads
-
-    # -- tiergram's additions ----------------------------------------------------------------------------
 
     def stats(self) -> dict:
         """The serving table's statistics (TieredTable.stats); empty before the first lookup."""

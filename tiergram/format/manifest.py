@@ -19,16 +19,20 @@ PAGE_TRAILER_BYTES = 8
 CODEC_IDS = {"fp32": 0, "bf16": 1, "int8": 2, "fp8_e4m3": 3}
 
 
+def _is_int(v: Any) -> bool:
+    """A JSON integer: bool is an int subclass in Python but not an integer in a manifest."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 REQUIRED_FIELDS = ("codec", "dim", "row_bytes", "page_size", "rows_per_page", "heads", "total_rows", "n_pages",
                    "data_offset")
-_INT = (lambda v: _is_int(v), "an integer")
 FIELD_TYPES = {  # each field's check and what it expects: required ones always, optional ones unless null
-    **dict.fromkeys(("dim", "row_bytes", "page_size", "rows_per_page", "total_rows", "n_pages", "data_offset"), _INT),
-    "codec": (lambda v: isinstance(v, str), "a string"), "layer_id": (lambda v: _is_int(v), "an integer or null"),
+    **dict.fromkeys(("dim", "row_bytes", "page_size", "rows_per_page", "total_rows", "n_pages", "data_offset"),
+                    (_is_int, "an integer")),
+    "codec": (lambda v: isinstance(v, str), "a string"), "layer_id": (_is_int, "an integer or null"),
     "hashing": (lambda v: isinstance(v, dict), "an object or null"),
     "provenance": (lambda v: isinstance(v, dict), "an object"),
 }
-
 
 class TableFormatError(ValueError):
     """A table file or manifest that breaks the format; the message names the file and the problem."""
@@ -159,14 +163,13 @@ class TableManifest:
                     provenance=obj.get("provenance") or {})
         except TableFormatError as e:
             raise bad(str(e)) from None
-        derived = {"row_bytes": m.row_bytes, "rows_per_page": m.rows_per_page, "total_rows": m.total_rows,
-                   "n_pages": m.n_pages}
-        for key, want in derived.items():
-            if obj[key] != want:
-                raise bad(f"field {key!r} is {obj[key]!r} but the geometry gives {want}")
-        for i, (h, off) in enumerate(zip(heads, m.head_offsets, strict=True)):
-            if h.get("row_offset") != off:
-                raise bad(f"head {i} row_offset is {h.get('row_offset')!r}, expected {off}")
+        derived = m.to_json(obj["data_offset"])
+        for key in ("row_bytes", "rows_per_page", "total_rows", "n_pages"):
+            if obj[key] != derived[key]:
+                raise bad(f"field {key!r} is {obj[key]!r} but the geometry gives {derived[key]}")
+        for i, (h, want) in enumerate(zip(heads, derived["heads"], strict=True)):
+            if h.get("row_offset") != want["row_offset"]:
+                raise bad(f"head {i} row_offset is {h.get('row_offset')!r}, expected {want['row_offset']}")
         data_offset = obj["data_offset"]
         if data_offset <= 0 or data_offset % m.page_size:
             raise bad(f"field 'data_offset' {data_offset!r} is not a positive multiple of the page size")
@@ -176,7 +179,3 @@ class TableManifest:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)
 
-
-def _is_int(v: Any) -> bool:
-    """A JSON integer: bool is an int subclass in Python but not an integer in a manifest."""
-    return isinstance(v, int) and not isinstance(v, bool)

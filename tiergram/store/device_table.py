@@ -135,8 +135,6 @@ class DeviceTable(TableBase):
             self.pinned.close()
         self.tier.close()
 
-    # -- internals -------------------------------------------------------------------------------------
-
     def _submit(self, row_ids, out: torch.Tensor | None, *, staged: bool) -> DeviceTicket:
         on_device = isinstance(row_ids, torch.Tensor) and row_ids.device.type != "cpu" and row_ids.device == self.device
         ids = check_row_ids(row_ids, self._rows, host=not on_device, check_range=False)

@@ -22,15 +22,12 @@ from tiergram.tiers import FileTier, HostTier
 from tiergram.tiers.file import STAGING_KEEP_BYTES
 
 TIERS = ("host", "file", "mooncake")
-# Host-memory budget (host_memory_bytes without cache_bytes): what the cache does not get. Staging: the buffer each
-# reading thread keeps (the prefetch worker, the warm-up worker and one caller thread). Index: per cached row, the
-# native cache's key -> slot table (2-4 buckets of 16 B), LRU links (16 B), slot key (8 B) and pins (4 B); the
-# Python RowCache's dicts take about 256 B (a safe bound). The native lookahead policy adds a state byte,
-# a next use (8 B) and its heap entries (16 B each); native LFU its heap (up to 4 entries of 16 B) and the counts.
+# What a host-memory budget keeps from the cache (docs/placement.md): the staging buffer of each reading thread
+# (prefetch, warm-up, one caller) and each cached row's index (native LRU: key -> slot table, links, slot key, pins;
+# lookahead and LFU add their heaps; the Python RowCache's dicts ~256 B, a safe bound).
 STAGING_RESERVE_BYTES = 3 * STAGING_KEEP_BYTES
 PRELOAD_PARTS = 4  # a page-by-page preload's warm-up calls: progress between them, coldest part first
-# a preload reads the whole file in order when the pages it needs are at least this share of it: this project's
-# cloud disk reads 2.5-10x more bytes per second sequentially than in random pages, a local NVMe drive ~1.5-2x
+# a preload reads the whole file in order from this share of its pages (sequential reads: 1.5-10x the bytes/s)
 PRELOAD_SCAN_SHARE = 0.5
 INDEX_BYTES_PER_ROW = {"native": 96, "python": 256}
 NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
@@ -79,7 +76,7 @@ class TieredTable(TableBase):
         self.cache = NativeRowCache.from_bytes(cache_bytes, m.row_bytes, cache_policy) if cache_bytes else None
         self._reader = self.tier.reader
         if self._reader is None and self.cache is not None:  # mmap: the cache's misses are copied from the mapping
-            self._reader = _native.CallbackPageSource(self.tier.mapped_pages, m.page_size, m.n_pages)
+            self._reader = _native.CallbackPageSource(self.tier.read_pages, m.page_size, m.n_pages)
         self.pipeline = "python" if self._reader is None else "native"
         self.stats_ = StoreStats(m.n_heads, m.row_bytes, page_size=m.page_size, cached=self.cache is not None,
                                  tier=self.tier.name)
@@ -90,8 +87,7 @@ class TieredTable(TableBase):
             return
         self._native_table = (m.rows_per_page, m.codec_id, m.dim)
         self._native_cache = self.cache.native if self.cache is not None else None
-        # prefetches and read-aheads run on C++ threads of their own, so a read-ahead never queues in front of a
-        # step's fetch; the read-ahead queue also gives way to fetches at the device (PageReader.yield_depth)
+        # read-aheads on a queue of their own, never in front of a step's fetch (and yielding to it at the device)
         self._queue = _native.FetchQueue()
         self._warm_queue = _native.FetchQueue(background=True) if self.cache is not None else None
 
@@ -173,7 +169,6 @@ class TieredTable(TableBase):
         self.table.scan(admit, verb="preloading", progress=progress, chunk_bytes=STAGING_KEEP_BYTES)
         self._reader.mark_read(0, m.n_pages)  # the scan read every page: later reads of them are re-reads
         again = np.concatenate(failed) if failed else wanted[:0]
-        self.tier.count(int(wanted.size - again.size), m.n_pages)
         pages_read = m.n_pages
         if again.size:  # read_rows counts its own reads
             buf, offsets, n = self.tier.read_rows(again)
@@ -218,8 +213,6 @@ class TieredTable(TableBase):
             if self._reader is not self.tier.reader:
                 self._reader.close()
         self.tier.close()
-
-    # -- internals -------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:

@@ -34,7 +34,14 @@ class TableTier:
 
 
 class PageTier(TableTier):
-    """A tier that reads pages (file, Mooncake): `gather` reads each distinct row once by its `read_rows`."""
+    """A tier that reads pages (file, Mooncake) by its `read_pages`: each distinct page once per call."""
+
+    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """(this thread's staging buffer, int64 byte offsets [n], pages read) of the global rows [n] (ids checked)."""
+        m = self.manifest
+        page_of_row, slot_in_page = np.divmod(np.asarray(rows, dtype=np.int64), m.rows_per_page)
+        pages, which = np.unique(page_of_row, return_inverse=True)
+        return self.read_pages(pages), which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
 
     def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
         """Rows of ids int64 [N, H] into out; (the sorted distinct global rows read, pages read)."""

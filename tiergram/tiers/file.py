@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,15 +17,6 @@ FILE_MODES = ("direct", "buffered", "mmap")
 # Staging a reading thread keeps between calls (4,096 pages of 4 KiB: a 170-position x 24-head lookup that misses
 # everything); larger reads get a buffer of their own. The native pipeline keeps the same (pipeline.cpp).
 STAGING_KEEP_BYTES = 16 << 20
-
-
-@dataclass
-class FileCounters:
-    """Running totals of the reads one file tier made."""
-
-    rows: int = 0  # rows requested (distinct per call)
-    pages_read: int = 0
-    bytes_read: int = 0
 
 
 class FileTier(PageTier):
@@ -44,9 +34,7 @@ class FileTier(PageTier):
         super().__init__(table)
         m = self.manifest
         self.requested_mode = mode
-        self._counters = FileCounters()
         self.native_counts = np.zeros(2, dtype=np.int64)  # rows, pages: the native fetch pipeline adds here
-        self._lock = threading.Lock()
         self._local = threading.local()  # per-thread staging buffer for page reads
         self._mmap: mmap.mmap | None = None
         self.reader = None
@@ -72,38 +60,19 @@ class FileTier(PageTier):
         return "mmap" if self.reader is None else self.reader.backend
 
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(source buffer, int64 byte offsets [n], pages read) of the global rows [n] (ids checked), each distinct
-        page read once; the buffer is this thread's staging buffer until its next call when the pages fit it."""
-        m = self.manifest
-        rows = np.asarray(rows, dtype=np.int64)
+        """As PageTier.read_rows; mmap: (the mapping, the rows' offsets in it, 0 pages)."""
         if self.reader is None:
-            self.count(rows.size, 0)
-            return self.data, row_offsets(m, rows), 0
-        page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
-        pages, which = np.unique(page_of_row, return_inverse=True)
-        buf = self._staging(pages.size * m.page_size)
+            return self.data, row_offsets(self.manifest, np.asarray(rows, dtype=np.int64)), 0
+        return super().read_rows(rows)
+
+    def read_pages(self, pages: np.ndarray) -> np.ndarray:
+        """The pages int64 [M] as uint8 [M * page_size]: verified in this thread's staging buffer, or (mmap) copied
+        from the mapping unverified."""
+        if self.reader is None:
+            return self.data.reshape(-1, self.manifest.page_size)[pages].reshape(-1)
+        buf = self._staging(pages.size * self.manifest.page_size)
         self.reader.read_pages(pages, buf)
-        self.count(rows.size, pages.size)
-        return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
-
-    def mapped_pages(self, pages: np.ndarray) -> np.ndarray:
-        """mmap: the pages int64 [M] as uint8 [M * page_size], unverified (a cache's misses, through the pipeline)."""
-        return self.data.reshape(-1, self.manifest.page_size)[pages].reshape(-1)
-
-    def count(self, rows: int, pages: int) -> None:
-        """Add reads to the counters (read_rows's, and the native read-ahead's, made outside it)."""
-        with self._lock:
-            self._counters.rows += rows
-            self._counters.pages_read += pages
-            self._counters.bytes_read += pages * self.manifest.page_size
-
-    @property
-    def counters(self) -> FileCounters:
-        """Running totals of reads: read_rows's and those the native fetch pipeline adds into `native_counts`."""
-        rows, pages = (int(v) for v in self.native_counts)
-        with self._lock:
-            c = self._counters
-            return FileCounters(c.rows + rows, c.pages_read + pages, c.bytes_read + pages * self.manifest.page_size)
+        return buf
 
     def _staging(self, nbytes: int) -> np.ndarray:
         """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_KEEP_BYTES (a fresh one costs

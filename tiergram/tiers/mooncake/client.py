@@ -20,11 +20,9 @@ KEY_PREFIX = "tiergram"
 DEFAULT_TIMEOUT_S = 10.0  # a dead master blocks a call ~4.3 s before Mooncake answers -900
 MAX_KEYS_PER_CALL = 4096  # keys per batch call (bounds one call's time and its buffer)
 DIGEST_BYTES = 32  # the page digest ending a manifest object (SHA-256 of every page's trailer)
-# Set in this process (unless already set) before a client is created. The first two: without them a batch of more
-# than ~1,024 keys wedges the client for 60 s and breaks it. The last three bound every call by Mooncake itself
-# (measured, 0.3.13): a hung (SIGSTOPped) holder answers -800 after 2 x the TCP status/progress timeout (6 s at 3; 60 s
-# by default), a hung master -901 after MC_RPC_TIMEOUT_MS (30 s by default): with them a call fails with Mooncake's own
-# code before the tier's timeout_s (10 s) abandons it.
+# Set (unless set) before a client is created: the first two keep a batch of over ~1,024 keys from wedging the client;
+# the last three make Mooncake fail a call to a hung holder (-800, after 2 x the TCP timeout) or master (-901) with
+# its own code before the tier's timeout_s abandons it (measured, 0.3.13; docs/remote.md).
 ENV_DEFAULTS = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
                 "MC_TCP_STATUS_TIMEOUT_SEC": "3", "MC_TCP_PROGRESS_TIMEOUT_SEC": "3", "MC_RPC_TIMEOUT_MS": "5000"}
 # Mooncake's ErrorCode values (mooncake-store types.h); the Python binding returns them as plain ints.

@@ -47,7 +47,6 @@ _UNSAFE_BUFFERS: list[np.ndarray] = []  # abandoned buffers of closed tiers: nev
 class RemoteCounters:
     """Running totals of one mooncake tier's reads."""
 
-    rows: int = 0
     calls: int = 0  # batch_get_into calls
     pages_read: int = 0
     bytes_read: int = 0
@@ -60,7 +59,7 @@ class RemoteCounters:
 
 
 class MooncakeTier(PageTier):
-    """Rows of a table held in Mooncake Store, one object per page: a `Tier` (docs/remote.md).
+    """Rows of a table held in Mooncake Store, one object per page (docs/remote.md).
 
     `fallback`: a local copy of the table file that serves the pages Mooncake cannot. Store calls run on a worker
     abandoned after `timeout_s`, at the lowest CPU priority: Mooncake's client spins until a batch completes."""
@@ -81,8 +80,7 @@ class MooncakeTier(PageTier):
         self._owns_store = owns_store
         self._prefix = f"{KEY_PREFIX}/{table_name}/p"
         self._lock = threading.Lock()
-        # each thread's registered staging buffer, by thread id: the native pipeline's C++ threads call read_pages
-        # with a Python thread state made afresh for each call, which a threading.local would not outlive
+        # by thread id: the pipeline's C++ threads get a fresh Python thread state per call (no threading.local)
         self._staging: dict[int, np.ndarray] = {}
         self._registered: list[np.ndarray] = []  # every staging buffer registered with the store
         # (time, buffer) a failed or abandoned transfer may still write into: reused only after ABANDON_GRACE_S
@@ -94,9 +92,7 @@ class MooncakeTier(PageTier):
             if local.manifest != m:
                 raise ValueError(f"fallback {fallback} is not the table {table_name!r}: manifests differ")
             self.fallback = FileTier(local, mode="buffered")
-        # the native fetch pipeline reads through this: one call of read_pages per batch of missed pages (dedup,
-        # cache, admission, decode and the sharing of rows in flight stay native); it adds rows and pages into
-        # native_counts, which stats() leaves out: the remote counters count pages and bytes at the store call
+        # one read_pages call per batch of missed pages; stats() counts at the store call, not native_counts
         self.reader = _native.CallbackPageSource(self.read_pages, m.page_size, m.n_pages)
         self.native_counts = np.zeros(2, dtype=np.int64)
 
@@ -117,17 +113,6 @@ class MooncakeTier(PageTier):
         return cls(store, name, manifest=manifest, data_offset=data_offset, master=master, timeout_s=timeout_s,
                    fallback=fallback, owns_store=owns)
 
-    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(this thread's registered staging buffer, int64 byte offsets [n], pages read) of the global rows [n]."""
-        m = self.manifest
-        rows = np.asarray(rows, dtype=np.int64)
-        page_of_row, slot_in_page = np.divmod(rows, m.rows_per_page)
-        pages, which = np.unique(page_of_row, return_inverse=True)
-        buf = self.read_pages(pages)
-        with self._lock:
-            self.counters.rows += rows.size
-        return buf, which.reshape(-1) * m.page_size + slot_in_page * m.row_bytes, int(pages.size)
-
     def read_pages(self, pages: np.ndarray) -> np.ndarray:
         """The verified pages int64 [M] (distinct) as uint8 [M * page_size], page i at i * page_size."""
         ps = self.manifest.page_size
@@ -138,8 +123,7 @@ class MooncakeTier(PageTier):
             failed.update(self._get(pages, range(lo, min(lo + MAX_KEYS_PER_CALL, pages.size)), buf))
         retry = [i for i, code in failed.items() if code in (CHECKSUM_MISMATCH, -703)]
         if retry and threading.get_ident() in self._staging:
-            # one more try for a page that may come right (a transient fault, a bit flipped in flight), unless a
-            # transfer may still write into this buffer (it was abandoned) or the call timed out
+            # one more try (a transient fault, a bit flipped in flight), unless a transfer may still write here
             with self._lock:
                 self.counters.retries += len(retry)
             again = self._get(pages, sorted(retry), buf)
@@ -203,8 +187,6 @@ class MooncakeTier(PageTier):
             release_client(self.store)
             self._owns_store = False
 
-    # -- internals -------------------------------------------------------------------------------------
-
     def _get(self, pages: np.ndarray, positions: Sequence[int], buf: np.ndarray) -> dict[int, int | str]:
         """Fetch pages[positions] into their slots of buf and verify them; {position: code} of the failures."""
         ps = self.manifest.page_size
@@ -230,8 +212,7 @@ class MooncakeTier(PageTier):
             failed[int(pos[k])] = code if code < 0 else -800  # a short object is a transfer fault
             if code < 0 and code not in (OBJECT_NOT_FOUND, -703, -900, -901, -200):
                 self._abandon(buf)  # a failed transfer may still land in the buffer later
-        # Every page that arrived is checked in one native call over the span of positions (a retry's positions
-        # are scattered: the span's other pages are checked again, harmlessly, and ignored).
+        # one native check over the span of positions (a retry's other pages in it are checked again and ignored)
         lo, hi = int(pos.min()), int(pos.max()) + 1
         bad = _native.verify_pages(buf[lo * ps:hi * ps], ps, np.ascontiguousarray(pages[lo:hi]))
         corrupt = 0
