@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
-from tiergram.cli.common import add_common
+from tiergram.cli.common import add_common, config_from
 
 TIERS = ("memory", "host", "file")  # mirrors model.checkpoint.TIERS without importing torch (checked by a test)
 
@@ -128,13 +129,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:  # the saved settings are used
         cfg = TrainConfig.load(args.out)
         print(f"resuming {args.out} with its saved settings", file=sys.stderr)
-    elif args.tokens is None and args.minutes is None:
-        raise ValueError("give a budget: --tokens N or --minutes M")
-    else:
-        cfg = TrainConfig(out=args.out, config=args.config, engram=not args.no_engram, seed=args.seed,
-                          tokens=args.tokens, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
-                          warmup_steps=args.warmup_steps, checkpoint_every=args.checkpoint_every,
-                          eval_tokens=args.eval_tokens or None, corpus=args.corpus, device=args.device)
+    else:  # TrainConfig refuses a missing budget
+        cfg = dataclasses.replace(config_from(TrainConfig, args), engram=not args.no_engram,
+                                  eval_tokens=args.eval_tokens or None)
     summary = train(cfg, resume=args.resume, progress=not args.quiet, stop_after=args.stop_after)
     print(json.dumps({k: v for k, v in summary.items() if k != "eval"}))
     return 0

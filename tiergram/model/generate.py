@@ -16,7 +16,6 @@ from tiergram.model.sampling import sample_token
 class Generation:
     """Generated ids and timings."""
 
-    prompt_ids: list[int]
     ids: list[int]  # the generated tokens only
     prefill_s: float
     decode_s: float
@@ -55,4 +54,4 @@ def generate(model: EngramLM, prompt_ids: list[int], max_tokens: int = 64, *, te
         if token in stop or i == max_tokens - 1:
             break
         logits, past = model(torch.tensor([[token]], device=device), past, engram_enabled=engram_enabled)
-    return Generation(list(prompt_ids), out, prefill_s, time.perf_counter() - t1)
+    return Generation(out, prefill_s, time.perf_counter() - t1)
