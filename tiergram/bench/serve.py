@@ -17,7 +17,6 @@ from tiergram.bench.serve_config import SweepConfig, load_variants, round_order
 from tiergram.bench.serve_process import (
     ServerProcess,
     cache_budgets,
-    concurrency_limit,
     layer_table_bytes,
     layer_tables,
     peak_rss,
@@ -52,11 +51,6 @@ def disk_limit(path: Path, seconds: float = 1.0) -> float | None:
 
     with LimitReader(TableFile.open(path), 128) as reader:
         return reader.segment(seconds).figures()["pages_per_s"] if reader.reader.direct else None
-
-
-def speed_probe(seconds: float) -> float | None:
-    """The machine's CPU speed probe (ms, `bench.common.cpu_speed_ms`) over `seconds`; None when 0 (no probe)."""
-    return cpu_speed_ms(seconds) if seconds > 0 else None
 
 
 def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
@@ -108,7 +102,8 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             server = stack.enter_context(ServerProcess(cfg, placement, cb, max_waiting=waiting, model_dir=model_dir))
             procs[placement] = server.proc.pid
             health = httpx.get(f"{server.url}/health", timeout=30).json()
-            limit = concurrency_limit(cfg, int(health["kv_blocks_total"]))
+            per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)  # K/V blocks of one request
+            limit = min(cfg.max_num_seqs, int(health["kv_blocks_total"]) // per_seq)
             servers[placement] = {"kv_blocks_total": health["kv_blocks_total"], "concurrency_limit": limit,
                                   "max_model_len": health["max_model_len"],
                                   "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
@@ -148,13 +143,13 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                 asyncio.run(closed_loop(live[pl][0], live[pl][1], warm, c, think, cfg.seed))
             for r in range(cfg.rounds):
                 requests = trace.take(cfg.requests_per_user * c)  # every placement serves the same ones
-                speed = speed_probe(cfg.speed_probe_s)
+                speed = cpu_speed_ms(cfg.speed_probe_s) if cfg.speed_probe_s else None
                 for pl in round_order(members, r):
                     url, model, _ = live[pl]
                     before = scrape(url) | thread_cpu_seconds(procs[pl])
                     timings, wall = asyncio.run(closed_loop(url, model, requests, c, think, cfg.seed + r))
                     after = scrape(url) | thread_cpu_seconds(procs[pl])
-                    speed_after = speed_probe(cfg.speed_probe_s)  # also the next placement's probe before
+                    speed_after = cpu_speed_ms(cfg.speed_probe_s) if cfg.speed_probe_s else None  # the next's before
                     around = None if speed is None or speed_after is None else (speed + speed_after) / 2
                     rounds[pl].append(Round(timings, wall, before, after, around))
                     speed = speed_after

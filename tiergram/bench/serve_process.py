@@ -209,9 +209,3 @@ def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
                           int(cfg.fractions[0] * smallest))
         caches["file-big"] = cfg.big_cache_bytes if cfg.big_cache_bytes is not None else first_file
     return caches
-
-
-def concurrency_limit(cfg: SweepConfig, kv_blocks_total: int) -> int:
-    """The sequences of input_len + output_len tokens a server's K/V blocks hold at once, capped by max_num_seqs."""
-    blocks_per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)
-    return min(cfg.max_num_seqs, kv_blocks_total // blocks_per_seq)

@@ -81,8 +81,7 @@ def checks_text(res: SweepResult) -> str:
         if f.get("above_disk_limit"):
             lines.append(f"    WARNING: {label} read faster than {ABOVE_LIMIT:.2f}x the disk's limit for new pages at "
                          + ", ".join(f"c={c}" for c in f["above_disk_limit"]) + ": a cache under the disk served "
-                         "pages read before (an earlier run on the same tables?); those points are not the disk's — "
-                         "re-create the tables (init-model) for a figure that is")
+                         "them; re-create the tables (init-model) for the disk's figure")
         if f.get("disk_share_needed"):
             lines.append(f"    share of the disk's limit {label} needs to reach {f['target']:.0%} of {ref} at its "
                          f"pages per token (>= 1: the disk binds): {rs(f['disk_share_needed'])}")

@@ -36,7 +36,6 @@ class Point:
     interactivity_p90: float
     engram_cache_hit_rate: float | None
     exposed_stall_s: float
-    engram_bytes_read: dict[str, float] = field(default_factory=dict)
     throughput_rounds: list[float] = field(default_factory=list)  # tok/s of each round; the point keeps the median
     file_pages_per_s: float = 0.0
     cpu_ms_per_token: float = 0.0  # all the server's processes and threads
@@ -87,7 +86,7 @@ class Round:
         return sum(t.output_tokens + t.prompt_tokens for t in self.timings)
 
 
-def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: int = 4096) -> Point:
+def summarize(placement: str, concurrency: int, rounds: list[Round]) -> Point:
     """A point from its rounds: throughput is the median round's; latencies pool every request; counters sum."""
     timings = [t for r in rounds for t in r.timings]
     wall_s = sum(r.wall_s for r in rounds)
@@ -102,9 +101,8 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
 
     lookups = total("tiergram_engram_cache_probes_total")
     hit = total("tiergram_engram_cache_hits_total") / lookups if lookups > 0 else None  # None: no cache
-    keys = {k for r in rounds for k in r.after if k.startswith("tiergram_engram_bytes_read_total{")}
-    tiers = {k.split('tier="')[1].rstrip('"}'): total(k) for k in sorted(keys)}
     tokens = max(1, sum(r.tokens for r in rounds))
+    file_bytes = total('tiergram_engram_bytes_read_total{tier="file"}')
     names = {k for r in rounds for k in r.after if k.startswith("thread_cpu_seconds{")}
     by_thread = {k.split('name="')[1][:-2]: round(1e3 * total(k) / tokens, 4) for k in sorted(names)}
     throughput = float(np.median(per_round))
@@ -120,9 +118,9 @@ def summarize(placement: str, concurrency: int, rounds: list[Round], page_size: 
                  **pct, interactivity_p50=1000 / pct["itl_p50_ms"] if pct["itl_p50_ms"] > 0 else float("nan"),
                  interactivity_p90=1000 / pct["itl_p90_ms"] if pct["itl_p90_ms"] > 0 else float("nan"),
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
-                 engram_bytes_read=tiers, throughput_rounds=[round(x, 1) for x in per_round],
+                 throughput_rounds=[round(x, 1) for x in per_round],
                  prefill_stall_s=total("tiergram_engram_prefill_stall_seconds_total"),
-                 file_pages_per_s=tiers.get("file", 0.0) / page_size / wall_s if wall_s > 0 else 0.0,
+                 file_pages_per_s=file_bytes / 4096 / wall_s if wall_s > 0 else 0.0,
                  cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
                                          total("tiergram_engine_process_cpu_seconds_total")) / tokens,
                  cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0},

@@ -184,12 +184,10 @@ def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[st
     ttft = None
     try:
         with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-            if r.status_code == 429:
-                r.read()
-                return "429", None, ""
             if r.status_code != 200:
                 r.read()
-                return ("5xx" if r.status_code >= 500 else "4xx"), None, f"{r.status_code} {r.text[:200]}"
+                outcome = "429" if r.status_code == 429 else "5xx" if r.status_code >= 500 else "4xx"
+                return outcome, None, "" if outcome == "429" else f"{r.status_code} {r.text[:200]}"
             finished = done = False
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -211,8 +209,6 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
              max_tokens: int = 8, retry_after_s: float = 0.02, progress: bool = False,
              on_progress: Any = None) -> LoadReport:
     """`clients` streaming clients until `requests` sent or `duration_s` passed; 429s retried."""
-    if requests is None and duration_s is None:
-        raise ValueError("give requests or duration_s")
     rep = LoadReport(clients=clients)
     lock = threading.Lock()
     ttfts: list[float] = []
@@ -261,6 +257,14 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
     return rep
 
 
+def scrape_until(url: str, done: Callable[[dict[str, float]], bool], timeout_s: float) -> dict[str, float]:
+    """The server's /metrics once `done` holds of them, or when timeout_s has passed."""
+    deadline = time.monotonic() + timeout_s
+    while not done(metrics := scrape(url)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return metrics
+
+
 @contextmanager
 def scraping(url: str, every_s: float) -> Iterator[list[dict[str, float]]]:
     """The server's /metrics, sampled every `every_s` seconds by a thread while the block runs."""
@@ -298,9 +302,8 @@ def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, tim
                 "POST", f"{url}/v1/completions",
                 json={"prompt": PROMPT, "max_tokens": long, "ignore_eos": True, "stream": True}) as r:
             statuses[str(r.status_code)] += 1
-            lines = r.iter_lines()
             seen = 0
-            for line in lines:
+            for line in r.iter_lines():
                 seen += line.startswith("data: {")
                 if seen >= events_before_drop:
                     break
@@ -322,11 +325,7 @@ def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, tim
     go.set()
     for t in threads:
         t.join(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    after = scrape(url)
-    while after["tiergram_kv_blocks_used"] != start and time.monotonic() < deadline:
-        time.sleep(0.05)
-        after = scrape(url)
+    after = scrape_until(url, lambda m: m["tiergram_kv_blocks_used"] == start, timeout_s)
     return {"clients": clients, "statuses": dict(statuses), "kv_blocks_used_start": start,
             "kv_blocks_used_peak": max(peak),
             "kv_blocks_used_after": after["tiergram_kv_blocks_used"],
@@ -415,11 +414,7 @@ def slow_clients(url: str, *, clients: int, seconds: float, baseline_s: float) -
     loop.call_soon_threadsafe(stop.set)
     crowd_thread.join(60)
     loop.close()
-    deadline = time.monotonic() + 30
-    while scrape(url)["tiergram_http_connections"] > start["tiergram_http_connections"] and \
-            time.monotonic() < deadline:
-        time.sleep(0.2)
-    after = scrape(url)
+    after = scrape_until(url, lambda m: m["tiergram_http_connections"] <= start["tiergram_http_connections"], 30)
 
     def figures(name: str, scale: float = 1.0) -> dict[str, float]:
         peak = max([s[name] for s in samples] or [start[name]])
