@@ -58,23 +58,19 @@ class GenerationResult:
     setting: str
     exact_match: Estimate
     mean_generated_tokens: float
-    answer_loss: Estimate | None = None  # teacher-forced nats per answer token, prompt = prefill
-    answer_loss_delta: Estimate | None = None  # vs none, paired over tasks
     answers: list[str] = field(default_factory=list)
 
 
 @dataclass
 class AblationReport:
-    """Both measurements for the four settings, and the prefill-vs-decode comparison."""
+    """Both measurements for the four settings; the tables are computed from the per-unit sums."""
 
     model: str
     split: str
     loss: list[LossResult]
     generation: list[GenerationResult]
-    prefill_minus_decode: dict[str, Estimate]  # loss(prefill off) - loss(decode off), decode positions
     tasks: int
-    answer_prefill_minus_decode: Estimate | None = None  # the same on the doctest answers
-    # the per-unit sums every estimate above comes from, so several models' files can be pooled (*_seeds_markdown)
+    # the per-unit sums every estimate comes from, so several models' files can be pooled (*_seeds_markdown)
     doc_sums: dict[str, list[list[float]]] = field(default_factory=dict)  # setting -> [all, decode] x documents
     doc_counts: list[list[float]] = field(default_factory=list)  # tokens scored: [all, decode] x documents
     doc_category: list[str] = field(default_factory=list)
@@ -234,17 +230,12 @@ def ablate(model: EngramLM, windows: list[Window], tokenizer: Any, tasks: list[D
     """Both measurements for the four settings."""
     sums = ablate_loss(model, windows, batch_size=batch_size, progress=progress)
     gen = ablate_generation(model, tokenizer, tasks, max_new=max_new, progress=progress) if tasks else []
-    report = AblationReport(model=model_name, split=split, loss=sums.results(), generation=gen,
-                            prefill_minus_decode=sums.delta("decode", "prefill", 1), tasks=len(tasks),
+    report = AblationReport(model=model_name, split=split, loss=sums.results(), generation=gen, tasks=len(tasks),
                             doc_sums={name: sm.tolist() for name, sm in sums.sums.items()},
                             doc_counts=sums.counts.tolist(), doc_category=sums.doc_category)
     if tasks:
         asums, acounts = answer_losses(model, tokenizer, tasks, batch_size=batch_size)
         report.answer_sums, report.answer_tokens = {k: v.tolist() for k, v in asums.items()}, acounts.tolist()
-        for g in gen:
-            g.answer_loss = ratio_estimate(asums[g.setting], acounts)
-            g.answer_loss_delta = paired_ratio_delta(asums["none"], asums[g.setting], acounts)
-        report.answer_prefill_minus_decode = paired_ratio_delta(asums["decode"], asums["prefill"], acounts)
     return report
 
 

@@ -61,9 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--max-new", type=int, default=16, help="generated tokens per doctest task at most")
     a.add_argument("--no-generation", action="store_true", help="teacher-forced loss only")
     a.add_argument("--reroute", action="store_true",
-                   help="MoE models: doctest answer loss (bits/token) with Engram on, off, and off with the expert "
-                        "choices forced to the Engram-on run's (all MoE blocks, then one at a time), and the share of "
-                        "routing decisions that change when Engram is off (instead of the prefill/decode ablation)")
+                   help="MoE models: doctest answer loss with Engram on, off, and off with the Engram-on run's expert "
+                        "choices forced, and the routing changes (instead of the prefill/decode ablation)")
     a.set_defaults(func=cmd_ablate)
 
     z = sub.add_parser("analyze", help="capacity accounting: rows touched per category, hotness vs gate")
@@ -71,30 +70,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     z.add_argument("--gate-tokens", type=int, default=16384,
                    help="tokens per category run through the model for the gates (default 16384)")
     z.add_argument("--resamples", type=int, default=200,
-                   help="document resamples for the interval of Spearman(row reads, mean gate), computed for the "
-                        "model and a random-init model of the same config (0: neither; default 200)")
+                   help="document resamples for the interval of Spearman(row reads, mean gate), of the model and of a "
+                        "random-init null (0: no interval, no null; default 200)")
     z.add_argument("--null-seed", type=int, default=0, help="seed of the random-init null model (default 0)")
     add_common(z, "--plot", plot="hexbin PNG of access count vs mean gate")
     z.set_defaults(func=cmd_analyze)
 
-    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on gate traces of the other held-out "
-                                         "split and compare it with training-run baselines and random skipping at "
-                                         "matched skip rates")
+    r = sub.add_parser("predictor", help="fit a pre-retrieval skip predictor on the other held-out split and compare "
+                                         "it with training-run baselines and random skipping at matched skip rates")
     _common(r, "test", 3072, "evaluated")
     r.add_argument("--fit-tokens", type=int, default=8192, help="tokens per category to fit on (0: all)")
     r.add_argument("--rates", type=_csv(float), default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8",
                    help="skip rates: every method skips this share of the held-out positions' reads "
                         "(default 0.1,...,0.8)")
     r.add_argument("--methods", type=_csv(str), default="predictor,train-rare,train-gate,random,oracle",
-                   help="predictor, oracle, train-rare, train-gate, random (comma separated; "
-                        "default predictor,train-rare,train-gate,random,oracle)")
+                   help="comma-separated, of predictor, oracle, train-rare, train-gate, random (default: all)")
     r.add_argument("--doc-tokens", type=int, default=0,
-                   help="evaluate at most this many tokens of each held-out document, so --max-tokens spreads over "
-                        "more documents (0: whole documents; default 0)")
+                   help="tokens evaluated per held-out document at most, so --max-tokens spreads over more documents "
+                        "(0: whole documents)")
     r.add_argument("--random-seeds", type=int, default=5, help="seeds of the random baseline (default 5)")
     r.add_argument("--train-gate-tokens", type=int, default=131072,
-                   help="training tokens run through the model for the train-gate baseline's mean gates "
-                        "(default 131072)")
+                   help="training tokens run through the model for train-gate's mean gates (default 131072)")
     r.add_argument("--sketch-width", type=int, default=2**16, help="count-min sketch cells per row (power of 2)")
     r.add_argument("--save", metavar="PATH", help="write the fitted SkipPredictor (.npz)")
     add_common(r, "--plot", plot="matched-rate comparison PNG")
@@ -122,13 +118,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--experts", dest="experts_at_zero", type=int, default=16,
                    help="routed experts per MoE block at share 0: fixes the budget (default 16)")
     w.add_argument("--expert-ffn", type=int, default=128, help="width of each routed expert (default 128)")
-    w.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     w.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     w.add_argument("--warmup-steps", type=int, default=20, help="default 20")
     w.add_argument("--eval-tokens", type=int, default=16384, help="validation tokens per category (default 16384)")
     w.add_argument("--controls", type=_csv(str), default="",
-                   help="MoE-only controls (no Engram, each share's experts) to train too: tokens (same tokens), "
-                        "compute (tokens x the measured step-time ratio), or tokens,compute (default none)")
+                   help="MoE-only controls (each share's experts, no Engram) to train too: tokens (same tokens), "
+                        "compute (tokens x the measured step-time ratio), or tokens,compute")
     w.add_argument("--no-train", dest="train", action="store_false",
                    help="train nothing: report the finished runs in OUT")
     w.add_argument("--results", metavar="DIR", help="write the small result files (sweep, controls, engram-off, "
