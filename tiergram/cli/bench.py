@@ -119,16 +119,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "(closed-loop streaming clients, pareto fronts, acceptance ratios)")
     sv.add_argument("model_dir", metavar="MODEL_DIR", help="model directory (its tables are exported on first use)")
     sv.add_argument("--config", default=None, metavar="FILE",
-                    help="a serve configuration (TOML or JSON, docs/serving.md) whose [engine] every server runs with: "
-                         "device_memory, host_memory, cache_policy, torch_threads, max_num_seqs, ...; its placement "
-                         "is each server's own")
+                    help="a serve configuration (TOML or JSON, docs/serving.md) whose [engine] every server runs "
+                         "with; the placement is each server's own")
     sv.add_argument("--variants", dest="variants_file", default=None, metavar="FILE",
-                    help="more servers: [variants.NAME] copies server `base` with [engine] settings changed, e.g. "
-                         "base = \"file\", hot_rows = false (docs/serving.md, \"Comparing settings\"; an example: "
-                         "docs/variants.toml)")
+                    help="more servers: [variants.NAME] copies server `base` with [engine] settings changed "
+                         "(docs/serving.md, \"Comparing settings\"; an example: docs/variants.toml)")
     sv.add_argument("--placements", type=_names, default=("device", "host", "file"),
-                    help="comma-separated: device, host, file, mooncake (docs/remote.md; without the --config file's "
-                         "mooncake_master a local cluster in a private network namespace)")
+                    help="comma-separated: device, host, file, mooncake (docs/remote.md)")
     sv.add_argument("--input-len", type=int, default=128, help="prompt tokens: uniform in [0.8 L, L]")
     sv.add_argument("--output-len", type=int, default=32, help="output tokens: uniform in [0.8 L, L]")
     sv.add_argument("--max-concurrency", type=int, default=64, help="highest concurrency (also capped by the engine)")
@@ -136,8 +133,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="measured requests per point and round: this x concurrency")
     sv.add_argument("--warmup-per-user", type=int, default=2, help="warm-up requests per point = this x concurrency")
     sv.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds per point: the servers take turns on the same requests; a check's "
-                         "ratio is the median of the ratios within a round")
+                    help="interleaved rounds per point: the servers take turns on the same requests")
     sv.add_argument("--cache-fractions", type=_fractions, default=(0.10,),
                     help="file placement: host cache per layer as a fraction of that layer's table; several make a "
                          "server each (file-1%%, file-10%%, ...), e.g. 0.01,0.1 (default 0.1)")
@@ -147,15 +143,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--big-cache-bytes", type=_size, default=None,
                     help="file-big's host cache per layer (default: the same bytes as the first file placement's)")
     sv.add_argument("--hot-rows", action="store_true",
-                    help="file and mooncake servers preload their cache with their model's hot rows at start "
-                         "(MODEL_DIR/hot_rows.npz: `tiergram hot-rows MODEL_DIR`)")
+                    help="file and mooncake servers preload their cache with MODEL_DIR/hot_rows.npz (`tiergram "
+                         "hot-rows`)")
     sv.add_argument("--source", default="auto",
-                    help="replayed text: auto (the corpus test split when built, else stdlib), corpus, stdlib (the "
-                         "Python stdlib source), or a corpus folder")
+                    help="replayed text: auto (the corpus test split when built, else the Python stdlib's source), "
+                         "corpus, stdlib, or a corpus folder")
     sv.add_argument("--workload", default="requests", choices=["requests", "conversations"],
-                    help="requests: one-shot requests cut from the text; conversations: sessions of 4 turns over 8 "
-                         "shared documents of --input-len tokens (questions of L/8, answers of --output-len, each "
-                         "turn's prompt the whole history, 0.2 s think time), the reuse prefix caching serves")
+                    help="requests: one-shot requests cut from the text; conversations: multi-turn sessions over "
+                         "shared documents, the reuse prefix caching serves (docs/benchmarks.md)")
     sv.add_argument("--markdown", default=None, help="also write the table to this markdown file")
     add_common(sv, "--seed", "--plot", "--json")
     sv.set_defaults(func=cmd_serve)
@@ -179,8 +174,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="model directory (default: the demo's trained model)")
     sk.add_argument("--requests", type=int, default=10_000, help="requests of the overload soak (RSS measured)")
     sk.add_argument("--slow-clients", type=int, default=500,
-                    help="clients holding connections (lying Content-Length, half headers, trickled bodies, idle) "
-                         "beside normal requests (0: skip that phase)")
+                    help="slow clients holding connections beside normal requests (0: skip that phase)")
     sk.add_argument("--slow-only", action="store_true", help="run the slow-client phase alone")
     add_common(sk, "--seed", "--json")
     sk.set_defaults(func=cmd_soak)
