@@ -113,10 +113,9 @@ class LayerSettings:
     cache_bytes: int | None = None
     cache_policy: str | None = None
     read_ahead: bool | None = None
-    # room for per-head-group placement: a later `head_groups` key will split one layer's heads over tiers
 
     def check(self) -> None:
-        if self.cache_bytes and self.tier not in ("file", "mooncake"):
+        if self.cache_bytes and self.tier not in ("file", "mooncake"):  # the one check, engine.config's Placement too
             raise ConfigError(f"a {self.tier} layer holds its whole table: cache_bytes is for tiers file and mooncake")
 
 

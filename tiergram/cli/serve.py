@@ -10,12 +10,6 @@ from dataclasses import asdict
 from tiergram import settings
 from tiergram.settings import CACHE_POLICIES, LOG_LEVELS, PLACEMENTS, ConfigError, ServeSettings
 
-# the options that override a key of the --config file, by section; each is named as its key (every other setting is
-# a key of the file only)
-FLAGS = {"engine": ("placement", "cache_bytes", "cache_policy", "mooncake_master", "hot_rows", "device",
-                    "device_memory", "host_memory", "kv_host_fraction", "max_num_seqs", "max_num_batched_tokens",
-                    "max_model_len", "torch_threads", "engine_process"),
-         "server": ("host", "port", "served_model_name", "api_key", "allowed_hosts", "log_level")}
 
 def byte_size(text: str) -> int:
     """'1048576', '512M', '1.5G', '64KiB' -> bytes (K, M, G, T are powers of 1024)."""
@@ -65,10 +59,10 @@ def settings_of(args: argparse.Namespace) -> ServeSettings:
     """The configuration file (or the defaults), then --engram-config, then each flag given, checked as one."""
     base = settings.load(args.config) if args.config else ServeSettings()
     raw = {"engine": asdict(base.engine), "server": asdict(base.server)}
-    given = {key: (sect, getattr(args, key)) for sect, keys in FLAGS.items() for key in keys
-             if getattr(args, key) is not None}
-    for key, (sect, value) in given.items():
-        raw[sect][key] = value
+    # a flag is named as the key it overrides (every other setting is a key of the file only)
+    given = {key for keys in raw.values() for key in keys if getattr(args, key, None) is not None}
+    for keys in raw.values():
+        keys.update({key: getattr(args, key) for key in given & keys.keys()})
     if raw["server"]["api_key"] is None:
         raw["server"]["api_key"] = os.environ.get("TIERGRAM_API_KEY") or None
     try:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiergram.engine.validate import check_max_tokens
-from tiergram.settings import CACHE_POLICIES, CODECS, FILE_MODES, PLACEMENTS, EngineShared, at_least
+from tiergram.settings import CACHE_POLICIES, CODECS, FILE_MODES, PLACEMENTS, EngineShared, LayerSettings, at_least
 
 
 def serving_torch_threads(requested: int = 0) -> int:
@@ -84,9 +84,7 @@ class Placement:
                 raise ValueError(f"unknown {what} {value!r} (valid: {', '.join(names)})")
         at_least(self, 0, "cache_bytes")
         at_least(self, 1, "host_memory_bytes")
-        if self.cache_bytes and self.kind not in ("file", "mooncake"):
-            raise ValueError(f"a {self.kind} placement has the whole table in memory: cache_bytes applies to "
-                             "placements 'file' and 'mooncake' only")
+        LayerSettings(self.kind, self.cache_bytes).check()
         if (self.kind == "mooncake") != bool(self.master):
             raise ValueError("placement 'mooncake' needs master (HOST:PORT of the mooncake_master), and only it "
                              f"takes one; got kind {self.kind!r}, master {self.master!r}")

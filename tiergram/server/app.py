@@ -257,17 +257,17 @@ async def _collect(gen: _Generation, q: asyncio.Queue, request: Request) -> dict
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body, or 413 as soon as it exceeds `limit` bytes (nothing more is read)."""
+    too_large = APIError(413, f"the request body exceeds the {limit} bytes this server takes",
+                         "invalid_request_error", None, "request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"the request body has {declared} bytes, more than the {limit} this server takes",
-                       "invalid_request_error", None, "request_too_large")
+        raise too_large
     parts, size = [], 0
     try:
         async for part in request.stream():
             size += len(part)
             if size > limit:
-                raise APIError(413, f"the request body exceeds the {limit} bytes this server takes",
-                               "invalid_request_error", None, "request_too_large")
+                raise too_large
             parts.append(part)
     except ClientDisconnect:
         raise _ClientGone from None
@@ -459,13 +459,7 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: FastAPI, **kw: Any) -> uvicorn.Config:
     """uvicorn's Config for an app of create_app's: its own h11 protocol keeps the edge's deadlines and caps."""
-    state: ServerState = app.state.tiergram
-
-    def count(delta: int) -> None:
-        state.connections += delta
-
-    protocol = edge_protocol(state.settings, lambda status: state.metrics.count_request("other", status), count)
-    return uvicorn.Config(app, http=protocol, lifespan="on", **kw)
+    return uvicorn.Config(app, http=edge_protocol(app.state.tiergram), lifespan="on", **kw)
 
 
 def open_files_for(max_connections: int) -> int:
@@ -517,11 +511,10 @@ def serve(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = N
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)  # connections queue from now on, answered once the app has started
-    bound = sock.getsockname()[1]
     config = uvicorn_config(app, log_level=settings.log_level, timeout_keep_alive=30)
     server = DrainingServer(config, app.state.tiergram, settings.drain_timeout)
     shown = f"[{host}]" if family == socket.AF_INET6 else host
-    print(f"tiergram serve: {app.state.tiergram.model_name} on http://{shown}:{bound}", flush=True)
+    print(f"tiergram serve: {app.state.tiergram.model_name} on http://{shown}:{sock.getsockname()[1]}", flush=True)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

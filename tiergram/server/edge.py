@@ -35,13 +35,14 @@ def raw_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...] 
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-def edge_protocol(settings: ServerSettings, on_refused: Callable[[int], None], on_count: Callable[[int], None]) -> type:
-    """uvicorn's h11 protocol with the deadlines and connection cap (callbacks count refusals and connections)."""
+def edge_protocol(state: Any) -> type:
+    """uvicorn's h11 protocol with the deadlines and connection cap of an app's ServerState (which counts them)."""
+    settings: ServerSettings = state.settings
 
     class EdgeProtocol(H11Protocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            on_count(1)
+            state.connections += 1
             self._deadline: Any = None
             self._phase: Any = None  # the h11 state the deadline was armed for
             self._refused = False
@@ -53,7 +54,7 @@ def edge_protocol(settings: ServerSettings, on_refused: Callable[[int], None], o
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel()
-            on_count(-1)
+            state.connections -= 1
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -112,7 +113,7 @@ def edge_protocol(settings: ServerSettings, on_refused: Callable[[int], None], o
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
             else:
-                on_refused(status)  # no app saw it: count it here
+                state.metrics.count_request("other", status)  # no app saw it: count it here
             self.transport.write(raw_response(status, error_body(status, message, code), headers))
             if self.transport.can_write_eof():
                 self.transport.write_eof()

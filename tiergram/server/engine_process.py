@@ -159,7 +159,8 @@ class EngineProcess:
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
         self.max_waiting: int = info["max_waiting"]
-        self._latest: tuple[Any, float] = info["snapshot"]  # EngineMetrics, the engine process's CPU seconds
+        # the latest EngineMetrics the engine process sent, and its CPU seconds (all threads) then
+        self.snapshot, self.engine_cpu_seconds = info["snapshot"]
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _streams, _pending and _dead
         self._streams: dict[str, AsyncioStream] = {}
@@ -191,16 +192,6 @@ class EngineProcess:
         """Whether the engine process is running and answering."""
         return not self._dead and self._proc.is_alive()
 
-    @property
-    def snapshot(self) -> Any:
-        """The latest EngineMetrics the engine process sent."""
-        return self._latest[0]
-
-    @property
-    def engine_cpu_seconds(self) -> float:
-        """CPU seconds of the engine process (all its threads) at the latest snapshot."""
-        return self._latest[1]
-
     # -- requests
 
     def start(self) -> None:
@@ -211,7 +202,7 @@ class EngineProcess:
 
     def check_capacity(self) -> None:
         """QueueFullError when the waiting queue, as last reported plus the adds in flight, is full."""
-        waiting = self._latest[0].num_waiting + self._pending
+        waiting = self.snapshot.num_waiting + self._pending
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are waiting (max_waiting {self.max_waiting}); retry later")
 
@@ -291,7 +282,7 @@ class EngineProcess:
 
     def _deliver(self, outputs: list[tuple[str, Any]], snapshot: tuple[Any, float] | None) -> None:
         if snapshot is not None:
-            self._latest = snapshot
+            self.snapshot, self.engine_cpu_seconds = snapshot
         for rid, out in outputs:
             if isinstance(out, WireError):
                 out = out.rebuild()

@@ -12,11 +12,6 @@ from tiergram.settings import ServerSettings
 JSON_OBJECT = {"content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _ids(max_items: int, vocab_size: int, min_items: int = 0) -> dict[str, Any]:
-    return {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
-            "minItems": min_items, "maxItems": max_items}
-
-
 def _error_responses() -> dict[str, Any]:
     ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     return {str(code): {"description": HTTPStatus(code).phrase, **ref}  # when: docs/serving.md, "Errors"
@@ -28,26 +23,20 @@ def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits:
     """The OpenAPI document of this server for a model of this context and vocabulary, under these limits."""
     lim = limits or ServerSettings()
     chars = lim.prompt_chars(max_model_len)
-    stop = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars},
-                      {"type": "array", "maxItems": lim.max_stop,
-                       "items": {"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars}}],
-            "nullable": True}
-    fields = {name: {**schema, "nullable": True} for name, schema in
-              request_fields(max_model_len, vocab_size, lim).items()}
-    fields |= {"model": {"type": "string", "enum": [model_name]}, "stop": stop,
-               "stop_token_ids": {**_ids(lim.max_stop_token_ids, vocab_size), "nullable": True},
+    schemas = request_fields(max_model_len, vocab_size, lim)
+    fields = {name: {**schema, "nullable": True} for name, schema in schemas.items()}
+    fields |= {"model": {"type": "string", "enum": [model_name]},
+               "stop": {"oneOf": [schemas["stop"]["items"], schemas["stop"]], "nullable": True},
                "stream_options": {"type": "object", "nullable": True, "additionalProperties": False,
                                   "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
-               "forced_tokens": {**_ids(max_model_len - 1, vocab_size, 1), "nullable": True},
-               "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": chars},
-                                    _ids(max_model_len - 1, vocab_size, 1)]}}
+               "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": chars}, schemas["forced_tokens"]]}}
     completion = {"type": "object", "additionalProperties": False, "required": ["prompt"],
                   "properties": {k: v for k, v in fields.items() if k in FIELDS["completion"]}}
     message = {"type": "object", "additionalProperties": False, "required": ["role", "content"],
                "properties": {"role": {"type": "string", "enum": list(CHAT_ROLES)},
                               "content": {"type": "string", "maxLength": chars},
                               "name": {"type": "string", "nullable": True}}}
-    fields["messages"] = {"type": "array", "items": message, "minItems": 1, "maxItems": lim.max_messages}
+    fields["messages"] = {**schemas["messages"], "items": message}
     chat = {"type": "object", "additionalProperties": False, "required": ["messages"],
             "properties": {k: v for k, v in fields.items() if k in FIELDS["chat"]}}
     choice = {"type": "object", "required": ["index", "finish_reason"],

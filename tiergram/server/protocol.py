@@ -24,18 +24,13 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         # a value echoed from the request may hold a lone surrogate, which no UTF-8 encoder takes: escape it
-        message, param = _printable(message), None if param is None else _printable(param)
+        message, param = (t and t.encode("utf-8", "backslashreplace").decode("utf-8") for t in (message, param))
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
         """The JSON error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _printable(text: str) -> str:
-    """text, its lone surrogates written as escapes (\\ud800)."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _PATH = re.compile(r"(?<![\w.~])(?:/[^\s/'\"():,]+)+/([^\s/'\"():,]+)")
@@ -86,7 +81,7 @@ FIELDS = {"completion": COMMON_FIELDS | {"prompt", "prompt_token_ids", "best_of"
 MESSAGE_FIELDS = {"role", "content", "name"}
 INT64_MAX = 2**63 - 1
 BOOLEAN = {"type": "boolean", "default": False}
-TYPES = {"integer": int, "number": (int, float), "boolean": bool, "string": str}
+TYPES = {"integer": int, "number": (int, float), "boolean": bool, "string": str, "array": list, "object": dict}
 
 
 def _text(value: str, param: str) -> str:
@@ -98,23 +93,11 @@ def _text(value: str, param: str) -> str:
     return value
 
 
-def _int_list(value: Any, param: str, max_len: int, vocab_size: int | None = None) -> list[int]:
-    """A list of at most max_len ints (in [0, vocab_size) when given), or a 400 naming the field."""
-    if not isinstance(value, list):
-        raise bad(f"'{param}' must be a list of integer token ids", param)
-    if len(value) > max_len:  # before looking at the items: a long list costs nothing more
-        raise bad(f"'{param}' holds {len(value)} ids, more than the {max_len} allowed", param,
-                  "context_length_exceeded" if param in ("prompt", "prompt_token_ids") else None)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise bad(f"'{param}' must be a list of integer token ids", param)
-    if vocab_size is not None and not all(0 <= v < vocab_size for v in value):
-        raise bad(f"'{param}' holds a token id outside the vocabulary [0, {vocab_size})", param)
-    return value
-
-
 def request_fields(max_model_len: int, vocab_size: int, limits: ServerSettings) -> dict[str, dict[str, Any]]:
-    """Each scalar request field's JSON schema: what validate_request enforces and /openapi.json publishes."""
+    """Each request field's JSON schema (but the prompt's): what validate_request enforces, /openapi.json publishes."""
     tokens = {"type": "integer", "minimum": 1, "maximum": max_model_len}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
     return {
         "model": {"type": "string"}, "user": {"type": "string"}, "max_tokens": tokens, "max_completion_tokens": tokens,
         "temperature": {"type": "number", "minimum": 0, "maximum": limits.max_temperature, "default": 1.0},
@@ -122,6 +105,10 @@ def request_fields(max_model_len: int, vocab_size: int, limits: ServerSettings) 
         "top_k": {"type": "integer", "minimum": 0, "maximum": vocab_size, "default": 0},
         "seed": {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
         "ignore_eos": BOOLEAN, "stream": BOOLEAN,
+        "stop": {"type": "array", "maxItems": limits.max_stop, "items": stop, "default": []},  # or one string
+        "stop_token_ids": {**ids, "maxItems": limits.max_stop_token_ids, "default": []},
+        "forced_tokens": {**ids, "minItems": 1, "maxItems": max_model_len - 1},
+        "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {"type": "object"}},
         # OpenAI options this server does not implement: refused unless neutral, rather than ignored
         "n": {"type": "integer", "enum": [1]}, "best_of": {"type": "integer", "enum": [1]},
         "echo": {"type": "boolean", "enum": [False]}, "logprobs": {"type": "boolean", "enum": [False]},
@@ -131,9 +118,13 @@ def request_fields(max_model_len: int, vocab_size: int, limits: ServerSettings) 
 
 def _field(body: dict[str, Any], name: str, schema: dict[str, Any]) -> Any:
     """body[name] checked against its schema (absent or null: the schema's default)."""
-    value, kind = body.get(name), schema["type"]
-    if value is None:
-        return schema.get("default")
+    value = body.get(name)
+    return schema.get("default") if value is None else _check(value, name, schema)
+
+
+def _check(value: Any, name: str, schema: dict[str, Any]) -> Any:
+    """A value checked against its JSON schema: type, enum, range, length (a list's before its items), items."""
+    kind = schema["type"]
     if not isinstance(value, TYPES[kind]) or isinstance(value, bool) != (kind == "boolean"):
         raise bad(f"'{name}' must be of type {kind}, got {type(value).__name__}", name)
     if kind == "number":
@@ -147,37 +138,41 @@ def _field(body: dict[str, Any], name: str, schema: dict[str, Any]) -> Any:
         lo, hi, open_lo = schema["minimum"], schema["maximum"], schema.get("exclusiveMinimum", False)
         if not (lo < value if open_lo else lo <= value) or value > hi:
             raise bad(f"'{name}' must lie in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}", name)
+    if kind in ("string", "array"):
+        lo, hi = schema.get("minLength", schema.get("minItems", 0)), schema.get("maxLength", schema.get("maxItems"))
+        if len(value) < lo or hi is not None and len(value) > hi:
+            code = "context_length_exceeded" if name in ("prompt", "prompt_token_ids") else None
+            raise bad(f"'{name}' has length {len(value)}, not within [{lo}, {hi}]", name, code)
+    for item in value if kind == "array" else ():
+        _check(item, name, schema["items"])
     return value
 
 
-def _completion_prompt(body: dict[str, Any], max_model_len: int, vocab_size: int) -> str | list[int]:
+def _completion_prompt(body: dict[str, Any], max_model_len: int) -> str | list[int]:
     """The completion prompt: text to tokenize, or token ids (prompt_token_ids, a list of ids, a batch of one)."""
+    ids = {"type": "array", "items": {"type": "integer"}, "maxItems": max_model_len}  # the range: check_prompt's
     if body.get("prompt_token_ids") is not None:
         if body.get("prompt") is not None:
             raise bad("give 'prompt' or 'prompt_token_ids', not both", "prompt_token_ids")
-        return _int_list(body["prompt_token_ids"], "prompt_token_ids", max_model_len)  # ranges: check_prompt
+        return _check(body["prompt_token_ids"], "prompt_token_ids", ids)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return _text(prompt, "prompt")
     if isinstance(prompt, list):
-        return _int_list(prompt, "prompt", max_model_len)  # the ids' range is check_prompt's, as in the engine
+        return _check(prompt, "prompt", ids)
     if prompt is None:
         raise bad("'prompt' is required", "prompt")
     raise bad("'prompt' must be a string, a list of token ids, or a batch of one of them", "prompt")
 
 
-def _chat_prompt(body: dict[str, Any], limits: ServerSettings) -> str:
-    """The chat messages, checked, through the template."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("'messages' must be a non-empty list", "messages")
-    if len(messages) > limits.max_messages:
-        raise bad(f"'messages' holds {len(messages)} messages, more than the {limits.max_messages} allowed",
-                  "messages")
+def _chat_prompt(messages: list[dict[str, Any]] | None) -> str:
+    """The chat messages (their number checked by request_fields' schema), checked, through the template."""
+    if messages is None:
+        raise bad("'messages' is required", "messages")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        if m.get("role") not in CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", f"messages[{i}].role")
         unknown = sorted(set(m) - MESSAGE_FIELDS)
         if unknown:
@@ -194,23 +189,6 @@ def _chat_prompt(body: dict[str, Any], limits: ServerSettings) -> str:
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise bad(f"messages[{i}].name must be a string", f"messages[{i}].name")
     return render_chat(messages)
-
-
-def _stop(body: dict[str, Any], limits: ServerSettings) -> list[str]:
-    """`stop`: null, a string, or a list of up to limits.max_stop non-empty strings of limited length."""
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of them", "stop")
-    if len(stop) > limits.max_stop:
-        raise bad(f"'stop' holds {len(stop)} strings, more than the {limits.max_stop} allowed", "stop")
-    for s in stop:
-        _text(s, "stop")
-        if len(s) > limits.max_stop_chars:
-            raise bad(f"a stop string has {len(s)} characters, more than the {limits.max_stop_chars} allowed", "stop")
-    return stop
 
 
 def _unsupported(kind: str, body: dict[str, Any]) -> None:
@@ -231,14 +209,17 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _unsupported(kind, body)
+    if isinstance(body.get("stop"), str):  # one stop string
+        body = {**body, "stop": [body["stop"]]}
     values = {name: _field(body, name, schema)
               for name, schema in request_fields(max_model_len, vocab_size, limits).items()}
+    for s in values["stop"]:
+        _text(s, "stop")
     model = body.get("model", model_name)
     if model is not None and model != model_name:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
-    prompt = _completion_prompt(body, max_model_len, vocab_size) if kind == "completion" else _chat_prompt(body,
-                                                                                                           limits)
+    prompt = _completion_prompt(body, max_model_len) if kind == "completion" else _chat_prompt(values["messages"])
     if isinstance(prompt, str) and len(prompt) > limits.prompt_chars(max_model_len):
         raise bad(f"the prompt has {len(prompt)} characters, more than the {limits.prompt_chars(max_model_len)} "
                   "this server takes", "messages" if kind == "chat" else "prompt", "context_length_exceeded")
@@ -246,29 +227,23 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     max_tokens, length_param = values["max_tokens"], "max_tokens"
     if values["max_completion_tokens"] is not None:
         max_tokens, length_param = values["max_completion_tokens"], "max_completion_tokens"
-    forced = body.get("forced_tokens")
+    forced = values["forced_tokens"]
     if forced is not None:
-        forced = _int_list(forced, "forced_tokens", max_model_len, vocab_size)
-        if not forced:
-            raise bad("'forced_tokens' is empty: give at least one token, or leave it out", "forced_tokens")
         max_tokens, length_param = len(forced), "forced_tokens"  # a replay produces exactly the forced tokens
-    stop_ids = body.get("stop_token_ids")  # (not `or []`: a falsy wrong type such as "" or 0 is refused too)
-    stop_ids = [] if stop_ids is None else _int_list(stop_ids, "stop_token_ids", limits.max_stop_token_ids, vocab_size)
     options = body.get("stream_options")
     options = {} if options is None else options
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad("'stream_options' must be an object with at most 'include_usage'", "stream_options")
     include_usage = _field(options, "include_usage", BOOLEAN)
-    stop = _stop(body, limits)
     try:
         params = SamplingParams(max_tokens=1, temperature=values["temperature"], top_p=values["top_p"],
-                                top_k=values["top_k"], seed=values["seed"], stop_token_ids=stop_ids,
+                                top_k=values["top_k"], seed=values["seed"], stop_token_ids=values["stop_token_ids"],
                                 ignore_eos=values["ignore_eos"], forced_tokens=forced)
     except ValueError as e:
         raise bad(str(e)) from None
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     req = GenerationRequest(kind=kind, model=model_name, prompt_token_ids=[], params=params, stream=values["stream"],
-                            include_usage=include_usage, stop=stop, request_id=f"{prefix}-{uuid.uuid4().hex}",
+                            include_usage=include_usage, stop=values["stop"], request_id=f"{prefix}-{uuid.uuid4().hex}",
                             created=int(time.time()), max_tokens=max_tokens, length_param=length_param)
     if isinstance(prompt, str):
         req.prompt_text = prompt
