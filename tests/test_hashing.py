@@ -260,7 +260,7 @@ GOOD = dict(engram_vocab_size=[100, 100], max_ngram_size=3, n_head_per_ngram=2, 
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"engram_vocab_size": []}, "engram_vocab_size is empty"),
+        ({"engram_vocab_size": []}, "engram_vocab_size has 0 entries"),
         ({"engram_vocab_size": [100]}, "needs 2"),
         ({"max_ngram_size": 1, "engram_vocab_size": [100]}, "max_ngram_size must be >= 2"),
         ({"pad_id": 50}, "pad_id 50 is outside"),

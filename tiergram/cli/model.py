@@ -96,12 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(m, "--quiet")
     m.set_defaults(func=cmd_import)
 
-    h = sub.add_parser("hot-rows", help="rank each Engram layer's rows by how often a corpus reads them, for the "
-                                        "engine to preload into a cold cache (serve --hot-rows)")
+    h = sub.add_parser("hot-rows", help="rank each Engram layer's rows by how often the corpus's train split reads "
+                                        "them, for the engine to preload into a cold cache (serve --hot-rows)")
     h.add_argument("dir", help="model directory (its hashing and tokenizer)")
     add_common(h, "--corpus", corpus="corpus folder (default: the cache's corpus, built if absent)")
-    h.add_argument("--split", default="train", choices=["train", "validation", "test"],
-                   help="the split counted (default train; the benchmarks replay the test split)")
     h.add_argument("--tokens", type=_count, help="count only the split's first N tokens (e.g. 2M)")
     h.add_argument("--max-fraction", type=float, default=0.25,
                    help="keep at most this fraction of each layer's rows, the most read (default 0.25)")
@@ -183,7 +181,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_hot_rows(args: argparse.Namespace) -> int:
     from tiergram.model.hot_rows import count_model_hot_rows
 
-    path, hot = count_model_hot_rows(args.dir, corpus=args.corpus, split=args.split, max_tokens=args.tokens,
+    path, hot = count_model_hot_rows(args.dir, corpus=args.corpus, max_tokens=args.tokens,
                                      max_fraction=args.max_fraction, out=args.out, progress=not args.quiet)
     for layer in sorted(hot.keys):
         c, reads = hot.counts[layer], max(1, hot.reads[layer])

@@ -49,8 +49,6 @@ class NgramHasher:
         """Exactly one of compression (lookup [V]), tokenizer, compressed_vocab_size (identity)."""
         self.max_ngram_size = _int(max_ngram_size, "max_ngram_size", 2)
         self.engram_vocab_size = [_int(v, "an engram_vocab_size entry", 1) for v in engram_vocab_size]
-        if not self.engram_vocab_size:
-            raise ValueError("engram_vocab_size is empty; need one table size per n-gram order")
         if len(self.engram_vocab_size) != self.max_ngram_size - 1:
             raise ValueError(f"engram_vocab_size has {len(self.engram_vocab_size)} entries but max_ngram_size="
                              f"{self.max_ngram_size} needs {self.max_ngram_size - 1} (orders 2..{self.max_ngram_size})")

@@ -93,9 +93,9 @@ def count_hot_rows(hasher: NgramHasher, tokens: np.ndarray, *, max_fraction: flo
 
 
 def count_model_hot_rows(model_dir: str | os.PathLike, *, corpus: str | os.PathLike | None = None,
-                         split: str = "train", max_tokens: int | None = None, max_fraction: float = 0.25,
+                         max_tokens: int | None = None, max_fraction: float = 0.25,
                          out: str | os.PathLike | None = None, progress: bool = True) -> tuple[Path, HotRows]:
-    """Count a corpus split's hot rows under a model's hashing, written to `out` (default DIR/hot_rows.npz)."""
+    """Count the train split's hot rows under a model's hashing, written to `out` (default DIR/hot_rows.npz)."""
     from tiergram.corpus import ensure_corpus
     from tiergram.model.checkpoint import TOKENIZER
     from tiergram.model.data import tokenize_split
@@ -108,11 +108,11 @@ def count_model_hot_rows(model_dir: str | os.PathLike, *, corpus: str | os.PathL
     if not (model_dir / TOKENIZER).is_file():
         raise FileNotFoundError(f"{model_dir} has no {TOKENIZER} to tokenize the corpus with")
     folder = ensure_corpus(corpus, tokenizer=False, progress=progress)
-    tokens = tokenize_split(folder, split, model_dir / TOKENIZER, progress=progress)
+    tokens = tokenize_split(folder, "train", model_dir / TOKENIZER, progress=progress)
     if max_tokens is not None:
         tokens = tokens[:max_tokens]
     hot = count_hot_rows(hasher, tokens, max_fraction=max_fraction, progress=progress,
-                         source=f"{split} split of {folder}")
+                         source=f"train split of {folder}")
     return save_hot_rows(hot, Path(out) if out is not None else model_dir / HOT_ROWS), hot
 
 
