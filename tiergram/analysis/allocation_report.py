@@ -14,6 +14,7 @@ from tiergram.analysis.allocation import Point, StepRatio, SweepRun
 from tiergram.analysis.stats import (
     Estimate,
     interval,
+    md_table,
     paired_ratio_delta,
     ratio_estimate,
     seed_cells,
@@ -263,29 +264,26 @@ def _deltas(data: dict[str, Any], what: str) -> dict[float, str]:
     return {share: interval(c["delta"]) for share, c in _by(data, what).items()}
 
 
+SEED_COLUMNS = ["per seed", "over seeds (t 95%)"]  # after a seed-mean Δ column: the cells of _seeds
+
+
 def sweep_table(data: dict[str, Any]) -> str:
     """Loss per share over its seeds, the paired delta against the best share, the seed SD and the per-seed losses."""
-    lines = ["| Engram share (actual) | experts per block | rows per head | validation loss, seed mean | Δ vs best "
-             "(paired) | seed SD | per seed |", "|---|---|---|---|---|---|---|"]
-    for s in data["shares"]:
-        sd = "–" if s["seed_sd"] is None else f"{s['seed_sd']:.4f}"
-        best = interval(s["delta_vs_best"]) if s["delta_vs_best"]["value"] else "0"
-        lines.append(f"| {s['share']:.0%} ({s['actual_share']:.1%}) | {s['n_experts']} | {s['rows_per_head']:,} | "
-                     f"{interval(s['loss'], '.4f')} | {best} | {sd} | "
-                     f"{', '.join(f'{v:.4f}' for v in s['seed_losses'])} |")
-    return "\n".join(lines) + "\n"
+    return md_table(["Engram share (actual)", "experts per block", "rows per head", "validation loss, seed mean",
+                     "Δ vs best (paired)", "seed SD", "per seed"],
+                    ([f"{s['share']:.0%} ({s['actual_share']:.1%})", s["n_experts"], f"{s['rows_per_head']:,}",
+                      interval(s["loss"], ".4f"), interval(s["delta_vs_best"]) if s["delta_vs_best"]["value"] else "0",
+                      "–" if s["seed_sd"] is None else f"{s['seed_sd']:.4f}",
+                      ", ".join(f"{v:.4f}" for v in s["seed_losses"])] for s in data["shares"])) + "\n"
 
 
 def controls_table(data: dict[str, Any]) -> str:
     """Per share: Engram − its MoE-only control (same experts, same tokens), and each against share 0."""
-    engram = _by(data, "engram_vs_control")
     fewer, total = _deltas(data, "control_vs_share0"), _deltas(data, "engram_vs_share0")
-    lines = ["| Engram share | experts per block | Engram − MoE-only (same experts), seed mean | per seed | over "
-             "seeds (t 95%) | MoE-only − share 0 | Engram − share 0 |", "|---|---|---|---|---|---|---|"]
-    for share, c in sorted(engram.items()):
-        lines.append(f"| {share:.0%} | {c['n_experts']} | {_seeds(c)} | {fewer.get(share, '–')} | "
-                     f"{total.get(share, '–')} |")
-    return "\n".join(lines) + "\n"
+    return md_table(["Engram share", "experts per block", "Engram − MoE-only (same experts), seed mean", *SEED_COLUMNS,
+                     "MoE-only − share 0", "Engram − share 0"],
+                    ([f"{share:.0%}", c["n_experts"], _seeds(c), fewer.get(share, "–"), total.get(share, "–")]
+                     for share, c in sorted(_by(data, "engram_vs_control").items()))) + "\n"
 
 
 def engram_off_table(data: dict[str, Any]) -> str:
@@ -294,29 +292,24 @@ def engram_off_table(data: dict[str, Any]) -> str:
     for p in data["points"]:
         on.setdefault(p["share"], []).append((p["loss"]["value"], p["loss_off"]["value"]))
     control = _deltas(data, "off_vs_control")
-    lines = ["| Engram share | on, seed mean | off, seed mean | off − on, seed mean | per seed | over seeds (t 95%) | "
-             "off − MoE-only (same experts) |", "|---|---|---|---|---|---|---|"]
-    for share, c in sorted(_by(data, "engram_off").items()):
-        vals = np.array(on[share])
-        lines.append(f"| {share:.0%} | {vals[:, 0].mean():.4f} | {vals[:, 1].mean():.4f} | {_seeds(c)} | "
-                     f"{control.get(share, '–')} |")
-    return "\n".join(lines) + "\n"
+    return md_table(["Engram share", "on, seed mean", "off, seed mean", "off − on, seed mean", *SEED_COLUMNS,
+                     "off − MoE-only (same experts)"],
+                    ([f"{share:.0%}", *(f"{v:.4f}" for v in np.mean(on[share], axis=0)), _seeds(c),
+                      control.get(share, "–")] for share, c in sorted(_by(data, "engram_off").items()))) + "\n"
 
 
 def equal_compute_table(data: dict[str, Any]) -> str:
     """Per share: the measured step-time ratio, the equal-compute control's tokens, Engram − that control."""
-    ratios = {r["share"]: r for r in data["step_ratios"]}
+    ratios = {r["share"]: r["ratio"] for r in data["step_ratios"]}
     tokens = {}
     for p in data["points"]:
         tokens.setdefault(p["share"], set()).add(p["tokens"])
     same = _deltas(data, "engram_vs_control")
-    lines = ["| Engram share | experts per block | step time, Engram / MoE-only | MoE-only tokens | Engram − MoE-only "
-             "(equal compute), seed mean | per seed | over seeds (t 95%) | at equal tokens |",
-             "|---|---|---|---|---|---|---|---|"]
-    for share, c in sorted(_by(data, "engram_vs_compute").items()):
-        lines.append(f"| {share:.0%} | {c['n_experts']} | {ratios[share]['ratio']:.3f} | "
-                     f"{', '.join(f'{t:,}' for t in sorted(tokens[share]))} | {_seeds(c)} | {same.get(share, '–')} |")
-    return "\n".join(lines) + "\n"
+    return md_table(["Engram share", "experts per block", "step time, Engram / MoE-only", "MoE-only tokens",
+                     "Engram − MoE-only (equal compute), seed mean", *SEED_COLUMNS, "at equal tokens"],
+                    ([f"{share:.0%}", c["n_experts"], f"{ratios[share]:.3f}",
+                      ", ".join(f"{t:,}" for t in sorted(tokens[share])), _seeds(c), same.get(share, "–")]
+                     for share, c in sorted(_by(data, "engram_vs_compute").items()))) + "\n"
 
 
 def power_table(data: dict[str, Any]) -> str:

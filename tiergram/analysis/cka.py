@@ -4,8 +4,6 @@ spread between two halves of the positions as the sampling-noise scale."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,39 +45,29 @@ def cka_from_cross(cross: np.ndarray, nx: np.ndarray, ny: np.ndarray) -> np.ndar
         return np.where(denom > 0, cross / np.where(denom > 0, denom, 1.0), 0.0)
 
 
-@contextmanager
-def residual_states(model: EngramLM) -> Iterator[list[torch.Tensor | None]]:
-    """Hooks keeping states[k] [B, T, d], the residual stream after k blocks (0: embeddings), of the last forward."""
-    states: list[torch.Tensor | None] = [None] * (len(model.blocks) + 1)
-
-    def keep(k: int):
-        def hook(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            states[k] = out.detach()
-        return hook
-
-    handles = [model.tok_emb.register_forward_hook(keep(0))]
-    handles += [b.register_forward_hook(keep(i + 1)) for i, b in enumerate(model.blocks)]
-    try:
-        yield states
-    finally:
-        for h in handles:
-            h.remove()
-
-
 @torch.no_grad()
 def collect_states(model: EngramLM, windows: list[Window], *, batch_size: int = 8,
                    progress: bool = False) -> tuple[list[torch.Tensor], np.ndarray]:
-    """(states [L+1] of float64 [n, d] over the windows' valid positions, window index [n] of each position)."""
-    parts: list[list[torch.Tensor]] = [[] for _ in range(len(model.blocks) + 1)]
+    """(state k, after k blocks (0: embeddings), float64 [n, d] at the windows' valid positions; window [n] of each)."""
+    modules = [model.tok_emb, *model.blocks]
+    parts: list[list[torch.Tensor]] = [[] for _ in modules]
     owner: list[np.ndarray] = []
-    with residual_states(model) as states:
+    valid = None
+
+    def keep(k: int):
+        def hook(module, args, output):
+            parts[k].append((output[0] if isinstance(output, tuple) else output)[valid].double().cpu())
+        return hook
+
+    handles = [m.register_forward_hook(keep(k)) for k, m in enumerate(modules)]
+    try:
         for idx, x, y in eval_batches(model, windows, batch_size, "layer states", progress):
-            model(x)
             valid = y != -100
-            for k, s in enumerate(states):
-                parts[k].append(s[valid].double().cpu())
+            model(x)
             owner.append(np.repeat(np.array(idx), valid.sum(1).cpu().numpy()))
+    finally:
+        for h in handles:
+            h.remove()
     return [torch.cat(p) for p in parts], np.concatenate(owner)
 
 
