@@ -302,8 +302,9 @@ def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, tim
                 "POST", f"{url}/v1/completions",
                 json={"prompt": PROMPT, "max_tokens": long, "ignore_eos": True, "stream": True}) as r:
             statuses[str(r.status_code)] += 1
+            lines = r.iter_lines()  # kept: a generator dropped at `break` would close the stream early
             seen = 0
-            for line in r.iter_lines():
+            for line in lines:
                 seen += line.startswith("data: {")
                 if seen >= events_before_drop:
                     break
