@@ -116,27 +116,23 @@ def compressed_context(model: EngramLM, x: np.ndarray) -> np.ndarray:
 @torch.no_grad()
 def trace(model: EngramLM, windows: list[Window], *, batch_size: int = 8, progress: bool = False) -> Trace:
     """Run the model over windows (Engram on) and record gates, row ids and n-gram contexts."""
-    if not model.engram_layers:
-        raise ValueError("the model has no Engram layers to trace")
     hooks = EngramHooks(record=True, record_query=True)
     qsum = {layer: 0.0 for layer in model.engram_layers}
     parts: dict[str, list] = {k: [] for k in ("window", "pos", "context")}
     gates: dict[int, list] = {layer: [] for layer in model.engram_layers}
     rows: dict[int, list] = {layer: [] for layer in model.engram_layers}
     with hooks.installed(model):
-        for idx, x, _ in eval_batches(model, windows, batch_size, "trace", progress):
+        for idx, x, y in eval_batches(model, windows, batch_size, "trace", progress):
             model(x)
+            valid = (y != -100).cpu()  # a window's inputs, then padding
             row_ids = model.engram_row_ids(x)
-            ctx = compressed_context(model, x.cpu().numpy())
-            for j, i in enumerate(idx):
-                n = len(windows[i].inputs)
-                parts["window"].append(np.full(n, i, dtype=np.int32))
-                parts["pos"].append(np.arange(n, dtype=np.int32))
-                parts["context"].append(ctx[j, :n])
-                for layer in model.engram_layers:
-                    gates[layer].append(hooks.gates[layer][j, :n].float().cpu().numpy())
-                    rows[layer].append(row_ids[layer][j, :n].cpu().numpy())
-                    qsum[layer] = qsum[layer] + hooks.queries[layer][j, :n].double().sum(0).cpu().numpy()
+            parts["window"].append(np.repeat(np.array(idx, dtype=np.int32), valid.sum(1).numpy()))
+            parts["pos"].append(valid.nonzero()[:, 1].numpy().astype(np.int32))
+            parts["context"].append(compressed_context(model, x.cpu().numpy())[valid.numpy()])
+            for layer in model.engram_layers:
+                gates[layer].append(hooks.gates[layer].cpu()[valid].float().numpy())
+                rows[layer].append(row_ids[layer].cpu()[valid].numpy())
+                qsum[layer] = qsum[layer] + hooks.queries[layer].cpu()[valid].double().sum(0).numpy()
     window = np.concatenate(parts["window"])
     cat_index = {c: i for i, c in enumerate(CATEGORIES)}
     category = np.array([cat_index[windows[i].category] for i in window], dtype=np.int8)
