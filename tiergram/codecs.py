@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 32  # values per ue8m0 scale byte
 UE8M0_NAN = 255
 OUT_DTYPES = (torch.float32, torch.bfloat16)  # what rows decode to, here and in every reader of a table

@@ -85,10 +85,8 @@ def master_binary() -> str:
 
 
 class LocalCluster:
-    """A `mooncake_master` on 127.0.0.1 and `holders` processes lending `segment_bytes` each.
-
-    Processes start in this (private) network namespace, die with this process and log to `log_dir`; `close()`
-    kills them by pid."""
+    """A `mooncake_master` on 127.0.0.1 and `holders` processes lending `segment_bytes` each, in this private
+    network namespace; they die with this process and log to `log_dir`."""
 
     def __init__(self, log_dir: str | os.PathLike, *, holders: int = 1, segment_bytes: int = 256 << 20,
                  start_timeout: float = 20.0) -> None:

@@ -47,8 +47,7 @@ def _bench_file(cfg: RemoteLookupConfig, progress: bool) -> tuple[Path, np.ndarr
 
 
 def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -> dict:
-    """Time every system on the same ids, interleaved, in a local cluster: rows/s, p50 and p99 ms per batch size
-    and distribution."""
+    """Every system on the same ids, interleaved, in a local cluster: rows/s, p50, p99 ms by batch and ids."""
     from mooncake.store import EngramStore, EngramStoreConfig
     from tqdm import tqdm
 
@@ -178,8 +177,7 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
 
 
 def _token_stream(rows: int, seed: int, tokens: int = 200_000) -> np.ndarray:
-    """Row ids int64 [n]: one head's 2-gram hashes of the corpus validation split (the stdlib's source when there
-    is no corpus) folded into `rows` rows, in text order."""
+    """Row ids int64 [n]: one head's 2-gram hashes of the corpus validation split folded into `rows` rows."""
     from tiergram.bench.cache import CacheBenchConfig, load_docs
     from tiergram.hashing import NgramHasher, build_compression
 

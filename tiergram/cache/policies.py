@@ -36,14 +36,12 @@ class LRUPolicy:
         del self._order[key]
 
     def victims(self, count: int, pinned: Pinned) -> list[int]:
-        """Up to `count` unpinned keys, least recently used first, in one pass (a whole admit's victims; LRU admits
-        every miss)."""
+        """Up to `count` unpinned keys, least recently used first, in one pass (LRU admits every miss)."""
         return list(itertools.islice((k for k in self._order if not pinned(k)), count))
 
 
 class LFUPolicy:
-    """Least frequently used with frequency admission (a miss enters only if used more than its victim); counts
-    halve every `decay_every` accesses (TinyLFU-style ageing)."""
+    """Least frequently used, admitting a miss only if used more than its victim; counts halve every decay_every."""
 
     name = "lfu"
 

@@ -1,7 +1,6 @@
-"""`EngramStore` with the API of Mooncake's `mooncake.store.EngramStore`, served by tiergram's tiers (docs/remote.md).
-
-`store` a `MooncakeDistributedStore` (tier 'mooncake': the table is pushed as `engram-l<layer_id>` and read through
-the mooncake tier), or a directory (tier 'host' or 'file': the table file `engram-l<layer_id>.tgram` there)."""
+"""`EngramStore` with the API of Mooncake's `mooncake.store.EngramStore`, served by tiergram's tiers (docs/remote.md):
+`store` a `MooncakeDistributedStore` (tier 'mooncake', the table pushed as `engram-l<layer_id>`), or a directory (tier
+'host' or 'file', the table file `engram-l<layer_id>.tgram` there)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Row ids: the one validator every reader of a table (store, kernels, Engram module) calls.
-
-Per-head ids [..., H], each in 0 .. head_rows[h] - 1. A non-integer array or a last axis other than H is a ValueError;
-an id outside its head an IndexError naming id, head, rows and position (the first bad id over the leading axes)."""
+"""Row ids: the one validator every reader of a table calls. Per-head ids [..., H], each in 0 .. head_rows[h] - 1;
+a non-integer array or a wrong last axis is a ValueError, an id outside its head an IndexError naming it."""
 
 from __future__ import annotations
 

@@ -30,8 +30,7 @@ class TensorLocation:
 
 
 def read_header(path: Path) -> dict[str, TensorLocation]:
-    """{tensor name: location} of one safetensors file; ValueError naming the file for a broken header or a
-    truncated shard."""
+    """{tensor name: location} of one safetensors file; ValueError for a broken header or a truncated shard."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -70,8 +69,7 @@ def read_header(path: Path) -> dict[str, TensorLocation]:
 
 
 def locate_tensors(ckpt_dir: str | os.PathLike, names: list[str]) -> dict[str, TensorLocation]:
-    """Locations of `names` in a checkpoint directory (sharded through its index, or one model.safetensors),
-    opening only their shards; a missing tensor or shard is a ValueError naming it."""
+    """Locations of `names` in a (sharded) checkpoint directory; ValueError names a missing tensor or shard."""
     root = Path(ckpt_dir)
     index = root / INDEX
     if index.is_file():

@@ -70,8 +70,7 @@ def write_table(path: str | os.PathLike, manifest: TableManifest, rows: RowSourc
 
 def write_pages(path: str | os.PathLike, manifest: TableManifest, fill: PageFiller, *,
                 progress: bool = True) -> Path:
-    """Write a table file whose pages' rows come from `fill(pages, first, n)`, whole or not at all; OSError before
-    a byte is written when it would not fit the free space."""
+    """Write a table file of pages filled by `fill(pages, first, n)`, whole or not at all (space checked first)."""
     path = Path(path)
     head, data_offset = pack_header(manifest)
     total = data_offset + manifest.data_bytes

@@ -120,8 +120,7 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
                      layout: RowLayout, *, cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                      fill: torch.Tensor | None = None, block_rows: int | None = None, num_warps: int = 4,
                      backend: str = "auto") -> None:
-    """The bare launch on out's device (ids [N*H], head_offsets [H], slots/fill [N*H] int64 there, out [N*H*D]);
-    nothing is checked: only for arguments gather_dequant already validated (the benchmark times the kernel so)."""
+    """The bare launch (ids [N*H], head_offsets [H], slots/fill [N*H] int64 on out's device), nothing checked."""
     n, h, dev = ids.numel(), head_offsets.numel(), out.device
     if n == 0:
         return

@@ -20,58 +20,46 @@ class RowTicket(Protocol):
 
     def done(self) -> bool:
         """True once the rows are ready (or the fetch failed or was cancelled)."""
-        ...
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """The rows [..., H, D]; raises the fetch's error, CancelledError, or TimeoutError after `timeout` s."""
-        ...
 
     def cancel(self) -> bool:
         """Abandon the fetch; True if it was stopped before delivering."""
-        ...
 
     @property
     def cancelled(self) -> bool:
         """True once cancel() was asked and the fetch did not deliver."""
-        ...
 
 
 @runtime_checkable
 class RowStore(Protocol):
-    """Per-head row ids int64 [..., H] in, rows [..., H, D] out, synchronously or prefetched: what TieredTable and
-    DeviceTable offer the engine, the model's row tables and the benchmarks."""
+    """Per-head row ids int64 [..., H] in, rows [..., H, D] out: what TieredTable and DeviceTable offer callers."""
 
     cache: RowCache | NativeRowCache | None  # the hot-row cache (DeviceRowCache is a RowCache), or None
 
     @property
     def num_heads(self) -> int:
         """H: hash heads, the last axis of the ids."""
-        ...
 
     @property
     def dim(self) -> int:
         """D: values per row."""
-        ...
 
     def lookup(self, row_ids: RowIds, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [..., H, D] of ids [..., H] (into `out` if given); IndexError names head and id."""
-        ...
 
     def prefetch(self, row_ids: RowIds) -> RowTicket:
         """Start fetching now; `ticket.wait()` gives what `lookup` would, `ticket.cancel()` abandons it."""
-        ...
 
     def warm(self, row_ids: RowIds, *, urgent: bool = False) -> RowTicket | None:
         """Read rows into the cache ahead of need (advisory; None without a cache); `urgent`: before the next step."""
-        ...
 
     def stats(self) -> dict[str, object]:
         """Counters since open: ids, unique ids, hits, misses per head, bytes per tier, cache occupancy."""
-        ...
 
     def close(self) -> None:
         """Release threads, files and registered memory."""
-        ...
 
 
 class TableBase:

@@ -26,8 +26,7 @@ class _DeviceRows:
 
 
 class DeviceRowCache(RowCache):
-    """A hot-row cache in device memory: slots uint8 [S, row_bytes] and tags int64 [S] (-1 empty); the host keeps
-    RowCache's index and policy, and `plan` turns unique keys into the hit and fill slots the kernel uses."""
+    """Slots uint8 [S, row_bytes] and tags int64 [S] (-1 empty) on the device; index and policy on the host."""
 
     def __init__(self, capacity: int, row_bytes: int, device: torch.device | str, policy: str = "lru") -> None:
         super().__init__(capacity, row_bytes, policy)

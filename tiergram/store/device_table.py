@@ -107,13 +107,11 @@ class DeviceTable(TableBase):
         return self._submit(row_ids, out, staged=False).wait()
 
     def prefetch(self, row_ids: np.ndarray | torch.Tensor) -> DeviceTicket:
-        """Start the fetch on the side stream; `ticket.wait()` returns what `lookup` would (host ids are checked
-        here; device ids in the worker, so the caller never synchronizes with the GPU)."""
+        """Start the fetch on the side stream; `ticket.wait()` returns what `lookup` would."""
         return self._submit(row_ids, None, staged=True)
 
     def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> DeviceTicket | None:
-        """Read the rows of per-head ids [..., H] into the HBM cache (None without a cache): a fetch into scratch on
-        the table's worker, in the prefetches' order, so `urgent` changes nothing here."""
+        """Fetch rows of ids [..., H] into the HBM cache in the prefetches' order (None without a cache)."""
         if self.cache is None:
             return None
         return self._submit(row_ids, None, staged=False)

@@ -34,14 +34,10 @@ NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
 
 
 class TieredTable(TableBase):
-    """One Engram layer's table served from a tier, optionally through a native hot-row cache (docs/placement.md).
-
-    tier 'host': the whole table in DRAM (shared=True: one /dev/shm copy for all processes); 'file': rows read from
-    the file (file_mode 'direct', 'buffered' or 'mmap'); 'mooncake': path 'mooncake://HOST:PORT/NAME', pages from
-    Mooncake Store (remote_options go to MooncakeTier.open; docs/remote.md). `cache_bytes`, or what a
-    `host_memory_bytes` budget leaves, caches encoded rows of the file or mooncake tier under `cache_policy`. The
-    file and mooncake tiers are served by the native fetch pipeline; the host tier and uncached mmap by a gather.
-    """
+    """One Engram layer's table served from tier 'host' (DRAM; shared=True: one /dev/shm copy), 'file' (file_mode
+    'direct', 'buffered' or 'mmap') or 'mooncake' (path 'mooncake://HOST:PORT/NAME'; remote_options go to
+    MooncakeTier.open), with an optional native hot-row cache of `cache_bytes` or what `host_memory_bytes` leaves
+    (docs/placement.md, docs/remote.md)."""
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",
@@ -121,9 +117,7 @@ class TieredTable(TableBase):
         return Ticket(future, threading.Event(), lambda: None)
 
     def warm(self, row_ids: np.ndarray | torch.Tensor, *, urgent: bool = False) -> NativeTicket | None:
-        """Read the uncached rows of per-head ids int64 [..., H] into the cache in the background (None without a
-        cache), behind earlier read-aheads or, `urgent`, on the prefetch queue. Advisory: a lookup re-reads what a
-        failed, cancelled or unfinished warm-up left out."""
+        """Read the uncached rows of ids int64 [..., H] into the cache in the background (advisory; None: no cache)."""
         self._check_open()
         if self.cache is None:
             return None

@@ -4,8 +4,7 @@ import numpy as np
 
 
 def aligned_empty(nbytes: int, alignment: int = 4096) -> np.ndarray:
-    """An uninitialised uint8 [nbytes] starting on an `alignment` boundary, as O_DIRECT needs (a view of a
-    larger allocation, kept alive through `.base`)."""
+    """An uninitialised uint8 [nbytes] on an `alignment` boundary, as O_DIRECT needs (a view; see `.base`)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     if alignment < 1 or alignment & (alignment - 1):

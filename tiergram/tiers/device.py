@@ -55,8 +55,7 @@ def host_view(array: np.ndarray) -> torch.Tensor:
 
 
 class PinnedHost:
-    """A host uint8 array registered with CUDA in place (cudaHostRegister): kernels read it by UVA through
-    `tensor`, a CPU tensor over it; on the CPU nothing is registered."""
+    """A host uint8 array registered with CUDA in place: kernels read `tensor` (a CPU view) by UVA."""
 
     def __init__(self, array: np.ndarray, device: torch.device | str) -> None:
         if array.dtype != np.uint8 or array.ndim != 1 or not array.flags.c_contiguous:

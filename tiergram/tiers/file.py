@@ -20,10 +20,8 @@ STAGING_KEEP_BYTES = 16 << 20
 
 
 class FileTier(PageTier):
-    """Rows straight from the table file: one batched, verified read per lookup of every page it needs.
-
-    mode 'direct' (O_DIRECT; `mode` says 'buffered' when the filesystem refused it), 'buffered', or 'mmap' (MADV_RANDOM,
-    rows through page faults, unverified: the baseline other engines use)."""
+    """Rows straight from the table file, one batched verified read per lookup: mode 'direct' (O_DIRECT; `mode`
+    says 'buffered' where refused), 'buffered', or 'mmap' (page faults, unverified: the baseline other engines use)."""
 
     name = "file"
 
@@ -66,8 +64,7 @@ class FileTier(PageTier):
         return super().read_rows(rows)
 
     def read_pages(self, pages: np.ndarray) -> np.ndarray:
-        """The pages int64 [M] as uint8 [M * page_size]: verified in this thread's staging buffer, or (mmap) copied
-        from the mapping unverified."""
+        """The pages int64 [M] as uint8 [M * page_size]: verified in staging, or (mmap) copied unverified."""
         if self.reader is None:
             return self.data.reshape(-1, self.manifest.page_size)[pages].reshape(-1)
         buf = self._staging(pages.size * self.manifest.page_size)
@@ -75,8 +72,7 @@ class FileTier(PageTier):
         return buf
 
     def _staging(self, nbytes: int) -> np.ndarray:
-        """An aligned buffer of nbytes, reused by this thread's calls up to STAGING_KEEP_BYTES (a fresh one costs
-        its page faults: ~4% of a 6,000-page lookup)."""
+        """An aligned buffer of nbytes, reused by this thread up to STAGING_KEEP_BYTES (saves its page faults)."""
         if nbytes > STAGING_KEEP_BYTES:
             return aligned_empty(nbytes)
         buf = getattr(self._local, "staging", None)

@@ -56,8 +56,7 @@ class HostTier(TableTier):
         return self.data, row_offsets(self.manifest, np.asarray(rows, dtype=np.int64)), 0
 
     def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
-        """Rows of ids int64 [N, H] into out [N, H, D] float32/bfloat16 or uint8 [N, H, row_bytes]; (global rows read
-        [N * H], 0 pages): duplicates are re-read, cheaper than finding them."""
+        """Rows of ids int64 [N, H] into out [N, H, D] or uint8 [N, H, row_bytes]; (global rows read, 0 pages)."""
         m = self.manifest
         if isinstance(out, torch.Tensor) and out.device.type == "cpu":
             # a numpy view crosses into the native call ~4 us faster than a tensor through DLPack (the whole
@@ -142,8 +141,7 @@ SHM_PREFIX = "tiergram-"
 
 
 def shared_name(table: TableFile) -> str:
-    """The /dev/shm file name of a table, the same in every process of a user (the user id in it: see
-    _open_verified)."""
+    """The /dev/shm file name of a table, the same in every process of a user (whose id it holds)."""
     st = table.path.resolve().stat()
     key = f"{table.path.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
     return f"{SHM_PREFIX}{os.getuid()}-{table.path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.tgram"
@@ -173,8 +171,7 @@ def remove_shared_copies(directory: Path = SHM_DIR) -> list[Path]:
 
 
 def _open_verified(dst: Path, table: TableFile, need: int) -> bool:
-    """Whether dst is a sound copy of `table` to reuse (a private plain file of ours, right size, header and every
-    page checksum); a bad one is removed."""
+    """Whether dst is a sound private copy of `table` to reuse (size, header, every page); a bad one is removed."""
     try:
         fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:

@@ -1,7 +1,5 @@
-"""Mooncake tier: a table's pages as objects in Mooncake Store, verified on arrival (docs/remote.md).
-
-`client`: URIs, keys, error codes, the shared client and bounded calls; `tier`: the read path; `push`: writing and
-removing a table."""
+"""Mooncake tier (docs/remote.md): `client` (URIs, keys, error codes, the shared client, bounded calls), `tier`
+(the read path, pages verified on arrival), `push` (writing and removing a table)."""
 
 from tiergram.tiers.mooncake.client import (
     OBJECT_NOT_FOUND,

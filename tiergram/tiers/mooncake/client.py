@@ -99,8 +99,7 @@ def client_bound_s(store: Any) -> float | None:
 
 def connect(master: str, *, local_hostname: str = "127.0.0.1", buffer_bytes: int = 16 << 20,
             timeout_s: float = 20.0) -> Any:
-    """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT; ConnectionError names the master and
-    Mooncake's code, or says it did not answer in time."""
+    """A set-up `MooncakeDistributedStore` client of the master at HOST:PORT; ConnectionError says why not."""
     check_master(master)
     for k, v in ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)

@@ -59,10 +59,8 @@ class RemoteCounters:
 
 
 class MooncakeTier(PageTier):
-    """Rows of a table held in Mooncake Store, one object per page (docs/remote.md).
-
-    `fallback`: a local copy of the table file that serves the pages Mooncake cannot. Store calls run on a worker
-    abandoned after `timeout_s`, at the lowest CPU priority: Mooncake's client spins until a batch completes."""
+    """Rows of a table held in Mooncake Store, one object per page (docs/remote.md); `fallback`: a local copy
+    for the pages Mooncake cannot serve. Store calls run on a low-priority worker, abandoned after `timeout_s`."""
 
     name = "mooncake"
 
@@ -166,8 +164,7 @@ class MooncakeTier(PageTier):
                     "fallback_pages": c.fallback_pages}
 
     def close(self) -> None:
-        """Unregister the staging buffers, close the fallback and (when this tier made it) the client; a client with
-        an abandoned call still running past its bound stays open (closing it under the call could crash)."""
+        """Unregister buffers, close the fallback and an owned client (kept open under a still-running call)."""
         self.reader.close()  # later native reads raise; lets go of read_pages (and this tier)
         bound = client_bound_s(self.store)
         if not self._caller.close(wait_s=bound + 1.0 if bound is not None else self.timeout_s):
