@@ -4,7 +4,6 @@ against a measured `tiergram bench serve` sweep."""
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -215,25 +214,19 @@ def sweep_split(sweep: dict[str, Any], label: str) -> Split:
 
 
 SWEEP_SCHEMA = 1  # the layout of `bench serve --json`: bench writes it, validate reads it
-COMPARED_LABEL = re.compile(r"-(nowait|process|plain|cold|busy|greedy|nice|passive|core|t\d+)$")
 
 
 def read_sweep(path: Path) -> dict[str, Any]:
-    """A `bench serve --json` sweep, its schema checked (one without the field is 1 when it has `variants`)."""
+    """A `bench serve --json` sweep, its schema checked."""
     try:
         sweep = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read the sweep JSON ({e})") from None
     if not isinstance(sweep, dict) or "config" not in sweep or "points" not in sweep:
         raise ValueError(f"{path}: not a `bench serve` sweep (no `config` and `points`)")
-    schema = sweep.get("schema", SWEEP_SCHEMA if "variants" in sweep["config"] else None)
-    if schema is None:
-        compared = sorted({p["placement"] for p in sweep["points"] if COMPARED_LABEL.search(p["placement"])})
-        raise ValueError(f"{path}: a sweep from before `bench serve --variants`"
-                         + (f" (servers {', '.join(compared)} named by the removed --compare-* flags)" if compared
-                            else "") + ": measure it again with `tiergram bench serve --json`")
-    if schema != SWEEP_SCHEMA:
-        raise ValueError(f"{path}: sweep schema {schema!r}; this tiergram reads schema {SWEEP_SCHEMA}")
+    if sweep.get("schema") != SWEEP_SCHEMA:
+        raise ValueError(f"{path}: sweep schema {sweep.get('schema')!r}; this tiergram reads schema {SWEEP_SCHEMA} "
+                         "(measure it again with `tiergram bench serve --json`)")
     return sweep
 
 
@@ -288,10 +281,6 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     if naive and not hw.serve_tok_s_curve:
         raise ValueError(f"hardware spec {hw.name!r} has no serve_tok_s_curve for the naive baseline: rerun "
                          "`tiergram plan calibrate` (without --no-serve), or refit with --measured")
-    if disk_from not in ("sweep", "spec"):
-        raise ValueError(f"disk_from must be 'sweep' or 'spec', got {disk_from!r}")
-    if speed_from not in ("sweep", "spec"):
-        raise ValueError(f"speed_from must be 'sweep' or 'spec', got {speed_from!r}")
     cfg = sweep["config"]
     conv = sweep_conversations(cfg)
     base_wl = replace(sweep_workload(cfg), host_traffic_bps=host_traffic_bps)

@@ -31,8 +31,7 @@ class Field:
     scale: float = 1.0  # file unit -> dataclass unit
     required: bool = True
     kind: str = "number"  # number | int | str | curve | ints | counts (an integer > 0, or a list of them)
-    minimum: float = 0.0  # numbers must be >= this (and > 0 when positive)
-    positive: bool = False
+    positive: bool = False  # numbers must be > 0 (else >= 0)
 
 
 HARDWARE_FIELDS = (
@@ -132,7 +131,7 @@ def _value(path: Path, table: str, f: Field, raw: Any) -> Any:
         what = "an integer" if integer else "a number"
         raise SpecError(f"{where}: expected {what}, got {raw!r}")
     v = float(raw)
-    if not math.isfinite(v) or v < f.minimum or (f.positive and v <= 0):
+    if not math.isfinite(v) or v < 0 or (f.positive and v <= 0):
         raise SpecError(f"{where}: must be {'> 0' if f.positive else '>= 0'} and finite, got {raw!r}")
     return int(v) if integer else v * f.scale
 

@@ -32,17 +32,13 @@ WORKLOADS = {"8K/1K": (8192, 1024), "1K/8K": (1024, 8192), "128K/4K": (131072, 4
 
 def envelope(front: Front, grid: np.ndarray) -> np.ndarray:
     """Best throughput a front reaches at interactivity >= each grid value (nan where it never does)."""
-    out = np.full(len(grid), np.nan)
-    for i, x in enumerate(grid):
-        ok = [p.throughput_tok_s for p in front.points if p.interactivity >= x]
-        if ok:
-            out[i] = max(ok)
-    return out
+    return np.array([max((p.throughput_tok_s for p in front.points if p.interactivity >= x), default=np.nan)
+                     for x in grid])
 
 
-def _workload(name: str, max_num_seqs: int = 4096) -> Workload:
+def _workload(name: str) -> Workload:
     i, o = WORKLOADS[name]
-    return Workload(input_len=i, output_len=o, max_num_seqs=max_num_seqs, max_num_batched_tokens=16384)
+    return Workload(input_len=i, output_len=o, max_num_seqs=4096, max_num_batched_tokens=16384)
 
 
 def offload_vs_resident(model: ModelSpec, hws: dict[str, HardwareSpec]) -> dict[str, Any]:
@@ -53,16 +49,12 @@ def offload_vs_resident(model: ModelSpec, hws: dict[str, HardwareSpec]) -> dict[
             wl = _workload(wname)
             dev = predict_front(model, hw, wl, Placement("device"))
             host = predict_front(model, hw, wl, Placement("host"))
-            if not dev.points:
-                out[f"{hname} {wname}"] = {"device_fits": False, "host_limit": host.limit.concurrency,
-                                           "fronts": (dev, host)}
-                continue
             xs = [p.interactivity for f in (dev, host) for p in f.points]
             grid = np.geomspace(min(xs), max(xs), 200)
             ratio = envelope(host, grid) / envelope(dev, grid)
             ratio = ratio[~np.isnan(ratio)]
             out[f"{hname} {wname}"] = {
-                "device_fits": True, "device_limit": dev.limit.concurrency, "device_binding": dev.limit.binding,
+                "device_limit": dev.limit.concurrency, "device_binding": dev.limit.binding,
                 "host_limit": host.limit.concurrency, "host_binding": host.limit.binding,
                 "share_host_better": float((ratio > 1.01).mean()), "median_ratio": float(np.median(ratio)),
                 "max_ratio": float(ratio.max()), "fronts": (dev, host)}
