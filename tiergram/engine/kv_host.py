@@ -25,8 +25,6 @@ class HostKV:
     """num_slots host blocks, each holding one device block of every paged cache (K, V, the Engram conv state)."""
 
     def __init__(self, num_slots: int, caches: list[torch.Tensor], block_size: int) -> None:
-        if num_slots < 1:
-            raise ValueError(f"a host K/V tier needs at least one block, got {num_slots}")
         self.num_slots = num_slots
         self.block_size = block_size
         self.device_caches = caches  # each [layers, num_blocks * block_size, ...]

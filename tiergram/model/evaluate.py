@@ -41,9 +41,7 @@ def eval_documents(corpus: str | os.PathLike, split: str, tokenizer: Any, *,
     for i, enc in zip(order, encs, strict=True):
         cat = docs[i].category
         room = None if max_tokens_per_category is None else max_tokens_per_category - taken.get(cat, 0)
-        if room is not None and room <= 0:
-            continue
-        ids = enc.ids[:room] if room is not None else enc.ids
+        ids = enc.ids[:room]  # room >= 0: a category is never filled past its cap
         if not ids:
             continue
         out.append(EvalDoc(cat, np.asarray([eot, *ids], dtype=np.int64)))

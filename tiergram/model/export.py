@@ -50,12 +50,8 @@ def export_model(model_dir: str | os.PathLike, codec: str = "fp8_e4m3", out: str
     hashing = model.hasher.config()
     files = {}
     for layer, table in model.engram_tables().items():
-        weight, offsets = table.weight_for_export()
-        head_rows = tuple(model.hasher.head_sizes(layer))
-        if tuple(table.head_sizes) != head_rows:
-            raise ValueError(f"layer {layer}: table heads {table.head_sizes} differ from the hasher's "
-                             f"{list(head_rows)}")
-        manifest = TableManifest(codec=codec, dim=weight.shape[1], head_rows=head_rows, layer_id=layer,
+        weight, _ = table.weight_for_export()
+        manifest = TableManifest(codec=codec, dim=weight.shape[1], head_rows=tuple(table.head_sizes), layer_id=layer,
                                  hashing=hashing, provenance={"tool": "tiergram export", "model": str(model_dir),
                                                               "training": source.get("training")})
         name = table_filename(layer, codec)

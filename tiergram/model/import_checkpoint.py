@@ -125,10 +125,7 @@ def plan_import(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, toke
     tok_path = tokenizer_file(tokenizer if tokenizer is not None else ckpt,
                               "the hashing compresses the checkpoint's own: give --tokenizer a tokenizer.json")
     tok = load_tokenizer(tok_path)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    if not 0 <= cfg.pad_token_id < vocab:
-        raise ValueError(f"engram_pad_token_id {cfg.pad_token_id} is outside the tokenizer's {vocab} ids ({tok_path})")
-    base = preset(backbone, vocab)
+    base = preset(backbone, tok.get_vocab_size(with_added_tokens=True))  # ModelConfig checks the pad id against it
     # Engram sits at the checkpoint's own block indices: the hash multipliers are drawn per layer id
     n_layers = max(base.n_layers, max(cfg.layer_ids) + 1)
     engram = EngramSettings(layers=list(cfg.layer_ids), max_ngram_size=cfg.max_ngram_size,
