@@ -134,14 +134,13 @@ def ablate_loss(model: EngramLM, windows: list[Window], *, batch_size: int = 8, 
         prefill = [len(windows[i].inputs) // 2 for i in idx]
         decode = ~keep_mask(prefill, x.shape[1], Setting("", True, False)).numpy()
         valid = (y != -100).cpu().numpy()
-        for j, i in enumerate(idx):
-            counts[0, windows[i].doc] += valid[j].sum()
-            counts[1, windows[i].doc] += (valid[j] & decode[j]).sum()
+        docs = [windows[i].doc for i in idx]
+        np.add.at(counts[0], docs, valid.sum(1))
+        np.add.at(counts[1], docs, (valid & decode).sum(1))
         for s in SETTINGS:
             loss = setting_losses(model, x, y, prefill, s).numpy() * valid
-            for j, i in enumerate(idx):
-                sums[s.name][0, windows[i].doc] += loss[j].sum()
-                sums[s.name][1, windows[i].doc] += loss[j][decode[j]].sum()
+            np.add.at(sums[s.name][0], docs, loss.sum(1))
+            np.add.at(sums[s.name][1], docs, (loss * decode).sum(1))
     return LossSums(sums, counts, doc_category)
 
 

@@ -40,13 +40,12 @@ def skip_losses(model: EngramLM, tr: Trace, masks: dict[str, dict[int, np.ndarra
         docs = [tr.windows[i].doc for i in idx]
         valid = (y != -100).cpu().numpy()
         np.add.at(counts, docs, valid.sum(1))
+        where = np.concatenate([starts[i] + np.arange(len(tr.windows[i].inputs)) for i in idx])  # the valid positions
         for name, per_layer in masks.items():
             rows, keep = {}, {}
             for layer, m in per_layer.items():
                 skip = np.zeros(tuple(row_ids[layer].shape), dtype=bool)
-                for j, i in enumerate(idx):
-                    n = len(tr.windows[i].inputs)
-                    skip[j, :n] = m[starts[i]:starts[i] + n]
+                skip[valid] = m[where]
                 s = torch.from_numpy(skip).to(x.device)
                 rows[layer] = fetched[layer].masked_fill(s[..., None], 0.0)
                 keep[layer] = ~s.all(-1)
