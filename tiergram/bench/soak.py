@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,39 +155,23 @@ def send_hostile(url: str, max_model_len: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ overload
 
-@dataclass
-class LoadReport:
-    """What a closed loop of streaming clients saw."""
-
-    clients: int = 0
-    sent: int = 0
-    completed: int = 0  # 200 and a finish_reason
-    rejected_429: int = 0
-    client_errors_4xx: int = 0
-    server_errors_5xx: int = 0  # a 5xx status, or an error event in a stream
-    lost: int = 0  # no status, a broken stream, or a stream that ended without finish_reason or error
-    ttft_p50_s: float = 0.0
-    ttft_p90_s: float = 0.0
-    max_waiting_seen: int = 0
-    seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)
-
-
-# one_stream's outcomes and the LoadReport counter of each
-OUTCOME_COUNTERS = {"ok": "completed", "429": "rejected_429", "4xx": "client_errors_4xx", "5xx": "server_errors_5xx",
-                    "lost": "lost"}
+# one_stream's outcomes: completed (200 and a finish_reason), rejected_429, client_errors_4xx, server_errors_5xx (a
+# 5xx status or an error event in a stream), lost (no status, a broken stream, or one that ended without a finish)
+OUTCOMES = ("completed", "rejected_429", "client_errors_4xx", "server_errors_5xx", "lost")
 
 
 def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, float | None, str]:
-    """One streaming request: (outcome, TTFT or None, detail); outcome ok | 429 | 4xx | 5xx | lost."""
+    """One streaming request: (one of OUTCOMES, TTFT or None, detail)."""
     t0 = time.perf_counter()
     ttft = None
     try:
         with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
             if r.status_code != 200:
                 r.read()
-                outcome = "429" if r.status_code == 429 else "5xx" if r.status_code >= 500 else "4xx"
-                return outcome, None, "" if outcome == "429" else f"{r.status_code} {r.text[:200]}"
+                if r.status_code == 429:
+                    return "rejected_429", None, ""
+                return ("server_errors_5xx" if r.status_code >= 500 else "client_errors_4xx"), None, \
+                    f"{r.status_code} {r.text[:200]}"
             finished = done = False
             for line in r.iter_lines():
                 if line == "data: [DONE]":
@@ -195,21 +179,21 @@ def one_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[st
                 elif line.startswith("data: "):
                     event = json.loads(line[6:])
                     if "error" in event:
-                        return "5xx", ttft, event["error"]["message"][:200]
+                        return "server_errors_5xx", ttft, event["error"]["message"][:200]
                     choice = event["choices"][0] if event.get("choices") else {}
                     if ttft is None and choice.get("token_ids"):
                         ttft = time.perf_counter() - t0
                     finished = finished or choice.get("finish_reason") is not None
-            return ("ok" if finished and done else "lost"), ttft, "" if finished else "stream ended without a finish"
+            return ("completed" if finished and done else "lost"), ttft, "" if finished else "ended without a finish"
     except (httpx.HTTPError, ValueError) as e:
         return "lost", ttft, f"{type(e).__name__}: {e}"
 
 
 def overload(url: str, *, clients: int, requests: int | None = None, duration_s: float | None = None,
              max_tokens: int = 8, retry_after_s: float = 0.1, progress: bool = False,
-             on_progress: Any = None) -> LoadReport:
+             on_progress: Any = None) -> dict[str, Any]:
     """`clients` streaming clients until `requests` sent or `duration_s` passed; 429s retried."""
-    rep = LoadReport(clients=clients)
+    rep: dict[str, Any] = {"clients": clients, "sent": 0, **dict.fromkeys(OUTCOMES, 0), "errors": []}
     lock = threading.Lock()
     ttfts: list[float] = []
     end = time.monotonic() + duration_s if duration_s is not None else float("inf")
@@ -217,9 +201,9 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
 
     def take() -> bool:
         with lock:
-            if time.monotonic() >= end or (requests is not None and rep.sent >= requests):
+            if time.monotonic() >= end or (requests is not None and rep["sent"] >= requests):
                 return False
-            rep.sent += 1
+            rep["sent"] += 1
             return True
 
     def client_loop(i: int) -> None:
@@ -230,16 +214,15 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
                         "temperature": rng.choice([0, 0.7, 1e-30]), "ignore_eos": True}
                 outcome, ttft, detail = one_stream(client, url, body)
                 with lock:
-                    counter = OUTCOME_COUNTERS[outcome]
-                    setattr(rep, counter, getattr(rep, counter) + 1)
-                    if outcome == "ok" and ttft is not None:
+                    rep[outcome] += 1
+                    if outcome == "completed" and ttft is not None:
                         ttfts.append(ttft)
-                    if detail and len(rep.errors) < 10:
-                        rep.errors.append(f"{outcome}: {detail}")
+                    if detail and len(rep["errors"]) < 10:
+                        rep["errors"].append(f"{outcome}: {detail}")
                 bar.update(1)
                 if on_progress is not None:
                     on_progress(rep)
-                if outcome == "429":
+                if outcome == "rejected_429":
                     time.sleep(retry_after_s)
 
     t0 = time.perf_counter()
@@ -250,10 +233,9 @@ def overload(url: str, *, clients: int, requests: int | None = None, duration_s:
         for t in threads:
             t.join()
     bar.close()
-    rep.seconds = time.perf_counter() - t0
-    rep.max_waiting_seen = int(max((m.get("tiergram_num_requests_waiting", 0) for m in samples), default=0))
-    if ttfts:  # (no admitted request: the fields stay 0)
-        rep.ttft_p50_s, rep.ttft_p90_s = percentile(ttfts, 50), percentile(ttfts, 90)
+    rep["seconds"] = time.perf_counter() - t0
+    rep["max_waiting_seen"] = int(max((m.get("tiergram_num_requests_waiting", 0) for m in samples), default=0))
+    rep["ttft_p50_s"], rep["ttft_p90_s"] = (percentile(ttfts, 50), percentile(ttfts, 90)) if ttfts else (0.0, 0.0)
     return rep
 
 
@@ -547,13 +529,12 @@ def run(cfg: SoakConfig, progress: bool = True) -> dict[str, Any]:
         rss = {"start": scrape(url)["process_resident_memory_bytes"]}
         warm = max(1, cfg.requests // 10)
 
-        def note_rss(rep: LoadReport) -> None:
-            if "after_warmup" not in rss and rep.sent >= warm:
+        def note_rss(rep: dict[str, Any]) -> None:
+            if "after_warmup" not in rss and rep["sent"] >= warm:
                 rss["after_warmup"] = -1.0  # claimed; scraped below by this thread
                 rss["after_warmup"] = scrape(url)["process_resident_memory_bytes"]
 
-        res["load"] = asdict(overload(url, clients=clients, requests=cfg.requests, progress=progress,
-                                      on_progress=note_rss))
+        res["load"] = overload(url, clients=clients, requests=cfg.requests, progress=progress, on_progress=note_rss)
         rss["end"] = scrape(url)["process_resident_memory_bytes"]
         res["rss"] = {**rss, "growth_after_warmup": rss["end"] - rss.get("after_warmup", rss["start"]),
                       "requests_after_warmup": cfg.requests - warm}
