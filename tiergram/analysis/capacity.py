@@ -78,11 +78,8 @@ def count_rows(model: EngramLM, windows: list[Window], batch: int = 256) -> dict
         cats = np.repeat([cat_index[windows[i].category] for i in idx], x.shape[1]).reshape(valid.shape)[valid]
         for layer, rows in model.hasher.row_ids(x.numpy()).items():
             rc = out[layer]
-            flat = rows[valid] + rc.offsets  # [n, H]
-            for c in range(len(CATEGORIES)):
-                sel = flat[cats == c].ravel()
-                if len(sel):
-                    rc.counts[c] += np.bincount(sel, minlength=rc.counts.shape[1])
+            flat = cats[:, None] * rc.counts.shape[1] + rows[valid] + rc.offsets  # [n, H] into counts.ravel()
+            rc.counts += np.bincount(flat.ravel(), minlength=rc.counts.size).reshape(rc.counts.shape)
     return out
 
 
