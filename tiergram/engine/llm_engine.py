@@ -361,30 +361,23 @@ class LLMEngine:
     def metrics(self) -> EngineMetrics:
         """A snapshot of the counters."""
         with self._lock:
-            total, used = self.blocks.num_blocks, self.blocks.num_used
-            st = self._stats
+            total, used, p = self.blocks.num_blocks, self.blocks.num_used, self.blocks.stats
+            host = {}
+            if self.kv_host is not None:
+                h = self.kv_host.stats
+                host = dict(kv_host_blocks_total=self.kv_host.num_slots, kv_host_blocks_used=self.kv_host.num_used,
+                            kv_host_bytes_to_host=h.bytes_to_host, kv_host_bytes_to_device=h.bytes_to_device,
+                            kv_host_wait_s=h.wait_s)
             return dataclasses.replace(
-                st, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-                kv_blocks_total=total, kv_blocks_used=used, kv_usage=used / total if total else 0.0,
+                self._stats, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                kv_blocks_total=total, kv_blocks_used=used, kv_usage=used / total,
                 num_preemptions=self.scheduler.num_preemptions, engram=table_stats(self.sources, self.placements),
-                budget=self.budget.as_dict(), stall_by_layer_s=dict(st.stall_by_layer_s),
+                budget=self.budget.as_dict(), stall_by_layer_s=dict(self._stats.stall_by_layer_s),
                 degrade_level=self.degrader.level, skipped_rows=self.degrader.skipped_rows,
-                degrade_steps=dict(self.degrader.level_steps), **self._kv_counters())
-
-    def _kv_counters(self) -> dict[str, Any]:
-        """(Under the lock) the prefix cache's and the host K/V tier's counters, as EngineMetrics fields."""
-        p = self.blocks.stats
-        hits = p.device_hit_tokens + p.host_hit_tokens
-        out = dict(prefix_queried_tokens=p.queried_tokens, prefix_device_hit_tokens=p.device_hit_tokens,
-                   prefix_host_hit_tokens=p.host_hit_tokens,
-                   prefix_hit_rate=hits / p.queried_tokens if p.queried_tokens else 0.0,
-                   kv_cached_blocks=len(self.blocks.cached), kv_evicted_blocks=p.evicted_blocks)
-        if self.kv_host is not None:
-            h = self.kv_host.stats
-            out.update(kv_host_blocks_total=self.kv_host.num_slots, kv_host_blocks_used=self.kv_host.num_used,
-                       kv_host_bytes_to_host=h.bytes_to_host, kv_host_bytes_to_device=h.bytes_to_device,
-                       kv_host_wait_s=h.wait_s)
-        return out
+                degrade_steps=dict(self.degrader.level_steps), prefix_queried_tokens=p.queried_tokens,
+                prefix_device_hit_tokens=p.device_hit_tokens, prefix_host_hit_tokens=p.host_hit_tokens,
+                prefix_hit_rate=(p.device_hit_tokens + p.host_hit_tokens) / max(1, p.queried_tokens),
+                kv_cached_blocks=len(self.blocks.cached), kv_evicted_blocks=p.evicted_blocks, **host)
 
     def close(self) -> None:
         """Stop the tables' prefetch workers and release their tiers."""
