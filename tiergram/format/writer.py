@@ -106,11 +106,10 @@ def free_bytes(directory: str | os.PathLike) -> int:
 
 
 def _check_free_space(path: Path, need: int) -> None:
-    parent = path.parent if str(path.parent) else Path(".")
-    free = free_bytes(parent)
+    free = free_bytes(path.parent)
     # an existing file of that name is replaced only after the new one is whole: its bytes do not help
     if need > free:
-        raise OSError(errno.ENOSPC, f"{path}: the table needs {need:,} bytes ({_human(need)}) but {parent} has "
+        raise OSError(errno.ENOSPC, f"{path}: the table needs {need:,} bytes ({_human(need)}) but {path.parent} has "
                                     f"{free:,} bytes ({_human(free)}) free; nothing was written")
 
 
@@ -122,7 +121,7 @@ def _remove_stale_temps(path: Path) -> None:
     """Delete temp files of this name left by writers that were killed (kill -9 cannot clean up after itself)."""
     pattern = re.compile(re.escape(path.name) + r"\.tmp-(\d+)-[0-9a-f]+$")
     with contextlib.suppress(OSError):
-        for entry in os.scandir(path.parent if str(path.parent) else "."):
+        for entry in os.scandir(path.parent):
             m = pattern.match(entry.name)
             if m and not _alive(int(m.group(1))):
                 with contextlib.suppress(OSError):
@@ -142,16 +141,12 @@ def _alive(pid: int) -> bool:
 @contextlib.contextmanager
 def _terminate_as_exit() -> Iterator[None]:
     """SIGTERM raises SystemExit while a table is written from the main thread, so the temp file is removed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def on_term(signum, frame):  # noqa: ARG001
         raise SystemExit(128 + signum)
 
     try:
         old = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main interpreter
+    except ValueError:  # not the main thread of the main interpreter: not ours to set
         yield
         return
     try:
@@ -168,8 +163,6 @@ def aligned_pages(nbytes: int) -> np.ndarray:
 
 def open_direct(fd: int) -> bool:
     """Turn O_DIRECT on for an open file; False where the file system refuses it (tmpfs, some FUSE)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
     import fcntl
 
     try:

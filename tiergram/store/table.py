@@ -188,9 +188,6 @@ class TieredTable(TableBase):
             snap.update(self.tier.stats())
         if self.tier.name == "mooncake":  # remote reads: calls, pages, bytes, latency, faults, fallback pages
             snap["remote"] = self.tier.stats()
-            remote_bytes = snap["bytes_read"].get("mooncake", 0)  # counted apart from the file tier's
-            miss_bytes = snap["misses"] * self.manifest.row_bytes
-            snap["read_amplification"] = remote_bytes / miss_bytes if miss_bytes and remote_bytes else None
         if self.cache is not None:
             snap["cache"] = self.cache_stats()
         return snap
@@ -211,7 +208,6 @@ class TieredTable(TableBase):
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"TieredTable for {self.table.path} is closed")
-
 
     def _output(self, id_shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         shape = (*id_shape, self.dim)
@@ -240,7 +236,7 @@ class TieredTable(TableBase):
             self.stats_.record(ids=per_head_ids, tier_bytes={"host": uniq.size * m.row_bytes})
             return
         counts = per_head_counts(uniq, self._offsets)  # mmap without a cache: every distinct row is a miss
-        self.stats_.record(ids=per_head_ids, unique=counts, hits=np.zeros_like(counts), misses=counts,
+        self.stats_.record(ids=per_head_ids, unique=counts, misses=counts,
                            tier_bytes={self.tier.name: pages * m.page_size}, pages=pages)
 
     def _native(self, call, flat: np.ndarray, *args: object) -> object:

@@ -155,13 +155,10 @@ class MooncakeTier(PageTier):
         with self._lock:
             c = self.counters
             lat = np.asarray(c.latencies, dtype=np.float64)
-            return {"master": self.master, "table": self.table_name, "calls": c.calls,
-                    "waiter_priority": self._caller.priority(), "pages_read": c.pages_read,
-                    "bytes_read": c.bytes_read, "seconds": c.seconds,
+            return {"master": self.master, "table": self.table_name, "waiter_priority": self._caller.priority(),
+                    **{k: v for k, v in vars(c).items() if k != "latencies"},
                     "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
-                    "latency_ms_p99": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
-                    "errors": c.errors, "checksum_failures": c.checksum_failures, "retries": c.retries,
-                    "fallback_pages": c.fallback_pages}
+                    "latency_ms_p99": float(np.percentile(lat, 99) * 1e3) if lat.size else None}
 
     def close(self) -> None:
         """Unregister buffers, close the fallback and an owned client (kept open under a still-running call)."""
