@@ -272,6 +272,7 @@ def model_from_dir(model_dir: Path) -> ModelSpec:
     from tiergram.engine.config import EngineConfig
     from tiergram.model.checkpoint import read_config
     from tiergram.model.config import ModelConfig
+    from tiergram.model.model import EngramLM
 
     try:
         cfg_obj = read_config(str(model_dir))
@@ -283,43 +284,25 @@ def model_from_dir(model_dir: Path) -> ModelSpec:
         raise SpecError(f"{model_dir}: the model has no Engram layers: nothing to place")
     import torch
 
-    elem = 4  # the engine runs float32 on a CPU
+    with torch.device("meta"):
+        lm = EngramLM(cfg)
+    weights = lm.num_params()["backbone"]  # the engine runs float32 on a CPU: 4 bytes each
+    # an embedding lookup multiplies nothing (a tied LM head multiplies the same weights); a token runs top_k experts
+    active = weights - lm.tok_emb.weight.numel() + (cfg.vocab_size * cfg.d_model if cfg.tie_embeddings else 0)
+    if cfg.moe is not None:
+        m = cfg.moe
+        active -= len(m.layers) * (m.n_experts - m.top_k) * 3 * cfg.d_model * m.expert_ffn
     kv = kv_block_bytes(cfg, 1, torch.float32)  # K, V and the short conv's paged input, as the engine sizes them
-    params = _backbone_params(cfg)
     act = activation_bytes(cfg, max_num_batched_tokens=EngineConfig.max_num_batched_tokens,
                            max_num_seqs=EngineConfig.max_num_seqs, max_model_len=cfg.max_seq, dtype=torch.float32)
     sizes = engram_head_table_sizes(e.engram_vocab_size, e.max_ngram_size, e.n_head_per_ngram, e.layers)
     rows = tuple(sum(map(sum, sizes[layer])) for layer in sorted(e.layers))  # each layer's heads end to end
     row_bytes = e.dim + e.dim // 32  # one byte per value and one E8M0 scale per 32 values
-    return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(params["active"]),
-                     weight_bytes=float(params["bytes"]), active_weight_bytes=float(params["active"] * elem),
+    return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(active),
+                     weight_bytes=float(weights * 4), active_weight_bytes=float(active * 4),
                      kv_bytes_per_token=float(kv), engram=EngramGeometry(tuple(sorted(e.layers)), e.n_heads,
                                                                           row_bytes, rows, e.dim),
                      activation_bytes=float(act))
-
-
-def _backbone_params(cfg: Any) -> dict[str, int]:
-    """Weights the engine holds on the device (tables excluded) and the parameters a token multiplies."""
-    import torch
-
-    from tiergram.model.model import EngramLM
-
-    with torch.device("meta"):
-        model = EngramLM(cfg)
-    total = active = 0
-    for name, p in model.named_parameters():
-        if ".table." in name:
-            continue
-        total += p.numel()
-        if name.startswith("tok_emb"):
-            continue  # an embedding lookup multiplies nothing (the tied LM head is added below)
-        active += p.numel()
-    if cfg.tie_embeddings:
-        active += cfg.vocab_size * cfg.d_model
-    if cfg.moe is not None:
-        m = cfg.moe
-        active -= len(m.layers) * (m.n_experts - m.top_k) * 3 * cfg.d_model * m.expert_ffn
-    return {"bytes": total * 4, "active": active}
 
 
 def with_hit_rates(model: ModelSpec, path: Path) -> ModelSpec:
