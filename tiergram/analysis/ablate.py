@@ -12,15 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergram.analysis.doctest_task import DoctestTask, answer_of, is_finished
-from tiergram.analysis.stats import (
-    Estimate,
-    interval,
-    mean_estimate,
-    paired_ratio_delta,
-    ratio_estimate,
-    seed_cells,
-    seed_delta,
-)
+from tiergram.analysis.stats import Estimate, interval, paired_ratio_delta, ratio_estimate, seed_cells, seed_delta
 from tiergram.analysis.trace import EngramHooks
 from tiergram.corpus import EOT
 from tiergram.model.evaluate import Window, eval_batches
@@ -181,7 +173,8 @@ def ablate_generation(model: EngramLM, tokenizer: Any, tasks: list[DoctestTask],
             hits[s.name][k] = float(answer == t.expected)
             answers.append(answer)
             n_gen.append(len(ids))
-        results.append(GenerationResult(s.name, mean_estimate(hits[s.name]), float(np.mean(n_gen)), answers=answers))
+        results.append(GenerationResult(s.name, ratio_estimate(hits[s.name], np.ones(len(tasks))),
+                                        float(np.mean(n_gen)), answers=answers))
     return results
 
 

@@ -37,12 +37,6 @@ def paired_ratio_delta(sums_a: np.ndarray, sums_b: np.ndarray, counts: np.ndarra
     return ratio_estimate(np.asarray(sums_b, dtype=np.float64) - np.asarray(sums_a, dtype=np.float64), counts, seed)
 
 
-def mean_estimate(values: np.ndarray, seed: int = 0) -> Estimate:
-    """Mean of per-unit values (e.g. exact-match 0/1 per task) with its bootstrap interval."""
-    values = np.asarray(values, dtype=np.float64)
-    return ratio_estimate(values, np.ones_like(values), seed)
-
-
 def seed_interval(values: list[float]) -> list[float] | None:
     """Two-sided 95% t interval of the mean of per-seed values (None below 2 values)."""
     from scipy import stats
