@@ -70,8 +70,6 @@ class BlockManager:
         """Blocks that hold num_tokens positions."""
         return -(-num_tokens // self.block_size)
 
-    # -- allocation ---------------------------------------------------------------------------------------------
-
     def _take(self) -> int:
         """One block for new tokens: an unnamed free one, else the least recently used cached one (evicted)."""
         if self._free:

@@ -137,8 +137,6 @@ class LLMEngine:
             block_bytes=kv_block_bytes(mconfig, c.block_size, dtype), block_size=c.block_size,
             max_num_seqs=c.max_num_seqs, max_model_len=self.max_model_len, num_kv_blocks=c.num_kv_blocks)
 
-    # -- requests -------------------------------------------------------------------------------------------
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; ValueError for bad input, QueueFullError when max_waiting requests already wait."""
         prompt = self._check_prompt(prompt_token_ids, params)
@@ -221,8 +219,6 @@ class LLMEngine:
             for seq in list(self._seqs.values()):
                 outputs.append(self._fail(seq, error))
             return outputs
-
-    # -- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once over every scheduled chunk, sample, and report what changed."""
@@ -318,8 +314,6 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
         return seq.output([token])
-
-    # -- conveniences ---------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline: run every prompt to completion (in one continuous batch) and return their output tokens."""

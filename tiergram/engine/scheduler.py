@@ -44,7 +44,6 @@ class Scheduler:
         """Pick this step's sequences and token counts, allocating their blocks; `ready(seq)` False holds the queue."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        # running sequences: decodes (one pending token) first, then unfinished prefills, each in arrival order
         queue = [s for s in self.running if s.num_pending == 1] + [s for s in self.running if s.num_pending > 1]
         i = 0
         while i < len(queue) and budget > 0:
@@ -61,7 +60,6 @@ class Scheduler:
                 batch.add(seq, n)
                 budget -= n
                 i += 1
-        # new or resumed sequences, while budget, sequence slots and blocks last (none after a preemption)
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if ready is not None and not ready(seq):

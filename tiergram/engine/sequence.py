@@ -49,8 +49,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     finish_reason: str | None = None
     warmed_to: int = 0  # prompt tokens before this have had their Engram rows read ahead into the caches
-    # read-aheads of its first prompt chunk still to finish (tickets with done()); while any is pending the scheduler
-    # leaves it waiting, so a step that runs other sequences' decodes does not stall on this prompt's rows
+    # read-aheads of its first prompt chunk still to finish (tickets): it waits while any is pending
     rows_pending: list[Any] = field(default_factory=list)
     rows_since: float = 0.0  # perf_counter() when rows_pending was set
 

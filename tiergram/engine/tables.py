@@ -63,8 +63,7 @@ def open_table(path: Path, placement: Placement, device: torch.device) -> Any:
                        file_mode=placement.file_mode, host_memory_bytes=budget)
 
 
-# a DeviceTable's preload is warm-up calls coldest part first (they set the cache's recency order), each gathering
-# its rows into a scratch output ([positions, H, D] on the device): parts of at most
+# a DeviceTable's preload gathers each warm-up part into a scratch [positions, H, D] on the device: parts of at most
 DEVICE_PRELOAD_POSITIONS = 4096
 
 

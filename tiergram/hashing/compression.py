@@ -58,10 +58,7 @@ def as_lookup(compression: Any) -> tuple[np.ndarray, int]:
         raise ValueError(f"compression lookup must hold integers, got dtype {lookup.dtype}")
     if lookup.min() < 0:
         raise ValueError("compression lookup holds negative compressed ids")
-    lookup = lookup.astype(np.int64)
-    # The compressed vocabulary is the id range 0..max. build_compression's ids are dense, so this is
-    # its distinct-key count (as in the demo); a hand-made lookup may leave ids unused.
-    return lookup, int(lookup.max()) + 1
+    return lookup.astype(np.int64), int(lookup.max()) + 1  # the id range 0..max (a hand-made lookup may have gaps)
 
 
 def lookup_digest(lookup: np.ndarray) -> str:

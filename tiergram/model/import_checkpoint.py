@@ -194,8 +194,7 @@ def row_copier(li: LayerImport, weight_fd: int, scale_fd: int) -> PageFiller:
         w_off, s_off = li.weight.offset + g0 * d, li.scale.offset + g0 * s
         _pread_into(weight_fd, memoryview(wbuf)[: rows * d], w_off, li.weight)
         _pread_into(scale_fd, memoryview(sbuf)[: rows * s], s_off, li.scale)
-        # the checkpoint is read once: keep it from pushing everything else out of the page cache, and have the
-        # kernel read the next chunk while this one is copied into pages (the disk's read stream never idles)
+        # read once: out of the page cache after, and the next chunk read by the kernel while this one is copied
         os.posix_fadvise(weight_fd, w_off, rows * d, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(scale_fd, s_off, rows * s, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(weight_fd, w_off + rows * d, rows * d, os.POSIX_FADV_WILLNEED)

@@ -52,8 +52,7 @@ class EngramGeometry:
         return max(1, pages_per_layer * self.rows_per_page // self.n_heads)
 
 
-# DeepSeek-V4.1-Flash: Engram in two layers, orders 2-4 x 8 heads = 24 heads, 264-byte rows (256 FP8-e4m3 values + 8
-# ue8m0 scales), about 384M rows per layer (~16M per head), no short convolution in the V4.1 port.
+# DeepSeek-V4.1-Flash: 264-byte rows (256 FP8-e4m3 values + 8 ue8m0 scales), ~384M rows per layer, no short conv
 GEOMETRIES = {
     "deepseek-v4.1": EngramGeometry("deepseek-v4.1", max_ngram_size=4, n_head_per_ngram=8, dim=256, n_layers=2,
                                     conv_kernel=0, full_rows_per_head=16_000_000),

@@ -50,7 +50,6 @@ class MoE(nn.Module):
         choices, weights, probs = self.route(flat)
         if self.record:
             self.last_choices = choices.reshape(*shape[:-1], self.top_k).detach()
-        # the balance loss only matters to training; inference (eval mode, the engine) skips its bookkeeping
         self.aux_loss = load_balancing_loss(probs, choices, self.n_experts) if self.training else None
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):

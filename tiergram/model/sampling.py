@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# Below this temperature the distribution is, to float precision, the argmax: sample greedily instead of
-# dividing the logits into overflow (1e-40 used to turn every logit into inf and the probabilities into NaN).
+# below this temperature the distribution is the argmax to float precision (dividing by 1e-40 overflowed to NaN)
 MIN_TEMPERATURE = 1e-5
 
 
