@@ -79,7 +79,13 @@ class EngineShared:
         """ConfigError for the first shared setting out of range (`host_memory`: the host budget's field)."""
         at_least(self, 1, "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", host_memory)
         at_least(self, 0, "max_waiting")
-        check_kv_host(self, host_memory)
+        f = self.kv_host_fraction  # the host K/V tier takes this share of the host memory, for cached prefix blocks
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
+            raise ConfigError.field(self, "kv_host_fraction", f"must be a number in [0, 1), got {f!r}")
+        if f and getattr(self, host_memory) is None:
+            raise ConfigError.field(self, "kv_host_fraction", f"needs {host_memory}: the host K/V tier takes a share")
+        if f and not self.prefix_caching:
+            raise ConfigError.field(self, "kv_host_fraction", "needs prefix_caching: the host K/V tier keeps prefixes")
 
 
 @dataclass
@@ -219,9 +225,6 @@ class ServeSettings:
                             host_memory_bytes=e.host_memory, **{**shared, "device": device or e.device})
 
 
-SECTIONS = {"engine": EngineSettings, "server": ServerSettings}
-
-
 def read_file(path: str | os.PathLike, where: str = "") -> dict[str, Any]:
     """A TOML file's table (JSON by its .json suffix); ConfigError naming `where` (default the path) if unreadable."""
     path = Path(path)
@@ -241,12 +244,12 @@ def load(path: str | os.PathLike) -> ServeSettings:
 
 def from_dict(raw: Any, where: str = "the configuration") -> ServeSettings:
     """ServeSettings from a file's table (read_file's): only [engine], [engram] and [server], each key checked."""
-    unknown = set(raw) - {*SECTIONS, "engram"}
+    unknown = set(raw) - {"engine", "engram", "server"}
     if unknown:
         raise ConfigError(f"{where}: unknown sections {sorted(unknown)} (valid: engine, engram, server)")
     return ServeSettings(engram=engram_from(raw.get("engram", {}), f"{where}: [engram]"),
-                         **{name: section(cls, raw.get(name, {}), f"{where}: [{name}]")
-                            for name, cls in SECTIONS.items()})
+                         engine=section(EngineSettings, raw.get("engine", {}), f"{where}: [engine]"),
+                         server=section(ServerSettings, raw.get("server", {}), f"{where}: [server]"))
 
 
 def engram_from(raw: Any, where: str) -> EngramSettings:
@@ -333,17 +336,6 @@ def at_least(obj: Any, low: int, *names: str) -> None:
         value = getattr(obj, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
             raise ConfigError.field(obj, name, f"must be an integer >= {low}, got {value!r}")
-
-
-def check_kv_host(obj: Any, host_memory: str) -> None:
-    """ConfigError unless kv_host_fraction lies in [0, 1), with `host_memory` and prefix caching set if above 0."""
-    f = obj.kv_host_fraction
-    if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 <= f < 1:
-        raise ConfigError.field(obj, "kv_host_fraction", f"must be a number in [0, 1), got {f!r}")
-    if f and getattr(obj, host_memory) is None:
-        raise ConfigError.field(obj, "kv_host_fraction", f"needs {host_memory}: the host K/V tier takes that share")
-    if f and not obj.prefix_caching:
-        raise ConfigError.field(obj, "kv_host_fraction", "needs prefix_caching: the host K/V tier keeps prefix blocks")
 
 
 def _drop_none(obj: Any) -> Any:

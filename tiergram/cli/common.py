@@ -20,9 +20,8 @@ COMMON: dict[str, dict[str, Any]] = {
 def add_common(p: argparse.ArgumentParser | argparse._ArgumentGroup, *flags: str, **helps: str) -> None:
     """Add the COMMON options `flags` to p in order; `helps` replaces one's help, by name (plot="heat map PNG")."""
     for flag in flags:
-        kw = COMMON[flag]
         name = flag.removeprefix("--")
-        p.add_argument(flag, **(kw | {"help": helps[name]} if name in helps else kw))
+        p.add_argument(flag, **COMMON[flag] | ({"help": helps[name]} if name in helps else {}))
 
 
 def config_from(cls: type, args: argparse.Namespace) -> Any:

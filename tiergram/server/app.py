@@ -30,13 +30,13 @@ from tiergram.server.async_engine import AsyncEngine, EngineDeadError, EngineLoo
 from tiergram.server.edge import REFUSED, RETRY_AFTER_S, Guard, edge_protocol
 from tiergram.server.engine_process import EngineProcess
 from tiergram.server.metrics import CONTENT_TYPE, ServerMetrics
-from tiergram.server.openapi import openapi_schema
 from tiergram.server.protocol import (
     APIError,
     Detokenizer,
     GenerationRequest,
     bad,
     chunk,
+    openapi_schema,
     redact,
     response,
     tokenize,
@@ -185,11 +185,6 @@ class _Generation:
         self.state.metrics.observe_finished(self.finish_reason or "abort", time.perf_counter() - self.arrival,
                                             self.prompt_tokens, len(self.token_ids))
         self.state.in_flight -= 1
-
-    def fail(self, reason: str) -> None:
-        """Close a request the engine never accepted (counted under `reason`, not in the latency histograms)."""
-        self.finish_reason = reason
-        self.close()
 
 
 def _failure(gen: _Generation, e: Exception) -> APIError:
@@ -341,8 +336,7 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        error = APIError(500, state.internal(e, "the request failed"), "server_error")
-        return JSONResponse(error.body(), status_code=500)
+        return JSONResponse(APIError(500, state.internal(e, "the request failed"), "server_error").body(), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -358,14 +352,13 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         m = aengine.snapshot
-        body = {"status": "ok", "model": state.model_name, "max_model_len": state.max_model_len,
-                "kv_blocks_total": m.kv_blocks_total, "num_running": m.num_running, "num_waiting": m.num_waiting,
-                "faults": m.faults, "consecutive_faults": m.consecutive_faults,
-                "last_fault": m.last_fault and state.shown(m.last_fault),
-                "failed_requests": m.failed_requests}
-        if m.consecutive_faults >= settings.unhealthy_after:  # every step fails: a fault that does not go away
-            return JSONResponse({**body, "status": "unhealthy"}, status_code=503)
-        return JSONResponse(body)
+        unhealthy = m.consecutive_faults >= settings.unhealthy_after  # every step fails: a fault that does not go away
+        return JSONResponse({"status": "unhealthy" if unhealthy else "ok", "model": state.model_name,
+                             "max_model_len": state.max_model_len, "kv_blocks_total": m.kv_blocks_total,
+                             "num_running": m.num_running, "num_waiting": m.num_waiting, "faults": m.faults,
+                             "consecutive_faults": m.consecutive_faults,
+                             "last_fault": m.last_fault and state.shown(m.last_fault),
+                             "failed_requests": m.failed_requests}, status_code=503 if unhealthy else 200)
 
     @app.get("/openapi.json")
     async def openapi() -> JSONResponse:
@@ -411,10 +404,12 @@ def create_app(engine: LLMEngine | EngineProcess, settings: ServerSettings | Non
         try:
             q = await aengine.add(req.request_id, req.prompt_token_ids, req.params)
         except (QueueFullError, ValueError, EngineDeadError) as e:
-            gen.fail("rejected")
+            gen.finish_reason = "rejected"  # the engine never took it: not in the latency histograms
+            gen.close()
             raise _refusal(state, e) from None
         except BaseException:
-            gen.fail("abort")
+            gen.finish_reason = "abort"
+            gen.close()
             raise
         if req.stream:
             return _EventStream(_stream(gen, q), gen.close)

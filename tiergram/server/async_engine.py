@@ -170,12 +170,6 @@ class AsyncEngine:
                 if self._streams.pop(rid, None) is not None:
                     self.engine.abort_request(rid)
 
-    def _take_snapshot(self, force: bool) -> None:
-        now = time.perf_counter()
-        if force or now - self._snapshot_t >= SNAPSHOT_EVERY_S:
-            self.snapshot = self.engine.metrics()
-            self._snapshot_t = now
-
     def _run(self) -> None:
         _native.name_thread("tiergram-engine")  # the OS's name too: top -H and perf tell the step thread apart
         try:
@@ -192,18 +186,19 @@ class AsyncEngine:
     def _turn(self) -> None:
         """One round of the loop: the inbox, then a step (or an idle wait)."""
         changed = self._handle_inbox()
-        if self.engine.has_unfinished():
+        busy = self.engine.has_unfinished()
+        if busy:
             try:
                 outputs = self.engine.step()
             except Exception as e:  # noqa: BLE001 - outside the engine's own isolation: fail what is open
                 self.engine.record_fault(e)
                 outputs = self.engine.fail_all(e)
             self._deliver(outputs)
-            self._take_snapshot(force=changed)
-            self.on_update()
-        else:
-            self._take_snapshot(force=True)
-            self.on_update()
+        now = time.perf_counter()
+        if changed or not busy or now - self._snapshot_t >= SNAPSHOT_EVERY_S:
+            self.snapshot, self._snapshot_t = self.engine.metrics(), now
+        self.on_update()
+        if not busy:
             self._wake.wait(IDLE_WAIT_S)
             self._wake.clear()
 

@@ -28,13 +28,6 @@ def error_body(status: int, message: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
 
 
-def raw_response(status: int, body: bytes, headers: tuple[tuple[str, str], ...] = ()) -> bytes:
-    """A whole HTTP/1.1 response that closes the connection, written past h11 (no request was parsed)."""
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json",
-             f"content-length: {len(body)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
 def edge_protocol(state: Any) -> type:
     """uvicorn's h11 protocol with the deadlines and connection cap of an app's ServerState (which counts them)."""
     settings: ServerSettings = state.settings
@@ -114,7 +107,10 @@ def edge_protocol(state: Any) -> type:
                 self.cycle.message_event.set()
             else:
                 state.metrics.count_request("other", status)  # no app saw it: count it here
-            self.transport.write(raw_response(status, error_body(status, message, code), headers))
+            body = error_body(status, message, code)  # a whole response closing the connection, past h11
+            lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json",
+                     f"content-length: {len(body)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
+            self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self.loop.call_later(REFUSE_GRACE_S, self.transport.close)

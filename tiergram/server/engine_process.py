@@ -30,7 +30,7 @@ class EngineStartError(RuntimeError):
 # ------------------------------------------------------------------------------------------ engine process
 
 class _Outbox:
-    """The engine process's side of the pipe: acceptances go at once, outputs once per engine round."""
+    """Sends on a pipe under a lock; the engine process's: acceptances at once, outputs once per engine round."""
 
     def __init__(self, conn: Any, core: AsyncEngine | None = None) -> None:
         self.conn, self.core = conn, core
@@ -43,7 +43,7 @@ class _Outbox:
         with self.lock:
             try:
                 self.conn.send(msg)
-            except (OSError, ValueError):  # the HTTP process is gone: the receiver sees EOF and stops us
+            except (OSError, ValueError):  # the other process is gone: its EOF is the receiver's to handle
                 pass
 
     def flush(self) -> None:
@@ -111,10 +111,8 @@ def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
         return
     core = AsyncEngine(engine, on_update=outbox.flush)
     outbox.core = core
-    outbox.send(("ready", {"tokenizer": engine.tokenizer, "model_name": engine.model_name,
-                           "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                           "max_waiting": engine.config.max_waiting,
-                           "snapshot": (core.snapshot, time.process_time())}))
+    outbox.send(("ready", (engine.tokenizer, engine.model_name, engine.max_model_len, engine.vocab_size,
+                           engine.config.max_waiting, core.snapshot, time.process_time())))
     core.start()
     try:
         while True:
@@ -153,15 +151,10 @@ class EngineProcess:
                                  daemon=True)
         self._proc.start()
         child.close()
-        info = self._startup(start_timeout_s)
-        self.tokenizer = info["tokenizer"]
-        self.model_name: str = info["model_name"]
-        self.max_model_len: int = info["max_model_len"]
-        self.vocab_size: int = info["vocab_size"]
-        self.max_waiting: int = info["max_waiting"]
-        # the latest EngineMetrics the engine process sent, and its CPU seconds (all threads) then
-        self.snapshot, self.engine_cpu_seconds = info["snapshot"]
-        self._send_lock = threading.Lock()
+        # snapshot: the latest EngineMetrics the engine process sent; engine_cpu_seconds: its CPU seconds (all threads)
+        (self.tokenizer, self.model_name, self.max_model_len, self.vocab_size, self.max_waiting, self.snapshot,
+         self.engine_cpu_seconds) = self._startup(start_timeout_s)
+        self._outbox = _Outbox(self._conn)  # this side sends through it too (no outputs of its own)
         self._lock = threading.Lock()  # guards _streams, _pending and _dead
         self._streams: dict[str, AsyncioStream] = {}
         self._pending = 0  # adds sent, not yet accepted or refused
@@ -169,7 +162,7 @@ class EngineProcess:
         self.error: BaseException | None = None
         self._reader: threading.Thread | None = None
 
-    def _startup(self, timeout_s: float) -> dict[str, Any]:
+    def _startup(self, timeout_s: float) -> tuple:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.2):  # (a process that exits closes its end: poll answers, recv raises EOFError)
             if time.monotonic() > deadline:
@@ -215,7 +208,7 @@ class EngineProcess:
                 raise EngineDeadError(f"the engine is not running ({self.error or 'stopped'})")
             self._streams[request_id] = stream
             self._pending += 1
-        self._send(("add", request_id, list(prompt_token_ids), params))
+        self._outbox.send(("add", request_id, list(prompt_token_ids), params))
         return await accepted(stream, lambda: self.abort(request_id))
 
     @property
@@ -227,11 +220,11 @@ class EngineProcess:
         """Abort a request and forget its stream; no-op when it has finished."""
         with self._lock:
             self._streams.pop(request_id, None)
-        self._send(("abort", request_id))
+        self._outbox.send(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine process (requests still running are failed) and wait for it."""
-        self._send(("stop",))
+        self._outbox.send(("stop",))
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
@@ -241,13 +234,6 @@ class EngineProcess:
         self._conn.close()
 
     close = stop
-
-    def _send(self, msg: tuple) -> None:
-        with self._send_lock:
-            try:
-                self._conn.send(msg)
-            except (OSError, ValueError):  # the engine process is gone; the reader fails what is open
-                pass
 
     # -- reader thread
 
