@@ -98,13 +98,13 @@ def _stem(run: str) -> str:
 
 
 def compare(result: SweepRun, what: str, share: float, subject: dict[int, str], reference: dict[int, str],
-            subject_key: str = "on", reference_key: str = "on") -> Comparison | None:
-    """The paired comparison of two sets of runs (seed -> run) over the seeds both have finished."""
+            subject_key: str = "on") -> Comparison | None:
+    """The paired comparison of two sets of runs (seed -> run; the subject's Engram on or off) over common seeds."""
     seeds = sorted(s for s in subject if s in reference and subject[s] in result.sums
                    and reference[s] in result.sums and subject_key in result.sums[subject[s]])
     if not seeds:
         return None
-    delta, per, ci = seed_delta([result.sums[reference[s]][reference_key] for s in seeds],
+    delta, per, ci = seed_delta([result.sums[reference[s]]["on"] for s in seeds],
                                 [result.sums[subject[s]][subject_key] for s in seeds], result.counts)
     point = next(p for p in result.points if p.run == subject[seeds[0]])
     off = " (Engram off)" if subject_key == "off" else ""
@@ -120,15 +120,12 @@ def comparisons(result: SweepRun) -> list[Comparison]:
     base = runs.get(("sweep", 0.0), {})
     out = []
     for share in sorted({p.share for p in result.points if p.share > 0}):
-        engram = runs.get(("sweep", share), {})
-        for what, subject, reference, keys in (
-                ("engram_vs_control", engram, runs.get(("tokens", share), {}), ("on", "on")),
-                ("control_vs_share0", runs.get(("tokens", share), {}), base, ("on", "on")),
-                ("engram_vs_share0", engram, base, ("on", "on")),
-                ("engram_off", engram, engram, ("off", "on")),
-                ("off_vs_control", engram, runs.get(("tokens", share), {}), ("off", "on")),
-                ("engram_vs_compute", engram, runs.get(("compute", share), {}), ("on", "on"))):
-            c = compare(result, what, share, subject, reference, *keys)
+        engram, control, compute = (runs.get((kind, share), {}) for kind in ("sweep", "tokens", "compute"))
+        for what, subject, reference, key in (
+                ("engram_vs_control", engram, control, "on"), ("control_vs_share0", control, base, "on"),
+                ("engram_vs_share0", engram, base, "on"), ("engram_off", engram, engram, "off"),
+                ("off_vs_control", engram, control, "off"), ("engram_vs_compute", engram, compute, "on")):
+            c = compare(result, what, share, subject, reference, key)
             if c is not None:
                 out.append(c)
     return out
