@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from codec_bounds import error_bound
 from safetensors.torch import save_file
 
 from tiergram.cli import main
@@ -50,7 +51,7 @@ def assert_close_to_source(path: Path, source: np.ndarray) -> None:
     got = all_rows(path).astype(np.float64)
     assert got.shape == source.shape
     err = np.abs(got - source.astype(np.float64))
-    assert np.all(err <= codec.error_bound(source)), f"worst error/bound {np.max(err / codec.error_bound(source))}"
+    assert np.all(err <= error_bound(codec, source)), f"worst error/bound {np.max(err / error_bound(codec, source))}"
 
 
 # --- create (random) -> info -> verify ---------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from codec_bounds import error_bound
 
 from tiergram.codecs import CODECS, Codec
 from tiergram.engram import Engram, EngramConfig, RowSourceTable, ShortConv, TrainableTable
@@ -80,7 +81,7 @@ def test_matches_reference_math(hc_mult, conv_kernel):
     cfg = make_config(hc_mult, conv_kernel)
     m = make_engram(cfg)
     hidden, row_ids = make_inputs(cfg)
-    out, gates = m(hidden, row_ids=row_ids, return_gates=True)
+    out, gates = m(hidden, row_ids=row_ids), m.gates(hidden, row_ids=row_ids)
     assert out.shape == hidden.shape and out.dtype == torch.float32
     assert gates.shape == (*hidden.shape[:2], hc_mult)
     with torch.no_grad():
@@ -97,7 +98,7 @@ def test_gates_in_open_unit_interval_and_method_agrees(hc_mult):
     hidden, row_ids = make_inputs(cfg)
     hidden[0, 0] = 0.0  # zero query: dot product 0 -> gate exactly 1/2
     hidden[1, 1] *= 1e4  # huge query: RMSNorm bounds the dot product, so the gate stays inside (0, 1)
-    _, gates = m(hidden, row_ids=row_ids, return_gates=True)
+    gates = m.gated_value(hidden, row_ids=row_ids)[1]
     assert torch.all((gates > 0) & (gates < 1))
     assert torch.all(gates[0, 0] == 0.5)
     assert torch.equal(m.gates(hidden, row_ids=row_ids), gates)
@@ -184,8 +185,8 @@ def test_rows_path_equals_row_ids_path():
     m = make_engram(cfg)
     hidden, row_ids = make_inputs(cfg)
     rows = m.table(row_ids).detach().requires_grad_(True)
-    out_rows, gates_rows = m(hidden, rows=rows, return_gates=True)
-    out_ids, gates_ids = m(hidden, row_ids=row_ids, return_gates=True)
+    out_rows, gates_rows = m(hidden, rows=rows), m.gates(hidden, rows=rows)
+    out_ids, gates_ids = m(hidden, row_ids=row_ids), m.gates(hidden, row_ids=row_ids)
     assert torch.equal(out_rows, out_ids) and torch.equal(gates_rows, gates_ids)
     out_rows.sum().backward()  # fetched rows still get a gradient (e.g. to study what the table learns)
     assert rows.grad is not None and rows.grad.shape == rows.shape
@@ -236,7 +237,7 @@ def test_row_source_table_matches_trainable_within_codec_error(codec_name, hc_mu
     # output moves by at most |J|·delta, J the Jacobian of the output in the rows. Twice that covers
     # the second-order terms (gate curvature, RMSNorm), plus float32 round-off.
     rows = trained.table(row_ids).detach()
-    delta = torch.from_numpy(codec.error_bound(weight.numpy()))[row_ids + torch.tensor(offsets)]
+    delta = torch.from_numpy(error_bound(codec, weight.numpy()))[row_ids + torch.tensor(offsets)]
     jac = torch.func.jacrev(lambda r: trained(hidden, rows=r))(rows)  # [out..., in...]
     jac = jac.reshape(hidden.numel(), rows.numel()).double()
     first_order = (jac.abs() @ delta.reshape(-1)).reshape(hidden.shape)
@@ -327,4 +328,4 @@ def test_codec_error_bound_shape_used_above():
     # the tolerance above indexes error_bound by global row: it must be elementwise [rows, D]
     w = np.random.default_rng(0).standard_normal((60, 32)).astype(np.float32)
     for codec in CODECS.values():
-        assert codec.error_bound(w).shape == w.shape
+        assert error_bound(codec, w).shape == w.shape
