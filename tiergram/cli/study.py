@@ -243,8 +243,8 @@ def cmd_predictor(args: argparse.Namespace) -> int:
     from tiergram.analysis.training_rows import training_rows
     from tiergram.model.evaluate import make_windows
 
-    rates, methods = args.rates, args.methods if "predictor" in args.methods else ("predictor", *args.methods)
-    check_settings(rates, methods, args.random_seeds)  # before the model runs, not after the traces
+    methods = args.methods if "predictor" in args.methods else ("predictor", *args.methods)
+    check_settings(args.rates, methods, args.random_seeds)  # before the model runs, not after the traces
     _nonnegative(args, "train_gate_tokens", "doc_tokens")
     model, tokenizer, corpus = _load(args)
     train = None
@@ -258,8 +258,8 @@ def cmd_predictor(args: argparse.Namespace) -> int:
     else:
         eval_windows = _windows(model, tokenizer, corpus, args)
     fit = _trace(model, _windows(model, tokenizer, corpus, args, args.fit_tokens, fit_split), args)
-    report, predictor = skip_study(model, fit, _trace(model, eval_windows, args), train, rates=rates, methods=methods,
-                                   random_seeds=args.random_seeds, batch_size=args.batch_size,
+    report, predictor = skip_study(model, fit, _trace(model, eval_windows, args), train, rates=args.rates,
+                                   methods=methods, random_seeds=args.random_seeds, batch_size=args.batch_size,
                                    sketch_width=args.sketch_width, model_name=str(args.dir),
                                    fit_split=fit_split, eval_split=args.split, progress=not args.quiet)
     if args.save:
