@@ -1,5 +1,4 @@
-"""`tiergram bench serve`'s load: held-out text cut into requests or conversations, and the closed loop of streaming
-HTTP clients that replays it and times every token."""
+"""`bench serve`'s load: held-out text cut into requests or conversations, replayed by streaming HTTP clients."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`tiergram bench serve`: throughput against interactivity of the real server, per table placement, by the
-InferenceX method (docs/serving.md, "`tiergram bench serve`"). The pieces: `serve_config`, `load`, `serve_process`,
-`serve_stats` and `serve_report`; this module runs the sweep and keeps the names other modules import."""
+"""`tiergram bench serve` (docs/serving.md): runs the sweep that `serve_config` describes with the servers of
+`serve_process` and the load of `load`; `serve_stats` and `serve_report` make its figures and report."""
 
 from __future__ import annotations
 

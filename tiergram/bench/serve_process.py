@@ -1,5 +1,4 @@
-"""The servers of `tiergram bench serve` (and `bench soak`): a `tiergram serve` subprocess, its memory (host cache
-per layer, the concurrency its K/V budget holds, peak RSS), its /metrics, and the table files it places."""
+"""The servers of `bench serve` and `bench soak`: `tiergram serve` subprocesses, their caches, memory and CPU."""
 
 from __future__ import annotations
 
@@ -193,19 +192,10 @@ def layer_table_bytes(model_dir: str, codec: str = "fp8_e4m3") -> list[int]:
 
 
 def cache_budgets(cfg: SweepConfig, tables: list[Path]) -> dict[str, int]:
-    """Each server's host cache per layer, bytes: a fraction of the smallest layer's table."""
-    labels = cfg.labels()
+    """Each server's host cache per layer, bytes: a fraction of the smallest layer's table (a variant: its base's)."""
     smallest = min(path.stat().st_size for path in tables)
-    caches = {label: 0 for label in labels}
-    for fraction in cfg.fractions:
-        caches[file_label(fraction) if len(cfg.fractions) > 1 else "file"] = int(fraction * smallest)
-    if "mooncake" in caches:  # the same host cache as the file placement
-        caches["mooncake"] = int(cfg.fractions[0] * smallest)
-    for label in labels:
-        if cfg.base_of(label) != label:  # a variant: its base's cache, unless it sets its own
-            caches[label] = cfg.variants[label].engine.get("cache_bytes", caches[cfg.base_of(label)])
-    if cfg.big_model_dir:
-        first_file = next((caches[lb] for lb in labels if lb != "file-big" and cfg.kind_of(lb) == "file"),
-                          int(cfg.fractions[0] * smallest))
-        caches["file-big"] = cfg.big_cache_bytes if cfg.big_cache_bytes is not None else first_file
-    return caches
+    caches = {file_label(f) if len(cfg.fractions) > 1 else "file": int(f * smallest) for f in cfg.fractions}
+    first = int(cfg.fractions[0] * smallest)  # mooncake's, and file-big's unless big_cache_bytes says
+    caches |= {"mooncake": first, "file-big": first if cfg.big_cache_bytes is None else cfg.big_cache_bytes}
+    return {lb: cfg.variants[lb].engine.get("cache_bytes", caches.get(cfg.base_of(lb), 0)) if lb in cfg.variants
+            else caches.get(lb, 0) for lb in cfg.labels()}
