@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,10 @@ MEASUREMENT_SCHEMA = 1  # the layout of the measurement dict; bench.calibrate wr
 class Calibration:
     """The fitted figures, in the units the spec file uses, how each was measured, and the fits behind them."""
 
-    values: dict[str, Any] = field(default_factory=dict)
-    disk: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)
-    fits: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any]
+    disk: dict[str, Any]
+    sources: dict[str, str]
+    fits: dict[str, Any]
 
 
 def read_measurements(path: Path) -> dict[str, Any]:
@@ -152,8 +152,7 @@ def fit(raw: dict[str, Any]) -> Calibration:
     bw, speed = raw["host_bandwidth_bytes_s"], raw["cpu_speed_ms"]
     # the step model's CPU compute is FLOPs per token / FLOP/s: this gives the calibrated model its measured cost
     flops = m["flops_per_token"] / st["per_token_s"] if st["per_token_s"] > 0 else 1e9
-    cal = Calibration(fits={"lookups": g, "steps": st, "file": fc, "disk": d, "serve": srv, "cpu_speed_ms": speed})
-    cal.values = {
+    values = {
         "name": f"this machine ({raw['cpus']} CPUs)", "kind": "cpu",
         "device_memory_gb": round(2 * 2**30 / 1e9, 6),
         "device_bw_gbps": round(bw / 1e9, 3), "compute_tflops": round(flops / 1e12, 6),
@@ -169,10 +168,10 @@ def fit(raw: dict[str, Any]) -> Calibration:
         "link_gbps": 0.0, "cores": raw["cpus"], "cpu_speed_ms": round(float(np.median(speed)), 3),
         **{k: srv[k] for k in ("server_step_curve", "request_steps_curve", "serve_tok_s_curve") if srv.get(k)},
     }
-    cal.disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
-                "iops_curve": d["iops_curve"], "cache_pages_per_s": d["reread_pages_per_s"]}
-    cal.sources = sources(raw, st)
-    return cal
+    disk = {"drives": 1, "page_bytes": 4096, "cpu_us_per_page": round(fc["cpu_s_per_page"] * 1e6, 2), "threads": 1,
+            "iops_curve": d["iops_curve"], "cache_pages_per_s": d["reread_pages_per_s"]}
+    return Calibration(values, disk, sources(raw, st),
+                       {"lookups": g, "steps": st, "file": fc, "disk": d, "serve": srv, "cpu_speed_ms": speed})
 
 
 def sources(raw: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:

@@ -24,15 +24,10 @@ class EngramGeometry:
         return len(self.layers) * self.heads
 
     @property
-    def table_rows(self) -> int:
-        """Rows of all layers' tables."""
-        rows = self.rows_per_layer
-        return sum(rows) if isinstance(rows, tuple) else len(self.layers) * rows
-
-    @property
     def table_bytes(self) -> int:
         """All layers' tables, encoded."""
-        return self.table_rows * self.row_bytes
+        rows = self.rows_per_layer
+        return (sum(rows) if isinstance(rows, tuple) else len(self.layers) * rows) * self.row_bytes
 
 
 @dataclass(frozen=True)
@@ -236,11 +231,6 @@ class Workload:
         """Mean prompt tokens a request computes: those the prefix cache did not hold."""
         return self.input_len - self.cached_len
 
-    @property
-    def seq_tokens(self) -> int:
-        """The KV tokens one sequence holds at its end."""
-        return int(math.ceil((self.max_input_len or self.input_len) + (self.max_output_len or self.output_len)))
-
 
 @dataclass
 class Point:
@@ -288,7 +278,8 @@ def interpolate(curve: tuple[tuple[float, float], ...], x: float, log_x: bool = 
 
 def kv_bytes_per_seq(model: ModelSpec, wl: Workload) -> float:
     """K/V bytes one running sequence holds at its end (rounded up to whole blocks), with its fixed state."""
-    blocks = math.ceil(wl.seq_tokens / wl.block_size)
+    tokens = math.ceil((wl.max_input_len or wl.input_len) + (wl.max_output_len or wl.output_len))
+    blocks = math.ceil(tokens / wl.block_size)
     return blocks * wl.block_size * model.kv_bytes_per_token + model.kv_state_bytes_per_seq
 
 

@@ -259,12 +259,6 @@ def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first:
     return replace(base, prompt_rows_first=first if rows_first is None else rows_first and first)
 
 
-def sweep_disk_limit(sweep: dict[str, Any], label: str) -> float:
-    """The disk's limit (pages/s, QD 128) the sweep measured on the tables `label` read (0: none measured)."""
-    key = "big_disk_pages_per_s" if sweep_base(sweep["config"], label) == "file-big" else "disk_pages_per_s"
-    return min((sweep.get(key) or {}).values(), default=0.0)
-
-
 def binds(engram: str, disk_share: float, stall_share: float) -> str:
     """What binds a point, by its evidence: the disk at its whole limit, the Engram source past 25% stall, else
     compute (validate names both sides by this rule)."""
@@ -308,7 +302,9 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         kind = pl.kind
         source = first = None
         wl = server_workload(base_wl, cfg, name, rows_first)
-        disk_limit = sweep_disk_limit(sweep, name)
+        # the disk's limit (pages/s, QD 128) the sweep measured on this server's tables (0: none)
+        key = "big_disk_pages_per_s" if sweep_base(cfg, name) == "file-big" else "disk_pages_per_s"
+        disk_limit = min((sweep.get(key) or {}).values(), default=0.0)
         hw_pt = hw
         if kind == "file":
             if model.hit_rate_curve:  # a server that preloaded hot rows reads the hot curve, where the spec has one
@@ -343,6 +339,8 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         inter = pt.get("interactivity_p50")
         stall = float(pt.get("exposed_stall_s") or 0.0) / max(1e-9, float(pt.get("duration_s") or 0.0) or 1e9)
         disk = float(pt.get("file_pages_per_s") or 0.0) / disk_limit if disk_limit else 0.0
+        past = {c for key, check in sweep.get("checks", {}).items() if key.startswith(f"{name}_vs_host")
+                for c in check.get("above_disk_limit") or []}  # read past the disk's new-page limit
         seen = ENGRAM_SOURCE[kind]
         # the prediction's side by the same rule, from its own disk share and stall (the engine's wait) share
         p_stall = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0)) / p.step_s if p.step_s > 0 else 0.0
@@ -355,7 +353,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
                              pt.get("server_step_ms"),
                              # with think time a user's cycle holds the steps run while it thinks, as the server counts
                              round(p.cycle_s / p.step_s if got else steps_per_request(wl, p.concurrency, hw), 2),
-                             pt.get("steps_per_request"), int(pt["concurrency"]) in past_limit(sweep, name),
+                             pt.get("steps_per_request"), int(pt["concurrency"]) in past,
                              round(interpolate(hw.serve_tok_s_curve, p.concurrency, log_x=True), 1) if naive
                              else None, None if got is None else round(got.hit_rate, 4), pt.get("prefix_hit_rate")))
         if name not in limits:
@@ -403,12 +401,6 @@ def best_of(rows: list[Compared]) -> dict[int, dict[str, Any]]:
     pred, meas = best_splits(points("predicted_tok_s")), best_splits(points("measured_tok_s"))
     return {c: {"predicted": pred[c][0], "predicted_margin": round(pred[c][1], 4), "measured": meas[c][0],
                 "measured_margin": round(meas[c][1], 4)} for c in pred}
-
-
-def past_limit(sweep: dict[str, Any], label: str) -> set[int]:
-    """The concurrencies at which the sweep flagged `label` as reading past the disk's new-page limit."""
-    return {c for key, check in sweep.get("checks", {}).items() if key.startswith(f"{label}_vs_host")
-            for c in check.get("above_disk_limit") or []}
 
 
 def validate_text(res: dict[str, Any]) -> str:
