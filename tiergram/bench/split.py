@@ -4,7 +4,6 @@ tables and the host K/V tier, as a table and a plot (docs/findings.md, "K/V and 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -15,27 +14,9 @@ from tiergram.plots import save_figure, subplots
 STALL_BINDS = 0.10
 
 
-@dataclass
-class SplitPoint:
-    """One server of the sweep at one concurrency, with its share of the host budget."""
-
-    server: str
-    engram: str  # the Engram tables' tier: host (whole, in DRAM) or file (SSD + a row cache in DRAM)
-    kv_host_fraction: float
-    kv_host_bytes: int
-    engram_host_bytes: int
-    concurrency: int
-    throughput_tok_s: float
-    ttft_p90_ms: float
-    prefix_hit_rate: float | None
-    prefix_host_hit_rate: float | None
-    engram_cache_hit_rate: float | None
-    stall_share: float  # exposed Engram stall / measured wall time
-    binds: str  # "engram reads", "prefill (K/V misses)" or "compute"
-
-
-def split_points(sweep: dict[str, Any]) -> list[SplitPoint]:
-    """SplitPoints of a sweep JSON (`bench serve --json`), ordered by server then concurrency."""
+def split_points(sweep: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each server of a sweep JSON at each concurrency with its share of the host budget: its Engram tier (host, or
+    file: SSD + a row cache), figures, stall share (exposed stall / wall time) and what binds; sorted by server."""
     servers = sweep["servers"]
     best_hit: dict[int, float] = {}
     for p in sweep["points"]:
@@ -57,19 +38,22 @@ def split_points(sweep: dict[str, Any]) -> list[SplitPoint]:
             binds = "prefill (K/V misses)"
         else:
             binds = "compute"
-        out.append(SplitPoint(p["placement"], engine["placement"], f, kv, host - kv, p["concurrency"],
-                              p["throughput_tok_s"], p["ttft_p90_ms"], hit, p.get("prefix_host_hit_rate"),
-                              p.get("engram_cache_hit_rate"), round(stall, 4), binds))
-    return sorted(out, key=lambda s: (s.engram, s.kv_host_fraction, s.server, s.concurrency))
+        out.append({"server": p["placement"], "engram": engine["placement"], "kv_host_fraction": f,
+                    "kv_host_bytes": kv, "engram_host_bytes": host - kv, "concurrency": p["concurrency"],
+                    "throughput_tok_s": p["throughput_tok_s"], "ttft_p90_ms": p["ttft_p90_ms"], "prefix_hit_rate": hit,
+                    "prefix_host_hit_rate": p.get("prefix_host_hit_rate"),
+                    "engram_cache_hit_rate": p.get("engram_cache_hit_rate"), "stall_share": round(stall, 4),
+                    "binds": binds})
+    return sorted(out, key=lambda s: (s["engram"], s["kv_host_fraction"], s["server"], s["concurrency"]))
 
 
-def best_split(points: list[SplitPoint]) -> dict[int, str]:
+def best_split(points: list[dict[str, Any]]) -> dict[int, str]:
     """{concurrency: the server with the highest throughput there} (the first listed on a tie)."""
-    by_c = groupby(sorted(points, key=lambda s: s.concurrency), key=lambda s: s.concurrency)
-    return {c: max(at, key=lambda s: s.throughput_tok_s).server for c, at in by_c}
+    by_c = groupby(sorted(points, key=lambda s: s["concurrency"]), key=lambda s: s["concurrency"])
+    return {c: max(at, key=lambda s: s["throughput_tok_s"])["server"] for c, at in by_c}
 
 
-def to_markdown(points: list[SplitPoint]) -> str:
+def to_markdown(points: list[dict[str, Any]]) -> str:
     """The split table: one row per server and concurrency."""
     head = ("| server | Engram | K/V share | Engram MiB | K/V MiB | c | tok/s | TTFT p90 ms | prefix hit | from host | "
             "Engram cache hit | stall share | binds |")
@@ -79,25 +63,26 @@ def to_markdown(points: list[SplitPoint]) -> str:
         return "-" if x is None else f"{100 * x:.1f}%"
 
     for s in points:
-        lines.append(f"| {s.server} | {s.engram} | {100 * s.kv_host_fraction:.0f}% | {s.engram_host_bytes / 2**20:.0f} "
-                     f"| {s.kv_host_bytes / 2**20:.0f} | {s.concurrency} | {s.throughput_tok_s:.1f} | "
-                     f"{s.ttft_p90_ms:.0f} | {pct(s.prefix_hit_rate)} | {pct(s.prefix_host_hit_rate)} | "
-                     f"{pct(s.engram_cache_hit_rate)} | {pct(s.stall_share)} | {s.binds} |")
+        lines.append(f"| {s['server']} | {s['engram']} | {100 * s['kv_host_fraction']:.0f}% | "
+                     f"{s['engram_host_bytes'] / 2**20:.0f} | {s['kv_host_bytes'] / 2**20:.0f} | {s['concurrency']} | "
+                     f"{s['throughput_tok_s']:.1f} | {s['ttft_p90_ms']:.0f} | {pct(s['prefix_hit_rate'])} | "
+                     f"{pct(s['prefix_host_hit_rate'])} | {pct(s['engram_cache_hit_rate'])} | "
+                     f"{pct(s['stall_share'])} | {s['binds']} |")
     best = ", ".join(f"c={c}: {name}" for c, name in best_split(points).items())
     return "\n".join(lines) + f"\n\nbest split by throughput: {best}\n"
 
 
-def plot(points: list[SplitPoint], path: Path, title: str = "") -> Path:
+def plot(points: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Throughput, TTFT p90 and prefix hit rate against the K/V share, a line per Engram tier and concurrency."""
     fig, axes = subplots(1, 3, figsize=(12.8, 4.0))
-    ordered = sorted(points, key=lambda s: (s.engram, s.concurrency, s.kv_host_fraction))
-    for (engram, c), line in groupby(ordered, key=lambda s: (s.engram, s.concurrency)):
+    ordered = sorted(points, key=lambda s: (s["engram"], s["concurrency"], s["kv_host_fraction"]))
+    for (engram, c), line in groupby(ordered, key=lambda s: (s["engram"], s["concurrency"])):
         pts = list(line)
-        x = [100 * s.kv_host_fraction for s in pts]
+        x = [100 * s["kv_host_fraction"] for s in pts]
         style = "-o" if engram == "host" else "--s"
-        axes[0].plot(x, [s.throughput_tok_s for s in pts], style, label=f"Engram {engram}, c={c}")
-        axes[1].plot(x, [s.ttft_p90_ms for s in pts], style)
-        axes[2].plot(x, [100 * (s.prefix_hit_rate or 0.0) for s in pts], style)
+        axes[0].plot(x, [s["throughput_tok_s"] for s in pts], style, label=f"Engram {engram}, c={c}")
+        axes[1].plot(x, [s["ttft_p90_ms"] for s in pts], style)
+        axes[2].plot(x, [100 * (s["prefix_hit_rate"] or 0.0) for s in pts], style)
     for ax, label in zip(axes, ("throughput (tok/s)", "TTFT p90 (ms)", "prefix hit rate (%)"), strict=True):
         ax.set_xlabel("host K/V tier's share of the host budget (%)")
         ax.set_ylabel(label)
@@ -108,7 +93,7 @@ def plot(points: list[SplitPoint], path: Path, title: str = "") -> Path:
     return save_figure(fig, path)
 
 
-def report(sweep_path: str | Path, plot_path: str | Path | None = None) -> tuple[list[SplitPoint], str]:
+def report(sweep_path: str | Path, plot_path: str | Path | None = None) -> tuple[list[dict[str, Any]], str]:
     """(points, markdown) of a sweep JSON file, the plot written beside it (or at plot_path)."""
     path = Path(sweep_path)
     sweep = json.loads(path.read_text())
@@ -119,6 +104,6 @@ def report(sweep_path: str | Path, plot_path: str | Path | None = None) -> tuple
     return points, to_markdown(points)
 
 
-def to_json(points: list[SplitPoint]) -> str:
+def to_json(points: list[dict[str, Any]]) -> str:
     """The points and the best split per concurrency as one JSON object."""
-    return json.dumps({"points": [asdict(s) for s in points], "best": best_split(points)}, indent=2)
+    return json.dumps({"points": points, "best": best_split(points)}, indent=2)
