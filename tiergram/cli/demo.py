@@ -54,17 +54,6 @@ def ensure_model(model_dir: Path, minutes: float, retrain: bool) -> Path:
     return model_dir
 
 
-def ensure_hot_rows(model_dir: Path, corpus: Path) -> Path:
-    """MODEL_DIR/hot_rows.npz, counted from the corpus's train split when missing or older than the weights."""
-    from tiergram.model.checkpoint import WEIGHTS
-    from tiergram.model.hot_rows import HOT_ROWS, count_model_hot_rows
-
-    path = model_dir / HOT_ROWS
-    if path.is_file() and path.stat().st_mtime_ns >= (model_dir / WEIGHTS).stat().st_mtime_ns:
-        return path
-    return count_model_hot_rows(model_dir, corpus=corpus, progress=True)[0]
-
-
 def binding_budget(model_dir: Path, seqs: int, seq_tokens: int, max_num_seqs: int) -> int:
     """A device budget that leaves K/V room for `seqs` sequences of seq_tokens when the tables are resident."""
     from tiergram.engine import EngineConfig, LLMEngine
@@ -78,6 +67,8 @@ def binding_budget(model_dir: Path, seqs: int, seq_tokens: int, max_num_seqs: in
 def cmd_demo(args: argparse.Namespace) -> int:
     from tiergram.bench import serve as sweep
     from tiergram.corpus import ensure_corpus
+    from tiergram.model.checkpoint import WEIGHTS
+    from tiergram.model.hot_rows import HOT_ROWS, count_model_hot_rows
     from tiergram.paths import cache_dir
 
     t0 = time.perf_counter()
@@ -93,7 +84,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     sizes = sweep.layer_table_bytes(str(model_dir), CODEC)
     print(f"{len(sizes)} tables, {sum(sizes) / 2**20:.1f} MiB in all, in {model_dir / 'export'}")
 
-    hot = ensure_hot_rows(model_dir, corpus)
+    hot = model_dir / HOT_ROWS  # counted again when missing or older than the weights
+    if not hot.is_file() or hot.stat().st_mtime_ns < (model_dir / WEIGHTS).stat().st_mtime_ns:
+        count_model_hot_rows(model_dir, corpus=corpus, progress=True)
     print(f"hot rows (preloaded into the file placement's cache at start): {hot}", flush=True)
 
     _stage(4, "serving sweep: device (resident) vs host (DRAM) vs file (SSD + 10% host cache)", t0)

@@ -106,11 +106,10 @@ class Engram(nn.Module):
                            if config.conv_kernel > 0 else None)
 
     def forward(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, return_gates: bool = False):
-        """hidden [B, L, hc, d] and one of row_ids int64 [B, L, H] or rows [B, L, H, D] -> [B, L, hc, d] (+ gates)."""
-        value, gates = self.gated_value(hidden, row_ids, rows)
-        out = value if self.short_conv is None else value + self.short_conv(value)
-        return (out, gates) if return_gates else out
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, L, hc, d] and one of row_ids int64 [B, L, H] or rows [B, L, H, D] -> [B, L, hc, d]."""
+        value = self.gated_value(hidden, row_ids, rows)[0]
+        return value if self.short_conv is None else value + self.short_conv(value)
 
     def gated_value(self, hidden: torch.Tensor, row_ids: torch.Tensor | None = None,
                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,9 +61,6 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x [B, T, d], cos/sin [T, hd/2], kv [B, nkv, P, hd] -> (y [B, T, d], (keys, values) [B, nkv, P+T, hd])."""
-        ctx = current_step()
-        if ctx is not None:
-            return self.paged(x[0], cos, sin, ctx)[None], None
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -168,7 +165,7 @@ class Block(nn.Module):
             if self.engram is not None and self.layer_id in ctx.engram:
                 given = ctx.engram[self.layer_id]()  # waits for the prefetched rows only now
                 x = x + engram_paged(self.engram, x[0], given, ctx, self.layer_id)[None].to(x.dtype)
-            x = x + self.attn(self.attn_norm(x), cos, sin)[0]
+            x = x + self.attn.paged(self.attn_norm(x)[0], cos, sin, ctx)[None]
             return x + self.mlp(self.mlp_norm(x)), None, None
         if rows is not None:
             out, conv = engram_step(self.engram, x.unsqueeze(2), rows, conv)  # [B, T, hc=1, d]
