@@ -164,13 +164,10 @@ class Guard:
         return None
 
     def host_allowed(self, host: str) -> bool:
-        allowed = self.settings.allowed_hosts
+        allowed, name = self.settings.allowed_hosts, _host_name(host)
         if allowed is not None and "*" in allowed:
             return True
-        name = _host_name(host)
-        if not name:
-            return False
-        return is_loopback(name) if allowed is None else name in {_host_name(h) for h in allowed}
+        return bool(name) and (is_loopback(name) if allowed is None else name in {_host_name(h) for h in allowed})
 
     def origin_allowed(self, origin: str, host: str) -> bool:
         cors = self.settings.cors_origins

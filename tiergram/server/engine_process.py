@@ -178,14 +178,10 @@ class EngineProcess:
             raise EngineStartError(msg[1] or exited)
         return msg[1]
 
-    # -- what the HTTP side reads
-
     @property
     def alive(self) -> bool:
         """Whether the engine process is running and answering."""
         return not self._dead and self._proc.is_alive()
-
-    # -- requests
 
     def start(self) -> None:
         """Start the thread that reads the engine process's messages."""
@@ -234,8 +230,6 @@ class EngineProcess:
         self._conn.close()
 
     close = stop
-
-    # -- reader thread
 
     def _read(self) -> None:
         error: BaseException | None = None

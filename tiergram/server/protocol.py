@@ -110,6 +110,8 @@ def request_fields(max_model_len: int, vocab_size: int, limits: ServerSettings) 
         "stop_token_ids": {**ids, "maxItems": limits.max_stop_token_ids, "default": []},
         "forced_tokens": {**ids, "minItems": 1, "maxItems": max_model_len - 1},
         "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages, "items": {"type": "object"}},
+        "stream_options": {"type": "object", "additionalProperties": False, "default": {},
+                           "properties": {"include_usage": {**BOOLEAN, "nullable": True}}},
         # OpenAI options this server does not implement: refused unless neutral, rather than ignored
         "n": {"type": "integer", "enum": [1]}, "best_of": {"type": "integer", "enum": [1]},
         "echo": {"type": "boolean", "enum": [False]}, "logprobs": {"type": "boolean", "enum": [False]},
@@ -133,6 +135,9 @@ def _check(value: Any, name: str, schema: dict[str, Any]) -> Any:
             value = float(value)
         except OverflowError:  # an integer of hundreds of digits
             raise bad(f"'{name}' is an integer too large for a number", name) from None
+    unknown = sorted(set(value) - set(schema["properties"])) if schema.get("additionalProperties") is False else []
+    if unknown:
+        raise bad(f"'{name}' has unknown field '{unknown[0]}'", name)
     if value not in schema.get("enum", [value]):
         raise bad(f"'{name}' is not supported (only {schema['enum'][0]})", name)
     if "minimum" in schema:
@@ -232,11 +237,7 @@ def validate_request(kind: str, body: Any, *, model_name: str, max_model_len: in
     forced = values["forced_tokens"]
     if forced is not None:
         max_tokens, length_param = len(forced), "forced_tokens"  # a replay produces exactly the forced tokens
-    options = body.get("stream_options")
-    options = {} if options is None else options
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise bad("'stream_options' must be an object with at most 'include_usage'", "stream_options")
-    include_usage = _field(options, "include_usage", BOOLEAN)
+    include_usage = _field(values["stream_options"], "include_usage", BOOLEAN)
     try:
         params = SamplingParams(max_tokens=1, temperature=values["temperature"], top_p=values["top_p"],
                                 top_k=values["top_k"], seed=values["seed"], stop_token_ids=values["stop_token_ids"],
@@ -365,10 +366,9 @@ class Detokenizer:
 JSON_OBJECT = {"content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _error_responses() -> dict[str, Any]:
-    ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-    return {str(code): {"description": HTTPStatus(code).phrase, **ref}  # when: docs/serving.md, "Errors"
-            for code in (400, 401, 403, 404, 408, 413, 429, 500, 503)}
+# when each is answered: docs/serving.md, "Errors"
+ERROR_RESPONSES = {str(code): {"description": HTTPStatus(code).phrase, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/Error"}}}} for code in (400, 401, 403, 404, 408, 413, 429, 500, 503)}
 
 
 def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits: ServerSettings | None = None
@@ -380,8 +380,6 @@ def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits:
     fields = {name: {**schema, "nullable": True} for name, schema in schemas.items()}
     fields |= {"model": {"type": "string", "enum": [model_name]},
                "stop": {"oneOf": [schemas["stop"]["items"], schemas["stop"]], "nullable": True},
-               "stream_options": {"type": "object", "nullable": True, "additionalProperties": False,
-                                  "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
                "prompt": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": chars}, schemas["forced_tokens"]]}}
     completion = {"type": "object", "additionalProperties": False, "required": ["prompt"],
                   "properties": {k: v for k, v in fields.items() if k in FIELDS["completion"]}}
@@ -421,7 +419,7 @@ def openapi_schema(model_name: str, max_model_len: int, vocab_size: int, limits:
                                       "text/event-stream": {"schema": {
                                           "type": "object", "required": ["data"],
                                           "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}}},
-                          **_error_responses()}}}
+                          **ERROR_RESPONSES}}}
 
     return {
         "openapi": "3.0.3",
