@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 
-def gauge(name: str, help_: str, default: Any = 0) -> Any:
-    """A field that /metrics exports as the gauge `name`; `help_` is its one description (server.metrics)."""
-    return field(default=default, metadata={"prometheus": ("gauge", name, help_)})
+def _metric(kind: str, name: str, help_: str, default: Any = 0) -> Any:
+    """A field that /metrics exports as a `kind` (gauge, counter) `name`; `help_` is its one description."""
+    return field(default=default, metadata={"prometheus": (kind, name, help_)})
 
 
-def counter(name: str, help_: str, default: Any = 0) -> Any:
-    """A field that /metrics exports as the counter `name` (a running total)."""
-    return field(default=default, metadata={"prometheus": ("counter", name, help_)})
+gauge, counter = partial(_metric, "gauge"), partial(_metric, "counter")
 
 
 @dataclass

@@ -22,8 +22,6 @@ def sample_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | No
         raise NonFiniteLogitsError("the model produced non-finite logits (NaN or inf); no token can be sampled")
     if not temperature >= MIN_TEMPERATURE:  # also NaN
         return int(logits.argmax())
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
     logits = logits / float(temperature)  # finite float32 values / >= 1e-5 stay far inside float64's range
     if top_k is not None and 0 < top_k < logits.numel():
         kth = torch.topk(logits, int(top_k)).values[-1]
