@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-PLACEMENT_KINDS = ("device", "host", "file")
+ENGRAM_SOURCE = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}  # by kind
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,8 @@ class Placement:
     kv_offload: bool = False  # K/V past the device's room lives in host DRAM, streamed over the link every step
 
     def __post_init__(self) -> None:
-        if self.kind not in PLACEMENT_KINDS:
-            raise ValueError(f"unknown placement {self.kind!r} (valid: {', '.join(PLACEMENT_KINDS)})")
+        if self.kind not in ENGRAM_SOURCE:
+            raise ValueError(f"unknown placement {self.kind!r} (valid: {', '.join(ENGRAM_SOURCE)})")
         if not 0.0 <= self.cache_fraction <= 1.0:
             raise ValueError(f"cache_fraction must be in [0, 1], got {self.cache_fraction}")
         if self.hit_rate is not None and not 0.0 <= self.hit_rate <= 1.0:
@@ -259,8 +259,6 @@ class Limit:
 
 def interpolate(curve: tuple[tuple[float, float], ...], x: float, log_x: bool = False) -> float:
     """Piecewise-linear y(x) through the curve's points (in log x when asked), flat outside them."""
-    if not curve:
-        raise ValueError("an empty curve cannot be interpolated")
     pts = sorted(curve)
     if x <= pts[0][0]:
         return pts[0][1]
@@ -315,9 +313,6 @@ def concurrency_limit(model: ModelSpec, hw: HardwareSpec, wl: Workload, placemen
 
 
 # ------------------------------------------------------------------------------------------------- step
-
-ENGRAM_SOURCE = {"device": "engram (device)", "host": "engram (host DRAM)", "file": "engram (disk)"}
-
 
 def _shared(own: float, other: float) -> float:
     """Finish time of a transfer of `own` seconds sharing a link equally with one of `other` seconds."""
@@ -469,8 +464,6 @@ def tokens_per_step(wl: Workload, c: float, hw: HardwareSpec | None = None) -> f
 
 def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> Point:
     """Throughput and interactivity of c closed-loop users (with think time: iterated to a fixed point)."""
-    if c < 1:
-        raise ValueError(f"concurrency must be >= 1, got {c}")
     lo = max(1.0, wl.output_len)
     # the host K/V tier's blocks come back over the link (a GPU) or through host memory (a CPU) before their step
     kv_copy = wl.kv_host_len * model.kv_bytes_per_token / (hw.link_bw if hw.kind == "gpu" else hw.host_bw)

@@ -52,8 +52,7 @@ def to_text(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front
             lines.append(f"{f.placement.label:<26}  does not fit: {f.limit.binding} binds")
     lines.append("limits (the concurrency where each placement stops, and what binds there):")
     for f in fronts:
-        last = f.points[-1] if f.points else None
-        at = f"; there the step is bound by {last.binding}" if last else ""
+        at = f"; there the step is bound by {f.points[-1].binding}" if f.points else ""
         lines.append(f"  {f.placement.label:<26} c = {f.limit.concurrency:,} ({f.limit.binding}){at}")
     lines.append("(* = on the placement's pareto front)")
     if not model.hit_rate_curve and any(f.placement.kind == "file" for f in fronts):
@@ -244,10 +243,7 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     if kind != "file":
         return Placement(kind)
     if tail.endswith("%"):
-        try:
-            return Placement("file", cache_fraction=float(tail[:-1]) / 100)
-        except ValueError:
-            raise ValueError(f"sweep point placement {name!r}: cache fraction not understood") from None
+        return Placement("file", cache_fraction=float(tail[:-1]) / 100)
     fractions = cfg.get("cache_fractions") or [cfg.get("cache_fraction", 0.1)]
     return Placement("file", cache_fraction=float(min(fractions)))
 

@@ -148,7 +148,6 @@ def decode_stall(model: ModelSpec, hw: HardwareSpec, hit_rates: dict[int, float]
                                             decode_tokens=float(c * k))
                 over = max(0.0, tk.get("engram fetch", 0.0) - (step - base))
                 row[f"spec_k{k}_exposed_ms"] = (p * over + (1 - p) * base) * 1e3
-                row[f"spec_k{k}_fetch_ms"] = tk.get("engram fetch", 0.0) * 1e3
             rows.append(row)
     return rows
 
