@@ -72,8 +72,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
         need += cfg.docs * cfg.input_len
     tokens, source = trace_tokens(tokenizer, need, cfg.source, cfg.corpus)
     log(progress, f"trace: {len(tokens)} tokens of the {source}")
-    # the disk's limit on each model's own tables: the volume under this VM serves blocks it served recently several
-    # times faster than others, so one file's rate says little about another's
+    # the disk's limit on each model's own tables (a cache under this VM's disk makes one file's rate not another's)
     limit_tables = {"": tables[0]}
     if cfg.big_model_dir and any(cfg.kind_of(lb) == "file" for lb in labels):
         limit_tables["big"] = layer_tables(cfg.big_model_dir)[0]
@@ -104,9 +103,9 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
             per_seq = -(-(cfg.input_len + cfg.output_len) // cfg.block_size)  # K/V blocks of one request
             limit = min(cfg.max_num_seqs, int(health["kv_blocks_total"]) // per_seq)
             servers[placement] = {"kv_blocks_total": health["kv_blocks_total"], "concurrency_limit": limit,
-                                  "max_model_len": health["max_model_len"],
-                                  "cache_bytes": cb, "model": health["model"], "kind": cfg.kind_of(placement),
-                                  "base": cfg.base_of(placement), "settings": server.settings.to_dict(),
+                                  "max_model_len": health["max_model_len"], "cache_bytes": cb, "model": health["model"],
+                                  "kind": cfg.kind_of(placement), "base": cfg.base_of(placement),
+                                  "settings": server.settings.to_dict(),
                                   "model_dir": model_dir, "table_bytes": sum(layer_table_bytes(model_dir))}
             started = scrape(server.url)
             if started.get("tiergram_engram_hot_rows_preloaded"):  # the start's cost of the preload
@@ -117,8 +116,7 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
                                "sequence; skipped")
                 continue
             live[placement] = (server.url, health["model"], levels(limit, cfg.max_concurrency))
-        # measured once the servers have started: a hot-rows preload that read a table whole leaves it in whatever
-        # cache sits under the disk (this VM's volume has one), and the rounds then read it as it is now
+        # measured once the servers have started: after any hot-rows preload, the disk is as the rounds read it
         if any(cfg.kind_of(lb) == "file" for lb in labels):
             for which, table in limit_tables.items():
                 before = disk_limit(table)

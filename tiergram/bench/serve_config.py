@@ -46,8 +46,7 @@ class SweepConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # more [engine] settings (`--config`), checked
     variants: dict[str, Variant] = field(default_factory=dict)  # more servers (`--variants FILE`)
     speed_probe_s: float = 0.25  # the CPU speed probe before and after each placement's round (0: none)
-    # "requests", or "conversations": `turns`-turn sessions over `docs` shared documents of input_len tokens, with
-    # think times of mean think_time_s (tiergram.bench.load.Conversations)
+    # "requests", or "conversations" (load.Conversations): `turns` turns over `docs` documents, think_time_s apart
     workload: str = "requests"
     turns: int = 4
     docs: int = 8
@@ -133,8 +132,6 @@ def load_variants(path: str | os.PathLike) -> dict[str, Variant]:
             raise ConfigError(f"{where}: needs base = the server it copies (device, host, file, file-N%, mooncake)")
         body = dict(body)
         base, reference, hot = body.pop("base"), body.pop("reference", None), body.pop("hot_rows", None)
-        if reference is not None and not isinstance(reference, str):
-            raise ConfigError(f"{where}: reference: expected a server's name, got {reference!r}")
         if hot is not None and not isinstance(hot, bool):
             raise ConfigError(f"{where}: hot_rows: expected true or false (the sweep's hot-rows file), got {hot!r}")
         for key in ("placement", "mooncake_master", "device"):  # the base's, or the sweep's

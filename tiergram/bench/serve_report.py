@@ -147,11 +147,7 @@ def to_markdown(res: SweepResult) -> str:
 
 def to_json(res: SweepResult) -> str:
     """One JSON object: its schema version (what `plan validate` reads), points, fronts, checks, servers, config."""
-    obj = {"schema": SWEEP_SCHEMA, "points": [asdict(p) for p in res.points], "fronts": res.fronts,
-           "checks": res.checks, "disk_pages_per_s": res.disk_pages_per_s,
-           "big_disk_pages_per_s": res.big_disk_pages_per_s, "servers": res.servers, "source": res.source,
-           "seconds": res.seconds, "plot": res.plot, "config": asdict(res.config)}
-    return json.dumps(obj, indent=2, default=str)
+    return json.dumps({"schema": SWEEP_SCHEMA, **asdict(res)}, indent=2, default=str)
 
 
 def to_text(res: SweepResult) -> str:

@@ -118,13 +118,12 @@ def summarize(placement: str, concurrency: int, rounds: list[Round]) -> Point:
                  **pct, interactivity_p50=1000 / pct["itl_p50_ms"] if pct["itl_p50_ms"] > 0 else float("nan"),
                  interactivity_p90=1000 / pct["itl_p90_ms"] if pct["itl_p90_ms"] > 0 else float("nan"),
                  engram_cache_hit_rate=hit, exposed_stall_s=total("tiergram_engram_exposed_stall_seconds_total"),
-                 throughput_rounds=[round(x, 1) for x in per_round],
+                 throughput_rounds=[round(x, 1) for x in per_round], file_first_read_share=first,
                  prefill_stall_s=total("tiergram_engram_prefill_stall_seconds_total"),
                  file_pages_per_s=file_bytes / 4096 / wall_s if wall_s > 0 else 0.0,
                  cpu_ms_per_token=1e3 * (total("process_cpu_seconds_total") +  # the engine's process, when its own
                                          total("tiergram_engine_process_cpu_seconds_total")) / tokens,
                  cpu_ms_per_token_by_thread={k: v for k, v in by_thread.items() if v > 0},
-                 file_first_read_share=first,
                  cpu_speed_rounds=[round(x, 3) for x in speeds],
                  cpu_speed_ms=round(float(np.median(speeds)), 3) if speeds else None,
                  prompt_rows_waits=int(total("tiergram_engine_prompt_rows_waits_total")),
@@ -243,14 +242,12 @@ def checks(res: SweepResult) -> dict[str, Any]:
             out[f"{name}_vs_{variant.base}"] = {"ratios": _ratios(res, name, variant.base),
                                                 "cpu_per_token": _ratios(res, name, variant.base, "cpu_ms_per_token")}
     for label in (lb for lb in limits if cfg.kind_of(lb) == "file"):
-        variant = cfg.variants.get(label)
-        ref = variant.reference if variant is not None and variant.reference else "host"
+        ref = getattr(cfg.variants.get(label), "reference", None) or "host"
         if ref not in limits:
             continue
         target = FILE_TARGET if cfg.base_of(label) != "file-big" else BIG_TARGET
         out[f"{label}_vs_{ref}"] = {  # file_vs_host, file-10%_vs_host, file-t1_vs_host-t1, ...
-            **against(res, label, ref, target), "reference": ref,
-            "cache_fraction": _fraction(res, label),
+            **against(res, label, ref, target), "reference": ref, "cache_fraction": _fraction(res, label),
             "cache_bytes": res.servers[label]["cache_bytes"],
             "file_mode": res.servers[label].get("file_mode"),  # buffered: O_DIRECT refused, reads via the page cache
             "table_bytes": res.servers[label].get("table_bytes"),
@@ -285,10 +282,8 @@ BIG_TARGET = 0.80  # file on a table larger than RAM against host on the smaller
 def _fraction(res: SweepResult, label: str) -> float:
     """The cache of a file server as a fraction of its tables (file-big: its cache bytes over its tables)."""
     label = res.config.base_of(label)  # a variant: its base's cache
-    if label == "file":
-        return res.config.cache_fraction
     if label != "file-big":
-        return float(label.removeprefix("file-").removesuffix("%")) / 100
+        return res.config.cache_fraction if label == "file" else float(label[5:-1]) / 100  # file-N%
     s = res.servers[label]
     layers = len(layer_table_bytes(s["model_dir"]))
     return s["cache_bytes"] * layers / s["table_bytes"] if s.get("table_bytes") else float("nan")

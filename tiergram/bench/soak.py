@@ -310,8 +310,7 @@ def disconnect_storm(url: str, *, clients: int, events_before_drop: int = 2, tim
         t.join(timeout_s)
     after = scrape_until(url, lambda m: m["tiergram_kv_blocks_used"] == start, timeout_s)
     return {"clients": clients, "statuses": dict(statuses), "kv_blocks_used_start": start,
-            "kv_blocks_used_peak": max(peak),
-            "kv_blocks_used_after": after["tiergram_kv_blocks_used"],
+            "kv_blocks_used_peak": max(peak), "kv_blocks_used_after": after["tiergram_kv_blocks_used"],
             "aborted": after.get('tiergram_request_finished_total{reason="abort"}', 0.0)}
 
 
@@ -584,11 +583,10 @@ def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[fl
                 for src in engine.sources.values():
                     src.tier.reader.clear_faults()
                 health = httpx.get(f"{url}/health").json()
-                ok_after = serves_normally(url)  # the faults cleared: served as before
                 out[f"injected_{rate:g}"] = {**compare_to_reference(got, want), "requests": len(prompts),
                                              "faulty_pages": injected, "served_after": answers_cleanly(url),
                                              "engine_faults": health["faults"], "health": health["status"],
-                                             "served_once_cleared": ok_after}
+                                             "served_once_cleared": serves_normally(url)}
                 log(progress, f"  {rate:.0%} of pages failing: {out[f'injected_{rate:g}']}")
         corrupt_page(*page_read_by(model, prompts[0]))
         with _file_server(model) as (url, _):
@@ -616,8 +614,7 @@ def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
         t.join(60)
     with _server(cfg, model, "host") as server:
         served = serves_normally(server.url, reference)
-    export = model / "export" if (model / "export").is_dir() else model
-    tables = sorted(export.glob("engram_layer*"))
+    tables = sorted(layer_tables(str(model))[0].parent.glob("engram_layer*"))  # every codec's
     bad = {str(p.name): TableFile.open(p).verify() for p in tables if p.suffix in (".tgt", ".tgram")}
     stale = [str(p) for p in shared_copies() if ".tmp-" in p.name]
     return {"served_after_restart": served, "tables_verified": len(bad),

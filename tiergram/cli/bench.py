@@ -11,7 +11,7 @@ from types import ModuleType
 
 from tiergram.bench import cache, lookup
 from tiergram.cli.common import add_common, config_from
-from tiergram.cli.serve import CACHE_POLICIES
+from tiergram.cli.serve import CACHE_POLICIES, byte_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--big-model", dest="big_model_dir", default=None, metavar="DIR",
                     help="also serve this model (same backbone, larger tables, e.g. larger than RAM) with the file "
                          "placement, as file-big")
-    sv.add_argument("--big-cache-bytes", type=_size, default=None,
+    sv.add_argument("--big-cache-bytes", type=byte_size, default=None,
                     help="file-big's host cache per layer (default: the same bytes as the first file placement's)")
     sv.add_argument("--hot-rows", action="store_true",
                     help="file and mooncake servers preload their cache with MODEL_DIR/hot_rows.npz (`tiergram "
@@ -199,12 +199,6 @@ _fractions = _numbers(float, lambda v: 0 < v <= 1, "fractions in (0, 1] like 0.0
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
-def _size(text: str) -> int:
-    from tiergram.cli.serve import byte_size
-
-    return byte_size(text)
 
 
 def _run(bench: ModuleType, cfg: object, args: argparse.Namespace) -> object:
