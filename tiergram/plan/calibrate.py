@@ -138,8 +138,7 @@ def fit(raw: dict[str, Any]) -> Calibration:
     fc = fit_file(raw["file"])
     d = raw["disk"]
     serve = raw.get("serve")
-    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0, "server_step_curve": [],
-                           "request_steps_curve": []}
+    srv: dict[str, Any] = {"request_overhead_s": 0.0, "per_seq_http_s": 0.0}
     if serve:
         def engine_step(tokens: float, seqs: float) -> float:
             """The engine's own step: the fit, plus the host tier's gather it was fitted without."""

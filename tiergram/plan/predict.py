@@ -132,8 +132,7 @@ class Compared:
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
     """The closed loop a `bench serve` sweep ran: lengths uniform in [0.8 L, L], so the means are 0.9 L."""
     def mean(n: int) -> float:
-        lo = max(1, int(0.8 * n))
-        return (lo + n) / 2.0
+        return (max(1, int(0.8 * n)) + n) / 2.0
 
     return Workload(input_len=mean(int(cfg["input_len"])), output_len=mean(int(cfg["output_len"])),
                     max_num_seqs=int(cfg.get("max_num_seqs", 64)),
