@@ -33,34 +33,26 @@ class RemoteLookupConfig:
     seed: int = 0
 
 
-def _bench_file(cfg: RemoteLookupConfig, progress: bool) -> tuple[Path, np.ndarray]:
-    """The benchmark table file (fp32, one head, N(0,1) values) in the bench cache and its values [rows, D]."""
-    from tiergram.format import TableManifest, create_table
-    from tiergram.paths import cache_dir
-
-    values = np.random.default_rng(cfg.seed).standard_normal((cfg.rows, cfg.dim)).astype(np.float32)
-    m = TableManifest(codec="fp32", dim=cfg.dim, head_rows=(cfg.rows,),
-                      provenance={"tool": "tiergram bench lookup --tier mooncake", "init": f"normal, seed {cfg.seed}"})
-    table = cached_table(cache_dir("bench") / f"bench-remote-fp32-{cfg.rows}x{cfg.dim}-s{cfg.seed}.tgram", m,
-                         lambda p: create_table(p, m, lambda s, n: values[s:s + n], progress=progress))
-    return table.path, values
-
-
 def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -> dict:
     """Every system on the same ids, interleaved, in a local cluster: rows/s, p50, p99 ms by batch and ids."""
     from mooncake.store import EngramStore, EngramStoreConfig
     from tqdm import tqdm
 
     from tiergram.bench.common import draw_ids
+    from tiergram.format import TableManifest, create_table
+    from tiergram.paths import cache_dir
     from tiergram.store import TieredTable
     from tiergram.tiers.aligned import aligned_empty
     from tiergram.tiers.mooncake import connect, push_table
 
-    path, values = _bench_file(cfg, progress)
+    values = np.random.default_rng(cfg.seed).standard_normal((cfg.rows, cfg.dim)).astype(np.float32)
+    m = TableManifest(codec="fp32", dim=cfg.dim, head_rows=(cfg.rows,),
+                      provenance={"tool": "tiergram bench lookup --tier mooncake", "init": f"normal, seed {cfg.seed}"})
+    path = cached_table(cache_dir("bench") / f"bench-remote-fp32-{cfg.rows}x{cfg.dim}-s{cfg.seed}.tgram", m,
+                        lambda p: create_table(p, m, lambda s, n: values[s:s + n], progress=progress)).path
     table_bytes = cfg.rows * cfg.dim * 4
     # EngramStore's copy and tiergram's pages (4 KiB per 3 rows at D=256), with room
     segment = 3 * table_bytes + (64 << 20)
-    results: dict[str, Any] = {}
     with LocalCluster(work_dir / "mooncake-logs", holders=1, segment_bytes=segment) as cluster:
         store = connect(cluster.master_addr, buffer_bytes=256 << 20)
         ecfg = EngramStoreConfig()
@@ -77,23 +69,22 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
             "tiergram_host": TieredTable(path, tier="host"),
         }
         raw_tier = tables["tiergram_mooncake"].tier
-        manifest = raw_tier.manifest
-        limit_buf = aligned_empty(max(cfg.batches) * manifest.page_size)
+        limit_buf = aligned_empty(max(cfg.batches) * m.page_size)
         reader = tables["tiergram_file"].tier.reader
 
         def pages_of(ids: np.ndarray) -> np.ndarray:
-            return np.unique(ids.reshape(-1) // manifest.rows_per_page)
+            return np.unique(ids.reshape(-1) // m.rows_per_page)
 
         def raw_get(ids: np.ndarray) -> None:  # Mooncake's batch_get_into of the same pages, unverified
             pages = pages_of(ids)
-            buf = raw_tier.staging(pages.size * manifest.page_size)
-            ps = manifest.page_size
+            buf = raw_tier.staging(pages.size * m.page_size)
+            ps = m.page_size
             keys = [f"tiergram/bench/p{p}" for p in pages]
             store.batch_get_into(keys, [buf.ctypes.data + i * ps for i in range(pages.size)], [ps] * pages.size)
 
         def read_limit(ids: np.ndarray) -> None:  # the native reader's O_DIRECT reads of the same pages
             pages = pages_of(ids)
-            reader.read_pages(pages, limit_buf[: pages.size * manifest.page_size])
+            reader.read_pages(pages, limit_buf[: pages.size * m.page_size])
 
         calls: dict[str, Any] = {
             "mooncake_engramstore": lambda ids: engram.lookup(ids.reshape(1, -1, 1)),
@@ -146,30 +137,27 @@ def run_lookup(cfg: RemoteLookupConfig, work_dir: Path, progress: bool = True) -
                             times.setdefault((name, batch, dist), []).append(dt)
                     bar.update(1)
         bar.close()
-        for dist in cfg.dists:
-            per: dict[str, dict[str, dict[str, float]]] = {}
-            for name in calls:
-                per[name] = {}
-                for batch in cfg.batches:
-                    ts = np.asarray(times[(name, batch, dist)])
-                    per[name][str(batch)] = {"rows_per_s": batch * ts.size / ts.sum(),
-                                             "p50_ms": float(np.percentile(ts, 50) * 1e3),
-                                             "p99_ms": float(np.percentile(ts, 99) * 1e3)}
-            results[dist] = per
+
+        def summary(batch: int, seconds: list[float]) -> dict[str, float]:
+            ts = np.asarray(seconds)
+            return {"rows_per_s": batch * ts.size / ts.sum(), "p50_ms": float(np.percentile(ts, 50) * 1e3),
+                    "p99_ms": float(np.percentile(ts, 99) * 1e3)}
+
+        results = {dist: {name: {str(b): summary(b, times[(name, b, dist)]) for b in cfg.batches} for name in calls}
+                   for dist in cfg.dists}
         stats = {name: t.stats() for name, t in tables.items() if name.startswith("tiergram_mooncake")}
         for t in tables.values():
             t.close()
         engram.remove_from_store(force=True)
         store.close()
-    u = results[cfg.dists[0]]
+    u, has_1024 = results[cfg.dists[0]], 1024 in cfg.batches
     return {
-        "mooncake_engramstore_rows_per_s": u["mooncake_engramstore"]["1024"]["rows_per_s"]
-        if 1024 in cfg.batches else None,
-        "tiergram_rows_per_s": u["tiergram_mooncake"]["1024"]["rows_per_s"] if 1024 in cfg.batches else None,
+        "mooncake_engramstore_rows_per_s": u["mooncake_engramstore"]["1024"]["rows_per_s"] if has_1024 else None,
+        "tiergram_rows_per_s": u["tiergram_mooncake"]["1024"]["rows_per_s"] if has_1024 else None,
         "headline_dist": cfg.dists[0],
         "at_1024": {dist: {name: per[name]["1024"]["rows_per_s"] for name in
                            ("mooncake_engramstore", "tiergram_mooncake", "tiergram_mooncake_cache10")}
-                    for dist, per in results.items()} if 1024 in cfg.batches else None,
+                    for dist, per in results.items()} if has_1024 else None,
         "per_dist": results,
         "cache_stats": {k: {"hit_rate": v.get("hit_rate"), "remote": v.get("remote")} for k, v in stats.items()},
         "config": asdict(cfg),

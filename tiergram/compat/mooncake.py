@@ -84,7 +84,16 @@ class EngramStore:
 
     def populate(self, embedding_buffers: list) -> None:
         """Store the per-head float32 numpy arrays [vocab_h, D]; refused when the layer is already stored."""
-        self._check_buffers(embedding_buffers)
+        m = self.manifest
+        if len(embedding_buffers) != m.n_heads:
+            raise EngramStoreError("embedding_buffers size must match num_heads")
+        for h, b in enumerate(embedding_buffers):
+            if not isinstance(b, np.ndarray):
+                raise EngramStoreError("embedding_buffers must be NumPy arrays")
+            if b.shape != (m.head_rows[h], m.dim):
+                raise EngramStoreError(f"embedding buffer shape does not match get_table_vocab_sizes()/"
+                                       f"get_embedding_dim(): head {h} is {list(b.shape)}, expected "
+                                       f"[{m.head_rows[h]}, {m.dim}]")
         if self.tier == "mooncake":
             with tempfile.TemporaryDirectory(prefix="tiergram-engram-") as tmp:
                 path = create_table(Path(tmp) / f"{self.name}.tgram", self.manifest, _rows_of(embedding_buffers),
@@ -167,18 +176,6 @@ class EngramStore:
                 self._table = TieredTable(self.path, tier=self.tier, cache_bytes=cache,
                                           cache_policy=opts["cache_policy"])
         return self._table
-
-    def _check_buffers(self, buffers: list) -> None:
-        m = self.manifest
-        if len(buffers) != m.n_heads:
-            raise EngramStoreError("embedding_buffers size must match num_heads")
-        for h, b in enumerate(buffers):
-            if not isinstance(b, np.ndarray):
-                raise EngramStoreError("embedding_buffers must be NumPy arrays")
-            if b.shape != (m.head_rows[h], m.dim):
-                raise EngramStoreError(f"embedding buffer shape does not match get_table_vocab_sizes()/"
-                                       f"get_embedding_dim(): head {h} is {list(b.shape)}, expected "
-                                       f"[{m.head_rows[h]}, {m.dim}]")
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: nothing left to release

@@ -66,8 +66,9 @@ class TableFile:
         if missing is not None:
             raise TableFormatError(f"{self.path}: short read at page {missing}")
         if bad:
+            more = f", ... ({len(bad) - 20} more)" if len(bad) > 20 else ""
             raise TableFormatError(f"{self.path}: {len(bad)} corrupt page(s), checksum mismatch at "
-                                   f"page {_page_list(bad)}")
+                                   f"page {', '.join(map(str, bad[:20]))}{more}")
         return out
 
     def verify(self, *, progress: bool = False) -> list[int]:
@@ -175,7 +176,3 @@ def _pread_fully(fd: int, buf: np.ndarray, offset: int, fallback_fd: int) -> int
         got += more
     return got
 
-
-def _page_list(pages: list[int], limit: int = 20) -> str:
-    shown = ", ".join(str(p) for p in pages[:limit])
-    return shown + (f", ... ({len(pages) - limit} more)" if len(pages) > limit else "")

@@ -73,8 +73,10 @@ def write_pages(path: str | os.PathLike, manifest: TableManifest, fill: PageFill
     """Write a table file of pages filled by `fill(pages, first, n)`, whole or not at all (space checked first)."""
     path = Path(path)
     head, data_offset = pack_header(manifest)
-    total = data_offset + manifest.data_bytes
-    _check_free_space(path, total)
+    need, free = data_offset + manifest.data_bytes, free_bytes(path.parent)
+    if need > free:  # an existing file of that name is replaced only once the new one is whole: its bytes do not help
+        raise OSError(errno.ENOSPC, f"{path}: the table needs {need:,} bytes ({_human(need)}) but {path.parent} has "
+                                    f"{free:,} bytes ({_human(free)}) free; nothing was written")
     _remove_stale_temps(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -103,14 +105,6 @@ def write_pages(path: str | os.PathLike, manifest: TableManifest, fill: PageFill
 def free_bytes(directory: str | os.PathLike) -> int:
     """Bytes an unprivileged writer can still put on the file system holding `directory`."""
     return shutil.disk_usage(directory).free
-
-
-def _check_free_space(path: Path, need: int) -> None:
-    free = free_bytes(path.parent)
-    # an existing file of that name is replaced only after the new one is whole: its bytes do not help
-    if need > free:
-        raise OSError(errno.ENOSPC, f"{path}: the table needs {need:,} bytes ({_human(need)}) but {path.parent} has "
-                                    f"{free:,} bytes ({_human(free)}) free; nothing was written")
 
 
 def _human(n: int) -> str:

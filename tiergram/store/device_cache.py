@@ -36,8 +36,7 @@ class DeviceRowCache(RowCache):
         self.rows = _DeviceRows(self.slots)  # replaces the host slot array RowCache allocated (never touched)
 
     def plan(self, keys: np.ndarray, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, fill) int64 [n] for unique keys [n]: hit slots (pinned until `unpin(slots)`), and per miss the
-        slot it was admitted to (-1: kept out), which the next launch on the cache's stream must fill."""
+        """(slots, fill) int64 [n] of unique keys [n]: pinned hit slots, and the slot each miss must fill (-1: none)."""
         slots = self.probe(keys, batch)
         fill = np.full(slots.size, -1, dtype=np.int64)
         miss = np.flatnonzero(slots < 0)

@@ -91,7 +91,11 @@ class TieredTable(TableBase):
         """Rows for per-head ids int64 [..., H] as [..., H, D] in self.dtype; IndexError names head and id."""
         self._check_open()
         ids = check_row_ids(row_ids, self._head_rows, host=True, check_range=False)
-        out = self._output(ids.shape, out)
+        shape = (*ids.shape, self.dim)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype)
+        elif (tuple(out.shape), out.dtype, out.device.type) != (shape, self.dtype, "cpu") or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU {self.dtype} tensor of shape {list(shape)}")
         self._fetch(ids.reshape(-1, self.num_heads), out.view(-1, self.num_heads, self.dim))
         return out
 
@@ -164,7 +168,7 @@ class TieredTable(TableBase):
         self._reader.mark_read(0, m.n_pages)  # the scan read every page: later reads of them are re-reads
         again = np.concatenate(failed) if failed else wanted[:0]
         pages_read = m.n_pages
-        if again.size:  # read_rows counts its own reads
+        if again.size:
             buf, offsets, n = self.tier.read_rows(again)
             self.cache.admit(again, self._raw_at(buf, offsets))
             pages_read += n
@@ -208,14 +212,6 @@ class TieredTable(TableBase):
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"TieredTable for {self.table.path} is closed")
-
-    def _output(self, id_shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
-        shape = (*id_shape, self.dim)
-        if out is None:
-            return torch.empty(shape, dtype=self.dtype)
-        if tuple(out.shape) != shape or out.dtype != self.dtype or not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError(f"out must be a contiguous CPU {self.dtype} tensor of shape {list(shape)}")
-        return out
 
     def _raw_at(self, buf: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Copies of the encoded rows at byte offsets int64 [n] of buf: uint8 [n, row_bytes]."""

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tiergram import _native
-from tiergram.format import TableFile, TableManifest
+from tiergram.format import TableFile
 
 if TYPE_CHECKING:
     PageSource = _native.PageReader | _native.CallbackPageSource
@@ -51,8 +51,3 @@ class PageTier(TableTier):
         _native.decode_at(buf, offsets[inverse.reshape(-1)], self.manifest.codec_id, self.manifest.dim, out)
         return uniq, pages
 
-
-def row_offsets(manifest: TableManifest, rows: np.ndarray) -> np.ndarray:
-    """int64 byte offsets [n], in the table's data region, of the global rows [n]."""
-    page, slot = np.divmod(rows, manifest.rows_per_page)
-    return page * manifest.page_size + slot * manifest.row_bytes

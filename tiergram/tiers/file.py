@@ -11,7 +11,7 @@ import numpy as np
 from tiergram import _native
 from tiergram.format import TableFile
 from tiergram.tiers.aligned import aligned_empty
-from tiergram.tiers.base import PageTier, row_offsets
+from tiergram.tiers.base import PageTier
 
 FILE_MODES = ("direct", "buffered", "mmap")
 # Staging a reading thread keeps between calls (4,096 pages of 4 KiB: a 170-position x 24-head lookup that misses
@@ -59,9 +59,10 @@ class FileTier(PageTier):
 
     def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """As PageTier.read_rows; mmap: (the mapping, the rows' offsets in it, 0 pages)."""
-        if self.reader is None:
-            return self.data, row_offsets(self.manifest, np.asarray(rows, dtype=np.int64)), 0
-        return super().read_rows(rows)
+        if self.reader is not None:
+            return super().read_rows(rows)
+        page, slot = np.divmod(np.asarray(rows, dtype=np.int64), self.manifest.rows_per_page)
+        return self.data, page * self.manifest.page_size + slot * self.manifest.row_bytes, 0
 
     def read_pages(self, pages: np.ndarray) -> np.ndarray:
         """The pages int64 [M] as uint8 [M * page_size]: verified in staging, or (mmap) copied unverified."""

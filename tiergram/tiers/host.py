@@ -16,7 +16,7 @@ import torch
 
 from tiergram import _native
 from tiergram.format import TableFile
-from tiergram.tiers.base import TableTier, row_offsets
+from tiergram.tiers.base import TableTier
 
 SHM_DIR = Path("/dev/shm")
 
@@ -35,7 +35,14 @@ class HostTier(TableTier):
         self._private: mmap.mmap | None = None
         if shared:
             self.shm_path = _shared_copy(table, progress=progress)
-            self.data = self._map_shared(self.shm_path)
+            fd = os.open(self.shm_path, os.O_RDONLY | os.O_NOFOLLOW)  # the copy just verified, not a link put there
+            try:
+                self._mmap = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            _advise_huge(self._mmap, 0, len(self._mmap))  # tmpfs gives them only where shmem_enabled allows
+            self.data = np.frombuffer(self._mmap, dtype=np.uint8, count=table.manifest.data_bytes,
+                                      offset=table.data_offset)
         else:
             self._private, buf = huge_page_buffer(self.manifest.data_bytes)
             self.data = table.read_data(buf, progress=progress)
@@ -51,10 +58,6 @@ class HostTier(TableTier):
         return {"bytes": self.nbytes, "shared": self.shm_path is not None, "huge_page_bytes": huge,
                 "huge_pages": huge >= self.nbytes // 2 and huge > 0, "thp": thp_mode(shared=self.shm_path is not None)}
 
-    def read_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """(the table's rows in memory, int64 byte offsets [n], 0 pages read) of the global rows [n]."""
-        return self.data, row_offsets(self.manifest, np.asarray(rows, dtype=np.int64)), 0
-
     def gather(self, ids: np.ndarray, out: np.ndarray | torch.Tensor) -> tuple[np.ndarray, int]:
         """Rows of ids int64 [N, H] into out [N, H, D] or uint8 [N, H, row_bytes]; (global rows read, 0 pages)."""
         m = self.manifest
@@ -65,16 +68,6 @@ class HostTier(TableTier):
         _native.gather(self.data, ids, self.head_offsets, self.head_rows, m.page_size, m.rows_per_page,
                        m.codec_id, m.dim, out)
         return (ids + self.head_offsets).reshape(-1), 0
-
-    def _map_shared(self, path: Path) -> np.ndarray:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the copy just verified, not a link put in its place
-        try:
-            self._mmap = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        _advise_huge(self._mmap, 0, len(self._mmap))  # tmpfs gives them only where shmem_enabled allows
-        start = self.table.data_offset
-        return np.frombuffer(self._mmap, dtype=np.uint8, count=self.manifest.data_bytes, offset=start)
 
     def close(self) -> None:
         """Drop this process's mapping (the /dev/shm file stays for other processes)."""
