@@ -52,7 +52,6 @@ class Point:
     steps_per_request: float | None = None  # steps x c / requests: c requests share each step
     prefix_hit_rate: float | None = None  # hit tokens / tokens that could hit (host: from the host K/V tier)
     prefix_host_hit_rate: float | None = None
-    kv_host_wait_s: float = 0.0  # steps' wait for host K/V copies
 
 
 @dataclass
@@ -132,8 +131,7 @@ def summarize(placement: str, concurrency: int, rounds: list[Round]) -> Point:
                  server_step_ms=round(1e3 * step_s / steps, 3) if steps > 0 else None,
                  steps_per_request=round(steps * concurrency / len(timings), 2) if steps > 0 and timings else None,
                  prefix_hit_rate=round(hits / queried, 4) if queried > 0 else None,
-                 prefix_host_hit_rate=round(host_hits / queried, 4) if queried > 0 else None,
-                 kv_host_wait_s=total("tiergram_kv_host_wait_seconds_total"))
+                 prefix_host_hit_rate=round(host_hits / queried, 4) if queried > 0 else None)
 
 
 def pareto(points: list[Point]) -> list[Point]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -82,15 +83,11 @@ def fuzz_api(url: str, *, examples: int = 25, seed: int = 0, timeout_s: float = 
                 raise
             report["failures"].append(f"{label}: {str(e).strip()[:600]}")
 
-    explicit = {  # valid requests of every shape, so each kind of answer is checked whatever the draw
-        "/v1/completions": [{"prompt": PROMPT, "max_tokens": 3, "stream": stream, "stop": "\n",
-                             "stream_options": {"include_usage": True} if stream else None}
-                            for stream in (False, True)],
-        "/v1/chat/completions": [{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
-                                 for stream in (False, True)],
-    }
-    for path, bodies in explicit.items():
-        for body in bodies:
+    for stream in (False, True):  # valid requests of every shape: each kind of answer is checked whatever the draw
+        for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": stream, "stop": "\n",
+                                                "stream_options": {"include_usage": True} if stream else None}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                     "stream": stream})):
             case = schema[path]["POST"].Case(body=body, media_type="application/json")
             reported(f"{path} {body}", lambda case=case: check(case))
     for result in schema.get_all_operations():
@@ -451,10 +448,7 @@ def corrupt_page(path: Path, page: int) -> None:
     t = TableFile.open(path)
     at = t.data_offset + page * t.manifest.page_size + t.manifest.page_size // 3
     with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x5A]))
+        os.pwrite(f.fileno(), bytes([os.pread(f.fileno(), 1, at)[0] ^ 0x5A]), at)
 
 
 def page_read_by(model_dir: Path, prompt: str, codec: str = "fp8_e4m3") -> tuple[Path, int]:
