@@ -77,7 +77,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.sources, self.budget.kv_blocks, config.block_size, self.device,
                                   self.degrader, read_ahead={layer for layer, p in self.placements.items()
                                                              if p.read_ahead})
-        self.kv_host = self.runner.kv_host = self._host_tier()
+        self.kv_host: HostKV | None = None  # the host K/V tier: its share of host memory, in blocks
+        if config.kv_host_bytes:
+            slot = HostKV.slot_bytes_for(self.runner.paged_caches, config.block_size)
+            if config.kv_host_bytes < slot:
+                raise ValueError(f"the host K/V tier cannot hold one K/V block ({slot} bytes): {config.host_split()}")
+            self.kv_host = HostKV(config.kv_host_bytes // slot, self.runner.paged_caches, config.block_size)
+        self.runner.kv_host = self.kv_host
         self.blocks = BlockManager(self.budget.kv_blocks, config.block_size, config.prefix_caching, self.kv_host)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -92,16 +98,6 @@ class LLMEngine:
                                     hot_rows_preload_s=preload_s)
         self._inflight: dict[str, int] = {}  # the step being run: {request_id: tokens}
         self.ahead = ReadAhead(self.runner, self.degrader, config.max_num_batched_tokens, self._stats)
-
-    def _host_tier(self) -> HostKV | None:
-        """The host K/V tier sized from the config's share of host memory (None: kv_host_fraction 0)."""
-        c = self.config
-        if not c.kv_host_bytes:
-            return None
-        slot = HostKV.slot_bytes_for(self.runner.paged_caches, c.block_size)
-        if c.kv_host_bytes < slot:
-            raise ValueError(f"the host K/V tier cannot hold one K/V block ({slot} bytes): {c.host_split()}")
-        return HostKV(c.kv_host_bytes // slot, self.runner.paged_caches, c.block_size)
 
     def _load(self, model_dir: ModelDir, mconfig: ModelConfig, layers: list[int]) -> EngramLM:
         """Open each layer's table per its placement (exporting first if needed); the model on the device."""
