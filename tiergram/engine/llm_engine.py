@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -167,12 +168,9 @@ class LLMEngine:
         """From any thread, before add_request: while a step runs, start reading the prompt's first chunk's rows."""
         if not (self.ahead.active() and self._busy()):
             return
-        try:
-            ids = [int(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            return  # bad input is add_request's to refuse, with the message it deserves
-        if ids and 0 <= min(ids) and max(ids) < self.vocab_size:
-            self.ahead.arriving(ids)
+        with contextlib.suppress(RequestError):  # bad input is add_request's to refuse
+            self.ahead.arriving(check_prompt(prompt_token_ids, vocab_size=self.vocab_size,
+                                             max_model_len=self.max_model_len))
 
     def _busy(self) -> bool:
         """A step runs now or sequences are running: a new prompt's rows can be read while they compute."""
