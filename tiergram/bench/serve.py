@@ -7,6 +7,7 @@ import asyncio
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,6 @@ def run(cfg: SweepConfig, progress: bool = True) -> SweepResult:
     procs: dict[str, int] = {}  # label -> server pid
     with ExitStack() as stack:
         if "mooncake" in labels and not cfg.mooncake_master:
-            from dataclasses import replace
-
             from tiergram.bench.mooncake_cluster import LocalCluster
 
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tiergram-serve-mooncake-")))

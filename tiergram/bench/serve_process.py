@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +97,6 @@ class ServerProcess(ServeSubprocess):
 
 def server_settings(cfg: SweepConfig, label: str, cache_bytes: int, max_waiting: int, model_dir: str | None = None):
     """One server's typed configuration: the sweep's engine, its placement and cache, its variant's."""
-    from dataclasses import replace
-
     from tiergram.model.hot_rows import HOT_ROWS
     from tiergram.settings import EngineSettings, ServerSettings, ServeSettings
 

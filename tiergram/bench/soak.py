@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from tiergram.bench.common import log, percentile
 from tiergram.bench.serve_process import ServeSubprocess, layer_tables, scrape
+from tiergram.format import TableFile
 
 PROMPT = "def insort(a, x):\n    lo = 0"
 
@@ -443,8 +444,6 @@ def compare_to_reference(got: list[tuple[int, Any]], want: list[tuple[int, Any]]
 
 def corrupt_page(path: Path, page: int) -> None:
     """Flip one byte in the middle of a data page of a table file (its checksum no longer matches)."""
-    from tiergram.format import TableFile
-
     t = TableFile.open(path)
     at = t.data_offset + page * t.manifest.page_size + t.manifest.page_size // 3
     with open(path, "r+b") as f:
@@ -455,7 +454,6 @@ def page_read_by(model_dir: Path, prompt: str, codec: str = "fp8_e4m3") -> tuple
     """(table file, page) of a row `prompt` reads (first Engram layer, head 0) in an exported model."""
     import numpy as np
 
-    from tiergram.format import TableFile
     from tiergram.model.checkpoint import hasher_of, load_tokenizer_of, read_config
     from tiergram.model.export import table_filename
 
@@ -594,7 +592,6 @@ def storage_faults(model_dir: str | Path, prompts: list[str], *, rates: tuple[fl
 
 def crash_restart(cfg: SoakConfig, *, load_s: float = 3.0) -> dict[str, Any]:
     """kill -9 of a server under load (host placement, shared /dev/shm copies off), restart on the same tables."""
-    from tiergram.format import TableFile
     from tiergram.tiers.host import shared_copies
 
     model = Path(cfg.model_dir)
