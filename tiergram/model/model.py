@@ -238,8 +238,7 @@ class EngramLM(nn.Module):
         """Token ids [B, T] (after history [B, K], if any) -> {layer: row ids int64 [B, T, H]} on ids' device."""
         if self.hasher is None:
             return {}
-        hist = None if history is None or history.shape[1] == 0 else history
-        rows = self.hasher.row_ids_with_history(ids, hist)
+        rows = self.hasher.row_ids_with_history(ids, history)
         return {layer: torch.from_numpy(r).to(ids.device) for layer, r in rows.items()}
 
     def engram_tables(self) -> dict[int, nn.Module]:
