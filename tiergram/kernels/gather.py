@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from contextlib import nullcontext
 
@@ -14,17 +15,14 @@ from tiergram.kernels.layout import RowLayout
 from tiergram.kernels.reference import gather_dequant_torch
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None  # optional: the torch path works without it
-_kernel_module = None
 
 
+@functools.cache
 def _kernels():
     """The Triton kernel module, imported on first use: TRITON_INTERPRET=1 is honoured if set by then."""
-    global _kernel_module
-    if _kernel_module is None:
-        from tiergram.kernels import triton_kernels
+    from tiergram.kernels import triton_kernels
 
-        _kernel_module = triton_kernels
-    return _kernel_module
+    return triton_kernels
 
 
 def interpreted() -> bool:
@@ -146,14 +144,8 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
 
 def _kernel_device(device, out, ids, data) -> torch.device:
     """The kernel's device: given, else out's, the ids', the data's ('cuda' gets the current GPU's index)."""
-    dev = None
-    if device is not None:
-        dev = torch.device(device)
-    else:
-        for t in (out, ids, data):
-            if isinstance(t, torch.Tensor):
-                dev = t.device
-                break
+    tensors = (t.device for t in (out, ids, data) if isinstance(t, torch.Tensor))
+    dev = torch.device(device) if device is not None else next(tensors, None)
     if dev is None:
         raise ValueError("no device to run on")
     if dev.type == "cuda" and dev.index is None:

@@ -23,8 +23,7 @@ def device_memory_budget(device: torch.device | str | None = None, *, cpu_bytes:
     """Free accelerator bytes (cudaMemGetInfo); on the CPU `cpu_bytes`, else $TIERGRAM_DEVICE_BYTES, else 0."""
     dev = torch.device(device) if device is not None else _default_device()
     if dev.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(dev)
-        return int(free)
+        return int(torch.cuda.mem_get_info(dev)[0])  # (free, total)
     if cpu_bytes is None:
         cpu_bytes = int(os.environ.get(DEVICE_BYTES_ENV, "0") or 0)
     if cpu_bytes < 0:

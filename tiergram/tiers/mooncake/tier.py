@@ -229,13 +229,9 @@ class MooncakeTier(PageTier):
         return failed
 
     def _from_fallback(self, pages: np.ndarray, positions: list[int], buf: np.ndarray) -> None:
-        assert self.fallback is not None and self.fallback.reader is not None
         ps = self.manifest.page_size
-        want = pages[positions]
-        tmp = aligned_empty(want.size * ps)
-        self.fallback.reader.read_pages(np.ascontiguousarray(want), tmp)  # verified; raises PageReadError itself
-        for k, i in enumerate(positions):
-            buf[i * ps:(i + 1) * ps] = tmp[k * ps:(k + 1) * ps]
+        got = self.fallback.read_pages(pages[positions])  # verified; raises PageReadError itself
+        buf.reshape(-1, ps)[positions] = got.reshape(-1, ps)
         with self._lock:
             self.counters.fallback_pages += len(positions)
 
