@@ -283,5 +283,5 @@ def test_planner_takes_the_imported_directory(imported):
     spec = model_from_dir(imported)
     config = read_config(imported)
     rows = tuple(TableFile.open(imported / config["tables"][str(layer)]).manifest.total_rows for layer in (1, 14))
-    assert (spec.engram.layers, spec.engram.heads, spec.engram.row_bytes, spec.engram.dim) == ((1, 14), 24, 264, 256)
+    assert (spec.engram.layers, spec.engram.heads, spec.engram.row_bytes) == ((1, 14), 24, 264)  # 256 values + scales
     assert spec.engram.rows_per_layer == rows and rows[0] != rows[1]

@@ -34,7 +34,7 @@ from tiergram.plan.specs import SpecError, load_hardware, load_model, shipped
 # A model and a CPU machine small enough to compute by hand.
 MODEL = ModelSpec(name="hand", n_layers=4, active_params=1e6, weight_bytes=2e5, active_weight_bytes=2e5,
                   kv_bytes_per_token=100.0, engram=EngramGeometry(layers=(1, 2), heads=4, row_bytes=40,
-                                                                  rows_per_layer=1000, dim=32))
+                                                                  rows_per_layer=1000))
 CPU = HardwareSpec(name="hand-cpu", kind="cpu", device_memory_bytes=1e6, device_bw=1e10, compute_flops=2e9,
                    step_overhead_s=2e-3, per_seq_s=1e-4, host_memory_bytes=1e9, host_bw=1e10, gather_rows_s=1e6,
                    link_bw=0.0, disk=DiskSpec(drives=1, iops_curve=((1.0, 1000.0),)), per_token_s=1e-3)

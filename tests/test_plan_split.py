@@ -23,7 +23,7 @@ from tiergram.store.table import STAGING_RESERVE_BYTES
 CONV = Conversations(doc_len=96, question_len=12, answer_len=16, turns=4, docs=8, think_s=0.2)
 MODEL = ModelSpec(name="hand", n_layers=4, active_params=1e6, weight_bytes=2e5, active_weight_bytes=2e5,
                   kv_bytes_per_token=100.0, engram=EngramGeometry(layers=(1, 2), heads=4, row_bytes=264,
-                                                                  rows_per_layer=1_000_000, dim=256),
+                                                                  rows_per_layer=1_000_000),
                   hit_rate_curve=((0.01, 0.3), (0.5, 0.6)), hot_hit_rate_curve=((0.01, 0.5), (0.5, 0.8)))
 CPU = HardwareSpec(name="hand-cpu", kind="cpu", device_memory_bytes=1e6, device_bw=1e10, compute_flops=2e9,
                    step_overhead_s=2e-3, per_seq_s=1e-4, host_memory_bytes=1e9, host_bw=1e10, gather_rows_s=1e6,

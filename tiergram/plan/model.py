@@ -17,7 +17,6 @@ class EngramGeometry:
     heads: int  # rows each token reads per Engram layer (all n-gram orders together)
     row_bytes: int  # one encoded row on disk / in memory
     rows_per_layer: int | tuple[int, ...]  # rows of one layer's table, or one count per layer in `layers` order
-    dim: int  # values per row once dequantized
 
     @property
     def rows_per_token(self) -> int:

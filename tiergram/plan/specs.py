@@ -90,7 +90,6 @@ ENGRAM_FIELDS = (
     Field("heads", "heads", kind="int", positive=True),
     Field("row_bytes", "row_bytes", kind="int", positive=True),
     Field("rows_per_layer", "rows_per_layer", kind="counts", positive=True),
-    Field("dim", "dim", kind="int", positive=True),
 )
 
 
@@ -301,7 +300,7 @@ def model_from_dir(model_dir: Path) -> ModelSpec:
     return ModelSpec(name=model_dir.name, n_layers=cfg.n_layers, active_params=float(active),
                      weight_bytes=float(weights * 4), active_weight_bytes=float(active * 4),
                      kv_bytes_per_token=float(kv), engram=EngramGeometry(tuple(sorted(e.layers)), e.n_heads,
-                                                                          row_bytes, rows, e.dim),
+                                                                          row_bytes, rows),
                      activation_bytes=float(act))
 
 
