@@ -129,7 +129,8 @@ def test_a_bad_setting_is_one_line_from_the_command(model_dir, tmp_path, capsys)
 
     path = tmp_path / "serve.toml"
     path.write_text("[server]\nmax_reading = -1\n")
-    with pytest.raises(SystemExit, match=r"tiergram serve: error: .*serve.toml: \[server\]: max_reading: must be an integer >= 1"):
+    with pytest.raises(SystemExit, match=r"tiergram serve: error: .*serve.toml: \[server\]: max_reading: must be an "
+                                         r"integer >= 1"):
         main(["serve", str(model_dir), "--config", str(path)])
     with pytest.raises(SystemExit, match=r"--engram-config: not valid JSON"):
         main(["serve", str(model_dir), "--engram-config", "{layers: 1}"])

@@ -491,8 +491,7 @@ def serve_in_thread(app: FastAPI, *, start_timeout_s: float = 60.0) -> Iterator[
 def serve(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = None) -> int:
     """Serve until SIGTERM (drain, then exit) or Ctrl-C, as the [server] settings say (docs/serving.md)."""
     settings = settings or ServerSettings()
-    host, port = settings.host, settings.port
-    settings = settings.for_bind(host)
+    settings, host = settings.for_bind(settings.host), settings.host
     held = open_files_for(settings.max_connections)
     if held < settings.max_connections:
         print(f"tiergram serve: the open-file limit holds {held} connections, not max_connections "
@@ -504,7 +503,7 @@ def serve(engine: LLMEngine | EngineProcess, settings: ServerSettings | None = N
     # each streamed chunk for the client's delayed ACK (~40 ms) on keep-alive connections
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock.bind((host, settings.port))
     sock.listen(2048)  # connections queue from now on, answered once the app has started
     config = uvicorn_config(app, log_level=settings.log_level, timeout_keep_alive=30)
     server = DrainingServer(config, app.state.tiergram, settings.drain_timeout)

@@ -1,9 +1,9 @@
-"""AsyncEngine: one background thread steps an LLMEngine; asyncio handlers add requests and read outputs
-(docs/serving.md, "How it runs"). Only the engine thread touches the engine."""
+"""AsyncEngine: one thread steps an LLMEngine (and only it touches it) for asyncio handlers (docs/serving.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -51,10 +51,8 @@ class AsyncioStream:
         self._call(settle)
 
     def _call(self, fn: Any, *args: Any) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
             self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
 
 def new_stream() -> AsyncioStream:
@@ -78,8 +76,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, on_update: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        # called on the engine thread after each round of deliveries (and at the end)
-        self.on_update = on_update or (lambda: None)
+        self.on_update = on_update or (lambda: None)  # on the engine thread after each round (and at the end)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, Any] = {}  # engine thread only
@@ -205,11 +202,9 @@ class AsyncEngine:
     def _recover(self, error: Exception) -> None:
         """After an exception outside a step: count a fault, fail every open request naming it, pause, go on."""
         err = EngineLoopError(f"the engine loop failed and restarted: {type(error).__name__}: {error}")
-        try:
+        with contextlib.suppress(Exception):  # the engine itself is broken: its streams still get the error
             self.engine.record_fault(error)
             self._deliver(self.engine.fail_all(err))
-        except Exception:  # noqa: BLE001, S110 - the engine itself is broken: its streams still get the error
-            pass
         for stream in self._streams.values():
             stream.put(err)
         self._streams.clear()
@@ -227,10 +222,8 @@ class AsyncEngine:
         """End every open request (engine stopped) and refuse the queued ones."""
         err = EngineDeadError(f"the engine stopped: {error!r}" if error else "the server is shutting down")
         for rid, stream in list(self._streams.items()):
-            try:
+            with contextlib.suppress(Exception):
                 self.engine.abort_request(rid)
-            except Exception:
-                pass
             stream.put(err)
         self._streams.clear()
         with self._lock:

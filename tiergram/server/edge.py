@@ -1,5 +1,4 @@
-"""The server's edge: deadlines and caps on connections (an h11 protocol for uvicorn), and who may call (API key,
-Host and Origin checks, as ASGI middleware), as the [server] settings say (docs/serving.md, "Limits")."""
+"""The server's edge: connection deadlines and caps (an h11 protocol) and who may call (ASGI middleware)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ Engine -> HTTP: ("ready", info) or ("failed", text) once; then ("accepted", rid,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import multiprocessing as mp
 import signal
@@ -40,11 +41,8 @@ class _Outbox:
         self.sent_at = 0.0
 
     def send(self, msg: tuple) -> None:
-        with self.lock:
-            try:
-                self.conn.send(msg)
-            except (OSError, ValueError):  # the other process is gone: its EOF is the receiver's to handle
-                pass
+        with self.lock, contextlib.suppress(OSError, ValueError):  # the other process gone: its reader sees EOF
+            self.conn.send(msg)
 
     def flush(self) -> None:
         """Send this round's outputs and, at most every SNAPSHOT_EVERY_S, a new metrics snapshot."""
@@ -94,10 +92,8 @@ def _engine_main(config: EngineConfig, conn: Any, torch_threads: int) -> None:
     """The engine process: build the engine, then serve the pipe until told to stop or the HTTP process goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C and SIGTERM are the HTTP process's to handle: it drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # first, then stops us
-    try:  # Linux kills this process when the HTTP process dies: no orphaned engine holding memory
+    with contextlib.suppress(OSError, AttributeError):  # Linux kills this process when the HTTP process dies
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
     outbox = _Outbox(conn)
     try:
         import torch

@@ -1,5 +1,4 @@
-"""Prometheus metrics through prometheus-client: the HTTP layer's counters and latency histograms, the engine's
-gauges and counters read from its latest EngineMetrics snapshot at scrape time, and the process collector."""
+"""Prometheus metrics (prometheus-client): HTTP counters and histograms, the engine's snapshot, the process."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""OpenAI-compatible request validation (every bad field an OpenAI-shaped 400) and the OpenAPI schema served at
-/openapi.json (both from request_fields), the chat template, and response objects (docs/serving.md)."""
+"""OpenAI-compatible request validation and /openapi.json (both from request_fields), chat template, responses."""
 
 from __future__ import annotations
 
@@ -80,7 +79,6 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 FIELDS = {"completion": COMMON_FIELDS | {"prompt", "prompt_token_ids", "best_of", "echo", "suffix"},
           "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}}
 MESSAGE_FIELDS = {"role", "content", "name"}
-INT64_MAX = 2**63 - 1
 BOOLEAN = {"type": "boolean", "default": False}
 TYPES = {"integer": int, "number": (int, float), "boolean": bool, "string": str, "array": list, "object": dict}
 
@@ -104,7 +102,7 @@ def request_fields(max_model_len: int, vocab_size: int, limits: ServerSettings) 
         "temperature": {"type": "number", "minimum": 0, "maximum": limits.max_temperature, "default": 1.0},
         "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "default": 1.0},
         "top_k": {"type": "integer", "minimum": 0, "maximum": vocab_size, "default": 0},
-        "seed": {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
+        "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
         "ignore_eos": BOOLEAN, "stream": BOOLEAN,
         "stop": {"type": "array", "maxItems": limits.max_stop, "items": stop, "default": []},  # or one string
         "stop_token_ids": {**ids, "maxItems": limits.max_stop_token_ids, "default": []},
@@ -169,9 +167,8 @@ def _completion_prompt(body: dict[str, Any], max_model_len: int) -> str | list[i
         return _text(prompt, "prompt")
     if isinstance(prompt, list):
         return _check(prompt, "prompt", ids)
-    if prompt is None:
-        raise bad("'prompt' is required", "prompt")
-    raise bad("'prompt' must be a string, a list of token ids, or a batch of one of them", "prompt")
+    raise bad("'prompt' is required" if prompt is None else
+              "'prompt' must be a string, a list of token ids, or a batch of one of them", "prompt")
 
 
 def _chat_prompt(messages: list[dict[str, Any]] | None) -> str:
@@ -271,9 +268,8 @@ def set_prompt(req: GenerationRequest, ids: list[int], *, max_model_len: int, vo
     param = param or ("messages" if req.kind == "chat" else "prompt")
     try:
         ids = check_prompt(ids, vocab_size=vocab_size, max_model_len=max_model_len, param=param)
-        room = max_model_len - len(ids)
-        max_tokens = req.max_tokens
-        if max_tokens is None:
+        max_tokens, room = req.max_tokens, max_model_len - len(ids)
+        if max_tokens is None:  # the default: 16 for a completion, the rest of the context for chat
             max_tokens = min(16, room) if req.kind == "completion" else room
         check_max_tokens(max_tokens, req.length_param, prompt_len=len(ids), max_model_len=max_model_len)
     except RequestError as e:
