@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,35 +99,6 @@ def plot(lines: dict[str, list[tuple[float, float]]], path: Path, title: str,
 
 
 # ------------------------------------------------------------------------------------------- validation
-
-@dataclass
-class Compared:
-    """One measured point next to its prediction."""
-
-    placement: str
-    concurrency: int
-    predicted_tok_s: float
-    measured_tok_s: float
-    ratio: float  # measured / predicted
-    predicted_binding: str
-    predicted_interactivity: float
-    measured_interactivity: float | None
-    hit_rate: float | None
-    hit_rate_source: str | None  # "model spec" or "sweep (...)"
-    measured_binding: str  # from the sweep's own evidence, by `binds`
-    stall_share: float  # exposed stall seconds / measured seconds
-    predicted_stall_share: float  # the step model's engine wait for rows / its step time (the same quantity)
-    disk_share: float  # file pages/s / the disk's limit measured in the same sweep
-    first_read_share: float | None = None  # of the file tier's page reads, first reads (the rest: re-reads)
-    predicted_step_ms: float = 0.0  # the server's mean step and the steps a request took, predicted and measured
-    measured_step_ms: float | None = None
-    predicted_steps_per_request: float = 0.0
-    measured_steps_per_request: float | None = None
-    past_disk_limit: bool = False  # bench serve's `above_disk_limit`: a cache under the disk served it
-    naive_tok_s: float | None = None  # calibration's own host server's throughput at this concurrency
-    predicted_prefix_hit: float | None = None  # conversations: hit tokens / queried tokens
-    measured_prefix_hit: float | None = None
-
 
 def sweep_workload(cfg: dict[str, Any]) -> Workload:
     """The closed loop a `bench serve` sweep ran: lengths uniform in [0.8 L, L], so the means are 0.9 L."""
@@ -282,7 +253,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         hw = hw.at_speed(swept)
         speed |= {"from": "sweep", "sweep_probe_ms": round(swept, 3),
                   "factor": round(swept / speed["spec_probe_ms"], 4)}
-    rows: list[Compared] = []
+    rows: list[dict[str, Any]] = []  # one measured point next to its prediction
     skipped: set[str] = set()
     disks: dict[str, float] = {}  # file server -> the disk's pages/s at QD 128 its points were predicted on
     disk_sources: dict[str, str] = {}  # file server -> "sweep" or "spec": where that figure came from
@@ -340,28 +311,33 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         # the prediction's side by the same rule, from its own disk share and stall (the engine's wait) share
         p_stall = p.terms.get("engram wait", p.terms.get("engram exposed", 0.0)) / p.step_s if p.step_s > 0 else 0.0
         p_disk = p.terms.get("disk busy", 0.0) / p.step_s if p.step_s > 0 else 0.0
-        rows.append(Compared(name, p.concurrency, p.throughput_tok_s, measured, measured / p.throughput_tok_s,
-                             binds(seen, p_disk, p_stall), p.interactivity,
-                             float(inter) if inter is not None else None, p.hit_rate, source,
-                             binds(seen, disk, stall), round(stall, 4), round(p_stall, 4), round(disk, 4),
-                             None if first is None else round(float(first), 4), round(p.step_s * 1e3, 3),
-                             pt.get("server_step_ms"),
-                             # with think time a user's cycle holds the steps run while it thinks, as the server counts
-                             round(p.cycle_s / p.step_s if got else steps_per_request(wl, p.concurrency, hw), 2),
-                             pt.get("steps_per_request"), int(pt["concurrency"]) in past,
-                             round(interpolate(hw.serve_tok_s_curve, p.concurrency, log_x=True), 1) if naive
-                             else None, None if got is None else round(got.hit_rate, 4), pt.get("prefix_hit_rate")))
+        # with think time a user's cycle holds the steps run while it thinks, as the server counts
+        steps = round(p.cycle_s / p.step_s if got else steps_per_request(wl, p.concurrency, hw), 2)
+        rows.append({
+            "placement": name, "concurrency": p.concurrency, "predicted_tok_s": p.throughput_tok_s,
+            "measured_tok_s": measured, "ratio": measured / p.throughput_tok_s,
+            "predicted_binding": binds(seen, p_disk, p_stall), "predicted_interactivity": p.interactivity,
+            "measured_interactivity": float(inter) if inter is not None else None, "hit_rate": p.hit_rate,
+            "hit_rate_source": source, "measured_binding": binds(seen, disk, stall), "stall_share": round(stall, 4),
+            "predicted_stall_share": round(p_stall, 4), "disk_share": round(disk, 4),  # of the disk's limit
+            "first_read_share": None if first is None else round(float(first), 4),  # of the file tier's page reads
+            "predicted_step_ms": round(p.step_s * 1e3, 3), "measured_step_ms": pt.get("server_step_ms"),
+            "predicted_steps_per_request": steps, "measured_steps_per_request": pt.get("steps_per_request"),
+            "past_disk_limit": int(pt["concurrency"]) in past,
+            "naive_tok_s": round(interpolate(hw.serve_tok_s_curve, p.concurrency, log_x=True), 1) if naive else None,
+            "predicted_prefix_hit": None if got is None else round(got.hit_rate, 4),
+            "measured_prefix_hit": pt.get("prefix_hit_rate")})
         if name not in limits:
             lim = concurrency_limit(model, hw, wl, pl)
             limits[name] = {"predicted": lim.concurrency, "predicted_binding": lim.binding,
                             "measured": (sweep.get("servers", {}).get(name) or {}).get("concurrency_limit")}
-    errs = [abs(r.ratio - 1) for r in rows]
-    prefix = [abs(r.predicted_prefix_hit - r.measured_prefix_hit) * 100 for r in rows
-              if r.predicted_prefix_hit is not None and r.measured_prefix_hit is not None]
-    naive_errs = [abs(r.measured_tok_s / r.naive_tok_s - 1) for r in rows if r.naive_tok_s]
-    on_disk = [abs(r.ratio - 1) for r in rows if not r.past_disk_limit]
-    step_errs = [abs(r.measured_step_ms / r.predicted_step_ms - 1) for r in rows
-                 if r.measured_step_ms and r.predicted_step_ms > 0]
+    errs = [abs(r["ratio"] - 1) for r in rows]
+    prefix = [abs(r["predicted_prefix_hit"] - r["measured_prefix_hit"]) * 100 for r in rows
+              if r["predicted_prefix_hit"] is not None and r["measured_prefix_hit"] is not None]
+    naive_errs = [abs(r["measured_tok_s"] / r["naive_tok_s"] - 1) for r in rows if r["naive_tok_s"]]
+    on_disk = [abs(r["ratio"] - 1) for r in rows if not r["past_disk_limit"]]
+    step_errs = [abs(r["measured_step_ms"] / r["predicted_step_ms"] - 1) for r in rows
+                 if r["measured_step_ms"] and r["predicted_step_ms"] > 0]
 
     def within(xs: list[float]) -> int:
         return sum(e <= 0.15 for e in xs)
@@ -370,7 +346,7 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
         return sum(xs) / len(xs) if xs else None
 
     summary = {"points": len(rows), "within_15pct": within(errs),
-               "binding_named": sum(r.predicted_binding == r.measured_binding for r in rows),
+               "binding_named": sum(r["predicted_binding"] == r["measured_binding"] for r in rows),
                "max_abs_error": max(errs) if errs else None, "mean_abs_error": mean(errs),
                "prefix_mean_abs_points": mean(prefix), "steps_compared": len(step_errs),
                "step_within_15pct": within(step_errs), "step_mean_abs_error": mean(step_errs),
@@ -378,19 +354,19 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
     if naive:
         summary |= {"naive_within_15pct": within(naive_errs), "naive_mean_abs_error": mean(naive_errs)}
     return {"prediction": True, "model": model.name, "hardware": hw.name, "workload": asdict(base_wl),
-            "points": [asdict(r) for r in rows], "limits": limits,
+            "points": rows, "limits": limits,
             "skipped_placements": sorted(skipped), "disk": {"from": disk_sources, "pages_per_s": disks},
             "speed": speed, "best_split": best_of(rows) if conv is not None else {}, "summary": summary}
 
 
-def best_of(rows: list[Compared]) -> dict[int, dict[str, Any]]:
+def best_of(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per concurrency, the server with the most throughput, predicted and measured, each with its margin."""
     from tiergram.plan.split import best_splits
 
     def points(key: str) -> dict[str, list[Point]]:
         out: dict[str, list[Point]] = {}
         for r in rows:
-            out.setdefault(r.placement, []).append(Point(r.placement, r.concurrency, 0.0, getattr(r, key), 0.0, ""))
+            out.setdefault(r["placement"], []).append(Point(r["placement"], r["concurrency"], 0.0, r[key], 0.0, ""))
         return out
 
     pred, meas = best_splits(points("predicted_tok_s")), best_splits(points("measured_tok_s"))
