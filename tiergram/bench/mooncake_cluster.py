@@ -85,8 +85,7 @@ def master_binary() -> str:
 
 
 class LocalCluster:
-    """A `mooncake_master` on 127.0.0.1 and `holders` processes lending `segment_bytes` each, in this private
-    network namespace; they die with this process and log to `log_dir`."""
+    """A `mooncake_master` on 127.0.0.1 and `holders` processes lending `segment_bytes` each; they die with us."""
 
     def __init__(self, log_dir: str | os.PathLike, *, holders: int = 1, segment_bytes: int = 256 << 20,
                  start_timeout: float = 20.0) -> None:

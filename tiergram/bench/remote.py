@@ -1,5 +1,4 @@
-"""`tiergram bench lookup --tier mooncake`: a local Mooncake cluster's rows through tiergram against Mooncake's
-EngramStore and raw page fetches, by batch size and id distribution."""
+"""`tiergram bench lookup --tier mooncake`: tiergram's tiers against Mooncake's EngramStore and raw page fetches."""
 
 from __future__ import annotations
 

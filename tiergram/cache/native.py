@@ -1,6 +1,5 @@
-"""NativeRowCache: the row cache in C++ (index, LRU / LFU / lookahead policy, pins, counters over a slot array), with
-RowCache's interface and decisions, call for call (tests/test_native_cache.py); the fetch pipeline runs it without the
-GIL. Its index costs 96 bytes a row (LRU) against RowCache's 256 (docs/placement.md, "Sizing the host cache")."""
+"""NativeRowCache: the row cache in C++ with RowCache's interface and decisions, call for call; its index costs 96
+bytes a row (LRU) against RowCache's 256 (docs/placement.md, "Sizing the host cache")."""
 
 from __future__ import annotations
 

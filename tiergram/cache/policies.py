@@ -1,6 +1,5 @@
-"""Eviction policies for the row cache: LRU, LFU with frequency admission, lookahead (windowed Belady); per access
-the cache calls observe(key), then touch(key) on a hit, or victim(pinned) and admit(key, victim) on a miss (LRU:
-one victims(n, pinned) per admit, every miss admitted)."""
+"""Eviction policies for the row cache: LRU, LFU with frequency admission, lookahead (windowed Belady); a hit calls
+observe and touch, a miss observe, victim and admit (LRU: one victims(n, pinned) per admit, every miss admitted)."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ class LFUPolicy:
 
 
 class LookaheadPolicy:
-    """Windowed Belady: evict the resident key whose next announced use is furthest away; keys with none go first,
-    LRU first; a miss does not enter if its victim is needed sooner (extend_future announces, finish retires)."""
+    """Windowed Belady: evict the key whose next announced use is furthest (none: LRU first); admit only if sooner."""
 
     name = "lookahead"
 
@@ -109,8 +107,7 @@ class LookaheadPolicy:
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, no known next use (LRU order)
         self._planned: dict[int, int] = {}  # resident with a known next use -> that position
         self._heap: list[tuple[int, int]] = []  # (-next_use, key); stale entries skipped
-        # Keys victim() found pinned (in use by the lookup being admitted) are parked until the next probe
-        # (observe), so that each is skipped once per admit instead of by every victim() call (quadratic).
+        # keys victim() found pinned are parked until the next probe: skipped once per admit, not per victim() call
         self._held: OrderedDict[int, None] = OrderedDict()  # parked idle keys
         self._held_plans: list[tuple[int, int]] = []  # parked heap entries
 

@@ -44,8 +44,7 @@ class SlotCache:
 
 
 class RowCache(SlotCache):
-    """Up to `capacity` encoded rows, thread-safe, pinned rows never evicted: the reference NativeRowCache is tested
-    against, and the index and policy of the HBM cache (DeviceRowCache)."""
+    """Up to `capacity` encoded rows, thread-safe, pins kept: the native cache's reference, the HBM cache's index."""
 
     def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
         super().__init__(capacity, row_bytes)

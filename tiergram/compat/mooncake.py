@@ -1,6 +1,5 @@
-"""`EngramStore` with the API of Mooncake's `mooncake.store.EngramStore`, served by tiergram's tiers (docs/remote.md):
-`store` a `MooncakeDistributedStore` (tier 'mooncake', the table pushed as `engram-l<layer_id>`), or a directory (tier
-'host' or 'file', the table file `engram-l<layer_id>.tgram` there)."""
+"""Mooncake's `mooncake.store.EngramStore` API served by tiergram's tiers: the table pushed to a Mooncake `store`
+as `engram-l<layer_id>`, or the file `engram-l<layer_id>.tgram` in a directory `store` (docs/remote.md)."""
 
 from __future__ import annotations
 

@@ -34,8 +34,7 @@ def check_row_ids(row_ids: RowIds, head_rows: Sequence[int] | np.ndarray, *, hos
             raise ValueError(f"row ids must be integers, got {arr.dtype}")
         _check_shape(arr.shape, h)
         if arr.dtype == np.uint64 and arr.size and (arr > np.uint64(INT64_MAX)).any():
-            # as int64 such an id would wrap to a negative one and be reported as a different id: report the
-            # first bad id (this one or an earlier one too large for its head) from the unsigned values
+            # as int64 it would wrap to another id: report the first bad id from the unsigned values
             flat = arr.reshape(-1, h)
             pos, head = divmod(int(np.flatnonzero(flat >= head_rows.astype(np.uint64))[0]), h)
             raise IndexError(out_of_range(int(flat[pos, head]), head, int(head_rows[head]), pos))

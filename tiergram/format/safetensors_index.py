@@ -1,5 +1,4 @@
-"""Where each tensor of a (sharded) safetensors checkpoint lies on disk, read from the headers alone (the index's
-`weight_map` names each tensor's shard); callers pread the ranges they need, never mapping a tensor whole."""
+"""Where each tensor of a (sharded) safetensors checkpoint lies on disk, from the headers alone (never mapped)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Writing table files crash-safely and at disk speed: temp file, page trailers, fsync, rename, fsync the directory;
-pages are filled and sealed here while a writer thread writes the previous chunk (O_DIRECT where allowed)."""
+"""Writing table files crash-safely at disk speed: temp file, sealed pages, fsync, rename, fsync the directory."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ PageFiller = Callable[[np.ndarray, int, int], None]
 _CHUNK_PAGES: int | None = None  # pages per write; None: _CHUNK_BYTES worth (tests set small values)
 _CHUNK_BYTES = 32 << 20  # large O_DIRECT writes: the disk's sequential rate needs MiBs in flight
 _DIRECT_ALIGN = 4096  # O_DIRECT needs block-aligned buffers, offsets and sizes; 4 KiB covers 512 B and 4 KiB disks
-# Where the last write_pages call's time went (seconds): the writer thread waiting for a sealed chunk (the disk
-# idle: filling or sealing is behind), writing, and the filling thread waiting for a free buffer (the disk behind).
+# seconds of the last write_pages call: writer idle (filling behind), writing, filler waiting (the disk behind)
 LAST_WRITE_STATS: dict[str, float] = {}
 _BUFFERS = 4  # one being filled, one being sealed, one being written, one spare so no stage waits on another
 

@@ -1,5 +1,5 @@
-"""The Triton kernel: per-head row ids -> rows decoded from a page-structured table, optionally through a row cache
-(hits from their slot, misses from the data region, written to their `fill` slot); bit-exact (docs/accelerator.md)."""
+"""The Triton gather + dequant kernel: rows of per-head ids from a page-structured table, optionally through a
+row cache; bit-exact with tiergram.codecs (docs/accelerator.md)."""
 
 import triton
 import triton.language as tl

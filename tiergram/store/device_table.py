@@ -1,5 +1,4 @@
-"""DeviceTable: the TieredTable contract with rows delivered into accelerator memory — ids [..., H] in, rows
-[..., H, D] on the device out, prefetchable on a side CUDA stream (docs/accelerator.md)."""
+"""DeviceTable: the store contract with rows delivered into accelerator memory (docs/accelerator.md)."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class DeviceTable(TableBase):
 
     tier 'device': resident in HBM; 'host': in DRAM (shared=True: the /dev/shm copy) read by the kernel through UVA;
     'file': read into pinned staging and copied over. `cache_bytes` adds an HBM hot-row cache (host and file tiers).
-    Work runs in order on one worker thread and, on a GPU, a side stream; `staging_tokens` lands prefetches in
-    `n_staging` buffers of stable address."""
+    `staging_tokens`: prefetches land in `n_staging` buffers of stable address, used in turn."""
 
     def __init__(self, path: str | os.PathLike, *, device: torch.device | str | None = None, tier: str = "host",
                  dtype: torch.dtype = torch.float32, cache_bytes: int = 0, cache_policy: str = "lru",

@@ -26,8 +26,7 @@ class StoreStats:
     page_size: int = 0  # bytes per page read (for the native counters' tier bytes)
     tier: str = "file"  # the tier the native pipeline reads pages from (its bytes_read key)
     cached: bool = False  # whether lookups go through a cache (the native counters' cache bytes)
-    # What the native fetch pipeline adds itself, atomically, without the GIL: ids, distinct rows, hits, misses
-    # per head [4 * H], then lookups, pages read, hit rows, miss rows. snapshot() folds it in.
+    # the native pipeline's atomic counts: ids, distinct, hits, misses per head [4 * H]; lookups, pages, hit/miss rows
     native: np.ndarray = field(init=False, repr=False)
     native_warm: np.ndarray = field(init=False, repr=False)  # native read-aheads: rows admitted, pages read
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

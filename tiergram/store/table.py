@@ -35,9 +35,8 @@ NATIVE_POLICY_EXTRA_BYTES_PER_ROW = {"lru": 0, "lookahead": 32, "lfu": 96}
 
 class TieredTable(TableBase):
     """One Engram layer's table served from tier 'host' (DRAM; shared=True: one /dev/shm copy), 'file' (file_mode
-    'direct', 'buffered' or 'mmap') or 'mooncake' (path 'mooncake://HOST:PORT/NAME'; remote_options go to
-    MooncakeTier.open), with an optional native hot-row cache of `cache_bytes` or what `host_memory_bytes` leaves
-    (docs/placement.md, docs/remote.md)."""
+    direct, buffered or mmap) or 'mooncake' (path 'mooncake://HOST:PORT/NAME', remote_options for MooncakeTier.open),
+    with an optional native hot-row cache of `cache_bytes` or what `host_memory_bytes` leaves (docs/placement.md)."""
 
     def __init__(self, path: str | os.PathLike, *, tier: str = "host", dtype: torch.dtype = torch.float32,
                  shared: bool = False, cache_bytes: int | None = None, cache_policy: str = "lru",

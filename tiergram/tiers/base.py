@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 
 class TableTier:
-    """What every tier shares: its table's geometry and its ids checked in the native core. Host, file and Mooncake
-    tiers also offer read_rows, gather, stats and close, and the native fetch pipeline's page source `reader`."""
+    """What every tier shares: its table's geometry and its ids checked natively (host, file, mooncake add
+    read_rows, gather, stats, close and the native fetch pipeline's page source `reader`)."""
 
     name: str  # its key in the table's bytes_read: 'host', 'file' or 'mooncake'
     reader: PageSource | None  # file reads, Mooncake's read_pages; None where there is none (host, mmap)

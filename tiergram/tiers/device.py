@@ -1,5 +1,5 @@
-"""Device tier: a table in accelerator memory; host tables registered in place for UVA reads. On the CPU every
-class still works (the "device" is host memory, nothing registered); DeviceRowCache lives in tiergram.store."""
+"""Device tier: a table in accelerator memory, and host tables registered in place for UVA reads (on the CPU the
+"device" is host memory and nothing is registered)."""
 
 from __future__ import annotations
 

@@ -177,8 +177,7 @@ def lower_thread_priority() -> str:
 
 
 class Caller:
-    """Runs store calls on a worker thread, each returning or failing within `timeout_s` (TimeoutError); an overrun
-    call is left to its daemon worker (Mooncake cannot cancel it) and a fresh worker serves the next."""
+    """Runs store calls on a daemon worker, each within `timeout_s` (TimeoutError); an overrun one is left behind."""
 
     def __init__(self, timeout_s: float, low_priority: bool = False) -> None:
         self.timeout_s = timeout_s

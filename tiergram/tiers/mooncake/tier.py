@@ -1,5 +1,4 @@
-"""The Mooncake tier's read path: pages fetched into registered staging buffers, verified, retried, or read from a
-local fallback."""
+"""The Mooncake tier's read path: pages into registered staging buffers, verified, retried, or read locally."""
 
 from __future__ import annotations
 
