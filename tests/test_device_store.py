@@ -45,6 +45,12 @@ CONFIGS = {  # name -> DeviceTable keyword arguments
 }
 
 
+def check_device_tags(cache: DeviceRowCache) -> None:
+    """The cache's invariants hold and its device tag array matches the host index."""
+    cache.check_invariants()
+    assert np.array_equal(cache.tags.cpu().numpy(), cache.slot_key), "device tags disagree with the host index"
+
+
 class Table:
     """A table file and the reference decode of each of its rows."""
 
@@ -100,7 +106,7 @@ def test_lookup_and_prefetch_match_reference(tables, config, codec):
         assert s["lookups"] == 6 and s["ids"] == (10 + 7 + 10 + 7) * 3
         if dt.cache is not None:
             assert s["hits"] > 0 and s["cache"]["rows"] > 0
-            dt.cache.check_device_tags()
+            check_device_tags(dt.cache)
 
 
 @pytest.mark.parametrize("config", ["host+lru", "file+lfu"])
@@ -111,7 +117,7 @@ def test_small_cache_churn_stays_correct(tables, config):
         for seed in range(4):
             ids = draw((6,), seed=seed, hot=12)
             assert same(dt.lookup(ids), t.expect(ids))
-            dt.cache.check_device_tags()
+            check_device_tags(dt.cache)
         assert dt.stats()["cache"]["evicted"] > 0
 
 
@@ -191,7 +197,7 @@ def test_device_row_cache_plan():
     assert fill.tolist() == [-1, 1, 0]  # 10 was admitted, then evicted for 12 in the same call
     c.set_tags(fill[fill >= 0], np.array([11, 12]))
     c.unpin(slots)
-    c.check_device_tags()
+    check_device_tags(c)
     slots, fill = c.plan(np.array([11, 12, 13]))
     assert slots.tolist()[:2] == [1, 0] and fill.tolist()[:2] == [-1, -1]
     assert fill[2] == -1  # every slot pinned by this call's hits: 13 stays out

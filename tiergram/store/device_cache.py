@@ -51,8 +51,3 @@ class DeviceRowCache(RowCache):
         """Record on the device which key each filled slot holds (call on the stream of the filling launch)."""
         if slots.size:  # through pinned memory: a non_blocking copy from pageable memory may wait for the stream
             self.tags.index_copy_(0, ids_to_device(slots, self.device), ids_to_device(keys, self.device))
-
-    def check_device_tags(self) -> None:
-        """Assert the device tag array matches the host index (tests)."""
-        self.check_invariants()
-        assert np.array_equal(self.tags.cpu().numpy(), self.slot_key), "device tags disagree with the host index"
