@@ -322,7 +322,7 @@ def step_terms(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Plac
                ) -> tuple[float, dict[str, float], str, float | None]:
     """(step seconds, cost terms in seconds, binding term, hit rate) of a step with c running sequences."""
     context = wl.input_len + max(1.0, wl.output_len) / 2.0  # mean tokens of KV each sequence's attention reads
-    tokens = tokens_per_step(wl, c, hw)
+    tokens = c * (wl.computed_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c, hw)  # N
     if not (wl.prompt_rows_first and c > 1 and placement.kind == "file"):
         return step_terms_at(model, hw, wl, placement, c, tokens, context)
     waited = tokens * decode_share(wl)  # the prompt tokens' rows were read before their step
@@ -346,14 +346,6 @@ def placement_hit_rate(model: ModelSpec, placement: Placement) -> float:
     if placement.hit_rate is not None:
         return placement.hit_rate
     return model.hit_rate(placement.cache_fraction, placement.hot_rows)
-
-
-def prompt_wait_s(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> float:
-    """Seconds a new request waits for its prompt's missed rows before joining (prompt_rows_first, c > 1, file)."""
-    if placement.kind != "file" or not wl.prompt_rows_first or c <= 1:
-        return 0.0
-    misses = wl.computed_len * model.engram.rows_per_token * (1.0 - placement_hit_rate(model, placement))
-    return misses / hw.disk.pages_per_s(wl.queue_depth) + hw.disk.latency_s if misses > 0 else 0.0
 
 
 def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: float, tokens: float,
@@ -456,17 +448,15 @@ def steps_per_request(wl: Workload, c: float, hw: HardwareSpec | None = None) ->
     return steps
 
 
-def tokens_per_step(wl: Workload, c: float, hw: HardwareSpec | None = None) -> float:
-    """Mean tokens one step computes with c closed-loop users: each request's tokens spread over its steps."""
-    return c * (wl.computed_len + max(1.0, wl.output_len) - 1.0) / steps_per_request(wl, c, hw)
-
-
 def predict_point(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: Placement, c: int) -> Point:
     """Throughput and interactivity of c closed-loop users (with think time: iterated to a fixed point)."""
     lo = max(1.0, wl.output_len)
     # the host K/V tier's blocks come back over the link (a GPU) or through host memory (a CPU) before their step
     kv_copy = wl.kv_host_len * model.kv_bytes_per_token / (hw.link_bw if hw.kind == "gpu" else hw.host_bw)
-    wait = prompt_wait_s(model, hw, wl, placement, c)
+    wait = 0.0  # T_wait: with prompt_rows_first a new request waits for its prompt's missed rows before joining
+    if placement.kind == "file" and wl.prompt_rows_first and c > 1:
+        misses = wl.computed_len * model.engram.rows_per_token * (1.0 - placement_hit_rate(model, placement))
+        wait = misses / hw.disk.pages_per_s(wl.queue_depth) + hw.disk.latency_s if misses > 0 else 0.0
     running: float = c
     for _ in range(1 if wl.think_s <= 0 else 30):
         step, terms, binding, hit = step_terms(model, hw, wl, placement, running)

@@ -218,13 +218,6 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
     return Placement("file", cache_fraction=float(min(fractions)))
 
 
-def server_workload(base: Workload, cfg: dict[str, Any], label: str, rows_first: bool | None = None) -> Workload:
-    """The sweep's workload as one server ran it: prompt_rows_first where it read rows ahead (and `rows_first`)."""
-    variant = ((cfg.get("variants") or {}).get(label) or {}).get("engine") or {}
-    first = bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", True)))
-    return replace(base, prompt_rows_first=first if rows_first is None else rows_first and first)
-
-
 def binds(engram: str, disk_share: float, stall_share: float) -> str:
     """What binds a point, by its evidence: the disk at its whole limit, the Engram source past 25% stall, else
     compute (validate names both sides by this rule)."""
@@ -267,7 +260,10 @@ def validate(sweep: dict[str, Any], model: ModelSpec, hw: HardwareSpec, host_tra
             continue
         kind = pl.kind
         source = first = None
-        wl = server_workload(base_wl, cfg, name, rows_first)
+        # prompt_rows_first where the server read rows ahead (its variant's setting, else the sweep's)
+        variant = ((cfg.get("variants") or {}).get(name) or {}).get("engine") or {}
+        ahead = bool(variant.get("read_ahead", (cfg.get("engine") or {}).get("read_ahead", True)))
+        wl = replace(base_wl, prompt_rows_first=ahead if rows_first is None else rows_first and ahead)
         # the disk's limit (pages/s, QD 128) the sweep measured on this server's tables (0: none)
         key = "big_disk_pages_per_s" if sweep_base(cfg, name) == "file-big" else "disk_pages_per_s"
         disk_limit = min((sweep.get(key) or {}).values(), default=0.0)
