@@ -72,7 +72,7 @@ def to_markdown(points: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + f"\n\nbest split by throughput: {best}\n"
 
 
-def plot(points: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+def plot(points: list[dict[str, Any]], path: Path, title: str) -> Path:
     """Throughput, TTFT p90 and prefix hit rate against the K/V share, a line per Engram tier and concurrency."""
     fig, axes = subplots(1, 3, figsize=(12.8, 4.0))
     ordered = sorted(points, key=lambda s: (s["engram"], s["concurrency"], s["kv_host_fraction"]))
@@ -88,8 +88,7 @@ def plot(points: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
 
 
