@@ -124,8 +124,7 @@ def fit_serve(serve: dict[str, Any], engine_step: Callable[[float, float], float
             # never below 1: a request needs its steps (fewer is its sampled lengths' noise)
             "request_steps_curve": [[c, round(max(1.0, float(np.median(lived[c]))), 3)] for c in conc if lived[c]],
             "request_steps_passes": {c: [round(x, 3) for x in lived[c]] for c in conc if lived[c]},
-            # what the server itself served (tokens computed / wall s) at each concurrency, the passes' median:
-            # `plan validate --naive`'s baseline, which predicts any sweep point by it
+            # what the server itself served at each concurrency: `plan validate --naive`'s baseline
             "serve_tok_s_curve": [[c, round(float(np.median(tput[c])), 1)] for c in conc if tput[c]]}
 
 

@@ -161,8 +161,7 @@ class HardwareSpec:
     file_call_s: float = 0.0  # fixed cost of the file tier's lookups in one step (all Engram layers)
     cores: int = 0  # cpu kind: what host traffic and the page reads' CPU share
     cpu_speed_ms: float = 0.0  # calibrate's CPU speed probe: the speed its CPU costs were measured at (at_speed)
-    # cpu kind, (concurrency, value) pairs measured by calibrate: σ(c), φ(c) and its own server's tok/s (the naive
-    # baseline of `plan validate --naive`)
+    # cpu kind, (concurrency, value) pairs measured by calibrate: σ(c), φ(c), its own server's tok/s (naive baseline)
     server_step_curve: tuple[tuple[float, float], ...] = ()
     request_steps_curve: tuple[tuple[float, float], ...] = ()
     serve_tok_s_curve: tuple[tuple[float, float], ...] = ()

@@ -4,6 +4,7 @@ against a measured `tiergram bench serve` sweep."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -56,8 +57,7 @@ def to_text(model: ModelSpec, hw: HardwareSpec, wl: Workload, fronts: list[Front
         lines.append(f"  {f.placement.label:<26} c = {f.limit.concurrency:,} ({f.limit.binding}){at}")
     lines.append("(* = on the placement's pareto front)")
     if not model.hit_rate_curve and any(f.placement.kind == "file" for f in fronts):
-        lines.append("note: the model spec has no hit_rate_curve, so file placements assume no cache hits (the "
-                     "worst case); `plan validate` takes the hit rate from a measured sweep instead")
+        lines.append("note: the model spec has no hit_rate_curve: file placements assume no cache hits (worst case)")
     return "\n".join(lines)
 
 
@@ -123,13 +123,11 @@ def sweep_conversations(cfg: dict[str, Any]) -> Conversations | None:
 
 def sweep_sessions(cfg: dict[str, Any], conv: Conversations, c: int) -> tuple[int, float]:
     """(sessions per round at c, sessions a server ran before the middle of that point: warm-ups and rounds)."""
-    def per(requests: int) -> int:
-        return -(-requests // conv.turns)
-
     levels = sorted({int(p["concurrency"]) for p in cfg.get("_levels", [])} | {c})
     before = 0.0
-    for lv in levels:
-        warm, each = per(int(cfg.get("warmup_per_user", 1)) * lv), per(int(cfg.get("requests_per_user", 4)) * lv)
+    for lv in levels:  # sessions: each user's requests, whole conversations of `turns`
+        warm = math.ceil(int(cfg.get("warmup_per_user", 1)) * lv / conv.turns)
+        each = math.ceil(int(cfg.get("requests_per_user", 4)) * lv / conv.turns)
         if lv == c:
             return each, before + warm + int(cfg.get("rounds", 1)) * each / 2
         before += warm + int(cfg.get("rounds", 1)) * each
