@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,15 +28,11 @@ def engram_multipliers(
 
 def _int(value: Any, what: str, low: int | None = None) -> int:
     """value as an int (bools refused), at least `low` when given; ValueError naming `what` otherwise."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise ValueError(f"{what} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{what} must be an integer, got {value!r}") from None
     if low is not None and value < low:
         raise ValueError(f"{what} must be >= {low}, got {value}")
-    return value
+    return int(value)
 
 
 class NgramHasher:
