@@ -428,8 +428,7 @@ def step_terms_at(model: ModelSpec, hw: HardwareSpec, wl: Workload, placement: P
 
 
 def _binding(terms: dict[str, float], placement: Placement, step: float) -> str:
-    """The cost term that sets the step: the disk when reading every miss takes it, else the largest of the
-    backbone (compute + overhead), the exposed fetch and the K/V link."""
+    """The cost term that sets the step: the disk if it takes the step, else the largest of backbone, fetch, K/V."""
     if terms.get("disk busy", 0.0) >= step * (1 - 1e-9):
         return "engram (disk)"
     fetch = terms.get("engram exposed", 0.0) + terms.get("engram cpu", 0.0)

@@ -80,8 +80,7 @@ def label_axes(ax: Any, x: str, y: str, title: str, legend: int = 7) -> None:
 
 def plot(lines: dict[str, list[tuple[float, float]]], path: Path, title: str,
          measured: dict[str, list[tuple[float, float]]] | None = None) -> Path:
-    """Throughput against interactivity: each server's predicted (interactivity, tok/s) points as a line, the
-    measured ones as markers of its colour."""
+    """Throughput against interactivity: predicted (interactivity, tok/s) as lines, measured as markers."""
     from tiergram.plots import save_figure, subplots
 
     fig, ax = subplots(figsize=(7.0, 4.6))
@@ -146,8 +145,7 @@ def round_thinks(cfg: dict[str, Any], conv: Conversations, c: int) -> list[list[
 
 def predict_conversation_point(model: ModelSpec, hw: HardwareSpec, cfg: dict[str, Any], conv: Conversations,
                                split: Split, c: int, hit_rate: float | None = None) -> tuple[Point, Reuse]:
-    """A conversations sweep's point: each round with its own think draws (lasting as long as its slowest user), the
-    median round, as `bench serve` reports it."""
+    """A conversations sweep's point: the median round, each with its own think draws (as `bench serve` reports)."""
     each, before = sweep_sessions(cfg, conv, c)
     thinks = round_thinks(cfg, conv, c) if conv.think_s > 0 else [[0.0] * c]
     mean_think = sum(map(sum, thinks)) / max(1, len(thinks) * each * conv.turns)
@@ -217,8 +215,7 @@ def sweep_placement(name: str, cfg: dict[str, Any]) -> Placement:
 
 
 def binds(engram: str, disk_share: float, stall_share: float) -> str:
-    """What binds a point, by its evidence: the disk at its whole limit, the Engram source past 25% stall, else
-    compute (validate names both sides by this rule)."""
+    """What binds a point, by its evidence: the disk at its limit, the Engram source past 25% stall, else compute."""
     if disk_share >= 1 - 1e-9:  # the model's disk-bound step is its disk time exactly
         return "engram (disk)"
     return engram if stall_share > 0.25 else "compute"

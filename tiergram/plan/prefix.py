@@ -36,10 +36,6 @@ class Conversations:
         """Prompt tokens of turn 1..turns: the document, every question so far and the answers before."""
         return self.doc_len + turn * self.question_len + (turn - 1) * self.answer_len
 
-    @property
-    def mean_prompt(self) -> float:
-        return sum(self.prompt_len(k) for k in range(1, self.turns + 1)) / self.turns
-
     def queried(self) -> int:
         """Prompt tokens of one session that could hit (all but each prompt's last: it is always computed)."""
         return sum(self.prompt_len(k) - 1 for k in range(1, self.turns + 1))

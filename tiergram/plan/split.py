@@ -35,7 +35,8 @@ class Split:
 def conversations_workload(conv: Conversations, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                            block_size: int = 16) -> Workload:
     """The step model's workload for conversations (prompt lengths their mean, the last turn's for the K/V)."""
-    return Workload(input_len=conv.mean_prompt, output_len=conv.answer_len, max_num_seqs=max_num_seqs,
+    mean_prompt = sum(conv.prompt_len(k) for k in range(1, conv.turns + 1)) / conv.turns
+    return Workload(input_len=mean_prompt, output_len=conv.answer_len, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                     max_input_len=conv.prompt_len(conv.turns), max_output_len=conv.answer_len, think_s=conv.think_s)
 
