@@ -18,8 +18,7 @@ class NativeRowCache(SlotCache):
 
     def __init__(self, capacity: int, row_bytes: int, policy: str = "lru") -> None:
         if policy not in NATIVE_POLICIES:
-            raise ValueError(f"the native row cache has policies {', '.join(NATIVE_POLICIES)}, not {policy!r} "
-                             "(use tiergram.cache.RowCache for the others)")
+            raise ValueError(f"the native row cache has policies {', '.join(NATIVE_POLICIES)}, not {policy!r}")
         super().__init__(capacity, row_bytes)
         self.policy = SimpleNamespace(name=policy)  # what callers read of it (policy.name): it lives in C++
         self.native = _native.RowCache(self.capacity, self.row_bytes, policy)

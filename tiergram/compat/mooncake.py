@@ -105,7 +105,6 @@ class EngramStore:
                 except (OSError, ValueError) as e:
                     raise EngramStoreError(f"populate failed: {e}") from e
             return
-        assert self.path is not None
         if self.path.exists():
             raise EngramStoreError(f"populate failed: {self.path} already holds layer {self.layer_id}; "
                                    f"remove_from_store() first")
@@ -135,7 +134,6 @@ class EngramStore:
                 return self.manifest.n_heads if mc.remove_table(self.store, self.name) else 0
             except OSError as e:
                 raise EngramStoreError(f"remove_from_store failed: {e}") from e
-        assert self.path is not None
         if not self.path.exists():
             return 0
         self.path.unlink()
@@ -168,7 +166,6 @@ class EngramStore:
                                           cache_bytes=opts["cache_bytes"], cache_policy=opts["cache_policy"],
                                           remote_options={"store": self.store, "fallback": opts["fallback"]})
             else:
-                assert self.path is not None
                 if not self.path.exists():
                     raise EngramStoreError(f"EngramStore lookup failed: no table {self.path} (populate it first)")
                 cache = opts["cache_bytes"] if self.tier == "file" else 0
