@@ -20,7 +20,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from tiergram import settings
 from tiergram.cli import build_parser
 from tiergram.cli.serve import engine_config, settings_of
-from tiergram.engine import LLMEngine, Placement
+from tiergram.engine import EngineConfig, LLMEngine, Placement
 from tiergram.model import EngramLM, tiny_config
 from tiergram.model.checkpoint import save_pretrained
 
@@ -89,13 +89,13 @@ def test_the_config_file_holds_every_setting_and_flags_override_it(model_dir, tm
         ("file", 65536, 9, 3)
     assert (s.server.port, s.server.max_body_bytes, s.server.cors_origins, s.server.header_timeout) == \
         (9002, 2 << 20, ["https://a"], 2.5)
-    cfg = s.engine_config(model_dir)
+    cfg = EngineConfig.from_settings(s, model_dir)
     assert cfg.placement == {1: Placement("file", cache_bytes=65536, codec="fp32", read_ahead=False),
                              2: Placement("host", codec="fp32", read_ahead=False)}
     assert (cfg.max_waiting, cfg.max_num_seqs) == (9, 3)
     # --engram-config replaces the file's [engram]; the same settings read back from JSON are equal
     s2 = settings_of(args(str(model_dir), "--config", str(toml), "--engram-config", '{"layers": {}}'))
-    assert s2.engine_config(model_dir).placement == Placement("file", cache_bytes=65536, codec="fp32",
+    assert EngineConfig.from_settings(s2, model_dir).placement == Placement("file", cache_bytes=65536, codec="fp32",
                                                               read_ahead=False)
     path = tmp_path / "serve.json"
     path.write_text(json.dumps(s.to_dict()))

@@ -205,25 +205,6 @@ class ServeSettings:
                            "engram": {"layers": {str(k): dataclasses.asdict(v)
                                                  for k, v in self.engram.layers.items()}}})
 
-    def engine_config(self, model_dir: str | os.PathLike, device: str | None = None):
-        """The EngineConfig these settings describe (`device`: the resolved compute device)."""
-        from tiergram.engine import EngineConfig, Placement
-
-        e = self.engine
-
-        def placement(layer: LayerSettings) -> Placement:  # what a layer leaves out comes from [engine]
-            offloaded = layer.tier in ("file", "mooncake")  # (only these tiers have a cache)
-            return Placement(kind=layer.tier, cache_bytes=e.cache_bytes * offloaded if layer.cache_bytes is None
-                             else layer.cache_bytes, cache_policy=layer.cache_policy or e.cache_policy, codec=e.codec,
-                             file_mode=e.file_mode, master=e.mooncake_master if layer.tier == "mooncake" else "",
-                             read_ahead=e.read_ahead if layer.read_ahead is None else layer.read_ahead)
-
-        layers = self.engram.layers
-        chosen = {k: placement(v) for k, v in layers.items()} or placement(LayerSettings(e.placement, e.cache_bytes))
-        shared = {f.name: getattr(e, f.name) for f in dataclasses.fields(EngineShared)}
-        return EngineConfig(model_dir=str(model_dir), placement=chosen, device_memory_bytes=e.device_memory,
-                            host_memory_bytes=e.host_memory, **{**shared, "device": device or e.device})
-
 
 def read_file(path: str | os.PathLike, where: str = "") -> dict[str, Any]:
     """A TOML file's table (JSON by its .json suffix); ConfigError naming `where` (default the path) if unreadable."""

@@ -77,8 +77,10 @@ def settings_of(args: argparse.Namespace) -> ServeSettings:
 
 def engine_config(args: argparse.Namespace):
     """The EngineConfig the options describe."""
+    from tiergram.engine import EngineConfig
+
     s = settings_of(args)
-    return s.engine_config(args.model_dir, _device(s.engine.device))
+    return EngineConfig.from_settings(s, args.model_dir, _device(s.engine.device))
 
 
 def _device(name: str) -> str:
@@ -109,14 +111,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
-    from tiergram.engine import LLMEngine, serving_torch_threads
+    from tiergram.engine import EngineConfig, LLMEngine, serving_torch_threads
     from tiergram.server import EngineProcess, EngineStartError, serve
 
     try:  # a bad setting, or an engine that cannot start (e.g. CUDA asked for without one): one line
         cfg = settings_of(args)
         e = cfg.engine
         threads = serving_torch_threads(e.torch_threads)
-        engine_cfg = cfg.engine_config(args.model_dir, _device(e.device))
+        engine_cfg = EngineConfig.from_settings(cfg, args.model_dir, _device(e.device))
         if e.engine_process:
             engine = EngineProcess(engine_cfg, torch_threads=threads)
         else:

@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiergram.engine.validate import check_max_tokens
-from tiergram.settings import CACHE_POLICIES, CODECS, FILE_MODES, PLACEMENTS, EngineShared, LayerSettings, at_least
+from tiergram.settings import (
+    CACHE_POLICIES,
+    CODECS,
+    FILE_MODES,
+    PLACEMENTS,
+    EngineShared,
+    LayerSettings,
+    ServeSettings,
+    at_least,
+)
 
 
 def serving_torch_threads(requested: int = 0) -> int:
@@ -141,6 +150,25 @@ class EngineConfig(EngineShared):
         self.check_shared("host_memory_bytes")
         at_least(self, 1, "num_kv_blocks")
         at_least(self, 0, "device_memory_bytes")
+
+    @classmethod
+    def from_settings(cls, settings: ServeSettings, model_dir: str | os.PathLike, device: str | None = None
+                      ) -> EngineConfig:
+        """The EngineConfig `tiergram serve`'s settings describe (`device`: the resolved compute device)."""
+        e = settings.engine
+
+        def placement(layer: LayerSettings) -> Placement:  # what a layer leaves out comes from [engine]
+            offloaded = layer.tier in ("file", "mooncake")  # (only these tiers have a cache)
+            return Placement(kind=layer.tier, cache_bytes=e.cache_bytes * offloaded if layer.cache_bytes is None
+                             else layer.cache_bytes, cache_policy=layer.cache_policy or e.cache_policy, codec=e.codec,
+                             file_mode=e.file_mode, master=e.mooncake_master if layer.tier == "mooncake" else "",
+                             read_ahead=e.read_ahead if layer.read_ahead is None else layer.read_ahead)
+
+        layers = settings.engram.layers
+        chosen = {k: placement(v) for k, v in layers.items()} or placement(LayerSettings(e.placement, e.cache_bytes))
+        shared = {f.name: getattr(e, f.name) for f in dataclasses.fields(EngineShared)}
+        return cls(model_dir=str(model_dir), placement=chosen, device_memory_bytes=e.device_memory,
+                   host_memory_bytes=e.host_memory, **{**shared, "device": device or e.device})
 
     @property
     def kv_host_bytes(self) -> int:
