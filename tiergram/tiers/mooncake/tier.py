@@ -207,22 +207,16 @@ class MooncakeTier(PageTier):
                 self._abandon(buf)  # a failed transfer may still land in the buffer later
         # one native check over the span of positions (a retry's other pages in it are checked again and ignored)
         lo, hi = int(pos.min()), int(pos.max()) + 1
-        bad = _native.verify_pages(buf[lo * ps:hi * ps], ps, np.ascontiguousarray(pages[lo:hi]))
-        corrupt = 0
-        if bad:
-            asked = np.zeros(hi - lo, dtype=bool)
-            asked[pos - lo] = True
-            for k in np.flatnonzero(np.isin(pages[lo:hi], bad) & asked).tolist():
-                if lo + k not in failed:
-                    failed[lo + k] = CHECKSUM_MISMATCH
-                    corrupt += 1
+        bad = set(_native.verify_pages(buf[lo * ps:hi * ps], ps, np.ascontiguousarray(pages[lo:hi])))
+        corrupt = [i for i in pos.tolist() if i not in failed and int(pages[i]) in bad] if bad else []
+        failed.update(dict.fromkeys(corrupt, CHECKSUM_MISMATCH))
         ok_pages = pos.size - len(failed)
         with self._lock:
             c = self.counters
             c.calls += 1
             c.pages_read += ok_pages
             c.bytes_read += ok_pages * ps
-            c.checksum_failures += corrupt
+            c.checksum_failures += len(corrupt)
             c.seconds += dt
             c.latencies.append(dt)
         return failed
