@@ -156,6 +156,21 @@ def test_torch_backend_matches(regions):
     assert_bits(a, r.expect(ids + OFFSETS, torch.float32))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("codec,dim", [("fp8_e4m3", 256), ("int8", 33), ("fp32", 32)])
+def test_copy_rows_gives_the_encoded_bytes(codec, dim, backend):
+    """The raw row copy (the GPU benchmark's limit for a gather) moves each row's bytes unchanged, tail included."""
+    from tiergram.kernels.gather import copy_rows_unchecked
+
+    r = Region(codec, dim, seed=4)
+    ids = random_ids(5, seed=3)
+    out = torch.empty(ids.size * r.layout.row_bytes, dtype=torch.uint8, device=DEV)
+    copy_rows_unchecked(r.data, torch.from_numpy(ids.reshape(-1)).to(DEV), torch.from_numpy(OFFSETS).to(DEV), out,
+                        r.layout, block_rows=4, backend=backend)
+    want = r.rows[(ids + OFFSETS).reshape(-1)]
+    assert np.array_equal(out.view(-1, r.layout.row_bytes).cpu().numpy(), want)
+
+
 def test_shapes_out_and_empty(regions):
     r = regions[("int8", 32)]
     ids = random_ids(6, seed=4).reshape(2, 3, 3)

@@ -1,9 +1,7 @@
 // Python bindings of the fetch pipeline (pipeline.h) and its job queue (fetch_queue.h): arguments checked with the
 // GIL held, the work run without it; a queued job's arrays kept alive until it ends.
 #include <nanobind/stl/pair.h>
-#include <nanobind/stl/tuple.h>
 
-#include <chrono>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,16 +15,6 @@ namespace tiergram {
 namespace {
 
 using Counts = nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-// Nanoseconds spent in fetch without the GIL, in the whole call, and calls, over the process (the benchmark's
-// Python-time split).
-std::atomic<uint64_t> g_fetch_ns{0}, g_fetch_calls{0}, g_fetch_total_ns{0};
-
-struct Timer {
-  std::atomic<uint64_t> &ns;
-  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-  ~Timer() { ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(); }
-};
 
 Table table_of(PageSource &src, IdsIn head_offsets, IdsIn head_rows, uint64_t rows_per_page, int codec,
                uint64_t dim) {
@@ -77,12 +65,9 @@ WarmArgs prepare_warm(PageSource &src, NativeRowCache &cache, IdsIn ids, IdsIn h
 
 int64_t fetch(PageSource &src, NativeRowCache *cache, IdsIn ids, IdsIn head_offsets, IdsIn head_rows,
               uint64_t rows_per_page, int codec, uint64_t dim, AnyOut out, Counts acc, Counts tier_acc) {
-  Timer whole{g_fetch_total_ns};  // the call after argument conversion, GIL reacquisition included
   const FetchArgs a =
       prepare_fetch(src, cache, ids, head_offsets, head_rows, rows_per_page, codec, dim, out, acc, tier_acc);
   nb::gil_scoped_release release;
-  Timer nogil{g_fetch_ns};
-  ++g_fetch_calls;
   return run_fetch(a, nullptr);
 }
 
@@ -274,11 +259,6 @@ void register_pipeline(nb::module_ &m) {
   m.def("set_staging_keep_bytes", &set_staging_keep_bytes, nb::arg("bytes"),
         "Test hook: the page bytes a thread's staging buffer keeps (16 MiB); reads of more pages go in chunks of "
         "this size, their rows copied out after each. Returns the previous value.");
-  m.def(
-      "fetch_timing",
-      []() { return std::make_tuple(g_fetch_calls.load(), g_fetch_ns.load(), g_fetch_total_ns.load()); },
-      "(calls, nanoseconds without the GIL, nanoseconds in the whole call after argument conversion) of fetch, "
-      "over the process.");
 
   nb::class_<FetchJob>(m, "FetchJob", "A queued fetch or read-ahead; keeps its arrays alive until it ends.")
       .def("done", &FetchJob::done)

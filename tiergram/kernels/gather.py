@@ -12,7 +12,7 @@ import torch
 from tiergram.codecs import OUT_DTYPES, check_out_dtype
 from tiergram.format.ids import RowIds, check_row_ids
 from tiergram.kernels.layout import RowLayout
-from tiergram.kernels.reference import gather_dequant_torch
+from tiergram.kernels.reference import gather_dequant_torch, raw_rows
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None  # optional: the torch path works without it
 
@@ -140,6 +140,23 @@ def launch_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.
             D=layout.dim, BLOCK_D=bd, BLOCK_S=max(1, bd // 32), BLOCK_R=br, CODEC=layout.codec_id,
             ALIGN=layout.align, HAS_CACHE=cache is not None, OUT_BF16=out.dtype == torch.bfloat16,
             num_warps=num_warps)
+
+
+def copy_rows_unchecked(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.Tensor, out: torch.Tensor,
+                        layout: RowLayout, *, block_rows: int = 8, num_warps: int = 4, backend: str = "auto") -> None:
+    """out uint8 [N*H, row_bytes] = the rows' encoded bytes, undecoded (ids as launch_unchecked's, nothing checked)."""
+    n, dev = ids.numel(), out.device
+    if n == 0:
+        return
+    if pick_backend(dev, backend) == "torch":
+        if data.device != dev:
+            raise ValueError("the torch backend cannot read registered host memory from the device; use triton")
+        out.view(n, layout.row_bytes).copy_(raw_rows(data, ids, head_offsets, layout))
+        return
+    with torch.cuda.device(dev) if dev.type == "cuda" else nullcontext():
+        _kernels().copy_rows_kernel[(-(-n // block_rows),)](
+            data, ids, head_offsets, out, n, head_offsets.numel(), layout.rows_per_page, layout.page_size,
+            layout.row_bytes, BLOCK_B=_next_pow2(layout.row_bytes), BLOCK_R=block_rows, num_warps=num_warps)
 
 
 def _kernel_device(device, out, ids, data) -> torch.device:

@@ -30,16 +30,20 @@ def decode_raw(raw: torch.Tensor, layout: RowLayout) -> torch.Tensor:
     return (q * scale[:, :, None]).view(n, d)
 
 
+def raw_rows(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """Encoded rows uint8 [R, row_bytes] of checked flat ids [R] (+ head offsets [H]) from data uint8 [bytes]."""
+    g = (ids.view(-1, head_offsets.numel()) + head_offsets).reshape(-1)
+    base = (g // layout.rows_per_page) * layout.page_size + (g % layout.rows_per_page) * layout.row_bytes
+    cols = torch.arange(layout.row_bytes, device=data.device)
+    return data[base[:, None] + cols[None, :]] if g.numel() else data.new_empty((0, layout.row_bytes))
+
+
 def gather_dequant_torch(data: torch.Tensor, ids: torch.Tensor, head_offsets: torch.Tensor, layout: RowLayout,
                          out: torch.Tensor, cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                          fill: torch.Tensor | None = None) -> None:
     """out [R, D] = rows of checked flat ids [R] (+ head offsets) from data uint8 [bytes], as the Triton kernel: slots
     [R] >= 0 read cache [S, row_bytes] rows, and a miss with fill [R] >= 0 is also written to that slot."""
-    h = head_offsets.numel()
-    g = (ids.view(-1, h) + head_offsets).reshape(-1)
-    base = (g // layout.rows_per_page) * layout.page_size + (g % layout.rows_per_page) * layout.row_bytes
-    cols = torch.arange(layout.row_bytes, device=data.device)
-    raw = data[base[:, None] + cols[None, :]] if g.numel() else data.new_empty((0, layout.row_bytes))
+    raw = raw_rows(data, ids, head_offsets, layout)
     if cache is not None:
         hit = slots >= 0
         raw[hit] = cache[slots[hit]]

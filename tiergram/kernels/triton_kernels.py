@@ -141,3 +141,16 @@ def gather_kernel(data, ids, head_off, out, cache, slots, fill, n_rows, n_heads,
             _fill(cache, fbase[:, None] + D + s[None, :], e, ms & do_fill[:, None], 1)
         v = _fp8_e4m3_value(q) * _ue8m0_scale(e)[:, :, None]
         _store(orow[:, :, None] + c3[None, :, :], v, m3, OUT_BF16)
+
+
+@triton.jit
+def copy_rows_kernel(data, ids, head_off, out, n_rows, n_heads, rows_per_page, page_size, row_bytes,
+                     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[r] = the encoded bytes of row ids[r] + head_off[r % H], undecoded: the limit a gather is measured against."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_rows
+    g = tl.load(ids + r, mask=rmask, other=0) + tl.load(head_off + r % n_heads, mask=rmask, other=0)
+    base = (g // rows_per_page) * page_size + (g % rows_per_page) * row_bytes
+    b = tl.arange(0, BLOCK_B)
+    m = rmask[:, None] & (b < row_bytes)[None, :]
+    tl.store(out + r[:, None] * row_bytes + b[None, :], tl.load(data + base[:, None] + b[None, :], mask=m), mask=m)
