@@ -278,7 +278,7 @@ def run(cfg: GpuBenchConfig, progress: Callable[[dict], object] | None = None) -
         pinned = PinnedHost(region.data, dev)
     except Exception as e:  # no UVA figures; the rest still runs
         why = f"registering the table failed: {type(e).__name__}: {e}"
-        for key in ("uva_row_copy", "uva_row_copy_host_alloc", "uva_gather", "hbm_cache_gather", "hbm_cache_mixed"):
+        for key in ("uva_row_copy", "uva_gather", "hbm_cache_gather", "hbm_cache_mixed"):
             report["errors"][key] = why
             report[key] = {"error": why}
         pinned = None
@@ -288,14 +288,6 @@ def run(cfg: GpuBenchConfig, progress: Callable[[dict], object] | None = None) -
             def uva_row_copy() -> dict:
                 g = gather_sweep(region, host, dev, cfg, configs, raw=True)
                 return {**g, "ratio_to_pinned_h2d": per(g["GBps"], "pinned_h2d_GBps")}
-
-            def uva_row_copy_host_alloc() -> dict:
-                # the same rows in a cudaHostAlloc buffer (torch's pinned memory) instead of registered in place:
-                # is it the host memory that bounds random-row reads over the link?
-                data = torch.from_numpy(region.data).pin_memory() if dev.type == "cuda" else host
-                g = gather_sweep(region, data, dev, cfg, configs, raw=True)
-                return {**g, "ratio_to_pinned_h2d": per(g["GBps"], "pinned_h2d_GBps"),
-                        "vs_registered": g["GBps"] / row_copy["GBps"] if row_copy else None}
 
             def uva_gather() -> dict:
                 g = gather_sweep(region, host, dev, cfg, configs)
@@ -312,7 +304,6 @@ def run(cfg: GpuBenchConfig, progress: Callable[[dict], object] | None = None) -
                 return {**g, "hit_rate": cfg.mixed_hit_rate, "speedup_vs_uva": g["GBps"] / uva["GBps"] if uva else None}
 
             row_copy = section("uva_row_copy", uva_row_copy)
-            section("uva_row_copy_host_alloc", uva_row_copy_host_alloc)
             uva = section("uva_gather", uva_gather)
             section("hbm_cache_gather", lambda: cache_gather(1.0))
             section("hbm_cache_mixed", mixed_gather)
@@ -332,8 +323,7 @@ def summary(r: dict) -> str:
     """A few human lines."""
     lines = [f"device {r['device']} ({r['backend']}): pinned H2D {r.get('pinned_h2d_GBps', float('nan')):.1f} GB/s, "
              f"D2D {r.get('d2d_copy_GBps', float('nan')):.1f} GB/s"]
-    for key in ("uva_row_copy", "uva_row_copy_host_alloc", "uva_gather", "device_gather", "hbm_cache_gather",
-                "hbm_cache_mixed"):
+    for key in ("uva_row_copy", "uva_gather", "device_gather", "hbm_cache_gather", "hbm_cache_mixed"):
         g = r.get(key, {"error": "not measured"})
         if "error" in g:
             lines.append(f"{key}: {g['error']}")
